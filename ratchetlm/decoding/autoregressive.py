@@ -1,0 +1,67 @@
+"""Plain decoding: every known-but-uncached token is fed, the last one's logits pick the next."""
+
+from __future__ import annotations
+
+import torch
+
+from ratchetlm.decoding.base import Commit, DecodeStrategy, Proposal, register
+from ratchetlm.engine.sequence import Sequence
+from ratchetlm.layers.sampler import sample, top_logprobs
+
+
+def catch_up_proposal(seq: Sequence, budget: int) -> Proposal:
+    """Feed up to ``budget`` committed-but-uncached tokens (prefill, chunked prefill, the last
+    sampled token). Their K/V are final, so they are written directly. Logits are requested for
+    the last row when it reaches the end of the known tokens, and for every prompt row when the
+    request asked for prompt logprobs."""
+    start = seq.num_cached
+    pending = len(seq.token_ids) - start
+    assert pending > 0 and budget > 0
+    n = min(budget, pending)
+    rows: list[int] = []
+    if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens:
+        rows = list(range(min(n, seq.num_prompt_tokens - start)))
+    if n == pending and (not rows or rows[-1] != n - 1):
+        rows.append(n - 1)
+    return Proposal(
+        token_ids=seq.token_ids[start : start + n],
+        positions=list(range(start, start + n)),
+        logit_rows=rows,
+        direct_write=True,
+    )
+
+
+def catch_up_commit(seq: Sequence, prop: Proposal, logits: torch.Tensor) -> Commit:
+    """Commit every fed row; sample the next token if the proposal reached the end."""
+    n = len(prop.token_ids)
+    start = prop.positions[0]
+    reached_end = start + n == len(seq.token_ids)
+    prompt_lp = None
+    k_prompt = seq.params.prompt_logprobs
+    if k_prompt is not None and start < seq.num_prompt_tokens:
+        # logits row i predicts token at position start + i + 1 (if it is a prompt token)
+        m = min(n, seq.num_prompt_tokens - start)
+        nxt = [start + i + 1 for i in range(m) if start + i + 1 < seq.num_prompt_tokens]
+        targets = torch.tensor([seq.token_ids[p] for p in nxt], dtype=torch.long)
+        prompt_lp = ([None] if start == 0 else []) + list(top_logprobs(logits[: len(nxt)], targets, k_prompt))
+    tokens: list[int] = []
+    lps = None
+    if reached_end:
+        last = logits[-1:]
+        tok = sample(last, seq.params, seq.generator)
+        tokens = [int(tok[0])]
+        if seq.params.logprobs is not None:
+            lps = top_logprobs(last, tok, seq.params.logprobs)
+    return Commit(kv_rows=list(range(n)), token_ids=tokens, logprobs=lps, prompt_logprobs=prompt_lp)
+
+
+@register("autoregressive")
+class Autoregressive(DecodeStrategy):
+    def tokens_wanted(self, seq: Sequence) -> int:
+        return len(seq.token_ids) - seq.num_cached
+
+    def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
+        return [catch_up_proposal(s, b) for s, b in zip(seqs, budgets, strict=True)]
+
+    def commit(self, seqs: list[Sequence], proposals: list[Proposal], logits: list[torch.Tensor]) -> list[Commit]:
+        return [catch_up_commit(s, p, lg) for s, p, lg in zip(seqs, proposals, logits, strict=True)]

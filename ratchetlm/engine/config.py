@@ -1,0 +1,50 @@
+"""Engine configuration. CLI flags map 1:1 onto these fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # local GGUF file / HF folder; None = the bundled SmolLM2-135M-Instruct
+    device: str = "cpu"
+    dtype: str = "auto"  # auto = bf16 on CUDA with bf16 support, fp32 otherwise
+    max_model_len: int | None = None  # default: the model's max positions
+    kv_cache_blocks: int | None = None  # default: ~1 GiB of KV (at least one max_model_len)
+    block_size: int = 16
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    max_waiting: int = 1024  # queue limit; add_request beyond it raises QueueFullError
+    decoding: str = "autoregressive"
+    decoding_options: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0  # global RNG seed for unseeded sampling
+    progress: bool = True  # tqdm bars for loading and batch generation
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device='cuda' requested but no CUDA device is available")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
+        if self.kv_cache_blocks is not None and self.kv_cache_blocks <= 0:
+            raise ValueError(f"kv_cache_blocks must be > 0, got {self.kv_cache_blocks}")
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        if self.device.startswith("cuda") and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32

@@ -1,0 +1,181 @@
+"""The step loop: schedule → propose → one forward → commit. Emits committed token ids only."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ratchetlm.decoding.base import Commit, DecodeStrategy, Proposal, StrategyContext, create_strategy
+from ratchetlm.engine.block_manager import BlockManager
+from ratchetlm.engine.config import EngineConfig
+from ratchetlm.engine.model_runner import ModelRunner
+from ratchetlm.engine.scheduler import Scheduler
+from ratchetlm.engine.sequence import Sequence, SeqStatus
+from ratchetlm.kv.cache import KVCache
+from ratchetlm.models.config import ModelConfig
+from ratchetlm.models.llama import LlamaModel
+from ratchetlm.sampling_params import SamplingParams
+
+
+class PromptTooLongError(ValueError):
+    """The prompt (plus one generated token) does not fit ``max_model_len`` or the KV cache."""
+
+
+class QueueFullError(RuntimeError):
+    """More waiting requests than ``max_waiting``; retry later."""
+
+
+@dataclass
+class StepOutput:
+    """Tokens one request committed in one step (possibly several, possibly none)."""
+
+    seq_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    new_logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class LLMEngine:
+    """Owns model, KV cache, scheduler and the decoding strategy. Not thread-safe: one thread
+    calls ``add_request``/``step``/``abort`` (the server funnels requests through a queue)."""
+
+    def __init__(self, cfg: EngineConfig, model: LlamaModel, model_config: ModelConfig) -> None:
+        self.cfg = cfg
+        self.model_config = model_config
+        self.device = torch.device(cfg.device)
+        self.dtype = cfg.torch_dtype()
+        self.max_model_len = min(cfg.max_model_len or model_config.max_position_embeddings,
+                                 model_config.max_position_embeddings)
+        self.model = model
+        if model.rope.cos_table.shape[0] < self.max_model_len + 64:
+            model.rope._build(self.max_model_len + 64)  # lookahead tokens may sit past the end
+        bytes_per_token = (2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim
+                           * torch.tensor([], dtype=self.dtype).element_size())
+        num_blocks = cfg.kv_cache_blocks or max(
+            -(-self.max_model_len // cfg.block_size) + 1, (1 << 30) // (bytes_per_token * cfg.block_size)
+        )
+        self.cache = KVCache(model_config.num_layers, num_blocks, cfg.block_size, model_config.num_kv_heads,
+                             model_config.head_dim, self.dtype, self.device)
+        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        self.runner = ModelRunner(model, self.cache, self.blocks, self.device)
+        ctx = StrategyContext(runner=self.runner, model_config=model_config, max_model_len=self.max_model_len)
+        self.strategy: DecodeStrategy = create_strategy(cfg.decoding, ctx, cfg.decoding_options)
+        self.scheduler = Scheduler(self.blocks, self.strategy.tokens_wanted, self.strategy.on_preempt,
+                                   cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.seqs: dict[int, Sequence] = {}
+        self._ids = itertools.count()
+        self.stats = EngineStats()
+        torch.manual_seed(cfg.seed)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Validate and queue a request; returns its id. Raises ValueError subclasses for bad input."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if len(prompt_ids) == 0:
+            raise ValueError("prompt is empty: at least one token is required")
+        vocab = self.model_config.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {len(prompt_ids)} tokens but max_model_len is {self.max_model_len} "
+                f"(at most {self.max_model_len - 1} prompt tokens, leaving room for one generated token)"
+            )
+        need = self.blocks.blocks_needed(min(len(prompt_ids) + params.max_tokens, self.max_model_len))
+        if need > self.blocks.num_blocks:
+            raise PromptTooLongError(
+                f"request needs {need} KV blocks (prompt {len(prompt_ids)} + max_tokens {params.max_tokens}) "
+                f"but the cache has only {self.blocks.num_blocks} blocks of {self.blocks.block_size} tokens"
+            )
+        if len(self.scheduler.waiting) >= self.cfg.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({self.cfg.max_waiting} requests)")
+        sid = next(self._ids)
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator().manual_seed(params.seed)
+        eos = () if params.ignore_eos else self.model_config.eos_token_ids
+        seq = Sequence(sid, list(prompt_ids), len(prompt_ids), params, eos_token_ids=eos, generator=gen)
+        self.seqs[sid] = seq
+        self.scheduler.add(seq)
+        self.stats.prompt_tokens += len(prompt_ids)
+        return sid
+
+    def abort(self, seq_id: int, reason: str = "abort") -> None:
+        """Finish a request now (client gone, stop string matched); frees its KV blocks."""
+        seq = self.seqs.get(seq_id)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq, reason)
+
+    def release(self, seq_id: int) -> Sequence | None:
+        """Forget a finished request (its outputs were consumed)."""
+        return self.seqs.pop(seq_id, None)
+
+    def is_stop_token(self, seq_id: int, token: int) -> bool:
+        seq = self.seqs[seq_id]
+        return token in seq.eos_token_ids or token in seq.params.stop_token_ids
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[StepOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        seqs = [s for s, _ in scheduled]
+        budgets = [b for _, b in scheduled]
+        proposals = self.strategy.propose(seqs, budgets)
+        for s, p, b in zip(seqs, proposals, budgets, strict=True):
+            assert len(p.token_ids) <= b, f"strategy proposed {len(p.token_ids)} tokens over budget {b}"
+            assert s.num_cached + len(p.token_ids) <= len(s.block_table) * self.blocks.block_size
+        result = self.runner.execute(seqs, proposals)
+        commits = self.strategy.commit(seqs, proposals, result.logits)
+        outs = []
+        for s, p, c, base in zip(seqs, proposals, commits, result.stage_base, strict=True):
+            outs.append(self._apply(s, p, c, base))
+        self.stats.steps += 1
+        return outs
+
+    def _apply(self, seq: Sequence, prop: Proposal, c: Commit, stage_base: int) -> StepOutput:
+        if prop.direct_write:
+            assert c.kv_rows == list(range(len(prop.token_ids))), "direct-write proposals commit every row"
+        else:
+            self.runner.commit_staged(seq, stage_base, c.kv_rows)
+            self.runner.staging.metrics.tokens_rejected += len(prop.token_ids) - len(c.kv_rows)
+        seq.num_cached += len(c.kv_rows)
+        if c.prompt_logprobs is not None:
+            seq.prompt_logprobs += c.prompt_logprobs
+        new: list[int] = []
+        reason = None
+        for i, tok in enumerate(c.token_ids):
+            seq.token_ids.append(tok)
+            new.append(tok)
+            if c.logprobs is not None:
+                seq.logprobs.append(c.logprobs[i])
+            if tok in seq.eos_token_ids or tok in seq.params.stop_token_ids:
+                reason = "stop"
+            elif seq.num_output_tokens >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+                reason = "length"
+            if reason:
+                break  # a stop inside a multi-token commit ends the sequence there
+        assert seq.num_cached <= len(seq.token_ids), "committed KV beyond committed tokens"
+        self.stats.generation_tokens += len(new)
+        if reason:
+            self.scheduler.finish(seq, reason)
+        lps = seq.logprobs[-len(new):] if (new and c.logprobs is not None) else None
+        return StepOutput(seq.seq_id, new, seq.status is SeqStatus.FINISHED, seq.finish_reason, lps)

