@@ -117,8 +117,8 @@ def test_prompt_ids_may_be_a_tensor(cls, tok):
 @pytest.mark.parametrize(
     "prompt,gen",
     [
-        (list("ab".encode()), list("日本🫨é".encode())),
-        (list("日".encode())[:2], list("日".encode())[2:] + list("x".encode())),
+        (list(b"ab"), list("日本🫨é".encode())),
+        (list("日".encode())[:2], list("日".encode())[2:] + list(b"x")),
         ([], [0xF0, 0x9F, 0x98, ord("a"), 0x80, 0xE6, 0x97]),  # truncated + stray bytes
     ],
 )

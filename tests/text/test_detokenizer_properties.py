@@ -10,7 +10,9 @@ from tokenizers.decoders import DecodeStream
 from ratchetlm.text.detokenizer import DecodeStreamDetokenizer, IncrementalDetokenizer
 
 DETOKENIZERS = [IncrementalDetokenizer, DecodeStreamDetokenizer]
-SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
 SKIN_TONES = ["\U0001f3fb", "\U0001f3fc", "\U0001f3fd", "\U0001f3fe", "\U0001f3ff"]
 EMOJI = [

@@ -16,7 +16,9 @@ def make(request, hf_tokenizer):
 
     def build(stop=None, include=False):
         detok = request.param(hf_tokenizer, prompt)
-        return TextStream(hf_tokenizer, prompt, stop=stop, include_stop_str_in_output=include, detokenizer=detok)
+        return TextStream(
+            hf_tokenizer, prompt, stop=stop, include_stop_str_in_output=include, detokenizer=detok
+        )
 
     return build
 
