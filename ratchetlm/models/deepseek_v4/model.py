@@ -58,7 +58,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.config = cfg
         self.model = DeepseekV4Model(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        n = max_positions or cfg.max_position_embeddings
+        # One spare row: an S=2 decode call at the last position still ropes its placeholder.
+        n = (max_positions or cfg.max_position_embeddings) + 1
         self.main_rope = RopeTable(cfg.main_rope, n)
         self.compress_rope = RopeTable(cfg.compress_rope, n)
 

@@ -24,6 +24,7 @@ from ratchetlm.models.deepseek_v4.rope import RopeTable
 
 @dataclass
 class CompressorTrace:
+    ratio: int
     kv_rows: torch.Tensor  # [T, coff*dim] float32
     score_rows: torch.Tensor  # [T, coff*dim] float32, position bias included
     entries: torch.Tensor  # [T // ratio, dim]
@@ -34,6 +35,17 @@ class LayerTrace:
     kv: torch.Tensor  # [T, head_dim] roped raw KV
     main: CompressorTrace | None = None  # CSA or HCA compressor
     indexer: CompressorTrace | None = None  # CSA only
+
+
+def prefix_traces(traces: list[LayerTrace], T: int) -> list[LayerTrace]:
+    """The traces of the first ``T`` tokens (the forward is causal, so they are a prefix)."""
+
+    def cut(c: CompressorTrace | None) -> CompressorTrace | None:
+        if c is None:
+            return None
+        return CompressorTrace(c.ratio, c.kv_rows[:T], c.score_rows[:T], c.entries[: T // c.ratio])
+
+    return [LayerTrace(tr.kv[:T], cut(tr.main), cut(tr.indexer)) for tr in traces]
 
 
 def compress_all(comp: WindowCompressor, x: torch.Tensor, positions: torch.Tensor,
@@ -48,7 +60,7 @@ def compress_all(comp: WindowCompressor, x: torch.Tensor, positions: torch.Tenso
         prev_score = torch.cat([torch.full_like(cur_score[:1], float("-inf")), cur_score[:-1]])
         cur_kv, cur_score = torch.cat([prev_kv, cur_kv], 1), torch.cat([prev_score, cur_score], 1)
     entries = comp.pool(cur_kv, cur_score, torch.arange(nb) * r, rope, x.dtype)
-    return CompressorTrace(kv_rows, score_rows, entries)
+    return CompressorTrace(r, kv_rows, score_rows, entries)
 
 
 def _attention(attn: Attention, x: torch.Tensor, positions: torch.Tensor, rope: RopeTable, comp_rope: RopeTable,
