@@ -86,3 +86,19 @@ def model(tiny_v4_dir):
     from ratchetlm.models.deepseek_v4.loader import load_deepseek_v4
 
     return load_deepseek_v4(tiny_v4_dir)
+
+
+LONG_LEN = 16384
+
+
+@pytest.fixture(scope="session")
+def long_run(model):
+    """The reference forward over one 16384-token stream: (ids, logits [16384, vocab], traces).
+
+    The reference is itself checked against HF (test_reference_vs_hf.py); decode at long
+    positions is checked against it because HF's dense forward cannot reach 16k here."""
+    from ratchetlm.models.deepseek_v4.reference import reference_forward
+
+    ids = torch.randint(0, 96, (LONG_LEN,), generator=torch.Generator().manual_seed(2024))
+    logits, traces = reference_forward(model, ids, chunk=512)
+    return ids, logits, traces

@@ -56,7 +56,7 @@ def compress_step(comp: WindowCompressor, x: torch.Tensor, meta: CompressorMeta,
     _scatter_rows(out_pool.view(-1, out_pool.shape[-1]), meta.cmp_slot_mapping.flatten()[done], entries)
 
 
-def _indexer_topk(attn: Attention, x: torch.Tensor, q_res: torch.Tensor, meta: DecodeMetadata,
+def indexer_topk(attn: Attention, x: torch.Tensor, q_res: torch.Tensor, meta: DecodeMetadata,
                   idx_pool: torch.Tensor, rope: RopeTable, topk: int, score_len: int, block: int) -> torch.Tensor:
     """-> raw indices ``[B, S, topk]`` of the selected compressed slots (-1 where fewer are visible)."""
     indexer = attn.compressor.indexer  # type: ignore[union-attr]
@@ -85,7 +85,7 @@ def paged_attention(model: DeepseekV4ForCausalLM, layer: int, x: torch.Tensor, m
                       cap.block_size)
         compress_step(attn.compressor.indexer, x, meta.inner, cache.inner_state[layer],  # type: ignore[union-attr]
                       cache.idx[layer], crope, pos, cap.block_size)
-        picked = _indexer_topk(attn, x, q_res, meta, cache.idx[layer], crope, cap.index_topk, cap.score_len,
+        picked = indexer_topk(attn, x, q_res, meta, cache.idx[layer], crope, cap.index_topk, cap.score_len,
                                cap.block_size)
         raw, cmp_pool, cmp_table = torch.cat([raw, picked], -1), cache.csa_cmp[layer], meta.csa.cmp_block_table
     elif attn.kind == HCA:
