@@ -1,0 +1,133 @@
+"""Sparse-attention raw-index contract and the no-write / invisibility of the placeholder."""
+
+from __future__ import annotations
+
+import torch
+
+from ratchetlm.models.deepseek_v4.attention import sink_attention
+from ratchetlm.models.deepseek_v4.paging import DecodeCapacity
+from ratchetlm.models.deepseek_v4.runner import DeepseekV4Runner
+from ratchetlm.models.deepseek_v4.sparse_attn import gather_keys
+
+W, BS, D, S = 128, 128, 8, 2
+
+
+def _pools(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ring = torch.randn(3, BS, D, generator=g)
+    cmp = torch.randn(40, BS, D, generator=g)
+    overlay = torch.randn(1, S, D, generator=g)
+    ori_table = torch.tensor([[2]])
+    cmp_table = torch.randperm(40, generator=g)[:32][None]  # permuted cmp_block_table
+    return ring, cmp, overlay, ori_table, cmp_table
+
+
+def test_raw_indices_resolve_to_ring_overlay_and_compressed_rows():
+    ring, cmp, overlay, ori_table, cmp_table = _pools()
+    slot = 1500  # compressed slot > 1024
+    raw = torch.tensor([[[5, 127, W, W + 1, W + S + 0, W + S + slot, -1]] * S])
+    keys, valid = gather_keys(raw, ring, ori_table, overlay, cmp, cmp_table, W, BS)
+    k = keys[0, 0]
+    assert torch.equal(k[0], ring[2, 5]) and torch.equal(k[1], ring[2, 127])
+    assert torch.equal(k[2], overlay[0, 0]) and torch.equal(k[3], overlay[0, 1])
+    assert torch.equal(k[4], cmp[cmp_table[0, 0], 0])
+    assert torch.equal(k[5], cmp[cmp_table[0, slot // BS], slot % BS])
+    assert valid[0, 0].tolist() == [True] * 6 + [False]
+
+
+def test_unmapped_compressed_block_is_invalid():
+    ring, cmp, overlay, ori_table, cmp_table = _pools()
+    cmp_table = cmp_table.clone()
+    cmp_table[0, 20:] = -1
+    raw = torch.tensor([[[W + S + 20 * BS - 1, W + S + 20 * BS]] * S])
+    _, valid = gather_keys(raw, ring, ori_table, overlay, cmp, cmp_table, W, BS)
+    assert valid[0, 0].tolist() == [True, False]
+
+
+def test_sink_attention_ignores_invalid_keys_and_uses_sink():
+    g = torch.Generator().manual_seed(1)
+    q, kv = torch.randn(1, 2, D, generator=g), torch.randn(1, 5, D, generator=g)
+    sinks = torch.tensor([0.3, -1.0])
+    visible = torch.tensor([[True, False, True, True, False]])
+    got = sink_attention(q, kv, visible, sinks, 0.5)
+    logits = (q[0] @ kv[0, [0, 2, 3]].T) * 0.5  # [2, 3]
+    w = torch.exp(logits) / (torch.exp(logits).sum(-1, keepdim=True) + torch.exp(sinks)[:, None])
+    torch.testing.assert_close(got[0], w @ kv[0, [0, 2, 3]])
+    # poisoning an invisible key changes nothing
+    kv2 = kv.clone()
+    kv2[0, 1] = 1e4
+    torch.testing.assert_close(sink_attention(q, kv2, visible, sinks, 0.5), got)
+
+
+def _run(model, decode_seq, shuffle_seed, prompt, fed, placeholder_poison=None):
+    runner = DeepseekV4Runner(model, max_seqs=1, shuffle_seed=shuffle_seed,
+                              cap=DecodeCapacity.for_model(model.config, decode_seq=decode_seq))
+    runner.prefill(0, prompt)
+    outs = []
+    for t in fed:
+        if placeholder_poison is None:
+            outs.append(runner.decode({0: t})[0])
+        else:  # feed a different id for the placeholder
+            outs.append(_decode_with_placeholder(runner, t, placeholder_poison))
+    return runner, torch.stack(outs)
+
+
+def _decode_with_placeholder(runner, token, placeholder):
+    from ratchetlm.models.deepseek_v4.decode import decode_step
+    from ratchetlm.models.deepseek_v4.paging import lower_decode_step
+
+    runner.cache.ensure(0, runner.lengths[0])
+    meta = lower_decode_step(torch.tensor([runner.lengths[0]]), runner.cache.tables([0]), runner.cap)
+    logits = decode_step(runner.model, runner.cache, meta, torch.tensor([[token, placeholder]]))
+    runner.lengths[0] += 1
+    return logits[0, 0]
+
+
+def _pools_of(runner):
+    c = runner.cache
+    return {f"{name}{k}": v.clone() for name in ("ori", "csa_cmp", "idx", "hca_cmp", "csa_state", "inner_state",
+                                                  "hca_state") for k, v in getattr(c, name).items()}
+
+
+def test_placeholder_mutates_no_cache_and_is_invisible(model):
+    g = torch.Generator().manual_seed(9)
+    prompt = torch.randint(0, 96, (250,), generator=g)
+    fed = torch.randint(0, 96, (10,), generator=g).tolist()  # crosses 255 -> 256 (CSA + HCA)
+    r1, l1 = _run(model, 1, 3, prompt, fed)
+    r2, l2 = _run(model, 2, 3, prompt, fed, placeholder_poison=7)
+    r3, l3 = _run(model, 2, 3, prompt, fed, placeholder_poison=91)
+    # Different batch shapes round differently (~1e-6); a leak of the placeholder would be O(1).
+    torch.testing.assert_close(l1, l2, atol=2e-5, rtol=0)
+    torch.testing.assert_close(l2, l3, atol=2e-5, rtol=0)
+    p1, p2, p3 = _pools_of(r1), _pools_of(r2), _pools_of(r3)
+    for k in p1:  # S=2 with any placeholder leaves the cache S=1 leaves
+        torch.testing.assert_close(p1[k], p2[k], atol=2e-5, rtol=0, msg=k)
+        torch.testing.assert_close(p2[k], p3[k], atol=2e-5, rtol=0, msg=k)
+
+
+def test_permuted_tables_give_identical_results(model):
+    g = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, 96, (600,), generator=g)
+    fed = torch.randint(0, 96, (5,), generator=g).tolist()
+    _, identity = _run(model, 2, None, prompt, fed)
+    runner, permuted = _run(model, 2, 99, prompt, fed)
+    tables = runner.cache.tables([0])
+    assert not torch.equal(tables.csa_cmp[0, :2], torch.arange(2))  # genuinely non-identity
+    torch.testing.assert_close(identity, permuted, atol=2e-5, rtol=0)
+
+
+def test_future_compressed_slot_is_never_read(model):
+    # Poison every compressed / indexer row beyond what has been committed: results must not move.
+    g = torch.Generator().manual_seed(8)
+    prompt = torch.randint(0, 96, (130,), generator=g)
+    fed = torch.randint(0, 96, (3,), generator=g).tolist()
+    _, clean = _run(model, 2, None, prompt, fed[:1])
+    runner = DeepseekV4Runner(model, max_seqs=1, cap=DecodeCapacity.for_model(model.config, decode_seq=2))
+    runner.prefill(0, prompt)
+    for name in ("csa_cmp", "idx", "hca_cmp"):
+        for pool in getattr(runner.cache, name).values():
+            flat = pool.view(-1, pool.shape[-1])
+            written = 130 // (4 if name != "hca_cmp" else 128)
+            flat[written + 1 :] = float("nan")  # slot `written` is the one this step may complete
+    out = runner.decode({0: fed[0]})[0]
+    torch.testing.assert_close(out, clean[0], atol=2e-5, rtol=0)
