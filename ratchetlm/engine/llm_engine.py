@@ -77,7 +77,8 @@ class LLMEngine:
         self.seqs: dict[int, Sequence] = {}
         self._ids = itertools.count()
         self.stats = EngineStats()
-        torch.manual_seed(cfg.seed)
+        # Unseeded requests share the engine's generator (no process-wide RNG side effects).
+        self.generator = torch.Generator().manual_seed(cfg.seed)
 
     # ------------------------------------------------------------------ requests
 
@@ -104,7 +105,7 @@ class LLMEngine:
         if len(self.scheduler.waiting) >= self.cfg.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.cfg.max_waiting} requests)")
         sid = next(self._ids)
-        gen = None
+        gen = self.generator
         if params.seed is not None:
             gen = torch.Generator().manual_seed(params.seed)
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
@@ -155,7 +156,10 @@ class LLMEngine:
         if prop.direct_write:
             assert c.kv_rows == list(range(len(prop.token_ids))), "direct-write proposals commit every row"
         else:
-            self.runner.commit_staged(seq, stage_base, c.kv_rows)
+            if not self.runner.commit_staged(seq, stage_base, c.kv_rows):
+                # Fallback to the plain path: keep the tokens, commit no KV; the next step's
+                # direct-write catch-up recomputes it (identical output).
+                c = Commit(kv_rows=[], token_ids=c.token_ids, logprobs=c.logprobs, prompt_logprobs=c.prompt_logprobs)
             self.runner.staging.metrics.tokens_rejected += len(prop.token_ids) - len(c.kv_rows)
         seq.num_cached += len(c.kv_rows)
         if c.prompt_logprobs is not None:

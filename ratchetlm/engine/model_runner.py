@@ -10,7 +10,7 @@ from ratchetlm.decoding.base import Proposal
 from ratchetlm.engine.block_manager import BlockManager
 from ratchetlm.engine.sequence import Sequence
 from ratchetlm.kv.cache import KVCache
-from ratchetlm.kv.staging import StagingBuffer, StepSink
+from ratchetlm.kv.staging import StagingBuffer, StagingCommitError, StepSink
 from ratchetlm.layers.attention import build_attention_batch
 from ratchetlm.models.llama import LlamaModel
 
@@ -73,6 +73,7 @@ class ModelRunner:
             [p.mask for p in proposals],
             sink,
             self.cache,
+            dtype=self.cache.k.dtype,
         )
         hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev), batch, num_layers=num_layers)
         rows: list[int] = []
@@ -88,10 +89,15 @@ class ModelRunner:
             o += len(p.logit_rows)
         return StepResult(logits=out, stage_base=stage_base)
 
-    def commit_staged(self, seq: Sequence, stage_base: int, kv_rows: list[int]) -> None:
-        """Copy the accepted staged rows to ``seq``'s next slots, all layers at once."""
+    def commit_staged(self, seq: Sequence, stage_base: int, kv_rows: list[int]) -> bool:
+        """Copy the accepted staged rows to ``seq``'s next slots, all layers at once. Returns
+        False when the all-or-nothing commit failed (the cache is then untouched)."""
         if not kv_rows:
-            return
+            return True
         rows = torch.tensor([stage_base + r for r in kv_rows], dtype=torch.long, device=self.device)
         slots = self.blocks.slots(seq, seq.num_cached, seq.num_cached + len(kv_rows), self.device)
-        self.staging.commit(rows, slots)
+        try:
+            self.staging.commit(rows, slots)
+        except StagingCommitError:
+            return False
+        return True

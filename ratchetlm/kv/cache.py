@@ -54,7 +54,7 @@ class KVCache:
         """Scatter K/V rows into their slots; rows whose slot is -1 are dropped."""
         assert k.shape == v.shape and k.shape[0] == slot_mapping.shape[0], (k.shape, slot_mapping.shape)
         keep = slot_mapping >= 0
-        if not bool(keep.all()):
+        if not bool(keep.all()):  # [real rows only]
             k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
         if slot_mapping.numel() == 0:
             return

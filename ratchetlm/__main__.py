@@ -1,0 +1,3 @@
+from ratchetlm.cli import main
+
+raise SystemExit(main())
