@@ -5,31 +5,68 @@ by all layers and indexed by *explicit token index* (one index per packed token 
 the same for every layer — slots are per token, not per layer). Attention in the same forward
 reads new tokens' K/V from the forward itself (layers/attention.py), so staging never makes
 verification read stale cache rows. After acceptance, :meth:`StagingBuffer.commit` copies the
-accepted rows — any subset, in any order — into the persistent cache for all layers at once.
+accepted rows — any subset, in any order — into the persistent cache.
+
+Commit is all-or-nothing across layers: rows and slots are validated before any write, the
+previous contents of the target slots are snapshotted, and layers are written one by one; if
+any layer fails (``fault_layer`` injects a failure, for tests), the layers already written are
+restored and :class:`StagingCommitError` is raised with the cache unchanged. The caller then
+falls back to the plain path: the tokens stay committed, their KV is recomputed by the next
+step's direct-write catch-up (identical output, one extra forward of work).
+
+Metrics follow the NWOR design: ``stage_operations`` counts layer × token row writes,
+``unique_tokens`` counts each staged token once per forward (the two differ by the layer
+count — conflating them was the design's "4× inflation" bug).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
 from ratchetlm.kv.cache import KVCache
 
 
+class StagingCommitError(RuntimeError):
+    """A staged commit could not be completed; the persistent cache was left untouched."""
+
+
 @dataclass
 class StagingMetrics:
-    stage_operations: int = 0  # (layer, forward) write calls that staged at least one row
-    unique_tokens: int = 0  # distinct token rows staged (counted once per forward, not per layer)
+    stage_operations: int = 0  # layer × token rows written into the staging buffer
+    unique_tokens: int = 0  # distinct token rows staged (once per forward, not per layer)
     tokens_committed: int = 0
     tokens_rejected: int = 0
     commit_calls: int = 0
-    fallback_count: int = 0
+    bytes_committed: int = 0  # K+V bytes copied from staging into persistent slots
+    fallback_fake_tensor: int = 0  # forwards whose K/V had no real storage (meta/fake)
+    fallback_commit_fail: int = 0  # commits that failed and were rolled back
+
+    @property
+    def fallback_count(self) -> int:
+        return self.fallback_fake_tensor + self.fallback_commit_fail
 
     @property
     def acceptance_rate(self) -> float:
         total = self.tokens_committed + self.tokens_rejected
         return self.tokens_committed / total if total else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        out: dict[str, float] = {f"kv_staging_{k}": v for k, v in asdict(self).items()}
+        out["kv_staging_acceptance_rate"] = self.acceptance_rate
+        return out
+
+
+def has_real_storage(t: torch.Tensor) -> bool:
+    """False for meta / fake tensors (tracing, compile warm-up): those must never be committed."""
+    if not isinstance(t, torch.Tensor) or t.is_meta or type(t).__name__ == "FakeTensor":
+        return False
+    try:
+        t.data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 class StagingBuffer:
@@ -40,7 +77,9 @@ class StagingBuffer:
         self.k = torch.zeros(cache.num_layers, max_tokens, h, d, dtype=cache.k.dtype, device=cache.k.device)
         self.v = torch.zeros_like(self.k)
         self.metrics = StagingMetrics()
-        self._staged_this_forward = 0
+        self.fault_layer: int | None = None  # test hook: make commit fail when writing this layer
+        self._staged = torch.zeros(max_tokens, dtype=torch.bool, device=cache.k.device)  # [max_tokens]
+        self._poisoned = False  # this forward staged something without real storage
 
     def ensure_capacity(self, n: int) -> None:
         if n > self.max_tokens:
@@ -48,41 +87,75 @@ class StagingBuffer:
             self.k = torch.zeros(self.cache.num_layers, self.max_tokens, *self.k.shape[2:],
                                  dtype=self.k.dtype, device=self.k.device)
             self.v = torch.zeros_like(self.k)
+            self._staged = torch.zeros(self.max_tokens, dtype=torch.bool, device=self.k.device)
 
     def begin(self, stage_index: torch.Tensor) -> None:
         """Start a forward whose tokens stage at ``stage_index`` ([num_tokens], -1 = not staged)."""
-        n = int((stage_index >= 0).sum())
-        self._staged_this_forward = n
-        self.metrics.unique_tokens += n
+        self._staged.zero_()
+        self._poisoned = False
+        self.metrics.unique_tokens += int((stage_index >= 0).sum())
 
     def stage(
         self,
         layer: int,
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        v: torch.Tensor,
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         stage_index: torch.Tensor,  # [num_tokens] int64 row in the buffer, -1 = not staged
     ) -> None:
+        """Store this layer's rows at their explicit indices (any order)."""
+        if not (has_real_storage(k) and has_real_storage(v)):
+            if not self._poisoned:
+                self.metrics.fallback_fake_tensor += 1
+            self._poisoned = True
+            return
         keep = stage_index >= 0
         idx = stage_index[keep]
         if idx.numel() == 0:
             return
         self.k[layer].index_copy_(0, idx, k[keep].to(self.k.dtype))
         self.v[layer].index_copy_(0, idx, v[keep].to(self.v.dtype))
-        self.metrics.stage_operations += 1
+        if layer == 0:
+            self._staged[idx] = True
+        self.metrics.stage_operations += int(idx.numel())
 
     def commit(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """Copy staged ``rows`` ([n] buffer indices) into persistent ``slots`` ([n]) for every layer.
-
-        All-or-nothing: indices are validated before any write, and the copy is a single
-        all-layer ``index_copy_`` per tensor."""
+        """Copy staged ``rows`` ([n] buffer indices) into persistent ``slots`` ([n]) for every
+        layer, all-or-nothing. Raises :class:`StagingCommitError` with the cache unchanged."""
         assert rows.shape == slots.shape and rows.dim() == 1
         if rows.numel() == 0:
             return
-        if int(rows.min()) < 0 or int(rows.max()) >= self.max_tokens or int(slots.min()) < 0:
-            raise ValueError("staging commit with an out-of-range row or slot")
-        self.cache.copy_rows(self.k[:, rows], self.v[:, rows], slots)
+        try:
+            if self._poisoned:
+                raise StagingCommitError("staged K/V had no real storage (meta/fake tensor)")
+            if int(rows.min()) < 0 or int(rows.max()) >= self.max_tokens or int(slots.min()) < 0 \
+                    or int(slots.max()) >= self.cache.num_slots:
+                raise StagingCommitError("staging commit with an out-of-range row or slot")
+            if not bool(self._staged[rows].all()):
+                raise StagingCommitError("staging commit of a row that was not staged this forward")
+            self._write_all_layers(rows, slots)
+        except StagingCommitError:
+            self.metrics.fallback_commit_fail += 1
+            raise
+        n = int(rows.numel())
         self.metrics.commit_calls += 1
-        self.metrics.tokens_committed += int(rows.numel())
+        self.metrics.tokens_committed += n
+        self.metrics.bytes_committed += n * self.cache.bytes_per_token()
+
+    def _write_all_layers(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        old_k = self.cache.k[:, slots].clone()  # [num_layers, n, h, d] snapshot for rollback
+        old_v = self.cache.v[:, slots].clone()
+        done = 0
+        try:
+            for layer in range(self.cache.num_layers):
+                if self.fault_layer == layer:
+                    raise StagingCommitError(f"injected fault while committing layer {layer}")
+                self.cache.write(layer, self.k[layer, rows], self.v[layer, rows], slots)
+                done += 1
+        except Exception as e:
+            for layer in range(done):  # restore, bypassing the write counter: not new data
+                self.cache.k[layer].index_copy_(0, slots, old_k[layer])
+                self.cache.v[layer].index_copy_(0, slots, old_v[layer])
+            raise e if isinstance(e, StagingCommitError) else StagingCommitError(str(e)) from e
 
 
 class StepSink:

@@ -1,0 +1,3 @@
+"""Lossless speculative decoding: proposers → prefix-tree packing → one staged verify forward → commit."""
+
+from ratchetlm.decoding.speculative import strategy  # noqa: F401  (registers "speculative")

@@ -1,0 +1,49 @@
+"""Options of the ``speculative`` strategy (``LLM(speculative={...})``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """``method``: proposer name ("ngram" prompt lookup, "draft" layer-skip self-draft).
+    ``num_candidates`` M: candidates per step (n-gram occurrences / beam width); 1 = chain.
+    ``depth`` C: draft tokens per candidate. ``min_n``/``max_n``: n-gram match lengths.
+    ``draft_layers``: layers of the self-draft (target's first N + final norm + head).
+    ``chunk_size``: speculative chunk verify for chains — verify at most this many draft tokens
+    per step and keep the rest of the chain for the next step while everything is accepted
+    (0 = verify the whole chain at once)."""
+
+    method: str = "ngram"
+    num_candidates: int = 1
+    depth: int = 4
+    min_n: int = 1
+    max_n: int = 4
+    draft_layers: int = 8
+    chunk_size: int = 0
+
+    def __post_init__(self) -> None:
+        from ratchetlm.decoding.speculative.proposers import proposer_names
+
+        if self.method not in proposer_names():
+            raise ValueError(f"speculative method must be one of {proposer_names()}, got {self.method!r}")
+        for name, lo in (("num_candidates", 1), ("depth", 1), ("min_n", 1), ("max_n", 1),
+                         ("draft_layers", 1), ("chunk_size", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"speculative {name} must be an integer >= {lo}, got {v!r}")
+        if self.min_n > self.max_n:
+            raise ValueError(f"speculative min_n ({self.min_n}) must be <= max_n ({self.max_n})")
+        if self.chunk_size and self.num_candidates != 1:
+            raise ValueError("speculative chunk_size applies to chains only (num_candidates == 1)")
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> SpecConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative option(s) {unknown}; known: {sorted(known)}")
+        return cls(**dict(options))

@@ -1,0 +1,108 @@
+"""Draft proposers: each turns a sequence's committed tokens into a beam of candidates.
+
+A proposer returns, per sequence, a :class:`DraftBeam` ``(M, C)`` of candidate continuations
+of the sequence's last committed token (or ``None``: nothing to propose, decode one token
+plainly). Shorter candidates are right-padded with ``PAD`` (-1), which never equals a real
+token, so padding never merges with real nodes and is stripped before verification.
+Verification never looks at how a beam was produced, so a trained draft head (EAGLE/Medusa)
+or an MTP module only has to implement :class:`Proposer`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ratchetlm.engine.sequence import Sequence
+
+PAD = -1
+
+
+@dataclass(frozen=True)
+class DraftBeam:
+    tokens: torch.Tensor  # [M, C] int64 candidate ids, PAD after a candidate's end
+    scores: torch.Tensor  # [M, C] float: proposer's cumulative score (log-prob for model drafts)
+
+
+class Proposer(ABC):
+    """Produces draft beams for a batch of decoding sequences (each with exactly one uncached token)."""
+
+    def __init__(self, cfg: Any, ctx: Any) -> None:
+        self.cfg = cfg  # SpecConfig
+        self.ctx = ctx  # StrategyContext
+
+    @abstractmethod
+    def propose(self, seqs: list[Sequence], depths: list[int]) -> list[DraftBeam | None]:
+        """``depths[i] >= 1``: at most that many tokens per candidate for ``seqs[i]``."""
+
+
+_PROPOSERS: dict[str, type[Proposer]] = {}
+
+
+def register_proposer(name: str) -> Callable[[type[Proposer]], type[Proposer]]:
+    def deco(cls: type[Proposer]) -> type[Proposer]:
+        _PROPOSERS[name] = cls
+        return cls
+
+    return deco
+
+
+def proposer_names() -> list[str]:
+    return sorted(_PROPOSERS)
+
+
+def create_proposer(name: str, cfg: Any, ctx: Any) -> Proposer:
+    if name not in _PROPOSERS:
+        raise ValueError(f"speculative method must be one of {proposer_names()}, got {name!r}")
+    return _PROPOSERS[name](cfg, ctx)
+
+
+def ngram_candidates(tokens: list[int], min_n: int, max_n: int, m: int, c: int) -> list[list[int]]:
+    """Up to ``m`` distinct continuations (each up to ``c`` tokens) following earlier occurrences
+    of the sequence's longest suffix n-gram, ``min_n <= n <= max_n``. Longer matches come first;
+    within one length, the most recent occurrence first (recent context is the likeliest copy
+    source when editing code). Shorter n-grams only fill candidates the longer ones left open."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    t = arr.shape[0]
+    out: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
+    for n in range(min(max_n, t - 1), min_n - 1, -1):
+        suffix = arr[t - n :]
+        # windows starting at s in [0, t - n - 1]: the occurrence must be followed by >= 1 token
+        win = np.lib.stride_tricks.sliding_window_view(arr[: t - 1], n)  # [t - n, n]
+        starts = np.flatnonzero((win == suffix).all(axis=1))[::-1]
+        for s in starts:
+            cont = arr[s + n : s + n + c].tolist()
+            key = tuple(cont)
+            if key in seen:
+                continue
+            seen.add(key)
+            out.append(cont)
+            if len(out) == m:
+                return out
+    return out
+
+
+@register_proposer("ngram")
+class NgramProposer(Proposer):
+    """Prompt lookup: copy what followed earlier occurrences of the current suffix."""
+
+    def propose(self, seqs: list[Sequence], depths: list[int]) -> list[DraftBeam | None]:
+        out: list[DraftBeam | None] = []
+        m = self.cfg.num_candidates
+        for seq, d in zip(seqs, depths, strict=True):
+            cands = ngram_candidates(seq.token_ids, self.cfg.min_n, self.cfg.max_n, m, d)
+            if not cands:
+                out.append(None)
+                continue
+            width = max(len(x) for x in cands)
+            toks = torch.full((len(cands), width), PAD, dtype=torch.long)
+            for i, x in enumerate(cands):
+                toks[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+            out.append(DraftBeam(toks, torch.zeros(toks.shape)))
+        return out

@@ -1,0 +1,190 @@
+"""The ``speculative`` strategy: draft a tree, verify it in one staged forward, commit the accepted path.
+
+Per decoding sequence (exactly one uncached token, the *root*) a step proposes
+``[root] + packed tree nodes`` with ``direct_write=False``: the tree mask extended with the
+root, positions ``num_cached + depth`` (root depth 0). Its K/V are staged, never written to the
+paged cache; the commit names the root plus the accepted root-to-node path (any branch, not a
+contiguous range) and appends the accepted tokens + the correction/bonus token. Sequences in
+prefill (more than one uncached token) and sequences without a draft use the plain
+catch-up path (direct writes), so speculative and plain rows mix freely in one batch.
+
+Depth is capped so that no proposal emits more tokens than ``max_tokens``/``max_model_len``
+allow, and ``tokens_wanted`` reports the largest proposal so the scheduler reserves its KV.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ratchetlm.decoding.autoregressive import catch_up_commit, catch_up_proposal
+from ratchetlm.decoding.base import Commit, DecodeStrategy, Proposal, StrategyContext, register
+from ratchetlm.decoding.speculative import self_draft  # noqa: F401  (registers the "draft" proposer)
+from ratchetlm.decoding.speculative.config import SpecConfig
+from ratchetlm.decoding.speculative.proposers import PAD, DraftBeam, create_proposer
+from ratchetlm.decoding.speculative.stats import SpecCounters
+from ratchetlm.decoding.speculative.tree_attention import num_nodes, pack, parents, with_root
+from ratchetlm.decoding.speculative.verify import DraftTree, greedy_accept, sample_accept
+from ratchetlm.engine.sequence import Sequence
+from ratchetlm.layers.sampler import filtered_probs, top_logprobs
+
+_PREFIX = "spec_"
+_LEFTOVER = "spec_leftover"  # strategy_state key: (anchor length, remaining chain) for chunked verify
+
+
+@dataclass(frozen=True)
+class TreeState:
+    tree: DraftTree
+    leftover: list[int] | None  # chunked verify: draft tokens after this chunk (chains only)
+
+
+def tree_from_beam(beam: torch.Tensor, max_nodes: int) -> DraftTree:  # beam [M, C] with PAD
+    """Pack one beam, drop padding nodes, keep at most ``max_nodes`` (a topological prefix)."""
+    packed, mask, off, umap = pack(beam[None])
+    n = int(num_nodes(umap)[0])
+    keep = packed[0, :n] != PAD
+    keep &= keep.long().cumsum(0) <= max_nodes
+    idx = keep.nonzero().squeeze(1)
+    sub_mask = mask[0][idx][:, idx]
+    sub_off = off[0][idx]
+    par = parents(sub_mask[None], sub_off[None])[0]
+    return DraftTree(packed[0][idx].tolist(), par.tolist(), sub_off.tolist())
+
+
+def tree_mask(tree: DraftTree) -> torch.Tensor:  # [L, L] bool ancestor-or-self
+    n = len(tree)
+    m = torch.eye(n, dtype=torch.bool)
+    for i, p in enumerate(tree.parent):
+        if p >= 0:
+            m[i] |= m[p]
+    return m
+
+
+@register("speculative")
+class Speculative(DecodeStrategy):
+    def __init__(self, ctx: StrategyContext, options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(ctx, options)
+        self.cfg = SpecConfig.from_options(self.options)
+        self.proposer = create_proposer(self.cfg.method, self.cfg, ctx)
+        self.totals = SpecCounters()
+
+    # ------------------------------------------------------------------ sizing
+
+    def _room(self, seq: Sequence) -> int:
+        """Tokens the sequence may still append (one of them is always the target's own)."""
+        return min(seq.params.max_tokens - seq.num_output_tokens, self.ctx.max_model_len - len(seq.token_ids))
+
+    def _depth(self, seq: Sequence) -> int:
+        return max(0, min(self.cfg.depth, self._room(seq) - 1))
+
+    def _verify_len(self, seq: Sequence) -> int:
+        d = self._depth(seq)
+        return min(d, self.cfg.chunk_size) if self.cfg.chunk_size else d
+
+    def tokens_wanted(self, seq: Sequence) -> int:
+        pending = len(seq.token_ids) - seq.num_cached
+        if pending > 1:
+            return pending
+        return 1 + self.cfg.num_candidates * self._verify_len(seq)
+
+    # ------------------------------------------------------------------ propose
+
+    def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
+        props: list[Proposal | None] = [None] * len(seqs)
+        todo: list[int] = []
+        depths: list[int] = []
+        for i, (s, b) in enumerate(zip(seqs, budgets, strict=True)):
+            d = min(self._depth(s), b - 1)
+            if len(s.token_ids) - s.num_cached > 1 or d <= 0:
+                props[i] = catch_up_proposal(s, b)
+                continue
+            left = s.strategy_state.pop(_LEFTOVER, None)
+            if left is not None and left[0] == len(s.token_ids) and left[1]:
+                chain = torch.tensor(left[1][:d], dtype=torch.long)[None]
+                props[i] = self._tree_proposal(s, DraftBeam(chain, torch.zeros(chain.shape)), b)
+                continue
+            todo.append(i)
+            depths.append(d)
+        beams = self.proposer.propose([seqs[i] for i in todo], depths) if todo else []
+        for i, beam in zip(todo, beams, strict=True):
+            props[i] = catch_up_proposal(seqs[i], budgets[i]) if beam is None else \
+                self._tree_proposal(seqs[i], beam, budgets[i])
+        return props  # type: ignore[return-value]
+
+    def _tree_proposal(self, seq: Sequence, beam: DraftBeam, budget: int) -> Proposal:
+        tokens, leftover = beam.tokens, None
+        if self.cfg.chunk_size and tokens.shape[1] > self.cfg.chunk_size:
+            leftover = [t for t in tokens[0, self.cfg.chunk_size :].tolist() if t != PAD]
+            tokens = tokens[:, : self.cfg.chunk_size]
+        tree = tree_from_beam(tokens, budget - 1)
+        if len(tree) == 0:
+            return catch_up_proposal(seq, budget)
+        base = seq.num_cached
+        return Proposal(
+            token_ids=[seq.token_ids[-1]] + tree.tokens,
+            positions=[base] + [base + 1 + d for d in tree.depth],
+            logit_rows=list(range(1 + len(tree))),
+            mask=with_root(tree_mask(tree)),
+            direct_write=False,
+            state=TreeState(tree, leftover),
+        )
+
+    # ------------------------------------------------------------------ commit
+
+    def commit(self, seqs: list[Sequence], proposals: list[Proposal], logits: list[torch.Tensor]) -> list[Commit]:
+        out = []
+        for s, p, lg in zip(seqs, proposals, logits, strict=True):
+            out.append(self._commit_tree(s, p, lg) if isinstance(p.state, TreeState) else catch_up_commit(s, p, lg))
+        return out
+
+    def _commit_tree(self, seq: Sequence, prop: Proposal, logits: torch.Tensor) -> Commit:
+        st: TreeState = prop.state
+        tree = st.tree
+        if seq.params.greedy:
+            path, nxt = greedy_accept(tree, logits.argmax(dim=-1).tolist())
+        else:
+            path, nxt = sample_accept(tree, filtered_probs(logits, seq.params), seq.generator)
+        tokens = [tree.tokens[n] for n in path] + [nxt]
+        cut = self._room(seq)
+        for j, t in enumerate(tokens):
+            if t in seq.eos_token_ids or t in seq.params.stop_token_ids:
+                cut = min(cut, j + 1)  # the engine ends the sequence there; commit no KV past it
+                break
+        tokens = tokens[:cut]
+        rows = [0] + [1 + n for n in path]  # row predicting each emitted token
+        lps = None
+        if seq.params.logprobs is not None:
+            lps = top_logprobs(logits[rows[: len(tokens)]], torch.tensor(tokens), seq.params.logprobs)
+        self._observe(seq, len(tree), len(path))
+        if st.leftover and len(path) == len(tree) and st.leftover[0] == nxt and len(tokens) == len(path) + 1:
+            # the whole chunk and the next draft token were accepted: keep the rest of the chain
+            seq.strategy_state[_LEFTOVER] = (len(seq.token_ids) + len(tokens), st.leftover[1:])
+        return Commit(kv_rows=rows[: len(tokens)], token_ids=tokens, logprobs=lps)
+
+    # ------------------------------------------------------------------ metrics
+
+    def _observe(self, seq: Sequence, draft_tokens: int, accepted: int) -> None:
+        c = SpecCounters.from_stats(seq.stats, _PREFIX)
+        c.observe(draft_tokens, accepted)
+        seq.stats.update(c.as_dict(_PREFIX))
+        self.totals.observe(draft_tokens, accepted)
+
+    def metrics(self) -> dict[str, float]:
+        t = self.totals
+        out: dict[str, float] = {
+            "spec_decode_num_drafts": t.num_drafts,
+            "spec_decode_num_draft_tokens": t.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": t.num_accepted_tokens,
+            "spec_decode_mean_acceptance_length": t.mean_acceptance_length,
+            "spec_decode_acceptance_rate": t.acceptance_rate,
+        }
+        for i, n in enumerate(t.accepted_per_pos):
+            out[f"spec_decode_num_accepted_tokens_per_pos_{i}"] = n
+        runner = self.ctx.runner
+        if runner is not None:
+            out.update(runner.staging.metrics.as_dict())
+            out["kv_bytes_written"] = runner.cache.bytes_written
+        return out

@@ -1,0 +1,98 @@
+"""Tree verification: which root-to-node path of a draft tree the target accepts, plus one more token.
+
+Row 0 of the target's outputs belongs to the root (the last committed token, whose logits
+predict the first draft token); row ``1 + n`` belongs to tree node ``n`` and predicts its
+children. Siblings always carry distinct tokens (the tree is a deduplicated prefix tree).
+
+* Greedy: follow the child whose token equals the target argmax; the first row without such
+  a child yields the correction (or, at a leaf, bonus) token. Token-identical to plain greedy.
+* Sampling: multi-candidate speculative sampling with deterministic drafts (each child is a
+  point-mass proposal). At a node with target distribution ``p`` the children are tried in
+  order; child ``x`` is accepted with probability ``p(x)``, otherwise ``p`` becomes the
+  residual ``normalise(p with x removed)`` and the next child is tried; if all are rejected
+  the token is drawn from the residual. The emitted token is then distributed exactly as
+  ``p`` (the rejection factors telescope), so the output equals sampling from the target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """One sequence's packed tree (padding already stripped). Nodes are in topological order."""
+
+    tokens: list[int]  # [L] token id per node
+    parent: list[int]  # [L] parent node, -1 = child of the root
+    depth: list[int]  # [L] 0 for the root's children
+    children: list[list[int]] = field(init=False)  # [L + 1] children of the root (index 0) and of node n (1+n)
+
+    def __post_init__(self) -> None:
+        assert len(self.tokens) == len(self.parent) == len(self.depth)
+        kids: list[list[int]] = [[] for _ in range(len(self.tokens) + 1)]
+        for n, par in enumerate(self.parent):
+            assert par < n, "nodes must be in topological order"
+            kids[par + 1].append(n)
+        object.__setattr__(self, "children", kids)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def greedy_accept(tree: DraftTree, argmax: list[int]) -> tuple[list[int], int]:
+    """``argmax``: [1 + L] target argmax per row. Returns (accepted node path, next token)."""
+    path: list[int] = []
+    row = 0
+    while True:
+        want = argmax[row]
+        nxt = next((c for c in tree.children[row] if tree.tokens[c] == want), None)
+        if nxt is None:
+            return path, want
+        path.append(nxt)
+        row = nxt + 1
+
+
+# A node-level rule: (target probs [V] fp64, child tokens, generator) -> (index of the accepted
+# child or None, token to emit when none is accepted or -1).
+NodeRule = Callable[[torch.Tensor, list[int], torch.Generator | None], tuple[int | None, int]]
+
+
+def residual_rule(p: torch.Tensor, child_tokens: list[int], gen: torch.Generator | None) -> tuple[int | None, int]:
+    """The exact rule for deterministic drafts (see module docstring)."""
+    p = p.clone()
+    for i, tok in enumerate(child_tokens):
+        u = float(torch.rand((), dtype=torch.float64, generator=gen))
+        if u < float(p[tok]):  # p(tok) == 0 is never accepted since u >= 0
+            return i, tok
+        p[tok] = 0.0
+        total = float(p.sum())
+        if total <= 0.0:  # numerically all mass was on rejected children; cannot happen exactly
+            p[tok] = 1.0
+            return i, tok
+        p /= total
+    return None, int(torch.multinomial(p, 1, generator=gen))
+
+
+def sample_accept(
+    tree: DraftTree,
+    probs: torch.Tensor,  # [1 + L, V] target distribution per row (filtered_probs)
+    gen: torch.Generator | None,
+    rule: NodeRule = residual_rule,
+) -> tuple[list[int], int]:
+    """Walk the tree with ``rule``. Returns (accepted node path, next token)."""
+    probs = probs.double()
+    path: list[int] = []
+    row = 0
+    while True:
+        kids = tree.children[row]
+        if not kids:  # leaf (or empty tree): bonus token from the target itself
+            return path, int(torch.multinomial(probs[row], 1, generator=gen))
+        idx, tok = rule(probs[row], [tree.tokens[c] for c in kids], gen)
+        if idx is None:
+            return path, tok
+        path.append(kids[idx])
+        row = kids[idx] + 1
