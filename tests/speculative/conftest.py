@@ -1,0 +1,33 @@
+"""Speculative-decoding fixtures. One torch thread: on the shared 2-core CPU, two threads
+contending with other processes make small ops orders of magnitude slower."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ratchetlm.engine.config import EngineConfig
+from ratchetlm.engine.llm_engine import LLMEngine
+from ratchetlm.sampling_params import SamplingParams
+
+torch.set_num_threads(1)
+
+
+def make_engine(llm, decoding: str = "autoregressive", kv_cache_blocks: int = 192, **options) -> LLMEngine:
+    """A fresh engine (own small KV cache) on an already loaded model."""
+    cfg = EngineConfig(device="cpu", dtype="float32", decoding=decoding, decoding_options=options,
+                       kv_cache_blocks=kv_cache_blocks, progress=False)
+    return LLMEngine(cfg, llm.engine.model, llm.model_config)
+
+
+def run_engine(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """Generate to completion; output ids per prompt, in order."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    return [engine.seqs[i].output_ids for i in ids]
+
+
+@pytest.fixture(scope="session")
+def spec_llm(llm_fp32):
+    return llm_fp32
