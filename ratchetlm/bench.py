@@ -1,0 +1,120 @@
+"""``ratchet bench``: decode throughput of ratchetlm vs HF transformers (and llama-cpp-python).
+
+All peers run in this one process on the same prompts and the same weights (the bundled GGUF;
+HF dequantizes it with its own loader). Each configuration is timed ``--repeats`` times; the
+table shows medians and the ratio to HF at the same batch size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+PROMPTS = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain how a bicycle works.",
+    "def quicksort(arr):",
+    "The three most important inventions of the 20th century are",
+    "Describe the water cycle in simple terms.",
+    "List five fruits and their colors:",
+    "Once upon a time, a robot",
+    "Summarize the plot of Romeo and Juliet.",
+]
+
+
+def _median_tps(run: Callable[[], int], repeats: int) -> float:
+    rates = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        n = run()
+        rates.append(n / (time.perf_counter() - t))
+    return statistics.median(rates)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="ratchet bench", description=__doc__)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch-sizes", type=str, default="1,8")
+    ap.add_argument("--dtypes", type=str, default="float32", help="ratchetlm dtypes to time (comma list)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from ratchetlm import LLM, SamplingParams
+    from ratchetlm.models.loader import default_model_path
+
+    n_new = args.max_tokens
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    rows: list[tuple[str, int, float]] = []
+    sp = SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
+    texts: dict[int, list[list[int]]] = {}
+    for dt in args.dtypes.split(","):
+        llm = LLM(progress=False, dtype=dt)
+        llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0))  # warm-up
+        for b in sizes:
+            prompts = PROMPTS[:b]
+
+            def run(prompts=prompts, llm=llm) -> int:
+                outs = llm.generate(prompts, sp, use_tqdm=False)
+                if dt == "float32":
+                    texts[len(prompts)] = [o.token_ids for o in outs]
+                return sum(len(o.token_ids) for o in outs)
+
+            rows.append((f"ratchetlm {dt}", b, _median_tps(run, args.repeats)))
+        tok = llm.tokenizer
+        del llm
+    if not args.skip_hf:
+        import transformers
+        from transformers import LlamaForCausalLM
+
+        transformers.logging.set_verbosity_error()
+        p = default_model_path()
+        hf = LlamaForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
+        for b in sizes:
+            enc = [tok.encode(x, add_special_tokens=False) for x in PROMPTS[:b]]
+            width = max(map(len, enc))
+            ids = torch.tensor([[2] * (width - len(e)) + e for e in enc])  # left padding
+            mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
+
+            def run_hf(ids=ids, mask=mask) -> int:
+                with torch.no_grad():
+                    hf.generate(ids, attention_mask=mask, max_new_tokens=n_new, min_new_tokens=n_new,
+                                do_sample=False, pad_token_id=2)
+                return n_new * ids.shape[0]
+
+            rows.append(("HF transformers float32", b, _median_tps(run_hf, args.repeats)))
+            if b == 1 and 1 in texts:
+                with torch.no_grad():
+                    ref = hf.generate(ids, attention_mask=mask, max_new_tokens=n_new, min_new_tokens=n_new,
+                                      do_sample=False, pad_token_id=2)[0, width:].tolist()
+                print(f"greedy tokens identical to HF at batch 1: {ref == texts[1][0]}")
+    try:
+        from llama_cpp import Llama  # optional extra: pip install 'ratchetlm[llamacpp]'
+
+        lc = Llama(model_path=str(default_model_path()), n_ctx=512, n_threads=torch.get_num_threads(), verbose=False)
+
+        def run_lc() -> int:
+            out = lc(PROMPTS[0], max_tokens=n_new, temperature=0.0)
+            return int(out["usage"]["completion_tokens"])
+
+        rows.append(("llama-cpp-python Q4_1", 1, _median_tps(run_lc, args.repeats)))
+    except ImportError:
+        print("(llama-cpp-python not installed: skipping that peer)")
+    hf_rate = {b: r for name, b, r in rows if name.startswith("HF")}
+    print(f"\ndecode tokens/s, {n_new} new tokens per request, median of {args.repeats} runs, "
+          f"{torch.get_num_threads()} torch threads")
+    print(f"{'engine':28s} {'batch':>5s} {'tok/s':>8s} {'vs HF':>7s}")
+    for name, b, r in rows:
+        ratio = f"{r / hf_rate[b]:.2f}x" if b in hf_rate else "-"
+        print(f"{name:28s} {b:5d} {r:8.1f} {ratio:>7s}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
