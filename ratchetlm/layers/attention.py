@@ -33,7 +33,8 @@ class AttentionBatch:
     ctx_slots: torch.Tensor | None  # [B, max_ctx] int64 slots of committed context (0 where padded)
     pad_index: torch.Tensor  # [B, max_new] int64 index into packed tokens (0 where padded)
     unpad_index: torch.Tensor  # [num_tokens] int64 index into the flattened [B * max_new] grid
-    mask: torch.Tensor | None  # [B, 1, max_new, max_ctx + max_new] additive float (0 / -inf); None = causal, B == 1
+    mask: torch.Tensor | None  # [B, 1, max_new, max_ctx + max_new] additive float (0 / -inf); None: see is_causal
+    is_causal: bool  # only meaningful when mask is None: True = causal among new tokens, False = all visible
     num_seqs: int
     max_new: int
     max_ctx: int
@@ -64,9 +65,11 @@ def build_attention_batch(
         unpad.append(torch.arange(i * max_new, i * max_new + n))
     unpad_index = torch.cat(unpad)
 
-    simple = b == 1 and max_ctx == 0 and new_masks[0] is None
+    # B == 1 needs no mask when nothing is hidden: plain causal prefill, or one query seeing everything.
+    causal = b == 1 and max_ctx == 0 and new_masks[0] is None
+    see_all = b == 1 and max_new == 1
     mask = None
-    if not simple:
+    if not (causal or see_all):
         mask = torch.zeros(b, 1, max_new, max_ctx + max_new, dtype=torch.bool)
         for i, (c, n, m) in enumerate(zip(ctx_lens, new_lens, new_masks, strict=True)):
             mask[i, 0, :n, :c] = True
@@ -92,6 +95,7 @@ def build_attention_batch(
         pad_index=pad_index.to(device),
         unpad_index=unpad_index.to(device),
         mask=mask,
+        is_causal=causal and max_new > 1,
         num_seqs=b,
         max_new=max_new,
         max_ctx=max_ctx,
@@ -130,7 +134,7 @@ def paged_attention(
         kp = kp.repeat_interleave(h // hkv, dim=1)
         vp = vp.repeat_interleave(h // hkv, dim=1)
     if batch.mask is None:
-        out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale)
+        out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=batch.is_causal, scale=scale)
     else:
         out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=batch.mask.to(q.dtype), scale=scale)
     out = out.transpose(1, 2).reshape(b * n, h, d)  # [B * max_new, H, D]

@@ -36,17 +36,21 @@ class RotaryEmbedding(nn.Module):
         self.cos_table = torch.cat([freqs.cos(), freqs.cos()], dim=-1)  # [n, head_dim] fp32
         self.sin_table = torch.cat([freqs.sin(), freqs.sin()], dim=-1)
 
-    def forward(
-        self,
-        positions: torch.Tensor,  # [num_tokens] int64
-        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[num_tokens]`` positions → cos, sin ``[num_tokens, 1, head_dim]`` fp32 (once per forward)."""
         if self.cos_table.device != positions.device:
             self.cos_table = self.cos_table.to(positions.device)
             self.sin_table = self.sin_table.to(positions.device)
-        cos = self.cos_table[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
-        sin = self.sin_table[positions].unsqueeze(1)
+        assert int(positions.max()) < self.cos_table.shape[0], "position beyond the RoPE table"
+        return self.cos_table[positions].unsqueeze(1), self.sin_table[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = cos_sin
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -40,7 +40,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
-        rope: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # ([num_tokens, 1, head_dim],) * 2
         batch: AttentionBatch,
     ) -> torch.Tensor:
         t = x.shape[0]
@@ -51,7 +51,7 @@ class DecoderLayer(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(batch.positions, q, k)
+        q, k = RotaryEmbedding.apply(cos_sin, q, k)
         attn = paged_attention(self.index, q, k, v, batch, self.scale)
         x = x + self.o_proj(attn.reshape(t, self.q_size))
         gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
@@ -78,8 +78,9 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden] after the final norm
         """Run the first ``num_layers`` layers (all by default; fewer = layer-skip self-draft)."""
         x = self.embed(input_ids)
+        cos_sin = self.rope.cos_sin(batch.positions)
         for layer in self.layers[: num_layers or len(self.layers)]:
-            x = layer(x, self.rope, batch)
+            x = layer(x, cos_sin, batch)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
