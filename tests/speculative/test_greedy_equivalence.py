@@ -1,0 +1,115 @@
+"""Greedy speculative decoding is token-identical to plain greedy decoding on the real model,
+batched and alone, for every proposer and tree shape; caps and stops are respected."""
+
+from __future__ import annotations
+
+import pytest
+
+from ratchetlm.sampling_params import SamplingParams
+
+from .conftest import make_engine, run_engine
+from .prompts import CODE, PROMPTS, SUMMARY
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+
+CONFIGS = {
+    "ngram_chain": dict(method="ngram", depth=4),
+    "ngram_tree": dict(method="ngram", num_candidates=3, depth=4),
+    "self_draft_chain": dict(method="draft", draft_layers=4, depth=3),
+    "self_draft_beam": dict(method="draft", draft_layers=4, depth=3, num_candidates=2),
+    "ngram_chunked": dict(method="ngram", depth=6, chunk_size=2, min_n=2),
+}
+
+
+@pytest.fixture(scope="module")
+def encoded(spec_llm):
+    return [spec_llm.encode(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def reference(spec_llm, encoded):
+    return run_engine(make_engine(spec_llm), encoded, GREEDY)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_batched_equals_plain_greedy(spec_llm, encoded, reference, name):
+    eng = make_engine(spec_llm, "speculative", **CONFIGS[name])
+    out = run_engine(eng, encoded, GREEDY)
+    for i, (a, b) in enumerate(zip(out, reference, strict=True)):
+        assert a == b, f"{name}: prompt {i} diverged"
+    m = eng.strategy.metrics()
+    assert m["spec_decode_num_drafts"] > 0
+    assert eng.runner.staging.metrics.fallback_count == 0
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_alone_equals_plain_greedy(spec_llm, encoded, reference, name):
+    eng = make_engine(spec_llm, "speculative", **CONFIGS[name])
+    alone = (0, 3) if CONFIGS[name]["method"] == "ngram" else (3,)  # self-draft is slow on CPU
+    for i in alone:  # code editing / summarization as the only request
+        assert run_engine(eng, [encoded[i]], GREEDY) == [reference[i]], f"{name}: prompt {i} diverged alone"
+
+
+def test_ngram_accepts_on_copy_heavy_prompts(spec_llm, encoded):
+    """Not a speed claim: on code/summary prompts the n-gram drafts must actually be accepted,
+    otherwise the equality tests above would pass vacuously."""
+    eng = make_engine(spec_llm, "speculative", method="ngram", num_candidates=3, depth=4)
+    ids = [eng.add_request(encoded[i], GREEDY) for i in (0, 1, 3)]
+    while eng.has_unfinished():
+        eng.step()
+    for i in ids:
+        st = eng.seqs[i].stats
+        assert st["spec_num_accepted_tokens"] > 0
+        assert st["spec_mean_acceptance_length"] == pytest.approx(
+            1 + st["spec_num_accepted_tokens"] / st["spec_num_drafts"])
+        assert st["spec_acceptance_rate"] == pytest.approx(st["spec_num_accepted_tokens"] / st["spec_num_draft_tokens"])
+        assert sum(st["spec_accepted_per_pos"][:1]) <= st["spec_num_drafts"]
+    agg = eng.strategy.metrics()
+    assert agg["spec_decode_num_accepted_tokens"] == sum(eng.seqs[i].stats["spec_num_accepted_tokens"] for i in ids)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5])
+def test_max_tokens_and_stop_ids_inside_accepted_drafts(spec_llm, encoded, reference, max_tokens):
+    eng = make_engine(spec_llm, "speculative", method="ngram", num_candidates=2, depth=6)
+    p = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    assert run_engine(eng, [encoded[1]], p) == [reference[1][:max_tokens]]
+    # stop on a token the reference emits mid-stream: the commit must end exactly there
+    stop_tok = reference[1][7]
+    cut = reference[1].index(stop_tok) + 1
+    p = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, stop_token_ids=(stop_tok,))
+    assert run_engine(eng, [encoded[1]], p) == [reference[1][:cut]]
+
+
+def test_max_model_len_caps_the_tree(spec_llm, encoded):
+    n = len(encoded[1])
+    ar = make_engine(spec_llm)
+    ar_out = run_engine(ar, [encoded[1]], GREEDY)
+    from ratchetlm.engine.config import EngineConfig
+    from ratchetlm.engine.llm_engine import LLMEngine
+
+    for decoding, opts in (("autoregressive", {}), ("speculative", dict(method="ngram", depth=8))):
+        cfg = EngineConfig(dtype="float32", decoding=decoding, decoding_options=opts, kv_cache_blocks=64,
+                           max_model_len=n + 6, progress=False)
+        eng = LLMEngine(cfg, spec_llm.engine.model, spec_llm.model_config)
+        assert run_engine(eng, [encoded[1]], GREEDY) == [ar_out[0][:6]]
+
+
+def test_mixed_with_prefill_and_preemption(spec_llm, encoded, reference):
+    """Tight KV: sequences get preempted and recomputed; prefill rows mix with tree rows."""
+    eng = make_engine(spec_llm, "speculative", kv_cache_blocks=14, method="ngram", num_candidates=2, depth=4)
+    subset = [0, 3, 4, 8]
+    out = run_engine(eng, [encoded[i] for i in subset], GREEDY)
+    assert out == [reference[i] for i in subset]
+    assert eng.scheduler.num_preemptions > 0
+
+
+def test_bad_options_raise_value_error_naming_the_field(spec_llm):
+    for opts, field in ((dict(method="medusa"), "method"), (dict(depth=0), "depth"),
+                        (dict(num_candidates=2, chunk_size=2), "chunk_size"), (dict(min_n=3, max_n=2), "min_n"),
+                        (dict(depht=3), "depht"), (dict(method="draft", draft_layers=30), "draft_layers")):
+        with pytest.raises(ValueError, match=field):
+            make_engine(spec_llm, "speculative", **opts)
+
+
+def test_code_and_summary_prompts_present():
+    assert CODE in PROMPTS and SUMMARY in PROMPTS and len(PROMPTS) >= 10

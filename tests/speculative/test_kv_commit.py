@@ -1,0 +1,86 @@
+"""No-write-on-reject on the real model: after speculative steps the paged KV of the committed
+tokens equals a plain AR run's; rejected tree rows leave no trace; exactly one token's KV is
+written per committed token; a commit fault at layer k falls back with identical output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ratchetlm.sampling_params import SamplingParams
+
+from .conftest import make_engine, run_engine
+from .prompts import CODE2, SUMMARY
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+
+
+def step_until(engine, prompt, min_tokens: int, params: SamplingParams = PARAMS):
+    sid = engine.add_request(prompt, params)
+    seq = engine.seqs[sid]
+    while seq.num_output_tokens < min_tokens:
+        engine.step()
+    return seq
+
+
+def committed_kv(engine, seq, n: int) -> tuple[torch.Tensor, torch.Tensor]:  # [layers, n, h, d] each
+    slots = engine.blocks.slots(seq, 0, n)
+    return engine.cache.k[:, slots], engine.cache.v[:, slots]
+
+
+def unused_slots(engine, seq) -> torch.Tensor:
+    """Slots of the sequence's blocks past its committed KV (written only by a leak)."""
+    return engine.blocks.slots(seq, seq.num_cached, len(seq.block_table) * engine.blocks.block_size)
+
+
+@pytest.mark.parametrize("opts", [dict(method="ngram", num_candidates=3, depth=4),
+                                  dict(method="draft", draft_layers=4, depth=3, num_candidates=2)])
+def test_committed_kv_equals_plain_ar_and_rejects_leave_no_trace(spec_llm, opts):
+    prompt = spec_llm.encode(CODE2)
+    ar = make_engine(spec_llm, kv_cache_blocks=16)
+    sp = make_engine(spec_llm, "speculative", kv_cache_blocks=16, **opts)
+    a = step_until(ar, prompt, 12)
+    s = step_until(sp, prompt, 12)
+    n = min(a.num_cached, s.num_cached)
+    assert s.token_ids[:n] == a.token_ids[:n]
+    ka, va = committed_kv(ar, a, n)
+    ks, vs = committed_kv(sp, s, n)
+    torch.testing.assert_close(ks, ka, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(vs, va, atol=1e-4, rtol=1e-4)
+    # the fresh cache is all zeros: any staged-but-rejected row written to the cache would show
+    rest = unused_slots(sp, s)
+    assert not sp.cache.k[:, rest].any() and not sp.cache.v[:, rest].any()
+    # exactly one token's K/V written per committed token (prefill included)
+    assert sp.cache.bytes_written == s.num_cached * sp.cache.bytes_per_token()
+    m = sp.runner.staging.metrics
+    assert m.tokens_rejected > 0, "the test needs rejected tree rows to be meaningful"
+    assert m.unique_tokens == m.tokens_committed + m.tokens_rejected
+    assert m.stage_operations == m.unique_tokens * spec_llm.model_config.num_layers
+
+
+@pytest.mark.parametrize("fault_layer", [0, 17])
+def test_commit_fault_falls_back_with_identical_output(spec_llm, fault_layer):
+    prompt = spec_llm.encode(SUMMARY)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ref = run_engine(make_engine(spec_llm, kv_cache_blocks=16), [prompt], params)
+    eng = make_engine(spec_llm, "speculative", kv_cache_blocks=16, method="ngram", num_candidates=2, depth=4)
+    eng.runner.staging.fault_layer = fault_layer
+    seq = step_until(eng, prompt, 6, params)
+    # every staged commit failed: nothing but direct catch-up writes reached the cache
+    m = eng.runner.staging.metrics
+    assert m.fallback_commit_fail > 0 and m.tokens_committed == 0
+    assert not eng.cache.k[:, unused_slots(eng, seq)].any()
+    # layers written before the fault were physically written, then restored
+    direct = seq.num_cached * eng.cache.bytes_per_token()
+    assert eng.cache.bytes_written == direct if fault_layer == 0 else eng.cache.bytes_written > direct
+    while eng.has_unfinished():
+        eng.step()
+    assert seq.output_ids == ref[0]
+
+
+def test_sampling_with_seed_is_reproducible(spec_llm):
+    prompt = spec_llm.encode(CODE2)
+    p = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10, seed=11, ignore_eos=True)
+    outs = [run_engine(make_engine(spec_llm, "speculative", kv_cache_blocks=16, method="ngram", num_candidates=2,
+                                   depth=4), [prompt], p)[0] for _ in range(2)]
+    assert outs[0] == outs[1] and len(outs[0]) == 10
