@@ -1,0 +1,245 @@
+"""The engine in its own thread, HTTP handlers on the event loop.
+
+``LLMEngine`` is not thread-safe, so exactly one thread (the engine thread) calls
+``add_request``/``step``/``abort``/``release``. Handlers talk to it through a thread-safe command
+queue; results come back on one ``asyncio.Queue`` per HTTP request (a :class:`RequestGroup`, one
+engine request per choice), fed with ``loop.call_soon_threadsafe`` once per step.
+
+The engine thread is also the output processor: it owns each choice's :class:`TextStream`
+(detokenizer + stop strings), so a stop string aborts the request in the same step it completes,
+exactly as ``LLM.stream`` does. The scheduler itself never sees text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ratchetlm.engine.llm_engine import StepOutput
+from ratchetlm.sampling_params import SamplingParams
+from ratchetlm.text.stream import TextStream
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One engine request: a choice of an HTTP request."""
+
+    index: int  # choice index in the response
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class Delta:
+    """What one choice committed in one step. ``prompt_logprobs`` is set on the finishing delta."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, float]] | None
+    finished: bool
+    finish_reason: str | None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    time: float = 0.0
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running this request (reported in-stream as an error event)."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Engine state published by the engine thread after every step (read lock-free by /health)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_free: int = 0
+    kv_blocks_total: int = 0
+    steps: int = 0
+    strategy: dict[str, float] = field(default_factory=dict)
+
+
+_ACCEPTED = object()
+_DONE = object()
+
+
+class RequestGroup:
+    """The handler's side of one HTTP request: submit, then iterate deltas of all its choices."""
+
+    def __init__(self, owner: AsyncEngine, subs: list[Submission]) -> None:
+        self.owner = owner
+        self.subs = subs
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.seq_ids: dict[int, int] = {}  # engine seq_id -> choice index (engine thread only)
+        self.closed = False
+
+    async def start(self) -> None:
+        """Queue the choices in the engine; raises the engine's ValueError/QueueFullError."""
+        self.owner._commands.put(("add", self))
+        first = await self.queue.get()
+        if first is not _ACCEPTED:
+            raise first
+
+    async def deltas(self):
+        """Yield :class:`Delta` until every choice finished; raises :class:`EngineError`."""
+        remaining = len(self.subs)
+        while remaining:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            for d in item:
+                remaining -= d.finished
+                yield d
+
+    def abort(self) -> None:
+        """Client gone: the engine thread aborts and frees every unfinished choice before its next step."""
+        if not self.closed:
+            self.closed = True
+            self.owner._commands.put(("abort", self))
+
+    def _post(self, item: Any) -> None:  # engine thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+@dataclass
+class _Live:
+    group: RequestGroup
+    index: int
+    text: TextStream
+
+
+class AsyncEngine:
+    """Runs ``engine.step()`` in a daemon thread while any request is unfinished."""
+
+    def __init__(self, engine: Any, tokenizer: Any) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._live: dict[int, _Live] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.snapshot = Snapshot()
+        self._publish()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="ratchet-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._commands.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def group(self, subs: list[Submission]) -> RequestGroup:
+        return RequestGroup(self, subs)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            busy = self.engine.has_unfinished()
+            try:
+                cmd = self._commands.get(block=not busy, timeout=None if busy else 0.5)
+                self._handle(*cmd)
+                while True:  # drain everything queued before stepping: aborts free KV before the next step
+                    self._handle(*self._commands.get_nowait())
+            except queue.Empty:
+                pass
+            if self.engine.has_unfinished():
+                try:
+                    outs = self.engine.step()
+                except Exception as e:  # fail the requests in flight, keep serving
+                    self._fail_all(e)
+                    outs = []
+                self._deliver(outs)
+            self._publish()
+
+    def _handle(self, kind: str, g: Any) -> None:
+        if kind == "add":
+            self._add(g)
+        elif kind == "abort":
+            for sid in list(g.seq_ids):
+                self._drop(sid, "abort")
+
+    def _add(self, g: RequestGroup) -> None:
+        if g.closed:
+            return
+        try:
+            for sub in g.subs:
+                sid = self.engine.add_request(sub.prompt_ids, sub.params)
+                g.seq_ids[sid] = sub.index
+                ts = TextStream(self.tokenizer, sub.prompt_ids, sub.params.stop, sub.params.include_stop_str_in_output)
+                self._live[sid] = _Live(g, sub.index, ts)
+        except Exception as e:  # bad prompt / queue full: undo the choices already queued
+            for sid in list(g.seq_ids):
+                self._drop(sid, "abort")
+            g._post(e)
+            return
+        g._post(_ACCEPTED)
+
+    def _drop(self, sid: int, reason: str) -> None:
+        self.engine.abort(sid, reason)
+        self.engine.release(sid)
+        live = self._live.pop(sid, None)
+        if live is not None:
+            live.group.seq_ids.pop(sid, None)
+
+    def _deliver(self, outs: list[StepOutput]) -> None:
+        by_group: dict[int, tuple[RequestGroup, list[Delta]]] = {}
+        now = time.perf_counter()
+        for out in outs:
+            live = self._live.get(out.seq_id)
+            if live is None:
+                continue
+            d = self._delta(out, live, now)
+            by_group.setdefault(id(live.group), (live.group, []))[1].append(d)
+        for g, ds in by_group.values():
+            g._post(ds)
+
+    def _delta(self, out: StepOutput, live: _Live, now: float) -> Delta:
+        visible = out.new_token_ids
+        if out.finish_reason == "stop" and visible and self.engine.is_stop_token(out.seq_id, visible[-1]):
+            visible = visible[:-1]  # EOS / stop token ids end the request but are not text
+        td = live.text.feed(visible)
+        finished, reason = out.finished, out.finish_reason
+        if td.stopped and not finished:
+            self.engine.abort(out.seq_id, "stop")  # stop string: free the KV now
+            finished, reason = True, "stop"
+        text = td.text + (live.text.finish() if finished else "")
+        prompt_lp = None
+        if finished:
+            seq = self.engine.release(out.seq_id)
+            self._live.pop(out.seq_id, None)
+            live.group.seq_ids.pop(out.seq_id, None)
+            if seq is not None and seq.params.prompt_logprobs is not None:
+                prompt_lp = list(seq.prompt_logprobs)
+        return Delta(live.index, list(out.new_token_ids), text, out.new_logprobs, finished, reason, prompt_lp, now)
+
+    def _fail_all(self, e: Exception) -> None:
+        groups = {id(l.group): l.group for l in self._live.values()}
+        for sid in list(self._live):
+            self._drop(sid, "abort")
+        for g in groups.values():
+            g._post(EngineError(f"engine step failed: {type(e).__name__}: {e}"))
+
+    def _publish(self) -> None:
+        eng = self.engine
+        metrics = getattr(getattr(eng, "strategy", None), "metrics", None)
+        self.snapshot = Snapshot(
+            running=len(eng.scheduler.running),
+            waiting=len(eng.scheduler.waiting),
+            kv_blocks_free=eng.blocks.num_free,
+            kv_blocks_total=eng.blocks.num_blocks,
+            steps=eng.stats.steps,
+            strategy=dict(metrics()) if metrics is not None else {},
+        )

@@ -1,0 +1,178 @@
+"""Shared pieces of the two OpenAI endpoints: sampling params, choice accumulation, SSE framing,
+and the run loop that ties a :class:`RequestGroup` to a (streaming or whole) HTTP response."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+
+from ratchetlm.sampling_params import SamplingParams
+from ratchetlm.server.async_engine import Delta, RequestGroup
+from ratchetlm.server.errors import APIError, from_value_error
+from ratchetlm.server.metrics import ChoiceTimer, ServerMetrics
+from ratchetlm.server.protocol import _Common
+
+
+def make_params(req: _Common, *, max_tokens: int, choice: int, logprobs: int | None = None,
+                prompt_logprobs: int | None = None) -> SamplingParams:
+    """OpenAI fields -> SamplingParams; with a seed, choice ``i`` uses ``seed + i`` so n>1 choices
+    differ but each is reproducible. ValueErrors (naming the field) become 400s."""
+    seed = None if req.seed is None else req.seed + choice
+    kw: dict[str, Any] = dict(
+        max_tokens=max_tokens, seed=seed, ignore_eos=req.ignore_eos,
+        stop=tuple([req.stop] if isinstance(req.stop, str) else (req.stop or ())),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+    )
+    for name in ("temperature", "top_p", "top_k", "min_p"):
+        v = getattr(req, name)
+        if v is not None:
+            kw[name] = v
+    try:
+        return SamplingParams(**kw)
+    except ValueError as e:
+        raise from_value_error(e) from None
+
+
+@dataclass
+class ChoiceState:
+    """Everything one choice produced so far."""
+
+    index: int
+    timer: ChoiceTimer
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    finish_reason: str | None = None
+    chunks_sent: int = 0
+
+    def add(self, d: Delta, now: float) -> None:
+        self.token_ids += d.token_ids
+        self.text.append(d.text)
+        if d.logprobs:
+            self.logprobs += d.logprobs
+        self.timer.tokens(len(d.token_ids), now)
+        if d.finished:
+            self.finish_reason = d.finish_reason
+            self.prompt_logprobs = d.prompt_logprobs
+            self.timer.finished(d.finish_reason, now)
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class TokenText:
+    """Per-token display strings (``decode([id])``), cached per id."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, tid: int) -> str:
+        s = self._cache.get(tid)
+        if s is None:
+            s = self.tokenizer.decode([tid], skip_special_tokens=False)
+            self._cache[tid] = s
+        return s
+
+
+async def _watch_disconnect(request: Request, group: RequestGroup) -> None:
+    """Abort the group as soon as the ASGI server reports the client gone."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            group.abort()
+            return
+
+
+class Runner:
+    """Drive one request group: collect it whole, or stream it as SSE chunks.
+
+    ``chunk(state, delta) -> dict | None`` renders one choice's delta as a stream chunk (None =
+    nothing worth sending yet); ``usage() -> dict`` and ``final() -> dict`` build the rest.
+    """
+
+    def __init__(self, request: Request, group: RequestGroup, metrics: ServerMetrics, arrival: float,
+                 num_choices: int) -> None:
+        self.request = request
+        self.group = group
+        self.states = [ChoiceState(i, ChoiceTimer(metrics, arrival)) for i in range(num_choices)]
+
+    async def collect(self) -> None:
+        watcher = asyncio.ensure_future(_watch_disconnect(self.request, self.group))
+        done = False
+        try:
+            async for d in self.group.deltas():
+                self.states[d.index].add(d, time.perf_counter())
+            done = True
+        finally:
+            watcher.cancel()
+            if not done:
+                self.group.abort()
+
+    async def stream(self, chunk: Callable[[ChoiceState, Delta], dict | None],
+                     usage_chunk: Callable[[], dict] | None) -> AsyncIterator[str]:
+        watcher = asyncio.ensure_future(_watch_disconnect(self.request, self.group))
+        done = False
+        try:
+            try:
+                async for d in self.group.deltas():
+                    st = self.states[d.index]
+                    st.add(d, time.perf_counter())
+                    c = chunk(st, d)
+                    if c is not None:
+                        st.chunks_sent += 1
+                        yield sse(c)
+                done = True
+                if usage_chunk is not None:
+                    yield sse(usage_chunk())
+            except Exception as e:  # after the stream started: report in-band, then [DONE]
+                err = e if isinstance(e, APIError) else APIError(str(e), 500)
+                yield sse(err.body())
+            yield SSE_DONE
+        finally:
+            watcher.cancel()
+            if not done:
+                self.group.abort()
+
+
+@dataclass
+class ServingContext:
+    """What the endpoints need from the loaded model."""
+
+    llm: Any  # ``LLM``-like: .engine, .tokenizer, .encode(str|ids), .apply_chat_template(messages)
+    model_name: str
+    metrics: ServerMetrics
+    token_text: TokenText
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.llm.engine.max_model_len)
+
+    def encode(self, prompt: str | list[int], param: str) -> list[int]:
+        try:
+            return list(self.llm.encode(prompt))
+        except ValueError as e:
+            raise APIError(str(e), 400, param) from None
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
