@@ -1,0 +1,166 @@
+"""Speculative decoding on the default model (CPU): tokens/s, mean acceptance length, KV bytes
+written per committed token, greedy-text identity vs plain AR, and HF transformers' prompt
+lookup / early-exit assisted generation on the same prompts. Also measures speculative chunk
+verify (SCV) at batch 1 vs 16. Prints medians and ratios vs plain AR from the same run.
+
+    python benchmarks/bench_speculative.py [--max-tokens 32] [--threads 1] [--skip-hf] [--skip-scv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ratchetlm import LLM  # noqa: E402
+from ratchetlm.engine.config import EngineConfig  # noqa: E402
+from ratchetlm.engine.llm_engine import LLMEngine  # noqa: E402
+from ratchetlm.sampling_params import SamplingParams  # noqa: E402
+from tests.speculative.prompts import CODE, CODE2, SUMMARY, SUMMARY2  # noqa: E402
+
+CHAT = ["<|im_start|>user\nExplain what a hash map is in two sentences.<|im_end|>\n<|im_start|>assistant\n",
+        "<|im_start|>user\nGive me three tips for better sleep.<|im_end|>\n<|im_start|>assistant\n"]
+CATEGORIES = {"code": [CODE, CODE2], "summary": [SUMMARY, SUMMARY2], "chat": CHAT}
+CONFIGS = {
+    "plain AR": None,
+    "ngram chain": dict(method="ngram", depth=4),
+    "ngram tree": dict(method="ngram", num_candidates=3, depth=4),
+    "self-draft chain": dict(method="draft", draft_layers=6, depth=3),
+    "self-draft beam": dict(method="draft", draft_layers=6, depth=3, num_candidates=2),
+}
+
+
+def engine(llm: LLM, opts: dict | None) -> LLMEngine:
+    cfg = EngineConfig(dtype="float32", decoding="speculative" if opts else "autoregressive",
+                       decoding_options=opts or {}, kv_cache_blocks=512, progress=False)
+    return LLMEngine(cfg, llm.engine.model, llm.model_config)
+
+
+def run(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], float]:
+    t = time.perf_counter()
+    ids = [eng.add_request(p, params) for p in prompts]
+    while eng.has_unfinished():
+        eng.step()
+    dt = time.perf_counter() - t
+    return [eng.seqs[i].output_ids for i in ids], dt
+
+
+def mal(eng: LLMEngine) -> float:
+    return eng.strategy.metrics().get("spec_decode_mean_acceptance_length", 1.0) or 1.0
+
+
+def bench_ours(llm: LLM, params: SamplingParams) -> tuple[dict, dict]:
+    enc = {c: [llm.encode(p) for p in ps] for c, ps in CATEGORIES.items()}
+    rows: dict = {}
+    ref: dict = {}
+    for name, opts in CONFIGS.items():
+        for cat, prompts in enc.items():  # batch 1: each prompt alone, median over prompts
+            eng = engine(llm, opts)
+            tps, same = [], True
+            for p in prompts:
+                out, dt = run(eng, [p], params)
+                tps.append(len(out[0]) / dt)
+                ref.setdefault((cat, tuple(p)), out[0])
+                same &= out[0] == ref[(cat, tuple(p))]
+            committed = sum(s.num_cached for s in eng.seqs.values())
+            kvw = eng.cache.bytes_written / (committed * eng.cache.bytes_per_token())
+            rows[(name, cat, 1)] = dict(tps=statistics.median(tps), mal=mal(eng), same=same, kv=kvw)
+            print(f"  {name:17s} {cat:8s} b=1  {rows[(name, cat, 1)]}", flush=True)
+        # batch 8: a mixed batch (code, summary, chat, twice each + 2 code)
+        mixed = [p for ps in enc.values() for p in ps] + enc["code"]
+        eng = engine(llm, opts)
+        out, dt = run(eng, mixed, params)
+        key = ("mixed", tuple(map(tuple, mixed)))
+        ref.setdefault(key, out)
+        rows[(name, "mixed", 8)] = dict(tps=sum(map(len, out)) / dt, mal=mal(eng), same=out == ref[key],
+                                        kv=eng.cache.bytes_written / (sum(s.num_cached for s in eng.seqs.values())
+                                                                      * eng.cache.bytes_per_token()))
+        print(f"  {name:17s} mixed    b=8  {rows[(name, 'mixed', 8)]}", flush=True)
+    return rows, ref
+
+
+def bench_hf(llm: LLM, params: SamplingParams, ref: dict) -> dict:
+    import transformers
+    from transformers import LlamaForCausalLM
+
+    from ratchetlm.models.loader import default_model_path
+
+    transformers.logging.set_verbosity_error()
+    p = default_model_path()
+    model = LlamaForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
+    variants = {"HF greedy": {}, "HF prompt lookup": dict(prompt_lookup_num_tokens=4),
+                "HF early-exit assisted": dict(assistant_early_exit=6)}
+    rows = {}
+    for name, kw in variants.items():
+        for cat, prompts in CATEGORIES.items():
+            tps, same = [], True
+            for text in prompts:
+                ids = llm.encode(text)
+                x = torch.tensor([ids])
+                t = time.perf_counter()
+                try:
+                    with torch.inference_mode():
+                        y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=params.max_tokens,
+                                           min_new_tokens=params.max_tokens, do_sample=False, **kw)
+                except Exception as e:  # an unsupported option is reported, not hidden
+                    print(f"  {name}: unsupported ({type(e).__name__}: {e})")
+                    tps = []
+                    break
+                dt = time.perf_counter() - t
+                out = y[0, len(ids):].tolist()
+                tps.append(len(out) / dt)
+                same &= out == ref[(cat, tuple(ids))]
+            if tps:
+                rows[(name, cat, 1)] = dict(tps=statistics.median(tps), mal=float("nan"), same=same, kv=float("nan"))
+                print(f"  {name:17s} {cat:8s} b=1  {rows[(name, cat, 1)]}", flush=True)
+    return rows
+
+
+def bench_scv(llm: LLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = [llm.encode(p) for ps in CATEGORIES.values() for p in ps]
+    print("\nSCV (n-gram chain depth 6): tokens/s by chunk_size")
+    for batch in (1, 16):
+        batch_prompts = (prompts * 3)[:batch]
+        res = {}
+        for chunk in (0, 2, 3):
+            eng = engine(llm, dict(method="ngram", depth=6, chunk_size=chunk))
+            out, dt = run(eng, batch_prompts, params)
+            res[chunk] = sum(map(len, out)) / dt
+        base = res[0]
+        print(f"  batch {batch:2d}: " + "  ".join(f"chunk={c or 'off'}: {v:6.2f} tok/s ({v / base:.2f}x)"
+                                             for c, v in res.items()), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-scv", action="store_true")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    llm = LLM(progress=False, dtype="float32")
+    params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
+    print(f"default model, CPU, {a.threads} thread(s), greedy, {a.max_tokens} new tokens")
+    rows, ref = bench_ours(llm, params)
+    if not a.skip_hf:
+        rows.update(bench_hf(llm, params, ref))
+    print("\n| config | prompts | batch | tok/s (median) | vs plain AR | mean acc. len "
+          "| KV written / committed tok | greedy text == AR |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (name, cat, b), r in rows.items():
+        base = rows[("plain AR", cat, b)]["tps"]
+        print(f"| {name} | {cat} | {b} | {r['tps']:.2f} | {r['tps'] / base:.2f}x | {r['mal']:.2f} | {r['kv']:.2f} |"
+              f" {'yes' if r['same'] else 'NO'} |")
+    if not a.skip_scv:
+        bench_scv(llm)
+
+
+if __name__ == "__main__":
+    main()
