@@ -104,7 +104,7 @@ def main() -> None:
         runner = DeepseekV4Runner(model, max_seqs=1)
         runner.restore(0, prefix_traces(traces, L_eff))
         it = iter(ids[L_eff:].tolist())
-        ours_ms = time_calls(lambda: runner.decode({0: next(it)}), args.steps)
+        ours_ms = time_calls(lambda: runner.decode({0: next(it)}), args.steps)  # noqa: B023
         ours_b = ours_cache_bytes(runner, 0)
 
         cache = DynamicCache(config=hf.config)
@@ -114,7 +114,7 @@ def main() -> None:
             it2 = iter(ids[L_eff:].tolist())
 
             def hf_step():
-                hf(torch.tensor([[next(it2)]]), past_key_values=cache, use_cache=True)
+                hf(torch.tensor([[next(it2)]]), past_key_values=cache, use_cache=True)  # noqa: B023
 
             hf_ms = time_calls(hf_step, args.steps)
         hf_b = hf_cache_bytes(cache)

@@ -89,5 +89,5 @@ def test_mixed_batch_512_steps_matches_reference_and_is_deterministic(model, lon
     # deterministic: a fresh run (same tables) reproduces the first calls bit for bit
     _, again = run(16, seed=21)
     for s in range(len(MIXED_STARTS)):
-        for a, b in zip(again.logits[s], log.logits[s][:16]):
+        for a, b in zip(again.logits[s], log.logits[s][:16], strict=False):
             assert torch.equal(a, b)

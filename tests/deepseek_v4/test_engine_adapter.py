@@ -25,7 +25,7 @@ def test_engine_streams_greedy_tokens_like_hf(hf_model, tiny_v4_dir):
     engine = DeepseekV4Engine(tiny_v4_dir, max_num_seqs=2)
     sids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=10)) for p in prompts]
     tokens, finished = _drain(engine)
-    for sid, p in zip(sids, prompts):
+    for sid, p in zip(sids, prompts, strict=False):
         with torch.no_grad():
             want = hf_model.generate(torch.tensor([p]), max_new_tokens=10, min_new_tokens=10, do_sample=False)
         assert tokens[sid] == want[0, len(p):].tolist()

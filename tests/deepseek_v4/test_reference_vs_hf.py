@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from ratchetlm.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
-from ratchetlm.models.deepseek_v4.loader import load_deepseek_v4
 from ratchetlm.models.deepseek_v4.reference import reference_forward
 from ratchetlm.models.deepseek_v4.rope import inv_freq
 

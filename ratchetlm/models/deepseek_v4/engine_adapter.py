@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ratchetlm.engine.llm_engine import StepOutput
-from ratchetlm.engine.sequence import Sequence, SeqStatus
+from ratchetlm.engine.sequence import SeqStatus, Sequence
 from ratchetlm.layers.sampler import sample
 from ratchetlm.models.deepseek_v4.loader import load_deepseek_v4
 from ratchetlm.models.deepseek_v4.runner import DeepseekV4Runner

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ratchetlm.models.deepseek_v4.attention import Attention
-from ratchetlm.models.deepseek_v4.blocks import MoE, HyperConnection, HyperHead, RMSNorm
+from ratchetlm.models.deepseek_v4.blocks import HyperConnection, HyperHead, MoE, RMSNorm
 from ratchetlm.models.deepseek_v4.config import SLIDING, DeepseekV4Config
 from ratchetlm.models.deepseek_v4.rope import RopeTable
 
