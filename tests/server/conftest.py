@@ -1,0 +1,99 @@
+"""A real ``ratchet serve`` subprocess on 127.0.0.1 (free port), shared by the server tests, and
+the in-process ``LLM`` used as the oracle."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import torch
+
+MODEL_NAME = "test-model"
+SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "1024", "--kv-cache-blocks", "384", "--max-num-seqs", "32",
+               "--max-waiting", "36", "--torch-threads", "1", "--served-model-name", MODEL_NAME, "--log-level", "warning"]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    base: str
+    proc: subprocess.Popen
+
+    @property
+    def v1(self) -> str:
+        return self.base + "/v1"
+
+    def health(self) -> httpx.Response:
+        return httpx.get(self.base + "/health", timeout=10)
+
+
+def start_server(extra: list[str] | None = None, timeout: float = 240.0) -> Server:
+    port = free_port()
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.Popen([sys.executable, "-m", "ratchetlm", "serve", "--host", "127.0.0.1", "--port", str(port),
+                             *SERVER_ARGS, *(extra or [])], env=env)
+    srv = Server(f"http://127.0.0.1:{port}", proc)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ratchet serve exited with {proc.returncode}")
+        try:
+            if srv.health().status_code == 200:
+                return srv
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.terminate()
+    raise RuntimeError("ratchet serve did not become healthy")
+
+
+def stop_server(srv: Server) -> None:
+    srv.proc.terminate()
+    try:
+        srv.proc.wait(15)
+    except subprocess.TimeoutExpired:
+        srv.proc.kill()
+
+
+@pytest.fixture(scope="session")
+def server():
+    srv = start_server()
+    yield srv
+    stop_server(srv)
+
+
+@pytest.fixture(scope="session")
+def oracle(llm_fp32):
+    """The offline LLM with the server's dtype: greedy text here must equal the server's."""
+    torch.set_num_threads(1)  # the shared CPU is oversubscribed; one thread is several times faster
+    return llm_fp32
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=120)
+
+
+def wait_idle(server: Server, within: float) -> dict:
+    """Poll /health until no request runs or waits and every KV block is free; returns the last JSON."""
+    deadline = time.monotonic() + within
+    while True:
+        h = server.health().json()
+        if h["requests_running"] == 0 and h["requests_waiting"] == 0 and h["kv_blocks_free"] == h["kv_blocks_total"]:
+            return h
+        if time.monotonic() > deadline:
+            return h
+        time.sleep(0.02)
