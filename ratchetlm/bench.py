@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         for b in sizes:
             prompts = PROMPTS[:b]
 
-            def run(prompts=prompts, llm=llm) -> int:
+            def run(prompts=prompts, llm=llm, dt=dt) -> int:
                 outs = llm.generate(prompts, sp, use_tqdm=False)
                 if dt == "float32":
                     texts[len(prompts)] = [o.token_ids for o in outs]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence as Seq
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -149,7 +150,7 @@ class LLM:
             ids_i = seq.output_ids if reasons[i] != "stop" or not token_ids[i] else token_ids[i]
             outs.append(RequestOutput(
                 request_id=sid,
-                prompt=plist[i] if isinstance(plist[i], str) else None,
+                prompt=p_i if isinstance(p_i := plist[i], str) else None,
                 prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
                 text=text[i],
                 token_ids=ids_i,
@@ -165,8 +166,8 @@ class LLM:
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         params: SamplingParams | None = None,
     ) -> list[RequestOutput]:
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate([self.apply_chat_template(c) for c in convs], params)  # type: ignore[arg-type]
+        convs: list[Any] = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self.generate([self.apply_chat_template(c) for c in convs], params)
 
 
 def _dev(cfg: EngineConfig) -> Any:
@@ -179,7 +180,7 @@ def _as_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
     if isinstance(prompts, list | tuple) and prompts and all(isinstance(t, int) for t in prompts):
-        return [list(prompts)]  # type: ignore[arg-type]
+        return [[int(t) for t in prompts]]
     if not isinstance(prompts, list | tuple) or not prompts:
         raise ValueError("prompts must be a non-empty string, token-id list, or list of those")
     return list(prompts)

@@ -15,7 +15,7 @@ write point.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,17 @@ class AttentionBatch:
     num_seqs: int
     max_new: int
     max_ctx: int
+    _grouped: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+
+    def grouped_mask(self, g: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """``mask`` with each query row repeated for the ``g`` heads of a KV group: ``[B, 1, g*n, L]``
+        (row ``g_idx * n + i`` = row ``i``). Built once per forward, shared by all layers."""
+        if self.mask is None:
+            return None
+        key = (g, dtype)
+        if key not in self._grouped:
+            self._grouped[key] = self.mask.repeat(1, 1, g, 1).to(dtype)
+        return self._grouped[key]
 
 
 def build_attention_batch(
@@ -71,12 +82,11 @@ def build_attention_batch(
     mask = None
     if not (causal or see_all):
         mask = torch.zeros(b, 1, max_new, max_ctx + max_new, dtype=torch.bool)
-        for i, (c, n, m) in enumerate(zip(ctx_lens, new_lens, new_masks, strict=True)):
+        for i, (c, n, nm) in enumerate(zip(ctx_lens, new_lens, new_masks, strict=True)):
             mask[i, 0, :n, :c] = True
-            if m is None:
-                m = torch.ones(n, n, dtype=torch.bool).tril_()
-            assert m.shape == (n, n), f"new-token mask must be [{n}, {n}], got {tuple(m.shape)}"
-            mask[i, 0, :n, max_ctx : max_ctx + n] = m.cpu()
+            nm = torch.ones(n, n, dtype=torch.bool).tril_() if nm is None else nm
+            assert nm.shape == (n, n), f"new-token mask must be [{n}, {n}], got {tuple(nm.shape)}"
+            mask[i, 0, :n, max_ctx : max_ctx + n] = nm.cpu()
             # Padding query rows attend to one real key so softmax stays finite; their output is dropped.
             mask[i, 0, n:, max_ctx] = True
         # Additive float mask: SDPA's CPU kernels are markedly faster with it than with a bool mask.
@@ -84,8 +94,8 @@ def build_attention_batch(
     ctx = None
     if max_ctx > 0:
         ctx = torch.zeros(b, max_ctx, dtype=torch.long)
-        for i, s in enumerate(context_slots):
-            ctx[i, : s.numel()] = s.cpu()
+        for i, cs in enumerate(context_slots):
+            ctx[i, : cs.numel()] = cs.cpu()
         ctx = ctx.to(device)
     return AttentionBatch(
         positions=positions,
@@ -129,13 +139,20 @@ def paged_attention(
         vc = batch.cache.v[layer].index_select(0, slots).view(b, batch.max_ctx, hkv, d).to(q.dtype)
         kp = torch.cat([kc, kp], dim=1)
         vp = torch.cat([vc, vp], dim=1)
-    qp, kp, vp = qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2)  # [B, H*, L, D]
-    if hkv != h:  # explicit GQA expansion: faster than SDPA's enable_gqa path on CPU
-        kp = kp.repeat_interleave(h // hkv, dim=1)
-        vp = vp.repeat_interleave(h // hkv, dim=1)
-    if batch.mask is None:
-        out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=batch.is_causal, scale=scale)
+    kp, vp = kp.transpose(1, 2), vp.transpose(1, 2)  # [B, Hkv, L, D]
+    g = h // hkv
+    if batch.is_causal:
+        # Single-sequence prefill: SDPA's causal kernel needs one query row per head, so expand K/V.
+        qp = qp.transpose(1, 2)
+        if g > 1:
+            kp, vp = kp.repeat_interleave(g, dim=1), vp.repeat_interleave(g, dim=1)
+        out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale)
+        out = out.transpose(1, 2).reshape(b * n, h, d)
     else:
-        out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=batch.mask.to(q.dtype), scale=scale)
-    out = out.transpose(1, 2).reshape(b * n, h, d)  # [B * max_new, H, D]
+        # GQA without copying K/V: the G query heads sharing a KV head become G*n query rows of it
+        # (head j uses KV head j // G, as in HF's repeat_kv). Row r = g_idx * n + i.
+        qg = qp.view(b, n, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * n, d)
+        mask = batch.grouped_mask(g, q.dtype)
+        out = F.scaled_dot_product_attention(qg, kp, vp, attn_mask=mask, scale=scale)
+        out = out.view(b, hkv, g, n, d).permute(0, 3, 1, 2, 4).reshape(b * n, h, d)  # [B * max_new, H, D]
     return out if b == 1 else out.index_select(0, batch.unpad_index)

@@ -31,8 +31,9 @@ class RotaryEmbedding(nn.Module):
         self._build(max_positions)
 
     def _build(self, n: int) -> None:
-        t = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)
-        freqs = torch.outer(t, self.inv_freq)
+        inv_freq: torch.Tensor = self.inv_freq  # type: ignore[assignment]
+        t = torch.arange(n, dtype=torch.float32, device=inv_freq.device)
+        freqs = torch.outer(t, inv_freq.float())
         self.cos_table = torch.cat([freqs.cos(), freqs.cos()], dim=-1)  # [n, head_dim] fp32
         self.sin_table = torch.cat([freqs.sin(), freqs.sin()], dim=-1)
 
@@ -45,7 +46,7 @@ class RotaryEmbedding(nn.Module):
         return self.cos_table[positions].unsqueeze(1), self.sin_table[positions].unsqueeze(1)
 
     @staticmethod
-    def apply(
+    def rotate(
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]

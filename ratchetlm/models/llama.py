@@ -51,7 +51,7 @@ class DecoderLayer(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(cos_sin, q, k)
+        q, k = RotaryEmbedding.rotate(cos_sin, q, k)
         attn = paged_attention(self.index, q, k, v, batch, self.scale)
         x = x + self.o_proj(attn.reshape(t, self.q_size))
         gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
