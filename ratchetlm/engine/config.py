@@ -15,7 +15,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 class EngineConfig:
     model: str | None = None  # local GGUF file / HF folder; None = the bundled SmolLM2-135M-Instruct
     device: str = "cpu"
-    dtype: str = "auto"  # auto = bf16 on CUDA with bf16 support, fp32 otherwise
+    dtype: str = "auto"  # auto = bf16 where the hardware has native bf16 (CUDA sm80+, AVX512-BF16/AMX CPUs), else fp32
     max_model_len: int | None = None  # default: the model's max positions
     kv_cache_blocks: int | None = None  # default: ~1 GiB of KV (at least one max_model_len)
     block_size: int = 16
@@ -45,6 +45,7 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         if self.dtype != "auto":
             return DTYPES[self.dtype]
-        if self.device.startswith("cuda") and torch.cuda.is_bf16_supported():
-            return torch.bfloat16
-        return torch.float32
+        if self.device.startswith("cuda"):
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+        # On CPUs without native bf16 (e.g. AVX2-only), bf16 matmuls are emulated and slower than fp32.
+        return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
