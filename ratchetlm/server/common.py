@@ -115,6 +115,14 @@ class Runner:
         self.group = group
         self.states = [ChoiceState(i, ChoiceTimer(metrics, arrival)) for i in range(num_choices)]
 
+    def _aborted(self) -> None:
+        self.group.abort()
+        now = time.perf_counter()
+        for st in self.states:
+            if st.finish_reason is None:
+                st.finish_reason = "abort"
+                st.timer.finished("abort", now)
+
     async def collect(self) -> None:
         watcher = asyncio.ensure_future(_watch_disconnect(self.request, self.group))
         done = False
@@ -125,7 +133,7 @@ class Runner:
         finally:
             watcher.cancel()
             if not done:
-                self.group.abort()
+                self._aborted()
 
     async def stream(self, chunk: Callable[[ChoiceState, Delta], dict | None],
                      usage_chunk: Callable[[], dict] | None) -> AsyncIterator[str]:
@@ -150,7 +158,7 @@ class Runner:
         finally:
             watcher.cancel()
             if not done:
-                self.group.abort()
+                self._aborted()
 
 
 @dataclass

@@ -16,7 +16,8 @@ import torch
 
 MODEL_NAME = "test-model"
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "1024", "--kv-cache-blocks", "384", "--max-num-seqs", "32",
-               "--max-waiting", "36", "--torch-threads", "1", "--served-model-name", MODEL_NAME, "--log-level", "warning"]
+               "--max-waiting", "36", "--torch-threads", "1", "--served-model-name", MODEL_NAME,
+               "--log-level", "warning"]
 
 
 def free_port() -> int:
