@@ -13,7 +13,7 @@ from ratchetlm.engine.block_manager import BlockManager
 from ratchetlm.engine.config import EngineConfig
 from ratchetlm.engine.model_runner import ModelRunner
 from ratchetlm.engine.scheduler import Scheduler
-from ratchetlm.engine.sequence import Sequence, SeqStatus
+from ratchetlm.engine.sequence import SeqStatus, Sequence
 from ratchetlm.kv.cache import KVCache
 from ratchetlm.models.config import ModelConfig
 from ratchetlm.models.llama import LlamaModel
