@@ -19,13 +19,15 @@ MLP_TYPES = ["hash_moe", "hash_moe", "moe", "moe"]
 
 
 def tiny_hf_config(**overrides):
+    # 16 indexer heads: with few heads many slots score exactly 0 (all ReLUs off) and the
+    # top-512 cut lands inside a tie that HF's topk breaks arbitrarily.
     from transformers import DeepseekV4Config
 
     kw = dict(
         vocab_size=96, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4,
         num_attention_heads=4, head_dim=32, q_lora_rank=32, num_experts_per_tok=2, n_routed_experts=4,
         max_position_embeddings=16384, layer_types=LAYER_TYPES, mlp_layer_types=MLP_TYPES,
-        o_groups=2, o_lora_rank=16, index_n_heads=4, index_head_dim=16, index_topk=512,
+        o_groups=2, o_lora_rank=16, index_n_heads=16, index_head_dim=16, index_topk=512,
         sliding_window=128, partial_rotary_factor=0.25, hc_mult=4,
         rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 1024,
                          "beta_fast": 32, "beta_slow": 1},

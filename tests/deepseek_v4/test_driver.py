@@ -47,14 +47,11 @@ def test_single_8192_prompt_512_steps_matches_hf(hf_model, model):
     assert len(decisive) > STEPS * 0.9
     assert all(ours[i] == hf_tokens[i + 1] for i in decisive)  # greedy tokens identical
     # At 8k the indexer picks 512 of ~2048 entries for each of 8192 prompt queries; fp32
-    # rounding differs between HF's and our score kernels, so a handful of near-tied picks
+    # rounding differs between HF's and our score kernels, so a few near-tied picks can
     # swap and nudge later logits by ~1e-4 (our own fp32-vs-fp64 reference shows the same).
-    # A single decode step can also flip a near-tied pick (seen: 0.04 at step 511 once, while
-    # its neighbours sit at ~5e-4), so most sampled steps must be tight and none far off.
     diffs = {step: float((log.logits[0][step] - hf_logits[step]).abs().max()) for step in SAMPLED}
-    tight = [s for s, d in diffs.items() if d <= 2e-3]
-    assert len(tight) >= len(SAMPLED) - 2, diffs
-    assert max(diffs.values()) < 0.1, diffs
+    print("max |ours - hf| per sampled step:", diffs)
+    assert max(diffs.values()) < 2e-3, diffs
     assert all(c == {0: 1} for c in log.commits_per_call)
     assert runner.lengths[0] == 8192 + STEPS
 
@@ -78,7 +75,7 @@ def test_mixed_batch_512_steps_matches_reference_and_is_deterministic(model, lon
     for s, p in enumerate(MIXED_STARTS):
         assert runner.lengths[s] == p + STEPS
         for step in SAMPLED:
-            torch.testing.assert_close(log.logits[s][step], ref[p + step], atol=1e-4, rtol=1e-4,
+            torch.testing.assert_close(log.logits[s][step], ref[p + step], atol=5e-5, rtol=0,
                                        msg=f"seq start {p} step {step}")
             assert int(log.logits[s][step].argmax()) == int(ref[p + step].argmax())
     # metadata stays valid after 512 calls: the next step lowers without complaint

@@ -103,6 +103,18 @@ class Indexer(WindowCompressor):
         return (F.relu(dots) * self.dim**-0.5 * w.unsqueeze(-1)).sum(dim=1)
 
 
+def select_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``k`` along the last dim, ties broken towards the lower slot.
+
+    Exact ties are common (a slot scores exactly 0 whenever every head's ReLU is 0) and
+    ``torch.topk`` breaks them differently for different widths, so the unpaged reference
+    (width = visible entries) and the decode path (width = SCORE_LEN) would otherwise pick
+    different slots. A stable descending sort makes the choice a function of the scores alone.
+    -> (values, indices), each ``[..., k]``."""
+    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
+
+
 class CSACompressor(WindowCompressor):
     def __init__(self, cfg: DeepseekV4Config) -> None:
         super().__init__(cfg, cfg.csa_ratio, cfg.head_dim, overlap=True)

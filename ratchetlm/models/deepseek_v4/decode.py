@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ratchetlm.models.deepseek_v4.attention import Attention, WindowCompressor
+from ratchetlm.models.deepseek_v4.attention import Attention, WindowCompressor, select_topk
 from ratchetlm.models.deepseek_v4.cache import DeepseekV4PagedCache
 from ratchetlm.models.deepseek_v4.config import CSA, HCA
 from ratchetlm.models.deepseek_v4.model import DeepseekV4ForCausalLM
@@ -67,9 +67,9 @@ def indexer_topk(attn: Attention, x: torch.Tensor, q_res: torch.Tensor, meta: De
     keys = idx_pool.view(-1, idx_pool.shape[-1])[rows.clamp(min=0)]  # [B, score_len, Di]
     scores = indexer.scores(iq.flatten(0, 1), iw.flatten(0, 1), keys.repeat_interleave(S, 0)).view(B, S, -1)
     hidden = (slots >= meta.inner.visible_len[..., None]) | (rows < 0)[:, None, :]
-    top = scores.masked_fill(hidden, float("-inf")).topk(topk, dim=-1)
-    raw = meta.window + meta.decode_seq + top.indices
-    return torch.where(top.values > float("-inf"), raw, torch.full_like(raw, -1))
+    values, picked = select_topk(scores.masked_fill(hidden, float("-inf")), topk)
+    raw = meta.window + meta.decode_seq + picked
+    return torch.where(values > float("-inf"), raw, torch.full_like(raw, -1))
 
 
 def paged_attention(model: DeepseekV4ForCausalLM, layer: int, x: torch.Tensor, meta: DecodeMetadata,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ratchetlm.models.deepseek_v4.attention import Attention, WindowCompressor, sink_attention
+from ratchetlm.models.deepseek_v4.attention import Attention, WindowCompressor, select_topk, sink_attention
 from ratchetlm.models.deepseek_v4.config import CSA
 from ratchetlm.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from ratchetlm.models.deepseek_v4.rope import RopeTable
@@ -90,8 +90,8 @@ def _attention(attn: Attention, x: torch.Tensor, positions: torch.Tensor, rope: 
             if attn.kind == CSA:
                 scores = indexer.scores(iq[c0:c1], iw[c0:c1], trace.indexer.entries[None])  # type: ignore
                 scores = scores.masked_fill(slots >= ready, float("-inf"))
-                top = scores.topk(min(indexer.topk, entries.shape[0]), dim=-1)
-                extra, extra_visible = entries[top.indices], top.values > float("-inf")
+                values, picked = select_topk(scores, min(indexer.topk, entries.shape[0]))
+                extra, extra_visible = entries[picked], values > float("-inf")
             else:
                 extra, extra_visible = entries[None].expand(c1 - c0, -1, -1), slots < ready
             keys = torch.cat([keys.expand(c1 - c0, -1, -1), extra], dim=1)
