@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch intra-op threads (default: torch's choice; 1 helps on a busy shared CPU)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
+    p.set_defaults(progress=False)  # no tqdm bars in server logs unless --progress true
     return p
 
 
@@ -47,7 +48,6 @@ def main(argv: list[str] | None = None) -> int:
 
     kw = engine_kwargs(args)
     model = kw.pop("model")
-    kw["progress"] = False if args.progress is None else kw["progress"]
 
     def load():
         from ratchetlm import LLM

@@ -133,3 +133,7 @@ def test_stop_string_inside_multi_token_commit(oracle):
         assert "".join(e["choices"][0]["text"] for e in events[:-1]) == expected
         h = httpx.get(base + "/health").json()
         assert h["requests_running"] == 0 and h["kv_blocks_free"] == h["kv_blocks_total"]
+        metrics = httpx.get(base + "/metrics").text  # the strategy's counters are exported as gauges
+        accepted = next(line for line in metrics.splitlines()
+                        if line.startswith("ratchet:strategy_spec_decode_num_accepted_tokens{"))
+        assert float(accepted.rsplit(" ", 1)[1]) > 0
