@@ -82,10 +82,10 @@ class LLM:
             raise ValueError(f"decoding={self.config.decoding!r} is not supported for DeepSeek-V4 models "
                              "(only 'autoregressive'; its MTP second token is not yet consumed)")
         self.tokenizer = load_tokenizer(resolve(model))
-        self.engine = DeepseekV4Engine(model, max_num_seqs=self.config.max_num_seqs,  # type: ignore[assignment]
-                                       dtype=self.config.torch_dtype(), seed=self.config.seed,
-                                       max_model_len=self.config.max_model_len)
-        self.model_config = self.engine.config
+        eng = DeepseekV4Engine(model, max_num_seqs=self.config.max_num_seqs, dtype=self.config.torch_dtype(),
+                               seed=self.config.seed, max_model_len=self.config.max_model_len)
+        self.engine = eng  # type: ignore[assignment]  # same surface as LLMEngine
+        self.model_config = eng.config
 
     # ------------------------------------------------------------------ prompts
 
