@@ -85,7 +85,7 @@ class LLM:
         eng = DeepseekV4Engine(model, max_num_seqs=self.config.max_num_seqs, dtype=self.config.torch_dtype(),
                                seed=self.config.seed, max_model_len=self.config.max_model_len)
         self.engine = eng  # type: ignore[assignment]  # same surface as LLMEngine
-        self.model_config = eng.config
+        self.model_config = eng.config  # type: ignore[assignment]
 
     # ------------------------------------------------------------------ prompts
 
