@@ -73,7 +73,9 @@ class CompletionPlan:
         tops: list[dict[str, float] | None] = []
         if with_prompt:
             p_ids = self.prompts[self._prompt_of(st.index)][1]
-            p_lps = st.prompt_logprobs or [None] * len(p_ids)
+            # a preempted-and-recomputed prompt appends its prompt logprobs again: the first pass counts
+            p_lps = (st.prompt_logprobs or [])[: len(p_ids)]
+            p_lps += [None] * (len(p_ids) - len(p_lps))
             for tid, d in zip(p_ids, p_lps, strict=True):
                 tokens.append(tt(tid))
                 token_lps.append(None if d is None else d[tid])
