@@ -26,7 +26,7 @@ from ratchetlm.server.async_engine import AsyncEngine
 from ratchetlm.server.common import Runner, ServingContext, TokenText
 from ratchetlm.server.errors import APIError, from_validation, from_value_error
 from ratchetlm.server.metrics import ServerMetrics
-from ratchetlm.server.protocol import ChatCompletionRequest, CompletionRequest, check_unsupported
+from ratchetlm.server.protocol import ChatCompletionRequest, CommonRequest, CompletionRequest, check_unsupported
 from ratchetlm.server.serving_chat import ChatPlan
 from ratchetlm.server.serving_completion import CompletionPlan
 
@@ -119,7 +119,7 @@ def build_app(llm_or_loader: Any, served_model_name: str) -> FastAPI:
     return app
 
 
-async def _serve(state: ServerState, request: Request, model: type, plan_cls: type) -> Response:
+async def _serve(state: ServerState, request: Request, model: type[CommonRequest], plan_cls: type) -> Response:
     arrival = time.perf_counter()
     if state.engine is None or state.ctx is None:
         raise APIError("the model is still loading", 503)

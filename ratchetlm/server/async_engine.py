@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +43,6 @@ class Delta:
     finished: bool
     finish_reason: str | None
     prompt_logprobs: list[dict[int, float] | None] | None = None
-    time: float = 0.0
 
 
 class EngineError(RuntimeError):
@@ -196,17 +194,16 @@ class AsyncEngine:
 
     def _deliver(self, outs: list[StepOutput]) -> None:
         by_group: dict[int, tuple[RequestGroup, list[Delta]]] = {}
-        now = time.perf_counter()
         for out in outs:
             live = self._live.get(out.seq_id)
             if live is None:
                 continue
-            d = self._delta(out, live, now)
+            d = self._delta(out, live)
             by_group.setdefault(id(live.group), (live.group, []))[1].append(d)
         for g, ds in by_group.values():
             g._post(ds)
 
-    def _delta(self, out: StepOutput, live: _Live, now: float) -> Delta:
+    def _delta(self, out: StepOutput, live: _Live) -> Delta:
         visible = out.new_token_ids
         if out.finish_reason == "stop" and visible and self.engine.is_stop_token(out.seq_id, visible[-1]):
             visible = visible[:-1]  # EOS / stop token ids end the request but are not text
@@ -223,7 +220,7 @@ class AsyncEngine:
             live.group.seq_ids.pop(out.seq_id, None)
             if seq is not None and seq.params.prompt_logprobs is not None:
                 prompt_lp = list(seq.prompt_logprobs)
-        return Delta(live.index, list(out.new_token_ids), text, out.new_logprobs, finished, reason, prompt_lp, now)
+        return Delta(live.index, list(out.new_token_ids), text, out.new_logprobs, finished, reason, prompt_lp)
 
     def _fail_all(self, e: Exception) -> None:
         groups = {id(l.group): l.group for l in self._live.values()}

@@ -17,10 +17,10 @@ from ratchetlm.sampling_params import SamplingParams
 from ratchetlm.server.async_engine import Delta, RequestGroup
 from ratchetlm.server.errors import APIError, from_value_error
 from ratchetlm.server.metrics import ChoiceTimer, ServerMetrics
-from ratchetlm.server.protocol import _Common
+from ratchetlm.server.protocol import CommonRequest
 
 
-def make_params(req: _Common, *, max_tokens: int, choice: int, logprobs: int | None = None,
+def make_params(req: CommonRequest, *, max_tokens: int, choice: int, logprobs: int | None = None,
                 prompt_logprobs: int | None = None) -> SamplingParams:
     """OpenAI fields -> SamplingParams; with a seed, choice ``i`` uses ``seed + i`` so n>1 choices
     differ but each is reproducible. ValueErrors (naming the field) become 400s."""

@@ -22,7 +22,7 @@ class StreamOptions(_Model):
     include_usage: bool = False
 
 
-class _Common(_Model):
+class CommonRequest(_Model):
     """Fields shared by completions and chat completions (vLLM's extras included: top_k, min_p, ...)."""
 
     model: str | None = None
@@ -45,7 +45,7 @@ class _Common(_Model):
     user: str | None = None
 
 
-class CompletionRequest(_Common):
+class CompletionRequest(CommonRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None  # number of top alternatives per token (0..20)
     echo: bool = False
@@ -69,14 +69,14 @@ class ChatMessage(_Model):
         return {"role": self.role, "content": content or ""}
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(CommonRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
 
 
-def check_unsupported(req: _Common) -> None:
+def check_unsupported(req: CommonRequest) -> None:
     """Reject OpenAI options this server cannot honour instead of ignoring them."""
     for name in ("presence_penalty", "frequency_penalty"):
         v = getattr(req, name)
