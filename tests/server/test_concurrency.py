@@ -7,6 +7,7 @@ import json
 import time
 
 import httpx
+import pytest
 
 from ratchetlm import SamplingParams
 from tests.server.conftest import MODEL_NAME, wait_idle
@@ -76,3 +77,28 @@ def test_disconnect_aborts_request_and_frees_blocks(server, client):
     # the server keeps serving
     out = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=2, temperature=0)
     assert out.choices[0].finish_reason in ("length", "stop")
+
+
+def test_nonstream_client_timeout_aborts_request(server):
+    body = {"model": MODEL_NAME, "prompt": "List every prime number.", "max_tokens": 500, "temperature": 0,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=3.0))
+    h = wait_idle(server, within=1.0)  # the client gave up and closed: the server aborts the request
+    assert h["requests_running"] == 0 and h["kv_blocks_free"] == h["kv_blocks_total"], h
+
+
+def _metric(text: str, name: str) -> float:
+    line = next(x for x in text.splitlines() if x.startswith(name + "{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_metrics_after_traffic(server):
+    text = httpx.get(server.base + "/metrics").text
+    for name in ("ratchet:prompt_tokens_total", "ratchet:generation_tokens_total",
+                 "ratchet:time_to_first_token_seconds_count", "ratchet:inter_token_latency_seconds_count",
+                 "ratchet:e2e_request_latency_seconds_count"):
+        assert _metric(text, name) > 0, name
+    assert _metric(text, "ratchet:num_requests_running") == 0
+    assert _metric(text, "ratchet:kv_cache_usage_perc") == 0.0
+    assert _metric(text, "ratchet:kv_cache_blocks_total") == 384
