@@ -69,8 +69,11 @@ class Scheduler:
         return out
 
     def _preempt(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
         self.blocks.free(seq)
         seq.num_cached = 0
+        seq.prompt_logprobs.clear()  # recomputed with the prompt's KV
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.on_preempt(seq)

@@ -94,3 +94,28 @@ def test_eos_stops_with_reason_stop(llm_fp32):
                         SamplingParams(max_tokens=64, temperature=0))[0]
     assert out.finish_reason == "stop"
     assert out.token_ids[-1] == 2 and "<|im_end|>" not in out.text
+
+
+def test_prompt_and_sample_logprobs_match_hf_across_preemption(llm_fp32, hf_smollm):
+    eng = llm_fp32.engine
+    ids = llm_fp32.encode("Paris is the capital of")
+    sid = eng.add_request(ids, SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=2, logprobs=2))
+    eng.step()  # prefill: prompt logprobs recorded
+    seq = eng.seqs[sid]
+    eng.scheduler._preempt(seq)  # lose the KV: the recompute must not duplicate prompt logprobs
+    while eng.has_unfinished():
+        eng.step()
+    eng.release(sid)
+    assert seq.num_preemptions == 1
+    full = ids + seq.output_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_smollm(torch.tensor([full])).logits[0].float(), -1)
+    assert len(seq.prompt_logprobs) == len(ids) and seq.prompt_logprobs[0] is None
+    for p in range(1, len(ids)):
+        entry = seq.prompt_logprobs[p]
+        assert entry is not None and abs(entry[ids[p]] - float(ref[p - 1, ids[p]])) < 1e-3
+        assert len(entry) >= 2
+    for j, tok in enumerate(seq.output_ids):
+        pos = len(ids) + j - 1
+        assert abs(seq.logprobs[j][tok] - float(ref[pos, tok])) < 1e-3
+        assert tok == int(ref[pos].argmax())
