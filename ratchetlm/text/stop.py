@@ -77,7 +77,7 @@ class StopStringMatcher:
         # A suffix that could start a stop string never reaches into released text: if it did,
         # the released part would itself have been such a suffix and been held.
         hold = min(hold, len(seen) - first_unreleased)
-        self._tail = seen[len(seen) - self._context_len :] if self._context_len else ""
+        self._tail = seen[max(0, len(seen) - self._context_len) :] if self._context_len else ""
         self._held = hold
         return seen[first_unreleased : len(seen) - hold]
 

@@ -95,8 +95,8 @@ def test_max_model_len_caps_the_tree(spec_llm, encoded):
 
 
 def test_mixed_with_prefill_and_preemption(spec_llm, encoded, reference):
-    """Tight KV: sequences get preempted and recomputed; prefill rows mix with tree rows."""
-    eng = make_engine(spec_llm, "speculative", kv_cache_blocks=14, method="ngram", num_candidates=2, depth=4)
+    """Tight KV (10 blocks for 15 blocks of demand): sequences get preempted and recomputed; prefill rows mix with tree rows."""
+    eng = make_engine(spec_llm, "speculative", kv_cache_blocks=10, method="ngram", num_candidates=2, depth=4)
     subset = [0, 3, 4, 8]
     out = run_engine(eng, [encoded[i] for i in subset], GREEDY)
     assert out == [reference[i] for i in subset]
