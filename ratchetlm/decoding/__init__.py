@@ -2,6 +2,7 @@
 
 from ratchetlm.decoding import autoregressive  # noqa: F401
 from ratchetlm.decoding import speculative  # noqa: F401
+from ratchetlm.decoding import wedlm  # noqa: F401
 from ratchetlm.decoding.base import Commit, DecodeStrategy, Proposal, create_strategy, register
 
 __all__ = ["Commit", "DecodeStrategy", "Proposal", "create_strategy", "register"]

@@ -31,11 +31,12 @@ def catch_up_proposal(seq: Sequence, budget: int) -> Proposal:
     )
 
 
-def catch_up_commit(seq: Sequence, prop: Proposal, logits: torch.Tensor) -> Commit:
-    """Commit every fed row; sample the next token if the proposal reached the end."""
+def catch_up_commit(seq: Sequence, prop: Proposal, logits: torch.Tensor, sample_next: bool = True) -> Commit:
+    """Commit every fed row; sample the next token if the proposal reached the end (and
+    ``sample_next``: WeDLM's prefill produces no token, its first window forward does)."""
     n = len(prop.token_ids)
     start = prop.positions[0]
-    reached_end = start + n == len(seq.token_ids)
+    reached_end = sample_next and start + n == len(seq.token_ids)
     prompt_lp = None
     k_prompt = seq.params.prompt_logprobs
     if k_prompt is not None and start < seq.num_prompt_tokens:

@@ -1,0 +1,87 @@
+"""The WeDLM oracle: the same window algorithm with no KV cache at all.
+
+Every step recomputes the whole sequence from token ids: ``committed prefix + window in
+topological order`` under a plain causal mask, positions ``0..L-1`` then ``L + slot``. Nothing
+is cached, staged or batched, so it shares no attention/KV code with the engine; only the
+window and sampler functions (:mod:`ratchetlm.decoding.wedlm_window`) are shared, and those are
+tested against the seed's worked examples on their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ratchetlm.decoding.wedlm_window import WeDLMConfig, commit_length, fill, new_window, refill
+from ratchetlm.sampling_params import SamplingParams
+
+# (input ids [n], position ids [n]) -> logits [n, V], causal attention over the given order
+LogitsFn = Callable[[list[int], list[int]], torch.Tensor]
+
+
+@dataclass
+class ReferenceResult:
+    output_ids: list[int]
+    finish_reason: str
+    forwards: int = 0  # window forwards (prefill excluded, like the engine's stats)
+    commits_per_step: list[int] = field(default_factory=list)
+    fills_per_step: list[int] = field(default_factory=list)
+
+
+def hf_logits_fn(model) -> LogitsFn:  # noqa: ANN001 - any HF causal LM
+    """Adapter for a transformers causal LM: explicit position ids and an explicit 4-D causal
+    mask (without one, transformers reads non-monotonic position ids as packed sequences and
+    hides the window's filled slots from the masks before them)."""
+
+    @torch.inference_mode()
+    def fn(ids: list[int], pos: list[int]) -> torch.Tensor:
+        n = len(ids)
+        causal = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+        out = model(input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]), attention_mask=causal,
+                    use_cache=False)
+        return out.logits[0].float()
+
+    return fn
+
+
+def wedlm_generate_reference(
+    logits_fn: LogitsFn,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    cfg: WeDLMConfig,
+    mask_token_id: int,
+    max_model_len: int,
+    eos_token_ids: tuple[int, ...] = (),
+    generator: torch.Generator | None = None,
+) -> ReferenceResult:
+    """Generate with WeDLM window decoding, recomputing everything each step."""
+    seq = list(prompt_ids)
+    n_prompt = len(seq)
+    stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    w = new_window(mask_token_id, cfg.window_size, max_model_len - len(seq))
+    res = ReferenceResult([], "length")
+    while True:
+        refill(w, mask_token_id, max_model_len - len(seq) - len(w))
+        order = w.order()
+        prune = w.leading_filled()
+        num_filled = sum(1 for k in order if not w.is_mask[k])
+        ids = seq + [w.tokens[k] for k in order]
+        pos = list(range(len(seq))) + [len(seq) + k for k in order]
+        logits = logits_fn(ids, pos)[len(seq) + num_filled :]
+        res.forwards += 1
+        room = min(params.max_tokens - (len(seq) - n_prompt), max_model_len - len(seq))
+        n = commit_length(w.tokens[:prune], stop_ids, room)
+        seq += w.tokens[:n]
+        res.commits_per_step.append(n)
+        if n and seq[-1] in stop_ids:
+            res.finish_reason = "stop"
+            break
+        if n == room:
+            break
+        mask_slots = order[num_filled:]
+        w.drop_front(n)
+        res.fills_per_step.append(fill(w, [k - n for k in mask_slots], logits, cfg, params, generator))
+    res.output_ids = seq[n_prompt:]
+    return res
