@@ -90,6 +90,10 @@ class DecodeStrategy(ABC):
         """The sequence lost its KV and will be recomputed; drop private state."""
         seq.strategy_state.clear()
 
+    def on_finish(self, seq: Sequence) -> None:
+        """The sequence finished (stop, length, abort); free strategy-owned resources (draft KV)."""
+        return None
+
     def metrics(self) -> dict[str, float]:
         """Aggregate counters for /metrics (strategy-specific)."""
         return {}

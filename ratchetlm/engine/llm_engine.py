@@ -73,7 +73,7 @@ class LLMEngine:
         ctx = StrategyContext(runner=self.runner, model_config=model_config, max_model_len=self.max_model_len)
         self.strategy: DecodeStrategy = create_strategy(cfg.decoding, ctx, cfg.decoding_options)
         self.scheduler = Scheduler(self.blocks, self.strategy.tokens_wanted, self.strategy.on_preempt,
-                                   cfg.max_num_seqs, cfg.max_num_batched_tokens)
+                                   cfg.max_num_seqs, cfg.max_num_batched_tokens, self.strategy.on_finish)
         self.seqs: dict[int, Sequence] = {}
         self._ids = itertools.count()
         self.stats = EngineStats()

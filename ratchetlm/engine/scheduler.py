@@ -22,10 +22,12 @@ class Scheduler:
         on_preempt: Callable[[Sequence], None],
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        on_finish: Callable[[Sequence], None] | None = None,
     ) -> None:
         self.blocks = blocks
         self.tokens_wanted = tokens_wanted
         self.on_preempt = on_preempt
+        self.on_finish = on_finish
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -87,5 +89,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free(seq)
+        if self.on_finish is not None and seq.status is not SeqStatus.FINISHED:
+            self.on_finish(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = seq.finish_reason or reason

@@ -10,13 +10,19 @@ from ratchetlm.engine.config import EngineConfig
 from ratchetlm.engine.llm_engine import LLMEngine
 from ratchetlm.sampling_params import SamplingParams
 
+from .prompts import PROMPTS
+
 torch.set_num_threads(1)
 
 
-def make_engine(llm, decoding: str = "autoregressive", kv_cache_blocks: int = 192, **options) -> LLMEngine:
+GREEDY = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+
+
+def make_engine(llm, decoding: str = "autoregressive", kv_cache_blocks: int = 192, max_num_seqs: int = 32,
+                **options) -> LLMEngine:
     """A fresh engine (own small KV cache) on an already loaded model."""
     cfg = EngineConfig(device="cpu", dtype="float32", decoding=decoding, decoding_options=options,
-                       kv_cache_blocks=kv_cache_blocks, progress=False)
+                       kv_cache_blocks=kv_cache_blocks, max_num_seqs=max_num_seqs, progress=False)
     return LLMEngine(cfg, llm.engine.model, llm.model_config)
 
 
@@ -31,3 +37,14 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], params: SamplingPara
 @pytest.fixture(scope="session")
 def spec_llm(llm_fp32):
     return llm_fp32
+
+
+@pytest.fixture(scope="session")
+def encoded(spec_llm) -> list[list[int]]:
+    return [spec_llm.encode(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def reference(spec_llm, encoded) -> list[list[int]]:
+    """Plain greedy outputs (``GREEDY``) of every prompt, batched: the oracle of the equality tests."""
+    return run_engine(make_engine(spec_llm), encoded, GREEDY)

@@ -7,10 +7,8 @@ import pytest
 
 from ratchetlm.sampling_params import SamplingParams
 
-from .conftest import make_engine, run_engine
+from .conftest import GREEDY, make_engine, run_engine
 from .prompts import CODE, PROMPTS, SUMMARY
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
 
 CONFIGS = {
     "ngram_chain": dict(method="ngram", depth=4),
@@ -19,16 +17,6 @@ CONFIGS = {
     "self_draft_beam": dict(method="draft", draft_layers=4, depth=3, num_candidates=2),
     "ngram_chunked": dict(method="ngram", depth=6, chunk_size=2, min_n=2),
 }
-
-
-@pytest.fixture(scope="module")
-def encoded(spec_llm):
-    return [spec_llm.encode(p) for p in PROMPTS]
-
-
-@pytest.fixture(scope="module")
-def reference(spec_llm, encoded):
-    return run_engine(make_engine(spec_llm), encoded, GREEDY)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -9,13 +10,17 @@ from typing import Any
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """``method``: proposer name ("ngram" prompt lookup, "draft" layer-skip self-draft).
+    """``method``: proposer name ("ngram" prompt lookup, "draft" layer-skip self-draft,
+    "draft_model" a separate local draft model).
     ``num_candidates`` M: candidates per step (n-gram occurrences / beam width); 1 = chain.
     ``depth`` C: draft tokens per candidate. ``min_n``/``max_n``: n-gram match lengths.
     ``draft_layers``: layers of the self-draft (target's first N + final norm + head).
     ``chunk_size``: speculative chunk verify for chains — verify at most this many draft tokens
     per step and keep the rest of the chain for the next step while everything is accepted
-    (0 = verify the whole chain at once)."""
+    (0 = verify the whole chain at once).
+    ``draft_model``: local path (GGUF file or HF folder) of the draft for ``method="draft_model"``;
+    it must share the target's tokenizer (same vocab size). ``draft_kv_blocks``: blocks of the
+    draft's own paged KV cache (0 = as many as the target's cache)."""
 
     method: str = "ngram"
     num_candidates: int = 1
@@ -24,6 +29,8 @@ class SpecConfig:
     max_n: int = 4
     draft_layers: int = 8
     chunk_size: int = 0
+    draft_model: str | None = None
+    draft_kv_blocks: int = 0
 
     def __post_init__(self) -> None:
         from ratchetlm.decoding.speculative.proposers import proposer_names
@@ -31,7 +38,7 @@ class SpecConfig:
         if self.method not in proposer_names():
             raise ValueError(f"speculative method must be one of {proposer_names()}, got {self.method!r}")
         for name, lo in (("num_candidates", 1), ("depth", 1), ("min_n", 1), ("max_n", 1),
-                         ("draft_layers", 1), ("chunk_size", 0)):
+                         ("draft_layers", 1), ("chunk_size", 0), ("draft_kv_blocks", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"speculative {name} must be an integer >= {lo}, got {v!r}")
@@ -39,6 +46,15 @@ class SpecConfig:
             raise ValueError(f"speculative min_n ({self.min_n}) must be <= max_n ({self.max_n})")
         if self.chunk_size and self.num_candidates != 1:
             raise ValueError("speculative chunk_size applies to chains only (num_candidates == 1)")
+        if isinstance(self.draft_model, os.PathLike):
+            object.__setattr__(self, "draft_model", os.fspath(self.draft_model))
+        if self.method == "draft_model":
+            if not isinstance(self.draft_model, str) or not self.draft_model:
+                raise ValueError("speculative draft_model must be a local model path (GGUF file or HF folder) "
+                                 f"when method='draft_model', got {self.draft_model!r}")
+        elif self.draft_model is not None:
+            raise ValueError("speculative draft_model is only used with method='draft_model' "
+                             f"(method is {self.method!r})")
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> SpecConfig:

@@ -40,6 +40,14 @@ class Proposer(ABC):
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[DraftBeam | None]:
         """``depths[i] >= 1``: at most that many tokens per candidate for ``seqs[i]``."""
 
+    def release(self, seq: Sequence) -> None:
+        """``seq`` finished or was preempted: free any per-sequence resources (draft KV)."""
+        return None
+
+    def metrics(self) -> dict[str, float]:
+        """Proposer counters merged into the strategy's /metrics."""
+        return {}
+
 
 _PROPOSERS: dict[str, type[Proposer]] = {}
 

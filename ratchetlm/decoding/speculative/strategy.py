@@ -22,7 +22,7 @@ import torch
 
 from ratchetlm.decoding.autoregressive import catch_up_commit, catch_up_proposal
 from ratchetlm.decoding.base import Commit, DecodeStrategy, Proposal, StrategyContext, register
-from ratchetlm.decoding.speculative import self_draft  # noqa: F401  (registers the "draft" proposer)
+from ratchetlm.decoding.speculative import draft_model, self_draft  # noqa: F401  (register "draft", "draft_model")
 from ratchetlm.decoding.speculative.config import SpecConfig
 from ratchetlm.decoding.speculative.proposers import PAD, DraftBeam, create_proposer
 from ratchetlm.decoding.speculative.stats import SpecCounters
@@ -70,6 +70,15 @@ class Speculative(DecodeStrategy):
         self.cfg = SpecConfig.from_options(self.options)
         self.proposer = create_proposer(self.cfg.method, self.cfg, ctx)
         self.totals = SpecCounters()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def on_preempt(self, seq: Sequence) -> None:
+        self.proposer.release(seq)  # before the state dict (which holds the draft's block table) goes
+        super().on_preempt(seq)
+
+    def on_finish(self, seq: Sequence) -> None:
+        self.proposer.release(seq)
 
     # ------------------------------------------------------------------ sizing
 
@@ -183,6 +192,7 @@ class Speculative(DecodeStrategy):
         }
         for i, n in enumerate(t.accepted_per_pos):
             out[f"spec_decode_num_accepted_tokens_per_pos_{i}"] = n
+        out.update(self.proposer.metrics())
         runner = self.ctx.runner
         if runner is not None:
             out.update(runner.staging.metrics.as_dict())

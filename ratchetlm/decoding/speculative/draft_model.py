@@ -1,0 +1,153 @@
+"""A separate draft model (any local model with the target's tokenizer) on its own paged KV cache.
+
+The draft is loaded with the engine's loader (GGUF file or HF folder) in the target's dtype
+and device, and gets its own :class:`~ratchetlm.kv.cache.KVCache` + :class:`BlockManager`
+with the target's block size. Per sequence, ``seq.strategy_state`` holds a
+:class:`DraftSeqState`: the draft block table and how many committed tokens have draft K/V.
+
+Each step, for each decoding sequence (its committed tokens are ``token_ids``; the last one,
+the *root*, has no target K/V yet):
+
+1. *catch-up* forward: the committed tokens the draft cache lacks plus the root, causal,
+   writing K/V straight to the draft cache for every token but the root (so the draft cache
+   mirrors the target's committed KV: only committed tokens ever land in it); the root's
+   logits give the first draft token;
+2. C - 1 *write-free* forwards (greedy chain, or beam search of width M) that re-feed the
+   root and the current beams packed as a prefix tree, exactly like the layer-skip self-draft.
+
+Draft blocks are freed when the sequence finishes or is preempted (the strategy's hooks call
+:meth:`DraftModelProposer.release`). If the draft cache has no room for a sequence, that
+sequence gets no draft this step (a plain step) and gives its draft blocks back, so a full
+draft cache never stalls or crashes decoding — it only costs speed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+
+from ratchetlm.decoding.speculative.beam_search import beam_search, tree_feed
+from ratchetlm.decoding.speculative.draft_forward import draft_forward
+from ratchetlm.decoding.speculative.proposers import DraftBeam, Proposer, register_proposer
+from ratchetlm.engine.block_manager import BlockManager
+from ratchetlm.engine.sequence import Sequence
+from ratchetlm.kv.cache import DirectSink, KVCache, NullSink
+from ratchetlm.models.loader import ModelLoadError
+from ratchetlm.models.registry import load_model
+
+_STATE = "spec_draft_model"  # strategy_state key
+
+
+@dataclass
+class DraftSeqState:
+    """A sequence's footprint in the draft cache (duck-typed as a Sequence for BlockManager)."""
+
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0  # leading committed tokens whose draft K/V are in the draft cache
+
+
+@register_proposer("draft_model")
+class DraftModelProposer(Proposer):
+    """Greedy chain (M == 1) or beam search of width M with a separate draft model."""
+
+    def __init__(self, cfg: Any, ctx: Any) -> None:
+        super().__init__(cfg, ctx)
+        runner = ctx.runner
+        dtype = runner.cache.k.dtype
+        try:
+            loaded = load_model(cfg.draft_model, runner.device, dtype, progress=False)
+        except ModelLoadError as e:
+            raise ValueError(f"speculative draft_model: {e}") from e
+        dc = loaded.config
+        if dc.vocab_size != ctx.model_config.vocab_size:
+            raise ValueError(
+                f"speculative draft_model {cfg.draft_model!r} has vocab size {dc.vocab_size} but the target "
+                f"has {ctx.model_config.vocab_size}: the draft must use the target's tokenizer")
+        self.model = loaded.model
+        rope_len = ctx.max_model_len + 64  # draft trees reach past the committed length
+        if self.model.rope.cos_table.shape[0] < rope_len:
+            self.model.rope._build(rope_len)
+        bs = runner.blocks.block_size
+        n_blocks = cfg.draft_kv_blocks or runner.blocks.num_blocks
+        self.cache = KVCache(dc.num_layers, n_blocks, bs, dc.num_kv_heads, dc.head_dim, dtype, runner.device)
+        self.blocks = BlockManager(n_blocks, bs)
+        self.num_forwards = 0
+        self.num_alloc_fallbacks = 0
+
+    # ------------------------------------------------------------------ per-sequence state
+
+    def _state(self, seq: Sequence) -> DraftSeqState:
+        st = seq.strategy_state.get(_STATE)
+        if st is None:
+            st = seq.strategy_state[_STATE] = DraftSeqState()
+        return cast(DraftSeqState, st)
+
+    def _slots(self, st: DraftSeqState, start: int, end: int) -> torch.Tensor:  # [end - start] int64
+        return self.blocks.slots(cast(Sequence, st), start, end)
+
+    def release(self, seq: Sequence) -> None:
+        st = seq.strategy_state.pop(_STATE, None)
+        if st is not None:
+            self.blocks.free(cast(Sequence, st))
+
+    def _reserve(self, seq: Sequence) -> bool:
+        """Make the draft table cover the sequence's committed tokens but the root."""
+        st = self._state(seq)
+        need = len(seq.token_ids) - 1
+        if not self.blocks.can_grow(cast(Sequence, st), need):
+            self.release(seq)  # give the blocks back: another sequence may fit
+            self.num_alloc_fallbacks += 1
+            seq.stats["spec_draft_alloc_fallbacks"] = seq.stats.get("spec_draft_alloc_fallbacks", 0) + 1
+            return False
+        self.blocks.grow(cast(Sequence, st), need)
+        return True
+
+    # ------------------------------------------------------------------ drafting
+
+    def propose(self, seqs: list[Sequence], depths: list[int]) -> list[DraftBeam | None]:
+        ready = [i for i, s in enumerate(seqs) if self._reserve(s)]
+        rseqs = [seqs[i] for i in ready]
+        states = [self._state(s) for s in rseqs]
+
+        def step(k: int, live: list[int], beams: list[torch.Tensor]) -> list[torch.Tensor]:
+            self.num_forwards += 1
+            if k == 0:  # every ready sequence drafts >= 1 token, so all are live
+                return self._catch_up(rseqs, states)
+            feeds = [tree_feed(rseqs[i].token_ids[-1], b) for i, b in zip(live, beams, strict=True)]
+            return draft_forward(
+                self.model, self.cache, [self._slots(states[i], 0, states[i].num_cached) for i in live],
+                [f.tokens for f in feeds],
+                [[states[i].num_cached + o for o in f.offsets] for i, f in zip(live, feeds, strict=True)],
+                [f.mask for f in feeds], [f.rows for f in feeds], NullSink())
+
+        found = beam_search(step, [depths[i] for i in ready], self.cfg.num_candidates)
+        out: list[DraftBeam | None] = [None] * len(seqs)
+        for i, beam in zip(ready, found, strict=True):
+            out[i] = beam
+        return out
+
+    def _catch_up(self, seqs: list[Sequence], states: list[DraftSeqState]) -> list[torch.Tensor]:
+        """Feed each sequence's committed tokens the draft cache lacks plus the root; write all
+        but the root. Returns each root's logits ``[1, V]``."""
+        tokens, positions, ctx, writes = [], [], [], []
+        for s, st in zip(seqs, states, strict=True):
+            end = len(s.token_ids)
+            tokens.append(s.token_ids[st.num_cached : end])
+            positions.append(list(range(st.num_cached, end)))
+            ctx.append(self._slots(st, 0, st.num_cached))
+            writes += [self._slots(st, st.num_cached, end - 1), torch.full((1,), -1, dtype=torch.long)]
+        slot_mapping = torch.cat(writes).to(self.cache.k.device)  # -1: the root is not committed KV
+        out = draft_forward(self.model, self.cache, ctx, tokens, positions, [None] * len(seqs),
+                            [[len(t) - 1] for t in tokens], DirectSink(self.cache, slot_mapping))
+        for s, st in zip(seqs, states, strict=True):
+            st.num_cached = len(s.token_ids) - 1
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "spec_draft_forwards": self.num_forwards,
+            "spec_draft_alloc_fallbacks": self.num_alloc_fallbacks,
+            "spec_draft_kv_blocks_used": self.blocks.num_blocks - self.blocks.num_free,
+        }
