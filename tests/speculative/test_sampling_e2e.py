@@ -1,0 +1,103 @@
+"""End to end through the engine: speculative sampling gives the target's distribution.
+
+Target: a tiny random-weight Llama with the SmolLM2 vocab (so a few thousand seeded requests,
+batched in one engine, take seconds). Draft: the same model loaded again as a separate
+``draft_model`` (beam width 2, depth 2), so drafts are plausible and both accepted and
+rejected; the tree verification, residual sampling, bonus token and staged commit all run.
+The joint distribution of the first 3 generated tokens (top-k 3: at most 27 cells) is
+compared by a chi-square test with the exact one computed by HF transformers on the same
+weights; plain sampling passes the same test (the oracle is right), and a wrong acceptance
+rule plugged into the engine fails it (the test has power).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import pytest
+import torch
+
+from ratchetlm import LLM
+from ratchetlm.decoding.speculative import strategy as spec_strategy
+from ratchetlm.decoding.speculative.verify import sample_accept
+from ratchetlm.layers.sampler import filtered_probs
+from ratchetlm.sampling_params import SamplingParams
+from tests.conftest import make_tiny_hf_folder
+
+from .conftest import make_engine
+from .test_rejection_sampling import chi_square_pvalue, wrong_full_resample
+
+N_REQ = 400  # a wrong rule scores p ~ 1e-26 at this size; the vocab-wide multinomial dominates the time
+N_OUT = 3
+PROMPT = "The weather today is"
+SPEC = dict(method="draft_model", num_candidates=2, depth=2)
+
+
+def params(seed: int) -> SamplingParams:
+    # max_tokens 4: after the prefill's first token the tree has depth 2, covering tokens 2-3
+    return SamplingParams(temperature=0.1, top_k=3, max_tokens=N_OUT + 1, ignore_eos=True, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, spec_llm):
+    path, hf = make_tiny_hf_folder(tmp_path_factory.mktemp("tiny_target"), "LlamaForCausalLM", spec_llm.tokenizer)
+    llm = LLM(str(path), progress=False, dtype="float32")
+    return str(path), llm, hf
+
+
+@pytest.fixture(scope="module")
+def exact(tiny) -> dict[tuple[int, ...], float]:
+    """P(t1, t2, t3) under the request's filtered target distribution, from HF's forward."""
+    _, llm, hf = tiny
+    prompt = llm.encode(PROMPT)
+    p = params(0)
+
+    @functools.cache
+    def probs(prefix: tuple[int, ...]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + list(prefix)])).logits[0, -1:]
+        return filtered_probs(logits, p)[0]
+
+    out: dict[tuple[int, ...], float] = {}
+    for t1 in probs(()).nonzero().flatten().tolist():
+        for t2 in probs((t1,)).nonzero().flatten().tolist():
+            for t3 in probs((t1, t2)).nonzero().flatten().tolist():
+                out[(t1, t2, t3)] = float(probs(())[t1] * probs((t1,))[t2] * probs((t1, t2))[t3])
+    assert abs(sum(out.values()) - 1.0) < 1e-4 and len(out) <= 27
+    return out
+
+
+def sample_counts(llm: LLM, decoding: str, **opts) -> tuple[Counter, dict]:
+    eng = make_engine(llm, decoding, kv_cache_blocks=2 * N_REQ + 8, max_num_seqs=N_REQ, **opts)
+    prompt = llm.encode(PROMPT)
+    ids = [eng.add_request(prompt, params(seed)) for seed in range(N_REQ)]
+    while eng.has_unfinished():
+        eng.step()
+    counts = Counter(tuple(eng.seqs[i].output_ids[:N_OUT]) for i in ids)
+    return counts, eng.strategy.metrics()
+
+
+def test_speculative_sampling_through_the_engine_matches_the_target(tiny, exact):
+    path, llm, _ = tiny
+    counts, m = sample_counts(llm, "speculative", draft_model=path, **SPEC)
+    # the trees really were verified, with both outcomes
+    assert m["spec_decode_num_drafts"] >= N_REQ and 0.2 < m["spec_decode_acceptance_rate"] < 0.9, m
+    p = chi_square_pvalue(counts, exact, N_REQ)
+    assert p > 1e-3, f"speculative sampling through the engine deviates from the target (p={p:.2e})"
+
+
+def test_plain_sampling_passes_and_a_wrong_rule_fails(tiny, exact, monkeypatch):
+    path, llm, _ = tiny
+    counts, _ = sample_counts(llm, "autoregressive")
+    assert chi_square_pvalue(counts, exact, N_REQ) > 1e-3, "the oracle disagrees with plain sampling"
+    wrong = functools.partial(sample_accept, rule=wrong_full_resample)
+    monkeypatch.setattr(spec_strategy, "sample_accept", wrong)
+    counts, _ = sample_counts(llm, "speculative", draft_model=path, **SPEC)
+    p = chi_square_pvalue(counts, exact, N_REQ)
+    assert p < 1e-6, f"the engine-level chi-square test missed a wrong acceptance rule (p={p:.2e})"
+
+
+def test_exact_distribution_has_enough_cells(exact):
+    """The chi-square needs several unpooled cells to mean anything."""
+    assert len([c for c, q in exact.items() if q * N_REQ >= 5]) >= 6
