@@ -1,9 +1,10 @@
 """Speculative decoding on the default model (CPU): tokens/s, mean acceptance length, KV bytes
 written per committed token, greedy-text identity vs plain AR, and HF transformers' prompt
 lookup / early-exit assisted generation on the same prompts. Also measures speculative chunk
-verify (SCV) at batch 1 vs 16. Prints medians and ratios vs plain AR from the same run.
+verify (SCV) on vs off at batch 1 and 8. Prints medians and ratios vs a peer from the same run.
 
     python benchmarks/bench_speculative.py [--max-tokens 32] [--threads 1] [--skip-hf] [--skip-scv]
+    python benchmarks/bench_speculative.py --scv-only [--scv-batches 1,8] [--repeats 3] [--max-tokens 24]
 """
 
 from __future__ import annotations
@@ -121,20 +122,38 @@ def bench_hf(llm: LLM, params: SamplingParams, ref: dict) -> dict:
     return rows
 
 
-def bench_scv(llm: LLM) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+def bench_scv(llm: LLM, batches: list[int], repeats: int, max_tokens: int, depth: int = 6) -> None:
+    """Speculative chunk verify: n-gram chain of ``depth`` verified whole (chunk off) or in chunks
+    of 2 / 3. Each cell is the median tokens/s over ``repeats`` runs (configs interleaved so
+    load drift on a shared machine hits them alike); ratios are vs chunk off in the same run."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     prompts = [llm.encode(p) for ps in CATEGORIES.values() for p in ps]
-    print("\nSCV (n-gram chain depth 6): tokens/s by chunk_size")
-    for batch in (1, 16):
-        batch_prompts = (prompts * 3)[:batch]
-        res = {}
-        for chunk in (0, 2, 3):
-            eng = engine(llm, dict(method="ngram", depth=6, chunk_size=chunk))
-            out, dt = run(eng, batch_prompts, params)
-            res[chunk] = sum(map(len, out)) / dt
-        base = res[0]
-        print(f"  batch {batch:2d}: " + "  ".join(f"chunk={c or 'off'}: {v:6.2f} tok/s ({v / base:.2f}x)"
-                                             for c, v in res.items()), flush=True)
+    chunks = (0, 2, 3)
+    print(f"\nSCV (n-gram chain depth {depth}, {max_tokens} new tokens): "
+          f"median tok/s over {repeats} runs by chunk_size")
+    for batch in batches:
+        # batch 1: every prompt alone in turn (total tokens / total time); batch b > 1: b prompts at once
+        groups = [[p] for p in prompts] if batch == 1 else [(prompts * -(-batch // len(prompts)))[:batch]]
+        tps: dict[int, list[float]] = {c: [] for c in chunks}
+        mals: dict[int, float] = {}
+        outs: dict[int, list[list[int]]] = {}
+        for _ in range(repeats):
+            for chunk in chunks:
+                eng = engine(llm, dict(method="ngram", depth=depth, chunk_size=chunk))
+                toks, secs, outs[chunk] = 0, 0.0, []
+                for g in groups:
+                    out, dt = run(eng, g, params)
+                    toks, secs = toks + sum(map(len, out)), secs + dt
+                    outs[chunk] += out
+                tps[chunk].append(toks / secs)
+                mals[chunk] = mal(eng)
+        base = statistics.median(tps[0])
+        cells = []
+        for c in chunks:
+            med = statistics.median(tps[c])
+            same = "" if outs[c] == outs[0] else " TEXT DIFFERS"
+            cells.append(f"chunk={c or 'off'}: {med:6.2f} tok/s ({med / base:.2f}x, mal {mals[c]:.2f}){same}")
+        print(f"  batch {batch:2d}: " + "  ".join(cells), flush=True)
 
 
 def main() -> None:
@@ -143,11 +162,19 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-scv", action="store_true")
+    ap.add_argument("--scv-only", action="store_true", help="only the chunked-verify comparison")
+    ap.add_argument("--scv-batches", default="1,8", help="comma-separated batch sizes for the SCV comparison")
+    ap.add_argument("--repeats", type=int, default=3, help="SCV runs per cell (median reported)")
+    ap.add_argument("--scv-depth", type=int, default=6, help="n-gram chain depth for the SCV comparison")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     llm = LLM(progress=False, dtype="float32")
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
     print(f"default model, CPU, {a.threads} thread(s), greedy, {a.max_tokens} new tokens")
+    scv_batches = [int(b) for b in a.scv_batches.split(",")]
+    if a.scv_only:
+        bench_scv(llm, scv_batches, a.repeats, a.max_tokens, a.scv_depth)
+        return
     rows, ref = bench_ours(llm, params)
     if not a.skip_hf:
         rows.update(bench_hf(llm, params, ref))
@@ -159,7 +186,7 @@ def main() -> None:
         print(f"| {name} | {cat} | {b} | {r['tps']:.2f} | {r['tps'] / base:.2f}x | {r['mal']:.2f} | {r['kv']:.2f} |"
               f" {'yes' if r['same'] else 'NO'} |")
     if not a.skip_scv:
-        bench_scv(llm)
+        bench_scv(llm, scv_batches, a.repeats, a.max_tokens, a.scv_depth)
 
 
 if __name__ == "__main__":

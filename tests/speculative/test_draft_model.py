@@ -66,14 +66,15 @@ def test_same_weights_draft_is_fully_accepted_and_mirrors_the_target_kv(spec_llm
 
 def test_random_draft_beam_is_rejected_yet_lossless(spec_llm, tiny_draft, encoded, reference):
     """Beam search of width 2 (the greedy chain is covered by the same-weights test)."""
-    width = 2
+    width, n = 2, 8  # nearly every draft is rejected: one step per token, so fewer tokens
+    short = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     eng = make_engine(spec_llm, "speculative", kv_cache_blocks=10, method="draft_model", draft_model=tiny_draft,
-                      depth=3, num_candidates=width)
-    assert run_engine(eng, [encoded[i] for i in BATCH], GREEDY) == [reference[i] for i in BATCH]
+                      depth=2, num_candidates=width)
+    assert run_engine(eng, [encoded[i] for i in BATCH], short) == [reference[i][:n] for i in BATCH]
     assert eng.scheduler.num_preemptions > 0
-    assert run_engine(eng, [encoded[ALONE]], GREEDY) == [reference[ALONE]]
+    assert run_engine(eng, [encoded[ALONE]], short) == [reference[ALONE][:n]]
     m = eng.strategy.metrics()
-    assert m["spec_decode_num_draft_tokens"] >= 3 * width * 10
+    assert m["spec_decode_num_drafts"] >= 2 * n  # drafted on most steps
     assert m["spec_decode_acceptance_rate"] < 0.2, m
     assert_draft_blocks_freed(eng)
 
@@ -82,8 +83,9 @@ def test_full_draft_cache_falls_back_to_plain_steps(spec_llm, tiny_draft, encode
     """3 draft blocks (48 tokens) cannot hold every sequence: those left out take plain steps."""
     eng = make_engine(spec_llm, "speculative", method="draft_model", draft_model=tiny_draft, depth=2,
                       draft_kv_blocks=3)
-    subset = [0, 7, 10]  # 47 + 11 + 13 prompt tokens
-    assert run_engine(eng, [encoded[i] for i in subset], GREEDY) == [reference[i] for i in subset]
+    subset, n = [0, 7, 10], 6  # 47 + 11 + 13 prompt tokens
+    short = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    assert run_engine(eng, [encoded[i] for i in subset], short) == [reference[i][:n] for i in subset]
     m = eng.strategy.metrics()
     assert m["spec_draft_alloc_fallbacks"] > 0 and m["spec_decode_num_drafts"] > 0
     assert eng.seqs[0].stats.get("spec_draft_alloc_fallbacks", 0) > 0  # the 47-token prompt never fits
