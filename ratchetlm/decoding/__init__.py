@@ -1,8 +1,10 @@
 """Decoding strategies. Importing this package registers the built-in ones."""
 
-from ratchetlm.decoding import autoregressive  # noqa: F401
-from ratchetlm.decoding import speculative  # noqa: F401
-from ratchetlm.decoding import wedlm  # noqa: F401
+from ratchetlm.decoding import (
+    autoregressive,  # noqa: F401
+    speculative,  # noqa: F401
+    wedlm,  # noqa: F401
+)
 from ratchetlm.decoding.base import Commit, DecodeStrategy, Proposal, create_strategy, register
 
 __all__ = ["Commit", "DecodeStrategy", "Proposal", "create_strategy", "register"]

@@ -34,7 +34,7 @@ class Submission:
 
 @dataclass
 class Delta:
-    """What one choice committed in one step. ``prompt_logprobs`` is set on the finishing delta."""
+    """What one choice committed in one step. ``prompt_logprobs`` is set on the choice's first delta."""
 
     index: int
     token_ids: list[int]
@@ -109,6 +109,7 @@ class _Live:
     group: RequestGroup
     index: int
     text: TextStream
+    prompt_logprobs_sent: bool = False
 
 
 class AsyncEngine:
@@ -213,13 +214,19 @@ class AsyncEngine:
             self.engine.abort(out.seq_id, "stop")  # stop string: free the KV now
             finished, reason = True, "stop"
         text = td.text + (live.text.finish() if finished else "")
-        prompt_lp = None
         if finished:
             seq = self.engine.release(out.seq_id)
             self._live.pop(out.seq_id, None)
             live.group.seq_ids.pop(out.seq_id, None)
-            if seq is not None and seq.params.prompt_logprobs is not None:
-                prompt_lp = list(seq.prompt_logprobs)
+        else:
+            seq = self.engine.seqs.get(out.seq_id)
+        # The prompt is fully prefilled once a token commits, so the first delta carries the
+        # prompt logprobs (a streamed ``echo`` needs them up front); a later recompute after
+        # preemption is not sent again.
+        prompt_lp = None
+        if not live.prompt_logprobs_sent and seq is not None and seq.params.prompt_logprobs is not None:
+            prompt_lp = list(seq.prompt_logprobs)
+            live.prompt_logprobs_sent = True
         return Delta(live.index, list(out.new_token_ids), text, out.new_logprobs, finished, reason, prompt_lp)
 
     def _fail_all(self, e: Exception) -> None:

@@ -61,9 +61,10 @@ class ChoiceState:
         if d.logprobs:
             self.logprobs += d.logprobs
         self.timer.tokens(len(d.token_ids), now)
+        if d.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = d.prompt_logprobs
         if d.finished:
             self.finish_reason = d.finish_reason
-            self.prompt_logprobs = d.prompt_logprobs
             self.timer.finished(d.finish_reason, now)
 
 

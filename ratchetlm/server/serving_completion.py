@@ -1,7 +1,8 @@
 """``POST /v1/completions``: prompts (text, token ids, or lists of either) x ``n`` choices.
 
 ``echo`` returns the prompt before the completion, with prompt logprobs when ``logprobs`` is set
-(lm-evaluation-harness loglikelihood). ``echo=True, max_tokens=0`` is prompt scoring: internally
+(lm-evaluation-harness loglikelihood); streamed, the prompt rides on each choice's first chunk.
+``echo=True, max_tokens=0`` is prompt scoring: internally
 the request runs with ``max_tokens=1`` (the engine always samples at least one token, and the
 prefill that produces the prompt logprobs is the same forward), and that one token is dropped
 from the response: no text, no logprobs, ``completion_tokens = 0``.
@@ -28,8 +29,6 @@ class CompletionPlan:
             raise APIError(f"logprobs must be in [0, 20], got {req.logprobs}", 400, "logprobs")
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         self.score_only = req.echo and max_tokens == 0
-        if req.echo and req.stream:
-            raise APIError("echo is only supported with stream=false", 400, "echo")
         if max_tokens < 0 or (max_tokens == 0 and not req.echo):
             raise APIError(f"max_tokens must be >= 1 (0 only with echo=true), got {max_tokens}", 400, "max_tokens")
         self.prompts = self._prompts(req.prompt)
@@ -116,11 +115,14 @@ class CompletionPlan:
 
     def chunk(self, st: ChoiceState, d: Delta) -> dict[str, Any] | None:
         ids, lps = self._gen(d.token_ids, d.logprobs)
-        text = d.text
+        text = "" if self.score_only else d.text
+        echo = self.prompt_texts is not None and st.chunks_sent == 0  # the prompt rides on the first chunk
+        if self.prompt_texts is not None and echo:
+            text = self.prompt_texts[self._prompt_of(st.index)] + text
         if not text and not d.finished and not (self.req.logprobs is not None and ids):
             return None  # nothing visible yet (held-back partial character or stop prefix)
         c = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.ctx.model_name,
-             "choices": [{"index": st.index, "text": text, "logprobs": self._logprobs(st, ids, lps, False),
+             "choices": [{"index": st.index, "text": text, "logprobs": self._logprobs(st, ids, lps, echo),
                           "finish_reason": d.finish_reason if d.finished else None}]}
         if self.req.stream_options and self.req.stream_options.include_usage:
             c["usage"] = None

@@ -77,7 +77,8 @@ def make_model(a: argparse.Namespace, tok):
     cfg = Qwen3Config(
         vocab_size=len(tok), hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
         num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
-        head_dim=a.hidden_size // a.heads, max_position_embeddings=1024, rope_theta=10000.0,
+        head_dim=a.hidden_size // a.heads, max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         bos_token_id=None,
     )

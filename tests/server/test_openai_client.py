@@ -124,3 +124,21 @@ def test_batched_prompts_and_token_ids(client, oracle):
                                        temperature=0)
     assert [c.text for c in sorted(by_ids.choices, key=lambda c: c.index)] == [r.text for r in refs]
     assert out.usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in refs)
+
+
+def test_echo_streamed_equals_nonstreamed(client):
+    """Streamed echo: the prompt (and its logprobs) ride on the first chunk; the joined stream
+    equals the non-streamed echo, text and logprobs alike, also for prompt scoring."""
+    for max_tokens in (0, 5):
+        kw = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=max_tokens, echo=True, logprobs=1, temperature=0)
+        whole = client.completions.create(**kw).choices[0]
+        chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw)]
+        assert chunks[0].text.startswith(PROMPT)
+        assert "".join(c.text for c in chunks) == whole.text
+        tokens = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
+        lps = [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs]
+        offsets = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
+        assert tokens == whole.logprobs.tokens
+        assert lps == whole.logprobs.token_logprobs
+        assert offsets == whole.logprobs.text_offset
+        assert [c.finish_reason for c in chunks][-1] == whole.finish_reason

@@ -144,6 +144,16 @@ class Attention(nn.Module):
         elif self.kind != SLIDING:
             self.compressor = WindowCompressor(cfg, cfg.hca_ratio, d, overlap=False)
 
+    def csa_compressor(self) -> CSACompressor:
+        """The CSA compressor (with its indexer); only CSA layers have one."""
+        assert isinstance(self.compressor, CSACompressor), f"layer kind {self.kind} has no CSA compressor"
+        return self.compressor
+
+    def window_compressor(self) -> WindowCompressor:
+        """The compressor of a CSA or HCA layer."""
+        assert self.compressor is not None, f"layer kind {self.kind} has no compressor"
+        return self.compressor
+
     def project(self, x: torch.Tensor, positions: torch.Tensor, rope: RopeTable
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: ``[*lead, hidden]`` -> (q ``[*lead, H, D]``, kv ``[*lead, D]``, q_res ``[*lead, q_lora]``)."""

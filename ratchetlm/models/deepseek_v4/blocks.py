@@ -132,6 +132,9 @@ class Router(nn.Module):
     Either way the selected experts are weighted by the normalised learned scores.
     """
 
+    tid2eid: torch.Tensor  # [vocab, k] buffer (hash routing only)
+    e_score_correction_bias: torch.Tensor  # [num_experts] buffer (top-k routing only)
+
     def __init__(self, cfg: DeepseekV4Config, hashed: bool) -> None:
         super().__init__()
         self.hashed, self.top_k = hashed, cfg.experts_per_token

@@ -164,6 +164,7 @@ class DeepseekV4PagedCache:
                 parts.append((tr.indexer, self.idx, tb.idx, self.inner_state, tb.inner_state))
             ratio = cap.csa_ratio if kind == CSA else cap.hca_ratio
             for trace, cmp_pool, cmp_table, state_pool, state_table in parts:
+                assert trace is not None, f"layer {i} ({kind}) was prefilled without its compressor trace"
                 n = trace.entries.shape[0]
                 slots = physical_rows(cmp_table, torch.arange(n)[None], cap.block_size)[0]
                 cmp_pool[i].view(-1, cmp_pool[i].shape[-1])[slots] = trace.entries

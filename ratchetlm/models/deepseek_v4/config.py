@@ -110,7 +110,16 @@ class DeepseekV4Config:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> DeepseekV4Config:
-        """Builds the config from an HF ``config.json`` dict (current or legacy key layout)."""
+        """Builds the config from an HF ``config.json`` dict (current or legacy key layout).
+
+        A missing required key raises ``ValueError`` naming it."""
+        try:
+            return cls._from_hf_dict(d)
+        except KeyError as e:
+            raise ValueError(f"DeepSeek-V4 config.json lacks required key {e.args[0]!r}") from None
+
+    @classmethod
+    def _from_hf_dict(cls, d: dict[str, Any]) -> DeepseekV4Config:
         n = d["num_hidden_layers"]
         rates = {CSA: 4, HCA: 128, **(d.get("compress_rates") or {})}
         rates[CSA] = d.get("compress_rate_csa", rates[CSA])
@@ -129,9 +138,9 @@ class DeepseekV4Config:
             rope_dim = int(head_dim * d["partial_rotary_factor"])
         else:
             rope_dim = d.get("qk_rope_head_dim", head_dim // 8)
-        rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        main_rp = rp.get("main") if isinstance(rp.get("main"), dict) else {}
-        comp_rp = rp.get("compress") if isinstance(rp.get("compress"), dict) else rp
+        rp: dict[str, Any] = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        main_rp: dict[str, Any] = rp["main"] if isinstance(rp.get("main"), dict) else {}
+        comp_rp: dict[str, Any] = rp["compress"] if isinstance(rp.get("compress"), dict) else rp
         main_rope = RopeSpec(float(main_rp.get("rope_theta", d.get("rope_theta", 10000.0))), rope_dim)
         comp_theta = float(comp_rp.get("rope_theta", d.get("compress_rope_theta", 160000.0)))
         if comp_rp.get("rope_type", comp_rp.get("type", "default")) == "yarn":
@@ -151,7 +160,7 @@ class DeepseekV4Config:
             layer_types=tuple(layer_types[:n]), mlp_layer_types=tuple(mlp_types[:n]),
             csa_ratio=rates[CSA], hca_ratio=rates[HCA], sliding_window=d.get("sliding_window", 128),
             index_n_heads=d["index_n_heads"], index_head_dim=d["index_head_dim"], index_topk=d["index_topk"],
-            num_experts=d.get("n_routed_experts", d.get("num_local_experts")),
+            num_experts=int(d["n_routed_experts"] if "n_routed_experts" in d else d["num_local_experts"]),
             experts_per_token=d["num_experts_per_tok"], moe_intermediate_size=d["moe_intermediate_size"],
             main_rope=main_rope, compress_rope=compress_rope,
             scoring_func=d.get("scoring_func", "sqrtsoftplus"),

@@ -59,7 +59,7 @@ def compress_step(comp: WindowCompressor, x: torch.Tensor, meta: CompressorMeta,
 def indexer_topk(attn: Attention, x: torch.Tensor, q_res: torch.Tensor, meta: DecodeMetadata,
                   idx_pool: torch.Tensor, rope: RopeTable, topk: int, score_len: int, block: int) -> torch.Tensor:
     """-> raw indices ``[B, S, topk]`` of the selected compressed slots (-1 where fewer are visible)."""
-    indexer = attn.compressor.indexer  # type: ignore[union-attr]
+    indexer = attn.csa_compressor().indexer
     B, S, _ = x.shape
     iq, iw = indexer.queries(x, q_res, meta.position_ids, rope)
     slots = torch.arange(score_len)
@@ -75,22 +75,22 @@ def indexer_topk(attn: Attention, x: torch.Tensor, q_res: torch.Tensor, meta: De
 def paged_attention(model: DeepseekV4ForCausalLM, layer: int, x: torch.Tensor, meta: DecodeMetadata,
                     cache: DeepseekV4PagedCache) -> torch.Tensor:
     """x: ``[B, S, hidden]`` normed attention input -> ``[B, S, hidden]``."""
-    attn: Attention = model.model.layers[layer].self_attn
+    attn = model.model.decoder_layers()[layer].self_attn
     cap, rope, crope = cache.cap, model.rope_for(layer), model.compress_rope
     pos = meta.position_ids
     q, kv, q_res = attn.project(x, pos, rope)
     raw, cmp_pool, cmp_table = meta.swa_indices, None, None
     if attn.kind == CSA:
-        compress_step(attn.compressor, x, meta.csa, cache.csa_state[layer], cache.csa_cmp[layer], crope, pos,
+        csa = attn.csa_compressor()
+        compress_step(csa, x, meta.csa, cache.csa_state[layer], cache.csa_cmp[layer], crope, pos, cap.block_size)
+        compress_step(csa.indexer, x, meta.inner, cache.inner_state[layer], cache.idx[layer], crope, pos,
                       cap.block_size)
-        compress_step(attn.compressor.indexer, x, meta.inner, cache.inner_state[layer],  # type: ignore[union-attr]
-                      cache.idx[layer], crope, pos, cap.block_size)
         picked = indexer_topk(attn, x, q_res, meta, cache.idx[layer], crope, cap.index_topk, cap.score_len,
                                cap.block_size)
         raw, cmp_pool, cmp_table = torch.cat([raw, picked], -1), cache.csa_cmp[layer], meta.csa.cmp_block_table
     elif attn.kind == HCA:
-        compress_step(attn.compressor, x, meta.hca, cache.hca_state[layer], cache.hca_cmp[layer], crope, pos,
-                      cap.block_size)
+        compress_step(attn.window_compressor(), x, meta.hca, cache.hca_state[layer], cache.hca_cmp[layer], crope,
+                      pos, cap.block_size)
         raw, cmp_pool, cmp_table = torch.cat([raw, meta.hca_indices], -1), cache.hca_cmp[layer], \
             meta.hca.cmp_block_table
     keys, valid = gather_keys(raw, cache.ori[layer], meta.ori_block_table, kv, cmp_pool, cmp_table,
@@ -111,7 +111,7 @@ def decode_step(model: DeepseekV4ForCausalLM, cache: DeepseekV4PagedCache, meta:
     if input_ids.shape != meta.position_ids.shape:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} != positions {tuple(meta.position_ids.shape)}")
     streams = model.embed(input_ids)  # [B, S, hc, hidden]
-    for layer in model.model.layers:
+    for layer in model.model.decoder_layers():
         post, comb, x = layer.attn_in(streams)
         out = paged_attention(model, layer.layer, x, meta, cache)
         streams = layer.attn_out_and_mlp(post, comb, out, streams, input_ids)

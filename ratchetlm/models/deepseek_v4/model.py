@@ -49,6 +49,10 @@ class DeepseekV4Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_head = HyperHead(cfg)
 
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """The layers, typed (``nn.ModuleList`` indexing is typed as a bare ``Module``)."""
+        return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+
 
 class DeepseekV4ForCausalLM(nn.Module):
     """Weights of a V4 checkpoint; ``state_dict`` keys match HF's ``DeepseekV4ForCausalLM``."""

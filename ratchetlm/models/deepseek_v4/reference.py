@@ -72,7 +72,7 @@ def _attention(attn: Attention, x: torch.Tensor, positions: torch.Tensor, rope: 
     if comp is not None:
         trace.main = compress_all(comp, x, positions, comp_rope)
     if attn.kind == CSA:
-        indexer = comp.indexer  # type: ignore[union-attr]
+        indexer = attn.csa_compressor().indexer
         trace.indexer = compress_all(indexer, x, positions, comp_rope)
         iq, iw = indexer.queries(x, q_res, positions, comp_rope)
     outs = []
@@ -112,7 +112,7 @@ def reference_forward(model: DeepseekV4ForCausalLM, token_ids: torch.Tensor, chu
     positions = torch.arange(T)
     streams = model.embed(token_ids)  # [T, hc, hidden]
     traces = []
-    for layer in model.model.layers:
+    for layer in model.model.decoder_layers():
         post, comb, x = layer.attn_in(streams)
         out, trace = _attention(layer.self_attn, x, positions, model.rope_for(layer.layer), model.compress_rope,
                                 cfg.sliding_window, chunk)

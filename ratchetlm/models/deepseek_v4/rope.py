@@ -23,12 +23,15 @@ def inv_freq(spec: RopeSpec) -> torch.Tensor:
 
     # YaRN: keep high-frequency pairs (many rotations over the original context) as they are,
     # divide low-frequency pairs by the factor, and ramp linearly in between.
+    original = spec.original_max_position
+    assert original is not None, "RopeSpec validates: YaRN has original_max_position"
+
     def pair_index_for_rotations(rotations: float) -> float:
-        wavelength_budget = spec.original_max_position / (rotations * 2 * math.pi)
+        wavelength_budget = original / (rotations * 2 * math.pi)
         return dim * math.log(wavelength_budget) / (2 * math.log(spec.theta))
 
-    low = max(math.floor(pair_index_for_rotations(spec.beta_fast)), 0)
-    high = min(math.ceil(pair_index_for_rotations(spec.beta_slow)), dim - 1)
+    low = float(max(math.floor(pair_index_for_rotations(spec.beta_fast)), 0))
+    high = float(min(math.ceil(pair_index_for_rotations(spec.beta_slow)), dim - 1))
     if low == high:
         high += 0.001
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
