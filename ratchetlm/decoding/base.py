@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -123,3 +123,16 @@ def available_strategies() -> list[str]:
     import ratchetlm.decoding  # noqa: F401
 
     return sorted(_REGISTRY)
+
+
+_Config = TypeVar("_Config")
+
+
+def config_from_options(cls: type[_Config], options: Mapping[str, Any], what: str) -> _Config:
+    """Builds a strategy's frozen config dataclass from user options; unknown keys raise a
+    ``ValueError`` that names them and lists the known ones (values are validated by the config)."""
+    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"unknown {what} option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return cls(**dict(options))

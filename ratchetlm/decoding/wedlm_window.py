@@ -13,10 +13,12 @@ topological order feeds filled slots first so they attend exactly to what an AR 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from ratchetlm.decoding.base import config_from_options
 
 
 @dataclass(frozen=True)
@@ -40,11 +42,7 @@ class WeDLMConfig:
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> WeDLMConfig:
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - names)
-        if unknown:
-            raise ValueError(f"unknown wedlm option(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
-        return cls(**options)
+        return config_from_options(cls, options, "wedlm")
 
 
 @dataclass

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
+
+from ratchetlm.decoding.base import config_from_options
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,4 @@ class SpecConfig:
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> SpecConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ValueError(f"unknown speculative option(s) {unknown}; known: {sorted(known)}")
-        return cls(**dict(options))
+        return config_from_options(cls, options, "speculative")
