@@ -53,20 +53,23 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     rows: list[tuple[str, int, float]] = []
     sp = SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
-    texts: dict[int, list[list[int]]] = {}
+    # greedy identity vs HF: stop at EOS on both sides (no ignore_eos / min_new_tokens), 3 prompts alone
+    check_prompts = PROMPTS[1:4]
+    ours_check: list[list[int]] = []
     for dt in args.dtypes.split(","):
         llm = LLM(progress=False, dtype=dt)
         llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0))  # warm-up
         for b in sizes:
             prompts = PROMPTS[:b]
 
-            def run(prompts=prompts, llm=llm, dt=dt) -> int:
+            def run(prompts=prompts, llm=llm) -> int:
                 outs = llm.generate(prompts, sp, use_tqdm=False)
-                if dt == "float32":
-                    texts[len(prompts)] = [o.token_ids for o in outs]
                 return sum(len(o.token_ids) for o in outs)
 
             rows.append((f"ratchetlm {dt}", b, _median_tps(run, args.repeats)))
+        if dt == "float32":
+            check = SamplingParams(max_tokens=n_new, temperature=0)
+            ours_check = [llm.generate(x, check, use_tqdm=False)[0].token_ids for x in check_prompts]
         tok = llm.tokenizer
         del llm
     if not args.skip_hf:
@@ -89,15 +92,16 @@ def main(argv: list[str] | None = None) -> int:
                 return n_new * ids.shape[0]
 
             rows.append(("HF transformers float32", b, _median_tps(run_hf, args.repeats)))
-            if b == 1 and 1 in texts:
+        if ours_check:
+            same = []
+            for x, ours in zip(check_prompts, ours_check, strict=True):
+                e = torch.tensor([tok.encode(x, add_special_tokens=False)])
                 with torch.no_grad():
-                    ref = hf.generate(ids, attention_mask=mask, max_new_tokens=n_new, min_new_tokens=n_new,
-                                      do_sample=False, pad_token_id=2)[0, width:].tolist()
-                ours = texts[1][0]
-                # both sides generate past EOS (ignore_eos / min_new_tokens); HF's min_new_tokens also
-                # masks EOS, so compare up to our first EOS
-                cut = ours.index(2) if 2 in ours else len(ours)
-                print(f"greedy tokens identical to HF at batch 1 (first {cut}): {ref[:cut] == ours[:cut]}")
+                    ref = hf.generate(e, attention_mask=torch.ones_like(e), max_new_tokens=n_new, do_sample=False,
+                                      pad_token_id=2)[0, e.shape[1]:].tolist()
+                same.append(ref == ours)
+            print(f"greedy tokens identical to HF (batch 1, {len(same)} prompts, up to {n_new} tokens or EOS): "
+                  f"{sum(same)}/{len(same)}")
     try:
         from llama_cpp import Llama  # optional extra: pip install 'ratchetlm[llamacpp]'
 
