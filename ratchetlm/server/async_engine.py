@@ -214,19 +214,20 @@ class AsyncEngine:
             self.engine.abort(out.seq_id, "stop")  # stop string: free the KV now
             finished, reason = True, "stop"
         text = td.text + (live.text.finish() if finished else "")
+        seq = None
         if finished:
             seq = self.engine.release(out.seq_id)
             self._live.pop(out.seq_id, None)
             live.group.seq_ids.pop(out.seq_id, None)
-        else:
-            seq = self.engine.seqs.get(out.seq_id)
         # The prompt is fully prefilled once a token commits, so the first delta carries the
         # prompt logprobs (a streamed ``echo`` needs them up front); a later recompute after
         # preemption is not sent again.
         prompt_lp = None
-        if not live.prompt_logprobs_sent and seq is not None and seq.params.prompt_logprobs is not None:
-            prompt_lp = list(seq.prompt_logprobs)
+        if not live.prompt_logprobs_sent:
             live.prompt_logprobs_sent = True
+            seq = seq or self.engine.seqs.get(out.seq_id)
+            if seq is not None and seq.params.prompt_logprobs is not None:
+                prompt_lp = list(seq.prompt_logprobs)
         return Delta(live.index, list(out.new_token_ids), text, out.new_logprobs, finished, reason, prompt_lp)
 
     def _fail_all(self, e: Exception) -> None:

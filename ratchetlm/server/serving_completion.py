@@ -59,6 +59,10 @@ class CompletionPlan:
     def _prompt_of(self, index: int) -> int:
         return index // self.req.n
 
+    def _prompt_text_of(self, index: int) -> str:
+        assert self.prompt_texts is not None, "prompt texts are kept only for echo"
+        return self.prompt_texts[self._prompt_of(index)]
+
     # ------------------------------------------------------------------ rendering
 
     def _logprobs(self, st: ChoiceState, ids: list[int], lps: list[dict[int, float]],
@@ -101,8 +105,8 @@ class CompletionPlan:
         for st in states:
             ids, lps = self._gen(st.token_ids, st.logprobs)
             text = "" if self.score_only else "".join(st.text)
-            if self.prompt_texts is not None:
-                text = self.prompt_texts[self._prompt_of(st.index)] + text
+            if self.req.echo:
+                text = self._prompt_text_of(st.index) + text
             choices.append({"index": st.index, "text": text,
                             "logprobs": self._logprobs(st, ids, lps, self.req.echo),
                             "finish_reason": st.finish_reason})
@@ -117,8 +121,8 @@ class CompletionPlan:
         ids, lps = self._gen(d.token_ids, d.logprobs)
         text = "" if self.score_only else d.text
         echo = self.prompt_texts is not None and st.chunks_sent == 0  # the prompt rides on the first chunk
-        if self.prompt_texts is not None and echo:
-            text = self.prompt_texts[self._prompt_of(st.index)] + text
+        if echo:
+            text = self._prompt_text_of(st.index) + text
         if not text and not d.finished and not (self.req.logprobs is not None and ids):
             return None  # nothing visible yet (held-back partial character or stop prefix)
         c = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.ctx.model_name,

@@ -75,7 +75,7 @@ def indexer_topk(attn: Attention, x: torch.Tensor, q_res: torch.Tensor, meta: De
 def paged_attention(model: DeepseekV4ForCausalLM, layer: int, x: torch.Tensor, meta: DecodeMetadata,
                     cache: DeepseekV4PagedCache) -> torch.Tensor:
     """x: ``[B, S, hidden]`` normed attention input -> ``[B, S, hidden]``."""
-    attn = model.model.decoder_layers()[layer].self_attn
+    attn = model.model.decoder_layer(layer).self_attn
     cap, rope, crope = cache.cap, model.rope_for(layer), model.compress_rope
     pos = meta.position_ids
     q, kv, q_res = attn.project(x, pos, rope)

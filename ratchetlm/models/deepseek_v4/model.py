@@ -8,6 +8,8 @@ their own way and share everything else through :meth:`DecoderLayer.attn_in`,
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -49,9 +51,12 @@ class DeepseekV4Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_head = HyperHead(cfg)
 
+    def decoder_layer(self, i: int) -> DecoderLayer:
+        """Layer ``i``, typed (``nn.ModuleList`` indexing is typed as a bare ``Module``)."""
+        return cast(DecoderLayer, self.layers[i])
+
     def decoder_layers(self) -> list[DecoderLayer]:
-        """The layers, typed (``nn.ModuleList`` indexing is typed as a bare ``Module``)."""
-        return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+        return [self.decoder_layer(i) for i in range(len(self.layers))]
 
 
 class DeepseekV4ForCausalLM(nn.Module):
