@@ -22,6 +22,7 @@ _ENGINE_HELP = {
     "max_waiting": "max queued requests before new ones are refused",
     "decoding": "decoding strategy: autoregressive | speculative | wedlm",
     "decoding_options": "JSON object of strategy options",
+    "gguf_kernels": "CPU fp32 with a Q4_1/Q8_0 GGUF: decode matmuls read the quantized blocks (true/false)",
     "seed": "global RNG seed for unseeded sampling",
     "progress": "show progress bars (true/false)",
 }

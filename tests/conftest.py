@@ -19,6 +19,14 @@ def llm_fp32():
 
 
 @pytest.fixture(scope="session")
+def llm_fp32_dense():
+    """The same model with the GGUF block kernels off: every matmul on the dense fp32 weights."""
+    from ratchetlm import LLM
+
+    return LLM(progress=False, dtype="float32", gguf_kernels=False, kv_cache_blocks=256)
+
+
+@pytest.fixture(scope="session")
 def hf_smollm():
     """HF transformers' own GGUF loader (its own dequantization and Q/K un-permutation): an
     oracle independent of ours."""

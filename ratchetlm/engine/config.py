@@ -24,6 +24,7 @@ class EngineConfig:
     max_waiting: int = 1024  # queue limit; add_request beyond it raises QueueFullError
     decoding: str = "autoregressive"
     decoding_options: dict[str, Any] = field(default_factory=dict)
+    gguf_kernels: bool = True  # CPU fp32 + Q4_1/Q8_0 GGUF: decode matmuls read the quantized blocks
     seed: int = 0  # global RNG seed for unseeded sampling
     progress: bool = True  # tqdm bars for loading and batch generation
 

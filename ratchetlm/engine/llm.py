@@ -68,7 +68,8 @@ class LLM:
             self._init_deepseek_v4(model)
             return
         loaded = load_model(model, _dev(self.config), self.config.torch_dtype(),
-                            self.config.progress, mask_token_id=mask_token_id)
+                            self.config.progress, mask_token_id=mask_token_id,
+                            gguf_kernels=self.config.gguf_kernels)
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
         self.engine = LLMEngine(self.config, loaded.model, loaded.config)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ratchetlm.layers.attention import AttentionBatch, paged_attention
+from ratchetlm.layers.block_quant import BlockWeight, Linear, fused_matmul, usable
 from ratchetlm.layers.norm_rope import RMSNorm, RotaryEmbedding
 from ratchetlm.models.config import ModelConfig
 
@@ -29,13 +30,13 @@ class DecoderLayer(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.qkv = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.qkv = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(
         self,
@@ -68,7 +69,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head_blocks: BlockWeight | None = None  # tied head as GGUF blocks (see attach_blocks)
 
     def forward(
         self,
@@ -84,8 +86,45 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
-        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if usable(hidden, self.head_blocks):
+            assert self.head_blocks is not None
+            return fused_matmul(hidden, self.head_blocks)
+        return F.linear(hidden, self.embed.weight).float()
+
+    def attach_blocks(self, blocks: dict[str, BlockWeight]) -> int:
+        """Give linear layers the GGUF-block copy of their (already loaded) weights, by HF name.
+
+        Fused layers get blocks only when every part is block-quantized with one kind. Returns the
+        number of layers that got blocks. The dense weights stay: they serve prefill and non-CPU paths.
+        """
+        attached = 0
+        for i, layer in enumerate(self.layers):
+            pre = f"model.layers.{i}."
+            groups = {
+                layer.qkv: ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                layer.o_proj: ["self_attn.o_proj"],
+                layer.gate_up: ["mlp.gate_proj", "mlp.up_proj"],
+                layer.down: ["mlp.down_proj"],
+            }
+            for module, names in groups.items():
+                parts = [blocks.get(f"{pre}{n}.weight") for n in names]
+                bw = BlockWeight.cat([p for p in parts if p is not None]) if all(parts) else None
+                if bw is not None and bw.shape == tuple(module.weight.shape):
+                    module.blocks = bw
+                    attached += 1
+        if self.lm_head is not None:
+            bw = blocks.get("lm_head.weight")
+            if bw is not None and bw.shape == tuple(self.lm_head.weight.shape):
+                self.lm_head.blocks = bw
+                attached += 1
+        else:
+            bw = blocks.get("model.embed_tokens.weight")
+            if bw is not None and bw.shape == tuple(self.embed.weight.shape):
+                self.head_blocks = bw
+                attached += 1
+        return attached
 
     @torch.no_grad()
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ratchetlm.layers.block_quant import BlockWeight
 from ratchetlm.models.config import ModelConfig
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -139,26 +140,50 @@ def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _gguf_target(name: str, cfg: ModelConfig) -> tuple[str | None, int | None]:
+    """HF tensor name for a GGUF tensor (None = not a weight we load) and, for Q/K, the head count
+    whose RoPE row permutation must be undone."""
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight", None
+    if name == "output_norm.weight":
+        return "model.norm.weight", None
+    if name == "output.weight":
+        return "lm_head.weight", None
+    if not name.startswith("blk."):
+        return None, None  # e.g. rope_freqs: derived from the config instead
+    _, idx, kind, suffix = name.split(".", 3)
+    if kind not in _GGUF_LAYER_NAMES:
+        raise ModelLoadError(f"unexpected GGUF tensor {name!r}")
+    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(kind)
+    return f"model.layers.{idx}.{_GGUF_LAYER_NAMES[kind]}.{suffix}", heads
+
+
 def iter_gguf_weights(reader: Any, cfg: ModelConfig, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
     for t in tqdm(reader.tensors, desc="loading weights", disable=not progress, leave=False):
+        name, heads = _gguf_target(t.name, cfg)
+        if name is None:
+            continue
         arr = dequantize(t.data, t.tensor_type)
-        if t.name == "token_embd.weight":
-            name = "model.embed_tokens.weight"
-        elif t.name == "output_norm.weight":
-            name = "model.norm.weight"
-        elif t.name == "output.weight":
-            name = "lm_head.weight"
-        elif t.name.startswith("blk."):
-            _, idx, kind, suffix = t.name.split(".", 3)
-            if kind not in _GGUF_LAYER_NAMES:
-                raise ModelLoadError(f"unexpected GGUF tensor {t.name!r}")
-            if kind == "attn_q":
-                arr = _unpermute_qk(arr, cfg.num_heads)
-            elif kind == "attn_k":
-                arr = _unpermute_qk(arr, cfg.num_kv_heads)
-            name = f"model.layers.{idx}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"
-        else:
-            continue  # e.g. rope_freqs: derived from the config instead
+        if heads is not None:
+            arr = _unpermute_qk(arr, heads)
         yield name, torch.from_numpy(np.array(arr, dtype=np.float32))  # copy: reader memory is read-only
+
+
+def gguf_block_weights(reader: Any, cfg: ModelConfig) -> dict[str, BlockWeight]:
+    """The GGUF tensors stored as Q4_1 / Q8_0 blocks, by HF name, rows in the same order as the
+    dense weights :func:`iter_gguf_weights` yields (Q/K RoPE permutation undone on whole rows)."""
+    out: dict[str, BlockWeight] = {}
+    for t in reader.tensors:
+        name, heads = _gguf_target(t.name, cfg)
+        if name is None or not name.endswith(".weight"):
+            continue
+        raw = np.asarray(t.data)
+        bw = BlockWeight.from_gguf(t.tensor_type.name, raw) if raw.ndim == 2 else None
+        if bw is None:
+            continue
+        if heads is not None:
+            bw = bw.take_rows(_unpermute_qk(np.arange(bw.shape[0]), heads))
+        out[name] = bw
+    return out

@@ -7,11 +7,13 @@ from typing import Any
 
 import torch
 
+from ratchetlm import kernels
 from ratchetlm.models.config import ModelConfig
 from ratchetlm.models.llama import LlamaModel
 from ratchetlm.models.loader import (
     ModelLoadError,
     ModelSource,
+    gguf_block_weights,
     gguf_config,
     iter_gguf_weights,
     iter_hf_weights,
@@ -30,9 +32,17 @@ class LoadedModel:
 
 
 def load_model(
-    ref: str | None, device: torch.device, dtype: torch.dtype, progress: bool = True, mask_token_id: int | None = None
+    ref: str | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    progress: bool = True,
+    mask_token_id: int | None = None,
+    gguf_kernels: bool = True,
 ) -> LoadedModel:
+    """``gguf_kernels``: for a block-quantized GGUF run on CPU in fp32, also keep the Q4_1/Q8_0
+    blocks so decode-size matmuls read them through the fused kernel (same weights, fewer bytes)."""
     source = resolve(ref)
+    reader = None
     if source.kind == "gguf":
         import gguf
 
@@ -59,4 +69,6 @@ def load_model(
     model.load_hf_weights(weights)
     model = model.to(device=device, dtype=dtype).eval()
     model.rope.inv_freq = model.rope.inv_freq.float()
+    if reader is not None and gguf_kernels and device.type == "cpu" and dtype == torch.float32 and kernels.load():
+        model.attach_blocks(gguf_block_weights(reader, cfg))
     return LoadedModel(model, cfg, tokenizer, source)

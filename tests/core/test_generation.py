@@ -3,6 +3,7 @@ never change a request's output."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ratchetlm import LLM, SamplingParams
@@ -30,8 +31,11 @@ def _greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
-def test_greedy_matches_hf_generate(llm_fp32, hf_smollm):
-    """Both stop at EOS (id 2) or after 64 tokens; the token lists must be identical."""
+@pytest.mark.parametrize("engine", ["llm_fp32", "llm_fp32_dense"])
+def test_greedy_matches_hf_generate(engine, hf_smollm, request):
+    """Both stop at EOS (id 2) or after 64 tokens; the token lists must be identical — with the
+    GGUF block kernels (the default) and with dense fp32 matmuls."""
+    llm_fp32 = request.getfixturevalue(engine)
     outs = llm_fp32.generate(PROMPTS, SamplingParams(max_tokens=64, temperature=0))
     for prompt, out in zip(PROMPTS, outs, strict=True):
         ids = torch.tensor([llm_fp32.encode(prompt)])

@@ -35,7 +35,9 @@ def _engine_logits(llm: LLM, ids: list[int], n_decode: int) -> list[torch.Tensor
     return out
 
 
-def test_smollm_logits_match_hf_prefill_and_paged_decode(llm_fp32, hf_smollm):
+@pytest.mark.parametrize("engine", ["llm_fp32", "llm_fp32_dense"])
+def test_smollm_logits_match_hf_prefill_and_paged_decode(engine, hf_smollm, request):
+    llm_fp32 = request.getfixturevalue(engine)
     ids = llm_fp32.encode(PROMPT)
     n_decode = 6
     ours = _engine_logits(llm_fp32, ids, n_decode)

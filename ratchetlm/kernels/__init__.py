@@ -1,0 +1,100 @@
+"""CPU kernels written in C, compiled on first use with the system C compiler and bound with ctypes.
+
+Why not a torch C++ extension: that needs ninja and torch's C++ headers (minutes of compile on a
+2-core machine); these kernels are plain C over raw pointers, compile in about a second, and the
+fresh machines this project targets ship gcc. Where no compiler is found or the build fails,
+:func:`load` returns None and callers keep their dense PyTorch path (same results).
+
+The shared object links ``libgomp.so.1`` by soname; torch is imported first and has already
+loaded its own ``libgomp.so.1``, so both use one OpenMP runtime and one thread pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch  # noqa: F401  (must be loaded before the kernel library: shared OpenMP runtime)
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("ggml_blocks.c")
+# -ffp-contract=off: the in-register dequantization must round exactly like gguf-py's numpy code.
+_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
+_ARCH_FLAGS = (["-march=native"], [])  # tried in order: native ISA (AVX-512/AVX2), then portable C
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "ratchetlm" / "kernels"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _build(cc: str, flags: list[str], out: Path) -> bool:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    proc = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        log.warning("kernel build failed (%s): %s", " ".join(flags), proc.stderr.strip()[-500:])
+        return False
+    os.replace(tmp, out)  # atomic: concurrent processes never load a half-written library
+    return True
+
+
+def compile_library(arch_flags: list[str]) -> ctypes.CDLL | None:
+    """Build (or reuse from the on-disk cache) the kernels with ``arch_flags`` (e.g. ``["-march=native"]``,
+    ``["-mavx2", "-mfma"]``, ``[]`` for portable C) and load them; None if there is no compiler or the
+    build fails. Tests use it to check every instruction-set variant against the reference."""
+    cc = _compiler()
+    if cc is None:
+        log.warning("no C compiler found: GGUF block kernels disabled, using dense matmuls")
+        return None
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    flags = _FLAGS + arch_flags
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + " ".join(flags).encode() + version.encode() + platform.machine().encode()
+    ).hexdigest()[:16]
+    path = cache_dir() / f"ggml_blocks-{key}.so"
+    if not path.exists() and not _build(cc, flags, path):
+        return None
+    lib = ctypes.CDLL(str(path))
+    _declare(lib)
+    return lib
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The kernel library for this machine's best instruction set (cached per process), or None."""
+    for arch in _ARCH_FLAGS:
+        lib = compile_library(arch)
+        if lib is not None:
+            return lib
+    return None
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.ratchet_kernel_isa.restype = ctypes.c_char_p
+    lib.ratchet_q4_1_mm.argtypes = [p, i, i, p, p, p, i, p, i]
+    lib.ratchet_q4_1_mm.restype = None
+    lib.ratchet_q8_0_mm.argtypes = [p, i, i, p, p, i, p, i]
+    lib.ratchet_q8_0_mm.restype = None
+
+
+def isa() -> str | None:
+    """Instruction set the kernels were compiled for ('avx512', 'avx2', 'scalar'), None if unavailable."""
+    lib = load()
+    return None if lib is None else lib.ratchet_kernel_isa().decode()
