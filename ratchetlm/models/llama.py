@@ -101,14 +101,15 @@ class LlamaModel(nn.Module):
         """
         attached = 0
         for i, layer in enumerate(self.layers):
+            assert isinstance(layer, DecoderLayer)
             pre = f"model.layers.{i}."
-            groups = {
-                layer.qkv: ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-                layer.o_proj: ["self_attn.o_proj"],
-                layer.gate_up: ["mlp.gate_proj", "mlp.up_proj"],
-                layer.down: ["mlp.down_proj"],
-            }
-            for module, names in groups.items():
+            groups: list[tuple[Linear, list[str]]] = [
+                (layer.qkv, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+                (layer.o_proj, ["self_attn.o_proj"]),
+                (layer.gate_up, ["mlp.gate_proj", "mlp.up_proj"]),
+                (layer.down, ["mlp.down_proj"]),
+            ]
+            for module, names in groups:
                 parts = [blocks.get(f"{pre}{n}.weight") for n in names]
                 bw = BlockWeight.cat([p for p in parts if p is not None]) if all(parts) else None
                 if bw is not None and bw.shape == tuple(module.weight.shape):
