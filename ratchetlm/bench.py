@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch-sizes", type=str, default="1,8")
     ap.add_argument("--dtypes", type=str, default="float32", help="ratchetlm dtypes to time (comma list)")
+    ap.add_argument("--gguf-kernels", type=str, default="true,false",
+                    help="ratchetlm runs with the GGUF block kernels on and/or off (comma list of true/false)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args(argv)
@@ -55,9 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     sp = SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
     # greedy identity vs HF: stop at EOS on both sides (no ignore_eos / min_new_tokens), 3 prompts alone
     check_prompts = PROMPTS[1:4]
-    ours_check: list[list[int]] = []
-    for dt in args.dtypes.split(","):
-        llm = LLM(progress=False, dtype=dt)
+    ours_check: dict[str, list[list[int]]] = {}
+    configs = [(dt, k.strip().lower() == "true") for dt in args.dtypes.split(",") for k in args.gguf_kernels.split(",")]
+    for dt, kernels_on in configs:
+        label = f"ratchetlm {dt} {'gguf-kernels' if kernels_on else 'dense'}"
+        llm = LLM(progress=False, dtype=dt, gguf_kernels=kernels_on)
         llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0))  # warm-up
         for b in sizes:
             prompts = PROMPTS[:b]
@@ -66,10 +70,10 @@ def main(argv: list[str] | None = None) -> int:
                 outs = llm.generate(prompts, sp, use_tqdm=False)
                 return sum(len(o.token_ids) for o in outs)
 
-            rows.append((f"ratchetlm {dt}", b, _median_tps(run, args.repeats)))
+            rows.append((label, b, _median_tps(run, args.repeats)))
         if dt == "float32":
             check = SamplingParams(max_tokens=n_new, temperature=0)
-            ours_check = [llm.generate(x, check, use_tqdm=False)[0].token_ids for x in check_prompts]
+            ours_check[label] = [llm.generate(x, check, use_tqdm=False)[0].token_ids for x in check_prompts]
         tok = llm.tokenizer
         del llm
     if not args.skip_hf:
@@ -92,16 +96,16 @@ def main(argv: list[str] | None = None) -> int:
                 return n_new * ids.shape[0]
 
             rows.append(("HF transformers float32", b, _median_tps(run_hf, args.repeats)))
-        if ours_check:
-            same = []
-            for x, ours in zip(check_prompts, ours_check, strict=True):
-                e = torch.tensor([tok.encode(x, add_special_tokens=False)])
-                with torch.no_grad():
-                    ref = hf.generate(e, attention_mask=torch.ones_like(e), max_new_tokens=n_new, do_sample=False,
-                                      pad_token_id=2)[0, e.shape[1]:].tolist()
-                same.append(ref == ours)
-            print(f"greedy tokens identical to HF (batch 1, {len(same)} prompts, up to {n_new} tokens or EOS): "
-                  f"{sum(same)}/{len(same)}")
+        refs = []
+        for x in check_prompts:
+            e = torch.tensor([tok.encode(x, add_special_tokens=False)])
+            with torch.no_grad():
+                refs.append(hf.generate(e, attention_mask=torch.ones_like(e), max_new_tokens=n_new, do_sample=False,
+                                        pad_token_id=2)[0, e.shape[1]:].tolist())
+        for label, ours in ours_check.items():
+            same = sum(r == o for r, o in zip(refs, ours, strict=True))
+            print(f"{label}: greedy tokens identical to HF (batch 1, {len(refs)} prompts, up to {n_new} tokens "
+                  f"or EOS): {same}/{len(refs)}")
     try:
         from llama_cpp import Llama  # optional extra: pip install 'ratchetlm[llamacpp]'
 
@@ -117,10 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     hf_rate = {b: r for name, b, r in rows if name.startswith("HF")}
     print(f"\ndecode tokens/s, {n_new} new tokens per request, median of {args.repeats} runs, "
           f"{torch.get_num_threads()} torch threads")
-    print(f"{'engine':28s} {'batch':>5s} {'tok/s':>8s} {'vs HF':>7s}")
+    print(f"{'engine':38s} {'batch':>5s} {'tok/s':>8s} {'vs HF':>7s}")
     for name, b, r in rows:
         ratio = f"{r / hf_rate[b]:.2f}x" if b in hf_rate else "-"
-        print(f"{name:28s} {b:5d} {r:8.1f} {ratio:>7s}")
+        print(f"{name:38s} {b:5d} {r:8.1f} {ratio:>7s}")
     return 0
 
 

@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("ggml_blocks.c")
 # -ffp-contract=off: the in-register dequantization must round exactly like gguf-py's numpy code.
 _FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
-_ARCH_FLAGS: tuple[list[str], ...] = (["-march=native"], [])  # tried in order: native ISA (AVX-512/AVX2), then portable C
+# tried in order: the native ISA (AVX-512 / AVX2 paths), then portable C
+_ARCH_FLAGS: tuple[list[str], ...] = (["-march=native"], [])
 
 
 def cache_dir() -> Path:

@@ -25,7 +25,7 @@ from ratchetlm import kernels
 QK = 32  # weights per GGUF block for Q4_1 and Q8_0
 # Fused kernel up to this many rows of x; above it a BLAS sgemm on the dense copy is faster
 # (measured on the default model: see docs/architecture.md, "GGUF block kernels").
-MAX_FUSED_ROWS = 32
+MAX_FUSED_ROWS = 96
 
 
 @dataclass(frozen=True)

@@ -66,20 +66,20 @@ def test_kernel_multiplies_exactly_the_dequantized_weights(lib, kind):
     result must equal the dequantized weights bit for bit — in every instruction-set build."""
     bw = _random_blocks(kind, 37, 64)
     eye = torch.eye(64)
-    got = torch.cat([fused_matmul(eye[i:i + MAX_FUSED_ROWS], bw, lib=lib) for i in range(0, 64, MAX_FUSED_ROWS)])
+    got = torch.cat([fused_matmul(eye[i:i + n], bw, lib=lib) for i, n in ((0, 3), (3, 8), (11, 53))])
     assert torch.equal(got, bw.dequantize().T)
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("rows", [1, 7, 8, 9, 17, 32])
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 17, 33, 96])  # row loop (<= 8) and register tiles (> 8)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kernel_matches_dense_linear(lib, kind, rows, threads):
-    bw = _random_blocks(kind, 300, 576, seed=rows)
+    bw = _random_blocks(kind, 302, 576, seed=rows)  # 302: not a multiple of the 4-row tile
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
     ref = F.linear(x.double(), bw.dequantize().double()).float()
     got = fused_matmul(x, bw, threads=threads, lib=lib)
-    assert got.shape == (rows, 300)
-    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert got.shape == (rows, 302)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-5)  # |y| ~ 30: fp32 summation-order noise
 
 
 def test_usable_only_for_small_fp32_cpu_inference():
