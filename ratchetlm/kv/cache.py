@@ -58,8 +58,18 @@ class KVCache:
             k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
         if slot_mapping.numel() == 0:
             return
-        self.k[layer].index_copy_(0, slot_mapping, k.to(self.k.dtype))
-        self.v[layer].index_copy_(0, slot_mapping, v.to(self.v.dtype))
+        self.write_slots(layer, k, v, slot_mapping)
+
+    def write_slots(
+        self,
+        layer: int,
+        k: torch.Tensor,  # [n, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [n, num_kv_heads, head_dim]
+        slots: torch.Tensor,  # [n] int64, all >= 0 (the caller filtered -1 once per forward)
+    ) -> None:
+        """Scatter rows into real slots: :meth:`write` without the per-call filtering."""
+        self.k[layer].index_copy_(0, slots, k.to(self.k.dtype))
+        self.v[layer].index_copy_(0, slots, v.to(self.v.dtype))
         self.bytes_written += 2 * k.numel() * self.k.element_size()
 
     def copy_rows(

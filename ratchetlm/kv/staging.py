@@ -93,7 +93,11 @@ class StagingBuffer:
         """Start a forward whose tokens stage at ``stage_index`` ([num_tokens], -1 = not staged)."""
         self._staged.zero_()
         self._poisoned = False
-        self.metrics.unique_tokens += int((stage_index >= 0).sum())
+        # which rows stage where: fixed for the whole forward, so computed once, not per layer
+        self._keep_all = bool((stage_index >= 0).all())
+        self._keep = stage_index >= 0
+        self._idx = stage_index if self._keep_all else stage_index[self._keep]
+        self.metrics.unique_tokens += int(self._idx.numel())
 
     def stage(
         self,
@@ -102,18 +106,20 @@ class StagingBuffer:
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         stage_index: torch.Tensor,  # [num_tokens] int64 row in the buffer, -1 = not staged
     ) -> None:
-        """Store this layer's rows at their explicit indices (any order)."""
+        """Store this layer's rows at their explicit indices (any order). ``stage_index`` must be
+        the one given to :meth:`begin` for this forward."""
         if not (has_real_storage(k) and has_real_storage(v)):
             if not self._poisoned:
                 self.metrics.fallback_fake_tensor += 1
             self._poisoned = True
             return
-        keep = stage_index >= 0
-        idx = stage_index[keep]
+        idx = self._idx
         if idx.numel() == 0:
             return
-        self.k[layer].index_copy_(0, idx, k[keep].to(self.k.dtype))
-        self.v[layer].index_copy_(0, idx, v[keep].to(self.v.dtype))
+        if not self._keep_all:
+            k, v = k[self._keep], v[self._keep]
+        self.k[layer].index_copy_(0, idx, k.to(self.k.dtype))
+        self.v[layer].index_copy_(0, idx, v.to(self.v.dtype))
         if layer == 0:
             self._staged[idx] = True
         self.metrics.stage_operations += int(idx.numel())
@@ -172,12 +178,18 @@ class StepSink:
         self.slot_mapping = slot_mapping
         self.staging = staging
         self.stage_index = stage_index
-        self.direct_any = bool((slot_mapping >= 0).any())
+        # rows written directly and their slots: fixed for the forward, so found once, not per layer
+        direct = slot_mapping >= 0
+        self.direct_all = bool(direct.all())
+        self.direct_rows = None if self.direct_all else direct.nonzero().squeeze(1)  # [n_direct]
+        self.direct_slots = slot_mapping if self.direct_all else slot_mapping[direct]
         if staging is not None and stage_index is not None:
             staging.begin(stage_index)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self.direct_any:
-            self.cache.write(layer, k, v, self.slot_mapping)
+        if self.direct_slots.numel():
+            if self.direct_rows is not None:
+                k, v = k.index_select(0, self.direct_rows), v.index_select(0, self.direct_rows)
+            self.cache.write_slots(layer, k, v, self.direct_slots)
         if self.staging is not None and self.stage_index is not None:
             self.staging.stage(layer, k, v, self.stage_index)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -13,6 +14,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # one fused op, same values as the three-step form below (checked in tests/core/test_layers.py)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32 (as HF does) and cast back, so bf16 runs match the reference closely.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -35,7 +39,8 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(n, dtype=torch.float32, device=inv_freq.device)
         freqs = torch.outer(t, inv_freq.float())
         self.cos_table = torch.cat([freqs.cos(), freqs.cos()], dim=-1)  # [n, head_dim] fp32
-        self.sin_table = torch.cat([freqs.sin(), freqs.sin()], dim=-1)
+        # sign of rotate-half folded in: x*cos + rotate_half(x)*sin == x*cos + roll(x, d/2)*sin_signed, exactly
+        self.sin_table = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[num_tokens]`` positions → cos, sin ``[num_tokens, 1, head_dim]`` fp32 (once per forward)."""
@@ -54,9 +59,19 @@ class RotaryEmbedding(nn.Module):
         cos, sin = cos_sin
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
+    @staticmethod
+    def rotate_packed(
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        qk: torch.Tensor,  # [num_tokens, num_heads + num_kv_heads, head_dim]: Q and K heads side by side
+    ) -> torch.Tensor:
+        """:meth:`rotate` for Q and K heads in one tensor: one set of ops instead of two."""
+        return _rotate(qk, *cos_sin)
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
+
+def _rotate(
+    x: torch.Tensor,  # [num_tokens, heads, head_dim]
+    cos: torch.Tensor,  # [num_tokens, 1, head_dim] fp32
+    sin: torch.Tensor,  # [num_tokens, 1, head_dim] fp32, first half negated (see _build)
+) -> torch.Tensor:
     xf = x.float()
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
+    return (xf * cos + xf.roll(x.shape[-1] // 2, dims=-1) * sin).to(x.dtype)

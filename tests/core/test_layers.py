@@ -1,0 +1,45 @@
+"""The fused fast forms of RMSNorm and RoPE equal their textbook definitions bit for bit."""
+
+from __future__ import annotations
+
+import torch
+
+from ratchetlm.layers.norm_rope import RMSNorm, RotaryEmbedding
+
+
+def test_rmsnorm_fused_equals_three_step_definition():
+    torch.manual_seed(0)
+    norm = RMSNorm(576, 1e-5)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(7, 576) * 3
+    ref = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    assert torch.equal(norm(x), ref)
+    # bf16 path: fp32 statistics, weight applied in bf16 (as HF)
+    xb = x.bfloat16()
+    normb = RMSNorm(576, 1e-5).bfloat16()
+    xf = xb.float()
+    refb = normb.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
+    assert torch.equal(normb(xb), refb)
+
+
+def _rotate_half_reference(x, positions, theta, d):
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    f = torch.outer(positions.float(), inv)
+    cos = torch.cat([f.cos(), f.cos()], -1)[:, None]
+    sin = torch.cat([f.sin(), f.sin()], -1)[:, None]
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def test_rope_packed_and_separate_equal_rotate_half_definition():
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(64, 10000.0, 256)
+    positions = torch.tensor([0, 5, 17, 255, 3])
+    q, k = torch.randn(5, 9, 64), torch.randn(5, 3, 64)
+    cs = rope.cos_sin(positions)
+    rq, rk = RotaryEmbedding.rotate(cs, q, k)
+    assert torch.equal(rq, _rotate_half_reference(q, positions, 10000.0, 64))
+    assert torch.equal(rk, _rotate_half_reference(k, positions, 10000.0, 64))
+    packed = RotaryEmbedding.rotate_packed(cs, torch.cat([q, k], dim=1))
+    assert torch.equal(packed, torch.cat([rq, rk], dim=1))
