@@ -80,6 +80,7 @@ class StagingBuffer:
         self.fault_layer: int | None = None  # test hook: make commit fail when writing this layer
         self._staged = torch.zeros(max_tokens, dtype=torch.bool, device=cache.k.device)  # [max_tokens]
         self._poisoned = False  # this forward staged something without real storage
+        self._select(torch.empty(0, dtype=torch.long, device=cache.k.device))
 
     def ensure_capacity(self, n: int) -> None:
         if n > self.max_tokens:
@@ -93,11 +94,15 @@ class StagingBuffer:
         """Start a forward whose tokens stage at ``stage_index`` ([num_tokens], -1 = not staged)."""
         self._staged.zero_()
         self._poisoned = False
-        # which rows stage where: fixed for the whole forward, so computed once, not per layer
-        self._keep_all = bool((stage_index >= 0).all())
-        self._keep = stage_index >= 0
-        self._idx = stage_index if self._keep_all else stage_index[self._keep]
+        self._select(stage_index)
         self.metrics.unique_tokens += int(self._idx.numel())
+
+    def _select(self, stage_index: torch.Tensor) -> None:
+        """Which rows stage where: fixed for a whole forward, so found once, not per layer."""
+        self._index = stage_index
+        self._keep = stage_index >= 0
+        self._keep_all = bool(self._keep.all())
+        self._idx = stage_index if self._keep_all else stage_index[self._keep]
 
     def stage(
         self,
@@ -106,13 +111,14 @@ class StagingBuffer:
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         stage_index: torch.Tensor,  # [num_tokens] int64 row in the buffer, -1 = not staged
     ) -> None:
-        """Store this layer's rows at their explicit indices (any order). ``stage_index`` must be
-        the one given to :meth:`begin` for this forward."""
+        """Store this layer's rows at their explicit indices (any order)."""
         if not (has_real_storage(k) and has_real_storage(v)):
             if not self._poisoned:
                 self.metrics.fallback_fake_tensor += 1
             self._poisoned = True
             return
+        if stage_index is not self._index:  # a forward that did not call begin() (e.g. a draft model's)
+            self._select(stage_index)
         idx = self._idx
         if idx.numel() == 0:
             return
@@ -188,8 +194,9 @@ class StepSink:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.direct_slots.numel():
+            kd, vd = k, v
             if self.direct_rows is not None:
-                k, v = k.index_select(0, self.direct_rows), v.index_select(0, self.direct_rows)
-            self.cache.write_slots(layer, k, v, self.direct_slots)
+                kd, vd = k.index_select(0, self.direct_rows), v.index_select(0, self.direct_rows)
+            self.cache.write_slots(layer, kd, vd, self.direct_slots)
         if self.staging is not None and self.stage_index is not None:
             self.staging.stage(layer, k, v, self.stage_index)
