@@ -23,6 +23,19 @@
 
 #define TB 8
 #define MIN(a, b) ((a) < (b) ? (a) : (b))
+/* Inlined with a literal token count (see ROW_CASES) so the accumulators live in registers. */
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#define ROW_CASES(CALL)                                                                            \
+    switch (tb) {                                                                                  \
+    case 1: CALL(1); break;                                                                        \
+    case 2: CALL(2); break;                                                                        \
+    case 3: CALL(3); break;                                                                        \
+    case 4: CALL(4); break;                                                                        \
+    case 5: CALL(5); break;                                                                        \
+    case 6: CALL(6); break;                                                                        \
+    case 7: CALL(7); break;                                                                        \
+    default: CALL(TB); break;                                                                      \
+    }
 
 #if defined(__AVX512F__)
 #define KERNEL_ISA "avx512"
@@ -43,7 +56,7 @@ static inline float hsum256(__m256 v) {
 }
 #endif
 
-static void q4_1_row(const float *x, int tb, int K, const uint8_t *qr, const float *dr, const float *mr, int nb,
+ALWAYS_INLINE void q4_1_row(const float *x, const int tb, int K, const uint8_t *qr, const float *dr, const float *mr, int nb,
                      float *out /* [tb] */) {
 #if defined(__AVX512F__)
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -99,7 +112,7 @@ static void q4_1_row(const float *x, int tb, int K, const uint8_t *qr, const flo
 #endif
 }
 
-static void q8_0_row(const float *x, int tb, int K, const int8_t *qr, const float *dr, int nb, float *out) {
+ALWAYS_INLINE void q8_0_row(const float *x, const int tb, int K, const int8_t *qr, const float *dr, int nb, float *out) {
 #if defined(__AVX512F__)
     __m512 acc[TB];
     for (int t = 0; t < TB; t++) acc[t] = _mm512_setzero_ps();
@@ -153,7 +166,9 @@ static void q4_1_mm_rows(const float *x, int M, int K, const uint8_t *qs, const 
         float out[TB];
         for (int t0 = 0; t0 < M; t0 += TB) {
             int tb = MIN(M - t0, TB);
-            q4_1_row(x + (long)t0 * K, tb, K, qs + (long)n * nb * 16, d + (long)n * nb, m + (long)n * nb, nb, out);
+#define CALL(T) q4_1_row(x + (long)t0 * K, T, K, qs + (long)n * nb * 16, d + (long)n * nb, m + (long)n * nb, nb, out)
+            ROW_CASES(CALL)
+#undef CALL
             for (int t = 0; t < tb; t++) y[(long)(t0 + t) * N + n] = out[t];
         }
     }
@@ -166,7 +181,9 @@ static void q8_0_mm_rows(const float *x, int M, int K, const int8_t *qs, const f
         float out[TB];
         for (int t0 = 0; t0 < M; t0 += TB) {
             int tb = MIN(M - t0, TB);
-            q8_0_row(x + (long)t0 * K, tb, K, qs + (long)n * nb * 32, d + (long)n * nb, nb, out);
+#define CALL(T) q8_0_row(x + (long)t0 * K, T, K, qs + (long)n * nb * 32, d + (long)n * nb, nb, out)
+            ROW_CASES(CALL)
+#undef CALL
             for (int t = 0; t < tb; t++) y[(long)(t0 + t) * N + n] = out[t];
         }
     }
@@ -178,7 +195,6 @@ static void q8_0_mm_rows(const float *x, int M, int K, const int8_t *qs, const f
  * accumulators stay in registers. */
 #define RT 4
 #define TT 4
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 ALWAYS_INLINE void q4_1_tile(const float *x, int K, const uint8_t *qs, const float *d, const float *m, int nb, int n0,
                              const int R, const int T, float *y, int N) {

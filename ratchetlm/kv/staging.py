@@ -161,7 +161,7 @@ class StagingBuffer:
             for layer in range(self.cache.num_layers):
                 if self.fault_layer == layer:
                     raise StagingCommitError(f"injected fault while committing layer {layer}")
-                self.cache.write(layer, self.k[layer, rows], self.v[layer, rows], slots)
+                self.cache.write_slots(layer, self.k[layer, rows], self.v[layer, rows], slots)  # slots checked >= 0
                 done += 1
         except Exception as e:
             for layer in range(done):  # restore, bypassing the write counter: not new data
