@@ -31,6 +31,7 @@ CONFIGS = {
     "plain AR": None,
     "ngram chain": dict(method="ngram", depth=4),
     "ngram tree": dict(method="ngram", num_candidates=3, depth=4),
+    "ngram chain adaptive": dict(method="ngram", depth=6, depth_schedule="adaptive"),
     "self-draft chain": dict(method="draft", draft_layers=6, depth=3),
     "self-draft beam": dict(method="draft", draft_layers=6, depth=3, num_candidates=2),
 }

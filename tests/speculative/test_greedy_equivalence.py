@@ -16,11 +16,13 @@ CONFIGS = {
     "self_draft_chain": dict(method="draft", draft_layers=4, depth=3),
     "self_draft_beam": dict(method="draft", draft_layers=4, depth=3, num_candidates=2),
     "ngram_chunked": dict(method="ngram", depth=6, chunk_size=2, min_n=2),
+    "ngram_adaptive": dict(method="ngram", num_candidates=2, depth=6, depth_schedule="adaptive"),
 }
 
 
 # every prompt for each proposer / tree shape; chunking is orthogonal to prompt variety
-BATCHED = {name: list(range(len(PROMPTS))) for name in CONFIGS} | {"ngram_chunked": [0, 1, 3, 9]}
+BATCHED = {name: list(range(len(PROMPTS))) for name in CONFIGS} | {"ngram_chunked": [0, 1, 3, 9],
+                                                                    "ngram_adaptive": [0, 1, 3, 5, 9]}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -52,7 +54,8 @@ def assert_ngram_accepts_on_copy_heavy_prompts(eng) -> None:
 
 
 # one request alone per config, alternating code editing / summarization (self-draft is slow on CPU)
-ALONE = {"ngram_chain": 0, "ngram_tree": 3, "self_draft_chain": 3, "self_draft_beam": 0, "ngram_chunked": 0}
+ALONE = {"ngram_chain": 0, "ngram_tree": 3, "self_draft_chain": 3, "self_draft_beam": 0, "ngram_chunked": 0,
+         "ngram_adaptive": 3}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -106,3 +109,26 @@ def test_bad_options_raise_value_error_naming_the_field(spec_llm):
 
 def test_code_and_summary_prompts_present():
     assert CODE in PROMPTS and SUMMARY in PROMPTS and len(PROMPTS) >= 10
+
+
+def test_adaptive_depth_schedule(spec_llm, encoded):
+    """+2 after a fully accepted draft, -1 otherwise, clamped to [1, depth]; the engine's drafts follow it."""
+    from ratchetlm.decoding.speculative.strategy import _DEPTH
+
+    eng = make_engine(spec_llm, "speculative", method="ngram", depth=6, depth_schedule="adaptive")
+    strat = eng.strategy
+
+    class Seq:
+        strategy_state: dict = {}
+
+    seq = Seq()
+    seq.strategy_state = {}
+    seen = []
+    for drafted, accepted in [(6, 6), (6, 2), (5, 0), (4, 4), (6, 1), (5, 0), (4, 0), (3, 0), (2, 0), (1, 0), (1, 1)]:
+        strat._adapt_depth(seq, drafted, accepted)
+        seen.append(seq.strategy_state[_DEPTH])
+    assert seen == [6, 5, 4, 6, 5, 4, 3, 2, 1, 1, 3]
+    # wired into the engine: on real prompts some sequence's depth dropped below the maximum
+    run_engine(eng, [encoded[i] for i in (0, 3, 5)], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    assert any(s.stats["spec_num_drafts"] > 0 for s in eng.seqs.values())
+    assert any(s.strategy_state.get(_DEPTH, 6) < 6 for s in eng.seqs.values())

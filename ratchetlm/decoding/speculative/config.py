@@ -23,7 +23,11 @@ class SpecConfig:
     chunks of 2 pay only for long chains at batch >= 8).
     ``draft_model``: local path (GGUF file or HF folder) of the draft for ``method="draft_model"``;
     it must share the target's tokenizer (same vocab size). ``draft_kv_blocks``: blocks of the
-    draft's own paged KV cache (0 = as many as the target's cache)."""
+    draft's own paged KV cache (0 = as many as the target's cache).
+    ``depth_schedule``: "constant" drafts ``depth`` tokens every step; "adaptive" keeps a depth per
+    sequence in ``[1, depth]``, +2 after a step that accepted every draft token and -1 otherwise
+    (the schedule HF's assisted generation calls "heuristic"): on a CPU, where verifying more tokens
+    costs more, short drafts where drafts keep failing are cheaper. Output is the same either way."""
 
     method: str = "ngram"
     num_candidates: int = 1
@@ -34,6 +38,7 @@ class SpecConfig:
     chunk_size: int = 0
     draft_model: str | None = None
     draft_kv_blocks: int = 0
+    depth_schedule: str = "constant"
 
     def __post_init__(self) -> None:
         from ratchetlm.decoding.speculative.proposers import proposer_names
@@ -45,6 +50,9 @@ class SpecConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"speculative {name} must be an integer >= {lo}, got {v!r}")
+        if self.depth_schedule not in ("constant", "adaptive"):
+            raise ValueError("speculative depth_schedule must be 'constant' or 'adaptive', "
+                             f"got {self.depth_schedule!r}")
         if self.min_n > self.max_n:
             raise ValueError(f"speculative min_n ({self.min_n}) must be <= max_n ({self.max_n})")
         if self.chunk_size and self.num_candidates != 1:

@@ -33,6 +33,7 @@ from ratchetlm.layers.sampler import filtered_probs, top_logprobs
 
 _PREFIX = "spec_"
 _LEFTOVER = "spec_leftover"  # strategy_state key: (anchor length, remaining chain) for chunked verify
+_DEPTH = "spec_depth"  # strategy_state key: the adaptive schedule's current draft depth
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,16 @@ class Speculative(DecodeStrategy):
         return min(seq.params.max_tokens - seq.num_output_tokens, self.ctx.max_model_len - len(seq.token_ids))
 
     def _depth(self, seq: Sequence) -> int:
-        return max(0, min(self.cfg.depth, self._room(seq) - 1))
+        depth = seq.strategy_state.get(_DEPTH, self.cfg.depth)
+        return max(0, min(depth, self._room(seq) - 1))
+
+    def _adapt_depth(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """Adaptive schedule: +2 when every drafted token was accepted, else -1, within [1, depth]."""
+        if self.cfg.depth_schedule != "adaptive" or drafted == 0:
+            return
+        depth = seq.strategy_state.get(_DEPTH, self.cfg.depth)
+        depth = depth + 2 if accepted >= drafted else depth - 1
+        seq.strategy_state[_DEPTH] = max(1, min(self.cfg.depth, depth))
 
     def _verify_len(self, seq: Sequence) -> int:
         d = self._depth(seq)
@@ -168,6 +178,7 @@ class Speculative(DecodeStrategy):
         if seq.params.logprobs is not None:
             lps = top_logprobs(logits[rows[: len(tokens)]], torch.tensor(tokens), seq.params.logprobs)
         self._observe(seq, len(tree), len(path))
+        self._adapt_depth(seq, max(tree.depth) + 1, len(path))
         if st.leftover and len(path) == len(tree) and st.leftover[0] == nxt and len(tokens) == len(path) + 1:
             # the whole chunk and the next draft token were accepted: keep the rest of the chain
             seq.strategy_state[_LEFTOVER] = (len(seq.token_ids) + len(tokens), st.leftover[1:])
