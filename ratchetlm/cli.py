@@ -13,7 +13,7 @@ from ratchetlm.engine.config import EngineConfig
 _ENGINE_HELP = {
     "model": "local .gguf file or HF model folder (default: bundled SmolLM2-135M-Instruct)",
     "device": "cpu or cuda[:N]",
-    "dtype": "auto | float32 | bfloat16 | float16",
+    "dtype": "auto (GGUF on CPU with block kernels: fp32; else bf16 where native) | float32 | bfloat16 | float16",
     "max_model_len": "max prompt + generated tokens per request",
     "kv_cache_blocks": "number of KV blocks (default ~1 GiB)",
     "block_size": "tokens per KV block",

@@ -15,7 +15,9 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 class EngineConfig:
     model: str | None = None  # local GGUF file / HF folder; None = the bundled SmolLM2-135M-Instruct
     device: str = "cpu"
-    dtype: str = "auto"  # auto = bf16 where the hardware has native bf16 (CUDA sm80+, AVX512-BF16/AMX CPUs), else fp32
+    # auto = bf16 where the hardware has native bf16 (CUDA sm80+, AVX512-BF16/AMX CPUs), else fp32; but a GGUF
+    # model on CPU runs in fp32 when the GGUF block kernels are on and built (they take fp32 activations)
+    dtype: str = "auto"
     max_model_len: int | None = None  # default: the model's max positions
     kv_cache_blocks: int | None = None  # default: ~1 GiB of KV (at least one max_model_len)
     block_size: int = 16
@@ -48,5 +50,10 @@ class EngineConfig:
             return DTYPES[self.dtype]
         if self.device.startswith("cuda"):
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+        if self.gguf_kernels and (self.model is None or str(self.model).endswith(".gguf")):
+            from ratchetlm import kernels
+
+            if kernels.load() is not None:  # fp32 + block kernels beat bf16 dense ~3x on the default model
+                return torch.float32
         # On CPUs without native bf16 (e.g. AVX2-only), bf16 matmuls are emulated and slower than fp32.
         return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32

@@ -127,3 +127,14 @@ def test_failed_build_returns_none(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "_compiler", lambda: "false")  # a "compiler" that always fails
     assert kernels.compile_library(["-march=native"]) is None
     assert not list((tmp_path / "ratchetlm" / "kernels").glob("*.so"))
+
+
+def test_auto_dtype_picks_fp32_for_gguf_on_cpu_when_kernels_are_built():
+    from ratchetlm.engine.config import EngineConfig
+
+    assert EngineConfig().torch_dtype() == torch.float32  # bundled GGUF, kernels built
+    assert EngineConfig(model="some/model.gguf").torch_dtype() == torch.float32
+    no_kernels = EngineConfig(gguf_kernels=False).torch_dtype()
+    folder = EngineConfig(model="some/hf_folder").torch_dtype()
+    native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert no_kernels == folder == (torch.bfloat16 if native_bf16 else torch.float32)
