@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         lc = Llama(model_path=str(default_model_path()), n_ctx=512, n_threads=torch.get_num_threads(), verbose=False)
 
         def run_lc() -> int:
-            out = lc(PROMPTS[0], max_tokens=n_new, temperature=0.0)
+            # EOS banned via logit_bias: the same fixed-length decode as ignore_eos on our side
+            out = lc(PROMPTS[0], max_tokens=n_new, temperature=0.0, logit_bias={lc.token_eos(): -1e9})
             return int(out["usage"]["completion_tokens"])
 
         rows.append(("llama-cpp-python Q4_1", 1, _median_tps(run_lc, args.repeats)))
