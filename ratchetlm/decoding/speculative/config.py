@@ -26,8 +26,8 @@ class SpecConfig:
     draft's own paged KV cache (0 = as many as the target's cache).
     ``depth_schedule``: "constant" drafts ``depth`` tokens every step; "adaptive" keeps a depth per
     sequence in ``[1, depth]``, +2 after a step that accepted every draft token and -1 otherwise
-    (the schedule HF's assisted generation calls "heuristic"): on a CPU, where verifying more tokens
-    costs more, short drafts where drafts keep failing are cheaper. Output is the same either way."""
+    (the schedule HF's assisted generation calls "heuristic"). Output is the same either way; on the
+    default model it did not beat constant depth 4 (docs/speculative.md), hence the default."""
 
     method: str = "ngram"
     num_candidates: int = 1
