@@ -4,7 +4,7 @@ lookup / early-exit assisted generation on the same prompts. Also measures specu
 verify (SCV) on vs off at batch 1 and 8. Prints medians and ratios vs a peer from the same run.
 
     python benchmarks/bench_speculative.py [--max-tokens 32] [--threads 1] [--skip-hf] [--skip-scv]
-    python benchmarks/bench_speculative.py --scv-only [--scv-batches 1,8] [--repeats 3] [--max-tokens 24]
+    python benchmarks/bench_speculative.py --scv-only [--scv-batches 1,16] [--repeats 3] [--max-tokens 24]
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-scv", action="store_true")
     ap.add_argument("--scv-only", action="store_true", help="only the chunked-verify comparison")
-    ap.add_argument("--scv-batches", default="1,8", help="comma-separated batch sizes for the SCV comparison")
+    ap.add_argument("--scv-batches", default="1,16", help="comma-separated batch sizes for the SCV comparison")
     ap.add_argument("--repeats", type=int, default=3, help="SCV runs per cell (median reported)")
     ap.add_argument("--scv-depth", type=int, default=6, help="n-gram chain depth for the SCV comparison")
     a = ap.parse_args()
