@@ -43,8 +43,12 @@ def _compiler() -> str | None:
 
 
 def _build(cc: str, flags: list[str], out: Path) -> bool:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    except OSError as e:  # read-only or missing home: the caller tries the next directory
+        log.warning("cannot write kernel cache in %s: %s", out.parent, e)
+        return False
     os.close(fd)
     proc = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
     if proc.returncode != 0:
@@ -68,12 +72,14 @@ def compile_library(arch_flags: list[str]) -> ctypes.CDLL | None:
     key = hashlib.sha256(
         SOURCE.read_bytes() + " ".join(flags).encode() + version.encode() + platform.machine().encode()
     ).hexdigest()[:16]
-    path = cache_dir() / f"ggml_blocks-{key}.so"
-    if not path.exists() and not _build(cc, flags, path):
-        return None
-    lib = ctypes.CDLL(str(path))
-    _declare(lib)
-    return lib
+    fallback = Path(tempfile.gettempdir()) / f"ratchetlm-kernels-{getattr(os, 'getuid', lambda: 0)()}"
+    for folder in (cache_dir(), fallback):
+        path = folder / f"ggml_blocks-{key}.so"
+        if path.exists() or _build(cc, flags, path):
+            lib = ctypes.CDLL(str(path))
+            _declare(lib)
+            return lib
+    return None
 
 
 @functools.cache

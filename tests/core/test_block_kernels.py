@@ -138,3 +138,13 @@ def test_auto_dtype_picks_fp32_for_gguf_on_cpu_when_kernels_are_built():
     folder = EngineConfig(model="some/hf_folder").torch_dtype()
     native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert no_kernels == folder == (torch.bfloat16 if native_bf16 else torch.float32)
+
+
+def test_unwritable_cache_falls_back_to_temp_dir(monkeypatch, tmp_path):
+    blocker = tmp_path / "file-not-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # cache_dir() lies under a file: mkdir fails
+    monkeypatch.setattr(kernels.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    lib = kernels.compile_library([])
+    assert lib is not None
+    assert list((tmp_path / "tmp").glob("ratchetlm-kernels-*/ggml_blocks-*.so"))
