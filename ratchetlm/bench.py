@@ -11,6 +11,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def run_lc() -> int:
             # EOS banned via logit_bias: the same fixed-length decode as ignore_eos on our side
-            out = lc(PROMPTS[0], max_tokens=n_new, temperature=0.0, logit_bias={lc.token_eos(): -1e9})
+            out: Any = lc(PROMPTS[0], max_tokens=n_new, temperature=0.0, logit_bias={lc.token_eos(): -1e9})
             return int(out["usage"]["completion_tokens"])
 
         rows.append(("llama-cpp-python Q4_1", 1, _median_tps(run_lc, args.repeats)))
