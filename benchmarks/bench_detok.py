@@ -78,7 +78,7 @@ def token_stream(tok: Tokenizer, text: str, n: int) -> list[int]:
     return (ids * (n // len(ids) + 1))[:n]
 
 
-def per_push_us(cls, tok: Tokenizer, prompt: list[int], gen: list[int], n: int) -> float:
+def per_push_us(cls, tok: Tokenizer, prompt: list[int], gen: list[int], n: int) -> tuple[float, float]:
     """Median microseconds per push over the pushes just before ``n`` generated tokens."""
     measured = min(MEASURED, n)
     d = cls(tok, prompt)

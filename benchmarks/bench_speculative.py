@@ -3,7 +3,7 @@ written per committed token, greedy-text identity vs plain AR, and HF transforme
 lookup / early-exit assisted generation on the same prompts. Also measures speculative chunk
 verify (SCV) on vs off at batch 1 and 8. Prints medians and ratios vs a peer from the same run.
 
-    python benchmarks/bench_speculative.py [--max-tokens 32] [--threads 1] [--skip-hf] [--skip-scv]
+    python benchmarks/bench_speculative.py [--max-tokens 128] [--ignore-eos] [--threads 1] [--skip-hf] [--skip-scv]
     python benchmarks/bench_speculative.py --scv-only [--scv-batches 1,16] [--repeats 3] [--max-tokens 24]
 """
 
@@ -22,11 +22,9 @@ from ratchetlm import LLM  # noqa: E402
 from ratchetlm.engine.config import EngineConfig  # noqa: E402
 from ratchetlm.engine.llm_engine import LLMEngine  # noqa: E402
 from ratchetlm.sampling_params import SamplingParams  # noqa: E402
-from tests.speculative.prompts import CODE, CODE2, SUMMARY, SUMMARY2  # noqa: E402
+from tests.speculative.prompts import CHATS, CODE_EDITS, SUMMARIES  # noqa: E402
 
-CHAT = ["<|im_start|>user\nExplain what a hash map is in two sentences.<|im_end|>\n<|im_start|>assistant\n",
-        "<|im_start|>user\nGive me three tips for better sleep.<|im_end|>\n<|im_start|>assistant\n"]
-CATEGORIES = {"code": [CODE, CODE2], "summary": [SUMMARY, SUMMARY2], "chat": CHAT}
+CATEGORIES = {"code": CODE_EDITS, "summary": SUMMARIES, "chat": CHATS}
 CONFIGS = {
     "plain AR": None,
     "ngram chain": dict(method="ngram", depth=4),
@@ -34,6 +32,7 @@ CONFIGS = {
     "ngram chain adaptive": dict(method="ngram", depth=6, depth_schedule="adaptive"),
     "self-draft chain": dict(method="draft", draft_layers=6, depth=3),
     "self-draft beam": dict(method="draft", draft_layers=6, depth=3, num_candidates=2),
+    "ngram chain, off at batch >= 4": dict(method="ngram", depth=4, disable_by_batch_size=4),
 }
 
 
@@ -56,33 +55,38 @@ def mal(eng: LLMEngine) -> float:
     return eng.strategy.metrics().get("spec_decode_mean_acceptance_length", 1.0) or 1.0
 
 
-def bench_ours(llm: LLM, params: SamplingParams) -> tuple[dict, dict]:
+def bench_ours(llm: LLM, params: SamplingParams, repeats: int) -> tuple[dict, dict]:
+    """Every config on every prompt, ``repeats`` rounds with the configs interleaved inside each
+    round, so load drift on a shared machine hits all configs alike; cells are medians."""
     enc = {c: [llm.encode(p) for p in ps] for c, ps in CATEGORIES.items()}
-    rows: dict = {}
+    mixed = [p for ps in enc.values() for p in ps] + enc["code"]  # batch 8: every category + 2 code
+    tps: dict = {}
+    info: dict = {}
     ref: dict = {}
-    for name, opts in CONFIGS.items():
-        for cat, prompts in enc.items():  # batch 1: each prompt alone, median over prompts
+    for _ in range(repeats):
+        for name, opts in CONFIGS.items():
+            for cat, prompts in enc.items():  # batch 1: each prompt alone
+                eng = engine(llm, opts)
+                same = True
+                for p in prompts:
+                    out, dt = run(eng, [p], params)
+                    tps.setdefault((name, cat, 1), []).append(len(out[0]) / dt)
+                    ref.setdefault((cat, tuple(p)), out[0])
+                    same &= out[0] == ref[(cat, tuple(p))]
+                info[(name, cat, 1)] = (eng, same and info.get((name, cat, 1), (None, True))[1])
             eng = engine(llm, opts)
-            tps, same = [], True
-            for p in prompts:
-                out, dt = run(eng, [p], params)
-                tps.append(len(out[0]) / dt)
-                ref.setdefault((cat, tuple(p)), out[0])
-                same &= out[0] == ref[(cat, tuple(p))]
-            committed = sum(s.num_cached for s in eng.seqs.values())
-            kvw = eng.cache.bytes_written / (committed * eng.cache.bytes_per_token())
-            rows[(name, cat, 1)] = dict(tps=statistics.median(tps), mal=mal(eng), same=same, kv=kvw)
-            print(f"  {name:17s} {cat:8s} b=1  {rows[(name, cat, 1)]}", flush=True)
-        # batch 8: a mixed batch (code, summary, chat, twice each + 2 code)
-        mixed = [p for ps in enc.values() for p in ps] + enc["code"]
-        eng = engine(llm, opts)
-        out, dt = run(eng, mixed, params)
-        key = ("mixed", tuple(map(tuple, mixed)))
-        ref.setdefault(key, out)
-        rows[(name, "mixed", 8)] = dict(tps=sum(map(len, out)) / dt, mal=mal(eng), same=out == ref[key],
-                                        kv=eng.cache.bytes_written / (sum(s.num_cached for s in eng.seqs.values())
-                                                                      * eng.cache.bytes_per_token()))
-        print(f"  {name:17s} mixed    b=8  {rows[(name, 'mixed', 8)]}", flush=True)
+            out, dt = run(eng, mixed, params)
+            key = ("mixed", tuple(map(tuple, mixed)))
+            ref.setdefault(key, out)
+            tps.setdefault((name, "mixed", 8), []).append(sum(map(len, out)) / dt)
+            info[(name, "mixed", 8)] = (eng, out == ref[key] and info.get((name, "mixed", 8), (None, True))[1])
+            last = [f"{c}/b{b} {v[-1]:.1f}" for (n, c, b), v in tps.items() if n == name]
+            print(f"  {name:20s} " + "  ".join(last), flush=True)
+    rows = {}
+    for k, v in tps.items():
+        eng, same = info[k]
+        kvw = eng.cache.bytes_written / (sum(s.num_cached for s in eng.seqs.values()) * eng.cache.bytes_per_token())
+        rows[k] = dict(tps=statistics.median(v), mal=mal(eng), same=same, kv=kvw)
     return rows, ref
 
 
@@ -101,15 +105,17 @@ def bench_hf(llm: LLM, params: SamplingParams, ref: dict) -> dict:
     rows = {}
     for name, kw in variants.items():
         for cat, prompts in CATEGORIES.items():
-            tps, same = [], True
+            tps: list[float] = []
+            same = True
             for text in prompts:
                 ids = llm.encode(text)
                 x = torch.tensor([ids])
                 t = time.perf_counter()
                 try:
                     with torch.inference_mode():
+                        stop = dict(min_new_tokens=params.max_tokens) if params.ignore_eos else {}
                         y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=params.max_tokens,
-                                           min_new_tokens=params.max_tokens, do_sample=False, **kw)
+                                           do_sample=False, **stop, **kw)
                 except Exception as e:  # an unsupported option is reported, not hidden
                     print(f"  {name}: unsupported ({type(e).__name__}: {e})")
                     tps = []
@@ -117,8 +123,8 @@ def bench_hf(llm: LLM, params: SamplingParams, ref: dict) -> dict:
                 dt = time.perf_counter() - t
                 out = y[0, len(ids):].tolist()
                 tps.append(len(out) / dt)
-                # ours runs with ignore_eos (EOS is emitted and decoding goes on); HF's min_new_tokens
-                # masks EOS instead, so the two agree up to our first EOS
+                # with --ignore-eos ours emits EOS and goes on while HF's min_new_tokens masks EOS,
+                # so the two are compared up to our first EOS (inclusive when HF stops there too)
                 ours = ref[(cat, tuple(ids))]
                 cut = next((i for i, t in enumerate(ours) if t in eos), len(ours))
                 same &= out[:cut] == ours[:cut]
@@ -164,24 +170,27 @@ def bench_scv(llm: LLM, batches: list[int], repeats: int, max_tokens: int, depth
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="always generate --max-tokens (default: stop at EOS, as a user would)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-scv", action="store_true")
     ap.add_argument("--scv-only", action="store_true", help="only the chunked-verify comparison")
     ap.add_argument("--scv-batches", default="1,16", help="comma-separated batch sizes for the SCV comparison")
-    ap.add_argument("--repeats", type=int, default=3, help="SCV runs per cell (median reported)")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds per cell, configs interleaved (median reported)")
     ap.add_argument("--scv-depth", type=int, default=6, help="n-gram chain depth for the SCV comparison")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     llm = LLM(progress=False, dtype="float32")
-    params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
-    print(f"default model, CPU, {a.threads} thread(s), greedy, {a.max_tokens} new tokens")
+    params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=a.ignore_eos)
+    print(f"default model, CPU, {a.threads} thread(s), greedy, up to {a.max_tokens} new tokens"
+          f"{' (EOS ignored)' if a.ignore_eos else ', stop at EOS'}")
     scv_batches = [int(b) for b in a.scv_batches.split(",")]
     if a.scv_only:
         bench_scv(llm, scv_batches, a.repeats, a.max_tokens, a.scv_depth)
         return
-    rows, ref = bench_ours(llm, params)
+    rows, ref = bench_ours(llm, params, a.repeats)
     if not a.skip_hf:
         rows.update(bench_hf(llm, params, ref))
     print("\n| config | prompts | batch | tok/s (median) | vs plain AR | mean acc. len "

@@ -132,3 +132,27 @@ def test_adaptive_depth_schedule(spec_llm, encoded):
     run_engine(eng, [encoded[i] for i in (0, 3, 5)], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     assert any(s.stats["spec_num_drafts"] > 0 for s in eng.seqs.values())
     assert any(s.strategy_state.get(_DEPTH, 6) < 6 for s in eng.seqs.values())
+
+
+def test_disable_by_batch_size(spec_llm, encoded, reference):
+    """A step with >= disable_by_batch_size sequences decodes plainly (no drafts, same output);
+    once the batch has shrunk below the limit, drafting resumes."""
+    eng = make_engine(spec_llm, "speculative", method="ngram", depth=4, disable_by_batch_size=3)
+    short = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    ids = [eng.add_request(encoded[9], short)] + [eng.add_request(encoded[i], GREEDY) for i in (0, 3)]
+    steps_of_three = 0
+    while eng.has_unfinished():
+        steps_of_three += len(eng.scheduler.running) + len(eng.scheduler.waiting) == 3
+        eng.step()
+    assert eng.seqs[ids[0]].output_ids == reference[9][:3]
+    assert [eng.seqs[i].output_ids for i in ids[1:]] == [reference[0], reference[3]]
+    m = eng.strategy.metrics()
+    assert m["spec_decode_disabled_steps"] == steps_of_three > 0
+    assert eng.seqs[ids[0]].stats.get("spec_num_drafts", 0) == 0  # it only ever ran in a batch of 3
+    assert m["spec_decode_num_drafts"] > 0  # the two left drafted after it finished
+    never = make_engine(spec_llm, "speculative", method="ngram", depth=4)  # default 0: always draft
+    run_engine(never, [encoded[i] for i in (9, 0, 3)], GREEDY)
+    assert never.strategy.metrics()["spec_decode_disabled_steps"] == 0
+    for limit in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="disable_by_batch_size"):
+            make_engine(spec_llm, "speculative", disable_by_batch_size=limit)

@@ -27,7 +27,11 @@ class SpecConfig:
     ``depth_schedule``: "constant" drafts ``depth`` tokens every step; "adaptive" keeps a depth per
     sequence in ``[1, depth]``, +2 after a step that accepted every draft token and -1 otherwise
     (the schedule HF's assisted generation calls "heuristic"). Output is the same either way; on the
-    default model it did not beat constant depth 4 (docs/speculative.md), hence the default."""
+    default model it did not beat constant depth 4 (docs/speculative.md), hence the default.
+    ``disable_by_batch_size``: a step that schedules at least this many sequences decodes them all
+    plainly (no drafts; vLLM's option of the same name); 0 = never. On a CPU the verify forward is
+    compute bound once a batch holds many rows, and drafting at batch 8 measured slower than plain
+    decoding at every depth (docs/speculative.md); the output is the same either way."""
 
     method: str = "ngram"
     num_candidates: int = 1
@@ -39,6 +43,7 @@ class SpecConfig:
     draft_model: str | None = None
     draft_kv_blocks: int = 0
     depth_schedule: str = "constant"
+    disable_by_batch_size: int = 0
 
     def __post_init__(self) -> None:
         from ratchetlm.decoding.speculative.proposers import proposer_names
@@ -46,7 +51,8 @@ class SpecConfig:
         if self.method not in proposer_names():
             raise ValueError(f"speculative method must be one of {proposer_names()}, got {self.method!r}")
         for name, lo in (("num_candidates", 1), ("depth", 1), ("min_n", 1), ("max_n", 1),
-                         ("draft_layers", 1), ("chunk_size", 0), ("draft_kv_blocks", 0)):
+                         ("draft_layers", 1), ("chunk_size", 0), ("draft_kv_blocks", 0),
+                         ("disable_by_batch_size", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"speculative {name} must be an integer >= {lo}, got {v!r}")

@@ -71,6 +71,7 @@ class Speculative(DecodeStrategy):
         self.cfg = SpecConfig.from_options(self.options)
         self.proposer = create_proposer(self.cfg.method, self.cfg, ctx)
         self.totals = SpecCounters()
+        self.disabled_steps = 0  # steps decoded plainly because of disable_by_batch_size
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -112,6 +113,10 @@ class Speculative(DecodeStrategy):
     # ------------------------------------------------------------------ propose
 
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
+        limit = self.cfg.disable_by_batch_size
+        if limit and len(seqs) >= limit:  # a big batch: plain rows only (drafting there costs more than it saves)
+            self.disabled_steps += 1
+            return [catch_up_proposal(s, b) for s, b in zip(seqs, budgets, strict=True)]
         props: list[Proposal | None] = [None] * len(seqs)
         todo: list[int] = []
         depths: list[int] = []
@@ -200,6 +205,7 @@ class Speculative(DecodeStrategy):
             "spec_decode_num_accepted_tokens": t.num_accepted_tokens,
             "spec_decode_mean_acceptance_length": t.mean_acceptance_length,
             "spec_decode_acceptance_rate": t.acceptance_rate,
+            "spec_decode_disabled_steps": self.disabled_steps,
         }
         for i, n in enumerate(t.accepted_per_pos):
             out[f"spec_decode_num_accepted_tokens_per_pos_{i}"] = n
