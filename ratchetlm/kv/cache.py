@@ -74,14 +74,15 @@ class KVCache:
 
     def copy_rows(
         self,
-        k_rows: torch.Tensor,  # [num_layers, n, num_kv_heads, head_dim]
-        v_rows: torch.Tensor,  # [num_layers, n, num_kv_heads, head_dim]
-        slots: torch.Tensor,  # [n] int64, all >= 0
+        k_rows: torch.Tensor,  # [num_layers', n, num_kv_heads, head_dim], layers 0..num_layers'-1
+        v_rows: torch.Tensor,  # [num_layers', n, num_kv_heads, head_dim]
+        slots: torch.Tensor,  # [n] int64, all >= 0 (the caller checked)
     ) -> None:
-        """All-layer write of ``n`` token rows (used by staging commit)."""
-        assert bool((slots >= 0).all()), "commit slots must be real"
-        self.k.index_copy_(1, slots, k_rows.to(self.k.dtype))
-        self.v.index_copy_(1, slots, v_rows.to(self.v.dtype))
+        """Write ``n`` token rows into the first ``k_rows.shape[0]`` layers in one copy (staging commit)."""
+        upto = k_rows.shape[0]
+        assert k_rows.shape == v_rows.shape and upto <= self.num_layers
+        self.k[:upto].index_copy_(1, slots, k_rows.to(self.k.dtype))
+        self.v[:upto].index_copy_(1, slots, v_rows.to(self.v.dtype))
         self.bytes_written += 2 * k_rows.numel() * self.k.element_size()
 
 

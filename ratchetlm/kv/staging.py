@@ -8,9 +8,9 @@ verification read stale cache rows. After acceptance, :meth:`StagingBuffer.commi
 accepted rows — any subset, in any order — into the persistent cache.
 
 Commit is all-or-nothing across layers: rows and slots are validated before any write, the
-previous contents of the target slots are snapshotted, and layers are written one by one; if
-any layer fails (``fault_layer`` injects a failure, for tests), the layers already written are
-restored and :class:`StagingCommitError` is raised with the cache unchanged. The caller then
+previous contents of the target slots are snapshotted, and all layers are written in one copy; if
+that fails (``fault_layer`` injects a failure after the layers before it were written, for tests),
+the snapshot is restored and :class:`StagingCommitError` is raised with the cache unchanged. The caller then
 falls back to the plain path: the tokens stay committed, their KV is recomputed by the next
 step's direct-write catch-up (identical output, one extra forward of work).
 
@@ -156,17 +156,16 @@ class StagingBuffer:
     def _write_all_layers(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         old_k = self.cache.k[:, slots].clone()  # [num_layers, n, h, d] snapshot for rollback
         old_v = self.cache.v[:, slots].clone()
-        done = 0
+        # One copy for all layers; the test hook stops it after layers [0, fault_layer).
+        upto = self.cache.num_layers if self.fault_layer is None else self.fault_layer
         try:
-            for layer in range(self.cache.num_layers):
-                if self.fault_layer == layer:
-                    raise StagingCommitError(f"injected fault while committing layer {layer}")
-                self.cache.write_slots(layer, self.k[layer, rows], self.v[layer, rows], slots)  # slots checked >= 0
-                done += 1
+            self.cache.copy_rows(self.k[:upto, rows], self.v[:upto, rows], slots)  # slots checked >= 0
+            if upto < self.cache.num_layers:
+                raise StagingCommitError(f"injected fault while committing layer {upto}")
         except Exception as e:
-            for layer in range(done):  # restore, bypassing the write counter: not new data
-                self.cache.k[layer].index_copy_(0, slots, old_k[layer])
-                self.cache.v[layer].index_copy_(0, slots, old_v[layer])
+            # restore, bypassing the write counter: not new data
+            self.cache.k.index_copy_(1, slots, old_k)
+            self.cache.v.index_copy_(1, slots, old_v)
             raise e if isinstance(e, StagingCommitError) else StagingCommitError(str(e)) from e
 
 

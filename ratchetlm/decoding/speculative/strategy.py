@@ -44,6 +44,9 @@ class TreeState:
 
 def tree_from_beam(beam: torch.Tensor, max_nodes: int) -> DraftTree:  # beam [M, C] with PAD
     """Pack one beam, drop padding nodes, keep at most ``max_nodes`` (a topological prefix)."""
+    if beam.shape[0] == 1:  # one candidate is its own prefix tree: a chain, no dedup to do
+        chain = [t for t in beam[0, :max_nodes].tolist() if t != PAD]
+        return DraftTree(chain, list(range(-1, len(chain) - 1)), list(range(len(chain))))
     packed, mask, off, umap = pack(beam[None])
     n = int(num_nodes(umap)[0])
     keep = packed[0, :n] != PAD
