@@ -156,3 +156,26 @@ def test_disable_by_batch_size(spec_llm, encoded, reference):
     for limit in (-1, 1.5, True):
         with pytest.raises(ValueError, match="disable_by_batch_size"):
             make_engine(spec_llm, "speculative", disable_by_batch_size=limit)
+
+
+def test_gain_schedule_drafts_what_pays(spec_llm, encoded, reference):
+    """depth_schedule="gain": the same tokens as plain greedy, batched and alone; alone (batch 1),
+    weak matches are not drafted, so fewer draft tokens are verified than by the constant chain
+    and a larger share of them is accepted."""
+    batched = make_engine(spec_llm, "speculative", method="ngram", depth=6, depth_schedule="gain")
+    assert run_engine(batched, encoded, GREEDY) == reference
+    engines = {name: make_engine(spec_llm, "speculative", method="ngram", depth=6, **opts)
+               for name, opts in (("constant", {}), ("gain", dict(depth_schedule="gain")))}
+    for name, eng in engines.items():
+        for i, p in enumerate(encoded):  # one at a time: every gain decision is made at batch 1
+            assert run_engine(eng, [p], GREEDY) == [reference[i]], (name, i)
+    gain, const = engines["gain"].strategy.metrics(), engines["constant"].strategy.metrics()
+    assert gain["spec_decode_gain_skipped_drafts"] > 0
+    assert "spec_decode_gain_skipped_drafts" not in const
+    assert gain["spec_decode_num_draft_tokens"] < const["spec_decode_num_draft_tokens"]
+    assert gain["spec_decode_acceptance_rate"] > const["spec_decode_acceptance_rate"]
+    for opts, field in ((dict(method="draft", draft_layers=4, depth_schedule="gain"), "depth_schedule"),
+                        (dict(depth_schedule="gain", verify_token_cost=-0.1), "verify_token_cost"),
+                        (dict(verify_token_cost=float("nan")), "verify_token_cost")):
+        with pytest.raises(ValueError, match=field):
+            make_engine(spec_llm, "speculative", **opts)

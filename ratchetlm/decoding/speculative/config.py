@@ -26,8 +26,13 @@ class SpecConfig:
     draft's own paged KV cache (0 = as many as the target's cache).
     ``depth_schedule``: "constant" drafts ``depth`` tokens every step; "adaptive" keeps a depth per
     sequence in ``[1, depth]``, +2 after a step that accepted every draft token and -1 otherwise
-    (the schedule HF's assisted generation calls "heuristic"). Output is the same either way; on the
-    default model it did not beat constant depth 4 (docs/speculative.md), hence the default.
+    (the schedule HF's assisted generation calls "heuristic"); "gain" (n-gram only) drafts, per
+    step, the length in ``[0, depth]`` expected to add the most tokens per unit of verify cost,
+    judged from how far earlier continuations with the same match length agreed with the output
+    (gain.py). Output is the same with every schedule.
+    ``verify_token_cost``: the gain schedule's cost of one more verified token, as a fraction of a
+    plain one-token forward (measured ~0.09 on a 2-core CPU with the GGUF block kernels; near 0 on
+    a GPU, where a verify forward costs about what a plain one does).
     ``disable_by_batch_size``: a step that schedules at least this many sequences decodes them all
     plainly (no drafts; vLLM's option of the same name); 0 = never. On a CPU the verify forward is
     compute bound once a batch holds many rows, and drafting at batch 8 measured slower than plain
@@ -43,6 +48,7 @@ class SpecConfig:
     draft_model: str | None = None
     draft_kv_blocks: int = 0
     depth_schedule: str = "constant"
+    verify_token_cost: float = 0.09
     disable_by_batch_size: int = 0
 
     def __post_init__(self) -> None:
@@ -56,9 +62,14 @@ class SpecConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"speculative {name} must be an integer >= {lo}, got {v!r}")
-        if self.depth_schedule not in ("constant", "adaptive"):
-            raise ValueError("speculative depth_schedule must be 'constant' or 'adaptive', "
+        if self.depth_schedule not in ("constant", "adaptive", "gain"):
+            raise ValueError("speculative depth_schedule must be 'constant', 'adaptive' or 'gain', "
                              f"got {self.depth_schedule!r}")
+        if self.depth_schedule == "gain" and self.method != "ngram":
+            raise ValueError(f"speculative depth_schedule='gain' needs method='ngram' (method is {self.method!r})")
+        c = self.verify_token_cost
+        if isinstance(c, bool) or not isinstance(c, int | float) or not 0 <= c < float("inf"):
+            raise ValueError(f"speculative verify_token_cost must be a finite number >= 0, got {c!r}")
         if self.min_n > self.max_n:
             raise ValueError(f"speculative min_n ({self.min_n}) must be <= max_n ({self.max_n})")
         if self.chunk_size and self.num_candidates != 1:

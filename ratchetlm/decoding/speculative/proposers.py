@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ratchetlm.decoding.speculative.gain import GainSchedule, PendingContinuation
 from ratchetlm.engine.sequence import Sequence
 
 PAD = -1
@@ -70,14 +71,15 @@ def create_proposer(name: str, cfg: Any, ctx: Any) -> Proposer:
     return _PROPOSERS[name](cfg, ctx)
 
 
-def ngram_candidates(tokens: list[int], min_n: int, max_n: int, m: int, c: int) -> list[list[int]]:
+def ngram_candidates(tokens: list[int], min_n: int, max_n: int, m: int, c: int) -> list[tuple[int, list[int]]]:
     """Up to ``m`` distinct continuations (each up to ``c`` tokens) following earlier occurrences
-    of the sequence's longest suffix n-gram, ``min_n <= n <= max_n``. Longer matches come first;
-    within one length, the most recent occurrence first (recent context is the likeliest copy
-    source when editing code). Shorter n-grams only fill candidates the longer ones left open."""
+    of the sequence's longest suffix n-gram, ``min_n <= n <= max_n``, each with its match length
+    ``n``. Longer matches come first; within one length, the most recent occurrence first (recent
+    context is the likeliest copy source when editing code). Shorter n-grams only fill candidates
+    the longer ones left open."""
     arr = np.asarray(tokens, dtype=np.int64)
     t = arr.shape[0]
-    out: list[list[int]] = []
+    out: list[tuple[int, list[int]]] = []
     seen: set[tuple[int, ...]] = set()
     for n in range(min(max_n, t - 1), min_n - 1, -1):
         suffix = arr[t - n :]
@@ -90,27 +92,58 @@ def ngram_candidates(tokens: list[int], min_n: int, max_n: int, m: int, c: int) 
             if key in seen:
                 continue
             seen.add(key)
-            out.append(cont)
+            out.append((n, cont))
             if len(out) == m:
                 return out
     return out
 
 
+_GAIN = "spec_gain"  # strategy_state key: the gain schedule's record of this sequence
+
+
 @register_proposer("ngram")
 class NgramProposer(Proposer):
-    """Prompt lookup: copy what followed earlier occurrences of the current suffix."""
+    """Prompt lookup: copy what followed earlier occurrences of the current suffix. With
+    ``depth_schedule="gain"`` each draft is cut to the length expected to pay (gain.py)."""
+
+    def __init__(self, cfg: Any, ctx: Any) -> None:
+        super().__init__(cfg, ctx)
+        self.gain = GainSchedule(cfg.max_n, cfg.depth, cfg.verify_token_cost) \
+            if cfg.depth_schedule == "gain" else None
+        self.gain_skipped = 0  # steps whose n-gram match was not worth drafting
+
+    def metrics(self) -> dict[str, float]:
+        return {} if self.gain is None else {"spec_decode_gain_skipped_drafts": self.gain_skipped}
 
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[DraftBeam | None]:
         out: list[DraftBeam | None] = []
         m = self.cfg.num_candidates
         for seq, d in zip(seqs, depths, strict=True):
-            cands = ngram_candidates(seq.token_ids, self.cfg.min_n, self.cfg.max_n, m, d)
-            if not cands:
+            cands = ngram_candidates(seq.token_ids, self.cfg.min_n, self.cfg.max_n, m,
+                                     d if self.gain is None else self.cfg.depth)
+            if self.gain is not None:
+                d = self._gain_length(seq, cands, d, len(seqs))
+                self.gain_skipped += bool(cands) and d == 0
+            cands = [(n, x[:d]) for n, x in cands]
+            if not cands or d == 0:
                 out.append(None)
                 continue
-            width = max(len(x) for x in cands)
+            width = max(len(x) for _, x in cands)
             toks = torch.full((len(cands), width), PAD, dtype=torch.long)
-            for i, x in enumerate(cands):
+            for i, (_, x) in enumerate(cands):
                 toks[i, : len(x)] = torch.tensor(x, dtype=torch.long)
             out.append(DraftBeam(toks, torch.zeros(toks.shape)))
         return out
+
+    def _gain_length(self, seq: Sequence, cands: list[tuple[int, list[int]]], max_depth: int, batch: int) -> int:
+        """Judge this sequence's earlier continuations, record the new one, pick its draft length."""
+        assert self.gain is not None
+        rec = seq.strategy_state.get(_GAIN)
+        if rec is None:
+            rec = seq.strategy_state[_GAIN] = self.gain.new_record()
+        self.gain.judge(rec, seq.token_ids)
+        if not cands:
+            return 0
+        n, cont = cands[0]
+        rec.pending.append(PendingContinuation(len(seq.token_ids), n, cont))
+        return self.gain.length(rec, n, min(max_depth, len(cont)), batch)
