@@ -31,6 +31,8 @@ CONFIGS = {
     "ngram tree": dict(method="ngram", num_candidates=3, depth=4),
     "ngram chain adaptive": dict(method="ngram", depth=6, depth_schedule="adaptive"),
     "ngram chain gain": dict(method="ngram", depth=6, depth_schedule="gain"),
+    "eagle chain": dict(method="eagle", depth=4),
+    "eagle chain gain": dict(method="eagle", depth=6, depth_schedule="gain"),
     "self-draft chain": dict(method="draft", draft_layers=6, depth=3),
     "self-draft beam": dict(method="draft", draft_layers=6, depth=3, num_candidates=2),
     "ngram chain, off at batch >= 4": dict(method="ngram", depth=4, disable_by_batch_size=4),

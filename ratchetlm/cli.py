@@ -103,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("serve", "ratchetlm.server.cli", "run the OpenAI-compatible HTTP server"),
         ("bench", "ratchetlm.bench", "decode throughput vs HF transformers (and llama-cpp-python)"),
         ("train-wedlm", "ratchetlm.training.wedlm_train", "train a small WeDLM model on a generated corpus"),
+        ("train-eagle", "ratchetlm.training.eagle_train", "train an EAGLE draft head on the target's own answers"),
     ):
         s = sub.add_parser(name, help=help_, add_help=False)
         s.set_defaults(module=module)
@@ -112,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    if argv and argv[0] in ("serve", "bench", "train-wedlm"):
+    if argv and argv[0] in ("serve", "bench", "train-wedlm", "train-eagle"):
         import importlib
 
         ns, _ = parser.parse_known_args(argv[:1])

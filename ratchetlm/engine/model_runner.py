@@ -29,6 +29,9 @@ class ModelRunner:
         self.device = device
         self.staging = StagingBuffer(cache, max_tokens=256)
         self.num_forwards = 0
+        # Final hidden states (after the last norm) of the last forward, per sequence
+        # [len(proposal.token_ids), hidden]: the features a trained draft head (EAGLE) reads.
+        self.last_hidden: list[torch.Tensor] = []
 
     def context_slots(self, seq: Sequence) -> torch.Tensor:  # [num_cached] int64
         return self.blocks.slots(seq, 0, seq.num_cached)
@@ -83,6 +86,7 @@ class ModelRunner:
             offset += len(p.token_ids)
         all_logits = self.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)]).cpu()
         self.num_forwards += 1
+        self.last_hidden = list(hidden.split([len(p.token_ids) for p in proposals]))
         out, o = [], 0
         for p in proposals:
             out.append(all_logits[o : o + len(p.logit_rows)])

@@ -63,6 +63,18 @@ class BlockWeight:
                                None)
         return None
 
+    @staticmethod
+    def quantize_q8_0(w: torch.Tensor) -> BlockWeight:  # w [N, K] float, K % 32 == 0
+        """GGUF Q8_0 of a dense weight (fp16 scale ``max|w| / 127`` per 32 weights, int8 values
+        rounded to nearest), for weights that ship dense but run through the block kernels."""
+        n, k = w.shape
+        assert k % QK == 0, f"Q8_0 needs K divisible by {QK}, got {k}"
+        blocks = w.detach().float().cpu().reshape(n, k // QK, QK)
+        d = (blocks.abs().amax(dim=-1) / 127.0).half().float()  # [N, K/32], as stored (fp16)
+        inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+        qs = (blocks * inv[..., None]).round().clamp_(-127, 127).to(torch.int8)
+        return BlockWeight("q8_0", qs.contiguous(), d.contiguous(), None)
+
     def take_rows(self, order: np.ndarray) -> BlockWeight:  # order: [N] row permutation
         idx = torch.from_numpy(np.asarray(order, dtype=np.int64))
         return BlockWeight(self.kind, self.qs[idx].contiguous(), self.d[idx].contiguous(),

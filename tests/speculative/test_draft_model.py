@@ -29,7 +29,7 @@ def tiny_draft(tmp_path_factory, spec_llm) -> str:
 
 
 def assert_draft_blocks_freed(eng) -> None:
-    blocks = eng.strategy.proposer.blocks
+    blocks = eng.strategy.proposer.draft.blocks
     assert blocks.num_free == blocks.num_blocks, "draft KV blocks leaked"
     assert eng.strategy.metrics()["spec_draft_kv_blocks_used"] == 0
 
@@ -46,10 +46,10 @@ def test_same_weights_draft_is_fully_accepted_and_mirrors_the_target_kv(spec_llm
     st = seq.strategy_state["spec_draft_model"]
     n = st.num_cached
     assert 0 < n <= seq.num_cached  # only committed tokens in the draft cache
-    d_slots, t_slots = prop.blocks.slots(st, 0, n), eng.blocks.slots(seq, 0, n)
+    d_slots, t_slots = prop.draft.blocks.slots(st, 0, n), eng.blocks.slots(seq, 0, n)
     torch.testing.assert_close(prop.cache.k[:, d_slots], eng.cache.k[:, t_slots], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(prop.cache.v[:, d_slots], eng.cache.v[:, t_slots], atol=1e-4, rtol=1e-4)
-    rest = prop.blocks.slots(st, n, len(st.block_table) * prop.blocks.block_size)
+    rest = prop.draft.blocks.slots(st, n, len(st.block_table) * prop.draft.blocks.block_size)
     assert not prop.cache.k[:, rest].any(), "a draft-chain token's K/V reached the draft cache"
     while eng.has_unfinished():
         eng.step()

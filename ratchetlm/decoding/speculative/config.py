@@ -22,14 +22,16 @@ class SpecConfig:
     (0 = verify the whole chain at once; the default, from docs/speculative.md's measurement:
     chunks of 2 pay only for long chains at batch >= 8).
     ``draft_model``: local path (GGUF file or HF folder) of the draft for ``method="draft_model"``;
-    it must share the target's tokenizer (same vocab size). ``draft_kv_blocks``: blocks of the
+    it must share the target's tokenizer (same vocab size). For ``method="eagle"``: the folder of a
+    trained EAGLE head (eagle.py; ``ratchet train-eagle`` makes one for a target); by default the
+    bundled head trained for the default model (``ratchetlm/assets/eagle-smollm2``). ``draft_kv_blocks``: blocks of the
     draft's own paged KV cache (0 = as many as the target's cache).
     ``depth_schedule``: "constant" drafts ``depth`` tokens every step; "adaptive" keeps a depth per
     sequence in ``[1, depth]``, +2 after a step that accepted every draft token and -1 otherwise
-    (the schedule HF's assisted generation calls "heuristic"); "gain" (n-gram only) drafts, per
-    step, the length in ``[0, depth]`` expected to add the most tokens per unit of verify cost,
-    judged from how far earlier continuations with the same match length agreed with the output
-    (gain.py). Output is the same with every schedule.
+    (the schedule HF's assisted generation calls "heuristic"); "gain" (n-gram and eagle) drafts,
+    per step, the length in ``[0, depth]`` expected to add the most tokens per unit of verify cost,
+    judged for n-gram drafts from how far earlier continuations with the same match length agreed
+    with the output, for an EAGLE head from its own confidence (gain.py). Output is the same with every schedule.
     ``verify_token_cost``: the gain schedule's cost of one more verified token, as a fraction of a
     plain one-token forward (measured ~0.09 on a 2-core CPU with the GGUF block kernels; near 0 on
     a GPU, where a verify forward costs about what a plain one does).
@@ -65,8 +67,9 @@ class SpecConfig:
         if self.depth_schedule not in ("constant", "adaptive", "gain"):
             raise ValueError("speculative depth_schedule must be 'constant', 'adaptive' or 'gain', "
                              f"got {self.depth_schedule!r}")
-        if self.depth_schedule == "gain" and self.method != "ngram":
-            raise ValueError(f"speculative depth_schedule='gain' needs method='ngram' (method is {self.method!r})")
+        if self.depth_schedule == "gain" and self.method not in ("ngram", "eagle"):
+            raise ValueError("speculative depth_schedule='gain' needs method='ngram' or 'eagle' "
+                             f"(method is {self.method!r})")
         c = self.verify_token_cost
         if isinstance(c, bool) or not isinstance(c, int | float) or not 0 <= c < float("inf"):
             raise ValueError(f"speculative verify_token_cost must be a finite number >= 0, got {c!r}")
@@ -76,12 +79,13 @@ class SpecConfig:
             raise ValueError("speculative chunk_size applies to chains only (num_candidates == 1)")
         if isinstance(self.draft_model, os.PathLike):
             object.__setattr__(self, "draft_model", os.fspath(self.draft_model))
-        if self.method == "draft_model":
+        if self.method == "draft_model" or (self.method == "eagle" and self.draft_model is not None):
+            what = "model path (GGUF file or HF folder)" if self.method == "draft_model" else "EAGLE head folder"
             if not isinstance(self.draft_model, str) or not self.draft_model:
-                raise ValueError("speculative draft_model must be a local model path (GGUF file or HF folder) "
-                                 f"when method='draft_model', got {self.draft_model!r}")
+                raise ValueError(f"speculative draft_model must be a local {what} when method={self.method!r}, "
+                                 f"got {self.draft_model!r}")
         elif self.draft_model is not None:
-            raise ValueError("speculative draft_model is only used with method='draft_model' "
+            raise ValueError("speculative draft_model is only used with method='draft_model' or 'eagle' "
                              f"(method is {self.method!r})")
 
     @classmethod

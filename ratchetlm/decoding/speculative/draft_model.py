@@ -23,29 +23,20 @@ draft cache never stalls or crashes decoding — it only costs speed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 
 from ratchetlm.decoding.speculative.beam_search import beam_search, tree_feed
+from ratchetlm.decoding.speculative.draft_cache import DraftCache, DraftSeqState
 from ratchetlm.decoding.speculative.draft_forward import draft_forward
 from ratchetlm.decoding.speculative.proposers import DraftBeam, Proposer, register_proposer
-from ratchetlm.engine.block_manager import BlockManager
 from ratchetlm.engine.sequence import Sequence
-from ratchetlm.kv.cache import DirectSink, KVCache, NullSink
+from ratchetlm.kv.cache import DirectSink, NullSink
 from ratchetlm.models.loader import ModelLoadError
 from ratchetlm.models.registry import load_model
 
 _STATE = "spec_draft_model"  # strategy_state key
-
-
-@dataclass
-class DraftSeqState:
-    """A sequence's footprint in the draft cache (duck-typed as a Sequence for BlockManager)."""
-
-    block_table: list[int] = field(default_factory=list)
-    num_cached: int = 0  # leading committed tokens whose draft K/V are in the draft cache
 
 
 @register_proposer("draft_model")
@@ -69,47 +60,21 @@ class DraftModelProposer(Proposer):
         rope_len = ctx.max_model_len + 64  # draft trees reach past the committed length
         if self.model.rope.cos_table.shape[0] < rope_len:
             self.model.rope._build(rope_len)
-        bs = runner.blocks.block_size
-        n_blocks = cfg.draft_kv_blocks or runner.blocks.num_blocks
-        self.cache = KVCache(dc.num_layers, n_blocks, bs, dc.num_kv_heads, dc.head_dim, dtype, runner.device)
-        self.blocks = BlockManager(n_blocks, bs)
+        self.draft = DraftCache(_STATE, dc.num_layers, cfg.draft_kv_blocks or runner.blocks.num_blocks,
+                                runner.blocks.block_size, dc.num_kv_heads, dc.head_dim, dtype, runner.device)
+        self.cache = self.draft.cache
         self.num_forwards = 0
-        self.num_alloc_fallbacks = 0
-
-    # ------------------------------------------------------------------ per-sequence state
-
-    def _state(self, seq: Sequence) -> DraftSeqState:
-        st = seq.strategy_state.get(_STATE)
-        if st is None:
-            st = seq.strategy_state[_STATE] = DraftSeqState()
-        return cast(DraftSeqState, st)
-
-    def _slots(self, st: DraftSeqState, start: int, end: int) -> torch.Tensor:  # [end - start] int64
-        return self.blocks.slots(cast(Sequence, st), start, end)
 
     def release(self, seq: Sequence) -> None:
-        st = seq.strategy_state.pop(_STATE, None)
-        if st is not None:
-            self.blocks.free(cast(Sequence, st))
-
-    def _reserve(self, seq: Sequence) -> bool:
-        """Make the draft table cover the sequence's committed tokens but the root."""
-        st = self._state(seq)
-        need = len(seq.token_ids) - 1
-        if not self.blocks.can_grow(cast(Sequence, st), need):
-            self.release(seq)  # give the blocks back: another sequence may fit
-            self.num_alloc_fallbacks += 1
-            seq.stats["spec_draft_alloc_fallbacks"] = seq.stats.get("spec_draft_alloc_fallbacks", 0) + 1
-            return False
-        self.blocks.grow(cast(Sequence, st), need)
-        return True
+        self.draft.release(seq)
 
     # ------------------------------------------------------------------ drafting
 
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[DraftBeam | None]:
-        ready = [i for i, s in enumerate(seqs) if self._reserve(s)]
+        # the draft table covers the committed tokens but the root
+        ready = [i for i, s in enumerate(seqs) if self.draft.reserve(s, len(s.token_ids) - 1)]
         rseqs = [seqs[i] for i in ready]
-        states = [self._state(s) for s in rseqs]
+        states = [self.draft.state(s) for s in rseqs]
 
         def step(k: int, live: list[int], beams: list[torch.Tensor]) -> list[torch.Tensor]:
             self.num_forwards += 1
@@ -117,7 +82,7 @@ class DraftModelProposer(Proposer):
                 return self._catch_up(rseqs, states)
             feeds = [tree_feed(rseqs[i].token_ids[-1], b) for i, b in zip(live, beams, strict=True)]
             return draft_forward(
-                self.model, self.cache, [self._slots(states[i], 0, states[i].num_cached) for i in live],
+                self.model, self.cache, [self.draft.slots(states[i], 0, states[i].num_cached) for i in live],
                 [f.tokens for f in feeds],
                 [[states[i].num_cached + o for o in f.offsets] for i, f in zip(live, feeds, strict=True)],
                 [f.mask for f in feeds], [f.rows for f in feeds], NullSink())
@@ -136,8 +101,8 @@ class DraftModelProposer(Proposer):
             end = len(s.token_ids)
             tokens.append(s.token_ids[st.num_cached : end])
             positions.append(list(range(st.num_cached, end)))
-            ctx.append(self._slots(st, 0, st.num_cached))
-            writes += [self._slots(st, st.num_cached, end - 1), torch.full((1,), -1, dtype=torch.long)]
+            ctx.append(self.draft.slots(st, 0, st.num_cached))
+            writes += [self.draft.slots(st, st.num_cached, end - 1), torch.full((1,), -1, dtype=torch.long)]
         slot_mapping = torch.cat(writes).to(self.cache.k.device)  # -1: the root is not committed KV
         out = draft_forward(self.model, self.cache, ctx, tokens, positions, [None] * len(seqs),
                             [[len(t) - 1] for t in tokens], DirectSink(self.cache, slot_mapping))
@@ -148,6 +113,6 @@ class DraftModelProposer(Proposer):
     def metrics(self) -> dict[str, float]:
         return {
             "spec_draft_forwards": self.num_forwards,
-            "spec_draft_alloc_fallbacks": self.num_alloc_fallbacks,
-            "spec_draft_kv_blocks_used": self.blocks.num_blocks - self.blocks.num_free,
+            "spec_draft_alloc_fallbacks": self.draft.alloc_fallbacks,
+            "spec_draft_kv_blocks_used": self.draft.blocks_used(),
         }

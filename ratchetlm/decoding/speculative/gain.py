@@ -22,6 +22,10 @@ tokens agreed. It therefore does not depend on which lengths were drafted (no ex
 needed), and a draft's length depends only on committed tokens, so speculative sampling stays
 exact. Counts are kept per sequence and shrunk towards the strategy-wide counts
 (``PRIOR_WEIGHT`` pseudo-observations), which start from a uniform ``Beta(1, 1)``.
+
+A trained draft head (eagle.py) uses the same value with its own confidence instead of a
+history: ``P(≥ j)`` is the product of the head's top-1 probabilities of its first ``j`` tokens,
+and it stops drafting once another token would lower the value.
 """
 
 from __future__ import annotations
@@ -106,9 +110,13 @@ class GainSchedule:
 
     def length(self, rec: SequenceRecord, m: int, max_depth: int, batch: int) -> int:
         """The draft length in ``[0, max_depth]`` with the most expected tokens per unit of cost."""
-        c = self.cost
-        share = (1.0 + c * (batch - 1)) / batch
         gain = 1.0 + np.concatenate([[0.0], np.cumsum(self.agreement(rec, m)[:max_depth])])  # [max_depth + 1]
-        d = np.arange(max_depth + 1)
-        value = gain / (share + c * (d + 1) * (d > 0))
+        value = [draft_value(float(g), d, self.cost, batch) for d, g in enumerate(gain)]
         return int(np.argmax(value))  # ties go to the shorter draft
+
+
+def draft_value(expected_tokens: float, draft_len: int, cost: float, batch: int) -> float:
+    """Expected committed tokens per unit of forward cost for one of ``batch`` decoding sequences
+    that drafts ``draft_len`` tokens (0 = a plain step), ``cost`` = ``verify_token_cost``."""
+    share = (1.0 + cost * (batch - 1)) / batch  # this sequence's part of a plain forward
+    return expected_tokens / (share + (cost * (draft_len + 1) if draft_len else 0.0))

@@ -33,6 +33,10 @@ class DraftBeam:
 class Proposer(ABC):
     """Produces draft beams for a batch of decoding sequences (each with exactly one uncached token)."""
 
+    # True: the strategy hands :meth:`observe` the target's final hidden states of every committed
+    # position (the features a trained draft head such as EAGLE, Medusa or an MTP module reads).
+    wants_features: bool = False
+
     def __init__(self, cfg: Any, ctx: Any) -> None:
         self.cfg = cfg  # SpecConfig
         self.ctx = ctx  # StrategyContext
@@ -43,6 +47,11 @@ class Proposer(ABC):
 
     def release(self, seq: Sequence) -> None:
         """``seq`` finished or was preempted: free any per-sequence resources (draft KV)."""
+        return None
+
+    def observe(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
+        """Only if ``wants_features``: the target's final hidden states ``[n, hidden]`` (after its
+        last norm) of positions ``start .. start + n - 1``, whose K/V this step commits."""
         return None
 
     def metrics(self) -> dict[str, float]:

@@ -22,7 +22,7 @@ import torch
 
 from ratchetlm.decoding.autoregressive import catch_up_commit, catch_up_proposal
 from ratchetlm.decoding.base import Commit, DecodeStrategy, Proposal, StrategyContext, register
-from ratchetlm.decoding.speculative import draft_model, self_draft  # noqa: F401  (register "draft", "draft_model")
+from ratchetlm.decoding.speculative import draft_model, eagle, self_draft  # noqa: F401  (register the proposers)
 from ratchetlm.decoding.speculative.config import SpecConfig
 from ratchetlm.decoding.speculative.proposers import PAD, DraftBeam, create_proposer
 from ratchetlm.decoding.speculative.stats import SpecCounters
@@ -163,8 +163,12 @@ class Speculative(DecodeStrategy):
 
     def commit(self, seqs: list[Sequence], proposals: list[Proposal], logits: list[torch.Tensor]) -> list[Commit]:
         out = []
-        for s, p, lg in zip(seqs, proposals, logits, strict=True):
-            out.append(self._commit_tree(s, p, lg) if isinstance(p.state, TreeState) else catch_up_commit(s, p, lg))
+        for i, (s, p, lg) in enumerate(zip(seqs, proposals, logits, strict=True)):
+            c = self._commit_tree(s, p, lg) if isinstance(p.state, TreeState) else catch_up_commit(s, p, lg)
+            if self.proposer.wants_features and c.kv_rows:
+                hidden = self.ctx.runner.last_hidden[i]  # [len(p.token_ids), hidden]
+                self.proposer.observe(s, s.num_cached, hidden[torch.tensor(c.kv_rows, device=hidden.device)])
+            out.append(c)
         return out
 
     def _commit_tree(self, seq: Sequence, prop: Proposal, logits: torch.Tensor) -> Commit:

@@ -1,0 +1,120 @@
+"""EAGLE draft head (method="eagle"): lossless against plain greedy, fed exactly the target's
+features, drafting what a whole-sequence pass of the head predicts; the bundled trained head is
+actually accepted. Random-weight heads (tiny draft vocabulary) test the plumbing; the bundled
+head (trained by ``ratchet train-eagle`` for the default model) tests acceptance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ratchetlm.decoding.speculative.eagle import BUNDLED_HEAD, EagleConfig, EagleHead
+from ratchetlm.sampling_params import SamplingParams
+from ratchetlm.training.eagle_train import head_pass, target_features
+
+from .conftest import GREEDY, make_engine, run_engine
+from .prompts import CHATS, CODE_EDITS, SUMMARIES
+
+
+@pytest.fixture(scope="module")
+def random_head(tmp_path_factory, spec_llm) -> str:
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(spec_llm.model_config, 512))
+    head.draft_vocab.copy_(torch.randperm(spec_llm.model_config.vocab_size)[:512])
+    path = tmp_path_factory.mktemp("eagle") / "random_head"
+    head.save(path)
+    return str(path)
+
+
+def eagle_engine(spec_llm, head: str | None, **kw):
+    return make_engine(spec_llm, "speculative", method="eagle", draft_model=head, **kw)
+
+
+def test_random_head_is_lossless_batched_alone_and_under_preemption(spec_llm, encoded, reference, random_head):
+    eng = eagle_engine(spec_llm, random_head, depth=3)
+    assert run_engine(eng, encoded, GREEDY) == reference
+    m = eng.strategy.metrics()
+    assert m["spec_decode_num_drafts"] > 0 and m["spec_draft_forwards"] > 0
+    assert m["spec_draft_kv_blocks_used"] == 0, "head KV blocks leaked"
+    for i in (0, 5):
+        assert run_engine(eng, [encoded[i]], GREEDY) == [reference[i]]
+    gain = eagle_engine(spec_llm, random_head, depth=6, depth_schedule="gain")  # confidence-cut chains
+    assert run_engine(gain, [encoded[i] for i in (0, 3, 9)], GREEDY) == [reference[i] for i in (0, 3, 9)]
+    tight = eagle_engine(spec_llm, random_head, depth=3, kv_cache_blocks=10)
+    subset = [0, 3, 4, 8]
+    assert run_engine(tight, [encoded[i] for i in subset], GREEDY) == [reference[i] for i in subset]
+    assert tight.scheduler.num_preemptions > 0
+    assert tight.strategy.metrics()["spec_draft_kv_blocks_used"] == 0
+
+
+def test_head_reads_the_targets_features_and_drafts_its_whole_sequence_prediction(spec_llm, encoded, random_head):
+    """Oracles: the features observed for committed positions equal a teacher-forced target pass;
+    each first draft token equals the argmax of one whole-sequence head pass over true features."""
+    eng = eagle_engine(spec_llm, random_head, depth=2)
+    prop = eng.strategy.proposer
+    seen: dict[int, torch.Tensor] = {}
+    drafts: list[tuple[list[int], int]] = []
+    observe, propose = prop.observe, prop.propose
+
+    def spy_observe(seq, start, hidden):
+        for k in range(hidden.shape[0]):
+            seen[start + k] = hidden[k].clone()
+        observe(seq, start, hidden)
+
+    def spy_propose(seqs, depths):
+        beams = propose(seqs, depths)
+        drafts.extend((list(s.token_ids), int(b.tokens[0, 0])) for s, b in zip(seqs, beams, strict=True) if b)
+        return beams
+
+    prop.observe, prop.propose = spy_observe, spy_propose
+    sid = eng.add_request(encoded[0], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    tokens = eng.seqs[sid].token_ids
+    model = spec_llm.engine.model
+    with torch.inference_mode():
+        ref = target_features(model, tokens)  # [n, hidden]
+        positions = sorted(seen)
+        assert positions == list(range(len(positions))) and len(positions) >= len(tokens) - 1
+        torch.testing.assert_close(torch.stack([seen[p] for p in positions]), ref[positions], atol=2e-3, rtol=2e-3)
+        head = prop.head
+        assert len(drafts) >= 5
+        for ctx, first in drafts:
+            t = len(ctx) - 1
+            g = head_pass(head, model.embed(torch.tensor(ctx[1:])), ref[:t])[-1]  # g_T
+            want = int(prop.vocab[prop.lm(g[None]).argmax()])
+            assert first == want
+
+
+def test_options_and_bad_heads_raise_value_errors(spec_llm, random_head, tmp_path):
+    with pytest.raises(ValueError, match="num_candidates"):
+        eagle_engine(spec_llm, random_head, num_candidates=2)
+    with pytest.raises(ValueError, match="config.json"):
+        eagle_engine(spec_llm, str(tmp_path))
+    small = EagleHead(EagleConfig(64, 128, 4, 2, 16, spec_llm.model_config.vocab_size, 32))
+    small.save(tmp_path / "small")
+    with pytest.raises(ValueError, match="hidden size 64"):
+        eagle_engine(spec_llm, str(tmp_path / "small"))
+    with pytest.raises(ValueError, match="draft_model"):
+        make_engine(spec_llm, "speculative", method="ngram", draft_model=random_head)
+
+
+def test_seeded_sampling_with_a_head_is_reproducible(spec_llm, encoded, random_head):
+    p = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=7, ignore_eos=True)
+    a = run_engine(eagle_engine(spec_llm, random_head, depth=3), [encoded[3]], p)
+    b = run_engine(eagle_engine(spec_llm, random_head, depth=3), [encoded[3]], p)
+    assert a == b and len(a[0]) == 16
+
+
+@pytest.mark.skipif(not BUNDLED_HEAD.is_dir(), reason="bundled head not built")
+def test_bundled_head_is_accepted_and_lossless(spec_llm):
+    """Not a speed claim: the shipped head must actually predict the default model's answers on
+    the benchmark's requests (held out of its training data), otherwise equality passes vacuously."""
+    prompts = [spec_llm.encode(p) for p in CODE_EDITS + SUMMARIES + CHATS]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    ref = run_engine(make_engine(spec_llm), prompts, params)
+    eng = eagle_engine(spec_llm, None, depth=4)  # None: the bundled head
+    assert run_engine(eng, prompts, params) == ref
+    m = eng.strategy.metrics()
+    assert m["spec_decode_mean_acceptance_length"] > 1.8, m
+    assert m["spec_decode_num_accepted_tokens_per_pos_0"] > 0.5 * m["spec_decode_num_drafts"], m
