@@ -27,15 +27,16 @@ from tests.speculative.prompts import CHATS, CODE_EDITS, SUMMARIES  # noqa: E402
 CATEGORIES = {"code": CODE_EDITS, "summary": SUMMARIES, "chat": CHATS}
 CONFIGS = {
     "plain AR": None,
-    "ngram chain": dict(method="ngram", depth=4),
-    "ngram tree": dict(method="ngram", num_candidates=3, depth=4),
+    "ngram chain": dict(method="ngram", depth=4, depth_schedule="constant"),
+    "ngram tree": dict(method="ngram", num_candidates=3, depth=4, depth_schedule="constant"),
     "ngram chain adaptive": dict(method="ngram", depth=6, depth_schedule="adaptive"),
     "ngram chain gain": dict(method="ngram", depth=6, depth_schedule="gain"),
-    "eagle chain": dict(method="eagle", depth=4),
+    "ngram default (gain, depth 4)": dict(method="ngram"),
+    "eagle chain": dict(method="eagle", depth=4, depth_schedule="constant"),
     "eagle chain gain": dict(method="eagle", depth=6, depth_schedule="gain"),
     "self-draft chain": dict(method="draft", draft_layers=6, depth=3),
     "self-draft beam": dict(method="draft", draft_layers=6, depth=3, num_candidates=2),
-    "ngram chain, off at batch >= 4": dict(method="ngram", depth=4, disable_by_batch_size=4),
+    "ngram chain, off at batch >= 4": dict(method="ngram", depth=4, depth_schedule="constant", disable_by_batch_size=4),
 }
 
 
@@ -152,7 +153,7 @@ def bench_scv(llm: LLM, batches: list[int], repeats: int, max_tokens: int, depth
         outs: dict[int, list[list[int]]] = {}
         for _ in range(repeats):
             for chunk in chunks:
-                eng = engine(llm, dict(method="ngram", depth=depth, chunk_size=chunk))
+                eng = engine(llm, dict(method="ngram", depth=depth, chunk_size=chunk, depth_schedule="constant"))
                 toks, secs, outs[chunk] = 0, 0.0, []
                 for g in groups:
                     out, dt = run(eng, g, params)

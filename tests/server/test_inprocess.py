@@ -90,7 +90,7 @@ def test_engine_error_after_stream_started_is_an_error_event(oracle, monkeypatch
 def _spec_llm(oracle):
     """A speculative (n-gram) engine on the oracle's weights: commits several tokens per step."""
     cfg = EngineConfig(dtype="float32", kv_cache_blocks=64, decoding="speculative",
-                       decoding_options={"method": "ngram"}, progress=False)
+                       decoding_options={"method": "ngram", "depth_schedule": "constant"}, progress=False)
     engine = LLMEngine(cfg, oracle.engine.model, oracle.model_config)
     return SimpleNamespace(engine=engine, tokenizer=oracle.tokenizer, encode=oracle.encode,
                            apply_chat_template=oracle.apply_chat_template)

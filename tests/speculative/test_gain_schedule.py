@@ -59,3 +59,12 @@ def test_length_follows_the_evidence_and_the_batch():
     assert g4.length(half, 2, 6, batch=8) == 0  # in a big batch the same draft does not pay
     free = GainSchedule(4, 6, 0.0)  # verify tokens cost nothing (a GPU): any chance is worth a draft
     assert free.length(free.new_record(), 1, 6, batch=1) == 6
+
+
+def test_auto_schedule_is_gain_where_it_applies():
+    from ratchetlm.decoding.speculative.config import SpecConfig
+
+    assert SpecConfig().depth_schedule == "gain"  # n-gram by default
+    assert SpecConfig(method="eagle").depth_schedule == "gain"
+    assert SpecConfig(method="draft").depth_schedule == "constant"
+    assert SpecConfig(method="ngram", depth_schedule="constant").depth_schedule == "constant"

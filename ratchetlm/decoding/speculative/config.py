@@ -31,7 +31,10 @@ class SpecConfig:
     (the schedule HF's assisted generation calls "heuristic"); "gain" (n-gram and eagle) drafts,
     per step, the length in ``[0, depth]`` expected to add the most tokens per unit of verify cost,
     judged for n-gram drafts from how far earlier continuations with the same match length agreed
-    with the output, for an EAGLE head from its own confidence (gain.py). Output is the same with every schedule.
+    with the output, for an EAGLE head from its own confidence (gain.py); "auto" (the default) is
+    "gain" for n-gram and EAGLE drafts and "constant" otherwise (measured: the gain schedule kept the
+    chain's speed on code and summary and stopped it losing on chat and at batch 8,
+    docs/speculative.md). Output is the same with every schedule.
     ``verify_token_cost``: the gain schedule's cost of one more verified token, as a fraction of a
     plain one-token forward (measured ~0.09 on a 2-core CPU with the GGUF block kernels; near 0 on
     a GPU, where a verify forward costs about what a plain one does).
@@ -49,7 +52,7 @@ class SpecConfig:
     chunk_size: int = 0
     draft_model: str | None = None
     draft_kv_blocks: int = 0
-    depth_schedule: str = "constant"
+    depth_schedule: str = "auto"
     verify_token_cost: float = 0.09
     disable_by_batch_size: int = 0
 
@@ -64,8 +67,10 @@ class SpecConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"speculative {name} must be an integer >= {lo}, got {v!r}")
+        if self.depth_schedule == "auto":  # the measured best (docs/speculative.md) where it applies
+            object.__setattr__(self, "depth_schedule", "gain" if self.method in ("ngram", "eagle") else "constant")
         if self.depth_schedule not in ("constant", "adaptive", "gain"):
-            raise ValueError("speculative depth_schedule must be 'constant', 'adaptive' or 'gain', "
+            raise ValueError("speculative depth_schedule must be 'auto', 'constant', 'adaptive' or 'gain', "
                              f"got {self.depth_schedule!r}")
         if self.depth_schedule == "gain" and self.method not in ("ngram", "eagle"):
             raise ValueError("speculative depth_schedule='gain' needs method='ngram' or 'eagle' "
