@@ -182,7 +182,17 @@ def main() -> None:
     ap.add_argument("--scv-batches", default="1,16", help="comma-separated batch sizes for the SCV comparison")
     ap.add_argument("--repeats", type=int, default=3, help="rounds per cell, configs interleaved (median reported)")
     ap.add_argument("--scv-depth", type=int, default=6, help="n-gram chain depth for the SCV comparison")
+    ap.add_argument("--configs", default=None,
+                    help=f"';'-separated subset of our configs (plain AR is always run); known: {'; '.join(CONFIGS)}")
     a = ap.parse_args()
+    if a.configs:
+        keep = {"plain AR", *(c.strip() for c in a.configs.split(";"))}
+        unknown = keep - set(CONFIGS)
+        if unknown:
+            ap.error(f"unknown config(s) {', '.join(sorted(unknown))}")
+        for name in list(CONFIGS):
+            if name not in keep:
+                del CONFIGS[name]
     torch.set_num_threads(a.threads)
     llm = LLM(progress=False, dtype="float32")
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=a.ignore_eos)
