@@ -59,5 +59,6 @@ class DraftCache:
         self.blocks.grow(cast(Sequence, st), need)
         return True
 
-    def blocks_used(self) -> int:
-        return self.blocks.num_blocks - self.blocks.num_free
+    def metrics(self) -> dict[str, float]:
+        return {"spec_draft_alloc_fallbacks": self.alloc_fallbacks,
+                "spec_draft_kv_blocks_used": self.blocks.num_blocks - self.blocks.num_free}

@@ -111,8 +111,4 @@ class DraftModelProposer(Proposer):
         return out
 
     def metrics(self) -> dict[str, float]:
-        return {
-            "spec_draft_forwards": self.num_forwards,
-            "spec_draft_alloc_fallbacks": self.draft.alloc_fallbacks,
-            "spec_draft_kv_blocks_used": self.draft.blocks_used(),
-        }
+        return {"spec_draft_forwards": self.num_forwards, **self.draft.metrics()}
