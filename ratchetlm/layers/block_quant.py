@@ -23,9 +23,12 @@ from torch import nn
 from ratchetlm import kernels
 
 QK = 32  # weights per GGUF block for Q4_1 and Q8_0
-# Fused kernel up to this many rows of x; above it a BLAS sgemm on the dense copy is faster
-# (measured on the default model: see docs/architecture.md, "GGUF block kernels").
+# Fused kernel up to at least this many rows of x. Above it, whichever of the kernel and BLAS sgemm
+# on the dense copy is faster depends on the machine (docs/architecture.md, "GGUF block kernels"):
+# on an Intel CPU MKL's sgemm won past ~110 rows, on an AMD EPYC the kernel won up to 1,024.
 MAX_FUSED_ROWS = 96
+PROBE_ROWS = (128, 256, 512, 1024)  # row counts fused_rows_limit() measures above MAX_FUSED_ROWS
+_fused_rows: int | None = None  # the measured limit: a property of this machine, found once per process
 
 
 @dataclass(frozen=True)
@@ -125,16 +128,62 @@ def fused_matmul(
 
 
 def usable(x: torch.Tensor, w: BlockWeight | None) -> bool:
-    """Whether ``x @ w.T`` should take the fused kernel: CPU fp32, few rows, kernels built."""
+    """Whether ``x @ w.T`` should take the fused kernel: CPU fp32, up to :func:`fused_rows_limit`
+    rows, kernels built."""
     return (
         w is not None
         and x.dim() == 2
-        and x.shape[0] <= MAX_FUSED_ROWS
         and x.dtype == torch.float32
         and x.device.type == "cpu"
         and not torch.is_grad_enabled()
         and kernels.load() is not None
+        and x.shape[0] <= fused_rows_limit()
     )
+
+
+def fused_rows_limit() -> int:
+    """Most rows of ``x`` the fused kernel takes: ``MAX_FUSED_ROWS``, raised to the largest of
+    ``PROBE_ROWS`` up to which the kernel beat sgemm on the dense copy by >= 10% on this machine
+    (a [1536, 576] Q4_1 weight, the current torch threads, medians of 3; ~0.1 s, once per process).
+    Both paths multiply the same weights; only the speed differs."""
+    global _fused_rows
+    if _fused_rows is None:
+        _fused_rows = MAX_FUSED_ROWS if kernels.load() is None else _measure_fused_rows()
+    return _fused_rows
+
+
+def set_fused_rows_limit(rows: int | None) -> None:
+    """Fix the limit (benchmarks compare both paths; tests pin it); None measures again on next use."""
+    global _fused_rows
+    _fused_rows = rows
+
+
+def _measure_fused_rows() -> int:
+    import time
+
+    gen = torch.Generator().manual_seed(0)
+    n, k = 1536, 576
+    w = BlockWeight("q4_1", torch.randint(0, 256, (n, k // QK, 16), dtype=torch.uint8, generator=gen),
+                    torch.rand(n, k // QK, generator=gen) * 0.01, -torch.rand(n, k // QK, generator=gen) * 0.05)
+    dense = w.dequantize()
+
+    def best(f) -> float:  # median of 3 after a warm-up
+        f()
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t)
+        return sorted(times)[1]
+
+    limit = MAX_FUSED_ROWS
+    with torch.inference_mode():
+        for rows in PROBE_ROWS:
+            x = torch.randn(rows, k, generator=gen)
+            if best(lambda x=x: fused_matmul(x, w)) > 0.9 * best(lambda x=x: F.linear(x, dense)):
+                break
+            limit = rows
+    return limit
 
 
 class Linear(nn.Linear):

@@ -11,7 +11,15 @@ import torch
 import torch.nn.functional as F
 
 from ratchetlm import LLM, SamplingParams, kernels
-from ratchetlm.layers.block_quant import MAX_FUSED_ROWS, BlockWeight, fused_matmul, usable
+from ratchetlm.layers.block_quant import (
+    MAX_FUSED_ROWS,
+    PROBE_ROWS,
+    BlockWeight,
+    fused_matmul,
+    fused_rows_limit,
+    set_fused_rows_limit,
+    usable,
+)
 
 VARIANTS = {"native": ["-march=native"], "avx2": ["-mavx2", "-mfma"], "portable": []}
 
@@ -71,7 +79,7 @@ def test_kernel_multiplies_exactly_the_dequantized_weights(lib, kind):
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("rows", [1, 5, 8, 9, 17, 33, 96])  # row loop (<= 8) and register tiles (> 8)
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 17, 33, 96, 301])  # row loop (<= 8), register tiles (> 8), prefill
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kernel_matches_dense_linear(lib, kind, rows, threads):
     bw = _random_blocks(kind, 302, 576, seed=rows)  # 302: not a multiple of the 4-row tile
@@ -84,9 +92,16 @@ def test_kernel_matches_dense_linear(lib, kind, rows, threads):
 
 def test_usable_only_for_small_fp32_cpu_inference():
     bw = _random_blocks("q4_1", 8, 64)
+    limit = fused_rows_limit()
+    assert limit == MAX_FUSED_ROWS or limit in PROBE_ROWS  # measured on this machine, once per process
     with torch.inference_mode():
-        assert usable(torch.zeros(MAX_FUSED_ROWS, 64), bw)
-        assert not usable(torch.zeros(MAX_FUSED_ROWS + 1, 64), bw)  # prefill: BLAS on the dense copy
+        assert usable(torch.zeros(limit, 64), bw)
+        assert not usable(torch.zeros(limit + 1, 64), bw)  # a long prefill: BLAS on the dense copy
+        try:
+            set_fused_rows_limit(MAX_FUSED_ROWS)  # pinned: the limit is what usable() follows
+            assert not usable(torch.zeros(MAX_FUSED_ROWS + 1, 64), bw)
+        finally:
+            set_fused_rows_limit(limit)
         assert not usable(torch.zeros(1, 64, dtype=torch.bfloat16), bw)
         assert not usable(torch.zeros(1, 64), None)
     assert not usable(torch.zeros(1, 64), bw)  # autograd on: dense path (the kernel has no backward)
