@@ -158,10 +158,11 @@ class EagleProposer(Proposer):
         runner = ctx.runner
         target: LlamaModel = runner.model
         dtype, dev = runner.cache.k.dtype, runner.device
-        head = EagleHead.load(cfg.draft_model or BUNDLED_HEAD)
+        path = cfg.draft_model or BUNDLED_HEAD
+        head = EagleHead.load(path)
         hc, tc = head.config, ctx.model_config
         if (hc.hidden_size, hc.target_vocab_size) != (tc.hidden_size, tc.vocab_size):
-            raise ValueError(f"EAGLE head {str(cfg.draft_model or BUNDLED_HEAD)!r} was trained for hidden size "
+            raise ValueError(f"EAGLE head {str(path)!r} was trained for hidden size "
                              f"{hc.hidden_size} and vocab {hc.target_vocab_size}, the target has {tc.hidden_size} "
                              f"and {tc.vocab_size}")
         self.head = head.to(device=dev, dtype=dtype)
