@@ -125,12 +125,37 @@ def test_state_tables_are_logical_and_pool_is_rolling():
         # only the rolling window is mapped, addressed at its absolute logical page
         assert mapped4 == list(range(pos // 4 - 1, pos // 4 + 1))
         assert mapped128 == list(range((pos // 128) * 16, pos // 8 + 1))
-        assert meta.csa.state_slot_mapping[row, 0] != pos  # physical row, not the absolute position
         assert meta.csa.state_slot_mapping[row, 0] == tables.csa_state[row, pos // 4] * 4 + pos % 4
         assert meta.hca.state_slot_mapping[row, 0] == tables.hca_state[row, pos // 8] * 8 + pos % 8
     # the physical pool is far smaller than the logical table
     assert cache.csa_state[2].shape[0] == 3 * (2 + 1) * 4
     assert cache.hca_state[3].shape[0] == 3 * (16 + 1) * 8
+
+
+def test_state_slot_is_the_physical_row_where_the_position_is_also_a_valid_row():
+    # Low positions inside the physical pool (36 ratio-4 rows, 408 ratio-128 rows for 3
+    # sequences): a lowering that used the absolute position would still address a real row,
+    # so comparing with the position can fail here (at 8k it cannot: the pool is far smaller).
+    positions = [9, 21, 30]
+    meta, tables, cache = _lower(positions, shuffle_seed=3)
+    differs = 0
+    for name, table, page, pool in (("csa", tables.csa_state, 4, cache.csa_state[2]),
+                                    ("inner", tables.inner_state, 4, cache.inner_state[2]),
+                                    ("hca", tables.hca_state, 8, cache.hca_state[3])):
+        for row, pos in enumerate(positions):
+            assert pos < pool.shape[0]  # the absolute position is a valid physical row too
+            phys_page = int(table[row, pos // page])
+            assert phys_page >= 0
+            want = phys_page * page + pos % page
+            got = int(getattr(meta, name).state_slot_mapping[row, 0])
+            assert got == want, (name, pos)
+            if want != pos:
+                differs += 1
+                assert got != pos, (name, pos)
+    assert differs >= 6  # most of the shuffled pages are not the identity
+    # identity allocation: the physical row equals the position, and that is still correct
+    meta, tables, _ = _lower([5], shuffle_seed=None)
+    assert int(meta.csa.state_slot_mapping[0, 0]) == 5 == int(tables.csa_state[0, 1]) * 4 + 1
 
 
 def test_state_pages_are_reused_ring_fashion():

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ratchetlm.models.deepseek_v4.attention import sink_attention
-from ratchetlm.models.deepseek_v4.paging import DecodeCapacity
+from ratchetlm.models.deepseek_v4.paging import DecodeCapacity, physical_rows
 from ratchetlm.models.deepseek_v4.runner import DeepseekV4Runner
 from ratchetlm.models.deepseek_v4.sparse_attn import gather_keys
 
@@ -116,18 +117,32 @@ def test_permuted_tables_give_identical_results(model):
     torch.testing.assert_close(identity, permuted, atol=2e-5, rtol=0)
 
 
-def test_future_compressed_slot_is_never_read(model):
-    # Poison every compressed / indexer row beyond what has been committed: results must not move.
+@pytest.mark.parametrize("prompt_len", [130, 131])
+def test_future_compressed_slot_is_never_read(model, prompt_len):
+    # Poison every compressed / indexer row except the slots already completed by the prompt:
+    # the incomplete slot `written` (positions [written * ratio, ...)) included. At 130 the decode
+    # token does not complete it, so it must stay invisible; at 131 the step completes CSA slot 32
+    # itself, so it must write that row before any read sees it. Results must not move.
     g = torch.Generator().manual_seed(8)
-    prompt = torch.randint(0, 96, (130,), generator=g)
+    prompt = torch.randint(0, 96, (prompt_len,), generator=g)
     fed = torch.randint(0, 96, (3,), generator=g).tolist()
     _, clean = _run(model, 2, None, prompt, fed[:1])
-    runner = DeepseekV4Runner(model, max_seqs=1, cap=DecodeCapacity.for_model(model.config, decode_seq=2))
+    runner = DeepseekV4Runner(model, max_seqs=1, shuffle_seed=5,
+                              cap=DecodeCapacity.for_model(model.config, decode_seq=2))
     runner.prefill(0, prompt)
-    for name in ("csa_cmp", "idx", "hca_cmp"):
+    runner.cache.ensure(0, prompt_len)  # map what the decode step writes, as decode() will
+    tables = runner.cache.tables([0])
+    poisoned = 0
+    for name, ratio in (("csa_cmp", 4), ("idx", 4), ("hca_cmp", 128)):
+        written = prompt_len // ratio  # complete compressed slots after the prompt
+        keep = physical_rows(getattr(tables, name), torch.arange(written)[None], BS)[0]
+        assert bool((keep >= 0).all())
         for pool in getattr(runner.cache, name).values():
             flat = pool.view(-1, pool.shape[-1])
-            written = 130 // (4 if name != "hca_cmp" else 128)
-            flat[written + 1 :] = float("nan")  # slot `written` is the one this step may complete
+            bad = torch.ones(flat.shape[0], dtype=torch.bool)
+            bad[keep] = False
+            flat[bad] = float("nan")
+            poisoned += int(bad.sum())
+    assert poisoned > 0
     out = runner.decode({0: fed[0]})[0]
     torch.testing.assert_close(out, clean[0], atol=2e-5, rtol=0)
