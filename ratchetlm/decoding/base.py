@@ -69,6 +69,9 @@ class StrategyContext:
 
 class DecodeStrategy(ABC):
     name: ClassVar[str]
+    # Proposes staged rows (``direct_write=False``): the engine then exports the staging
+    # buffer's no-write-on-reject metrics next to the strategy's own (LLMEngine.metrics).
+    stages: ClassVar[bool] = False
 
     def __init__(self, ctx: StrategyContext, options: Mapping[str, Any] | None = None) -> None:
         self.ctx = ctx

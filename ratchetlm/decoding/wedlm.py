@@ -44,6 +44,7 @@ class _Step:
 
 @register("wedlm")
 class WeDLM(DecodeStrategy):
+    stages = True
     def __init__(self, ctx: StrategyContext, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(ctx, options)
         self.cfg = WeDLMConfig.from_options(self.options)
@@ -160,5 +161,6 @@ class WeDLM(DecodeStrategy):
             "wedlm_tokens_per_forward": t["wedlm_commits"] / f,
             "wedlm_fills_per_forward": t["wedlm_fills"] / f,
             "wedlm_avg_window": t["wedlm_window_tokens"] / f,
-            "kv_bytes_written": self.ctx.runner.cache.bytes_written if self.ctx.runner is not None else 0,
+            # the seed's efficiency: prefix tokens committed per mask filled
+            "wedlm_efficiency": t["wedlm_commits"] / max(1, t["wedlm_fills"]),
         }

@@ -24,6 +24,8 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     max_waiting: int = 1024  # queue limit; add_request beyond it raises QueueFullError
+    # most tentative K/V rows one forward may stage (kv/staging.py); proposals past it fall back to recompute
+    staging_capacity: int = 1024
     decoding: str = "autoregressive"
     decoding_options: dict[str, Any] = field(default_factory=dict)
     gguf_kernels: bool = True  # CPU fp32 + Q4_1/Q8_0 GGUF: decode matmuls read the quantized blocks
@@ -37,7 +39,7 @@ class EngineConfig:
             raise ValueError("device='cuda' requested but no CUDA device is available")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "staging_capacity"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.max_model_len is not None and self.max_model_len <= 1:

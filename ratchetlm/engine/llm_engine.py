@@ -69,7 +69,7 @@ class LLMEngine:
         self.cache = KVCache(model_config.num_layers, num_blocks, cfg.block_size, model_config.num_kv_heads,
                              model_config.head_dim, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
-        self.runner = ModelRunner(model, self.cache, self.blocks, self.device)
+        self.runner = ModelRunner(model, self.cache, self.blocks, self.device, cfg.staging_capacity)
         ctx = StrategyContext(runner=self.runner, model_config=model_config, max_model_len=self.max_model_len)
         self.strategy: DecodeStrategy = create_strategy(cfg.decoding, ctx, cfg.decoding_options)
         self.scheduler = Scheduler(self.blocks, self.strategy.tokens_wanted, self.strategy.on_preempt,
@@ -132,6 +132,16 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def metrics(self) -> dict[str, float]:
+        """Aggregate counters for /metrics: the strategy's own, the staging buffer's for a
+        strategy that stages (kv/staging.py: stage operations vs unique tokens, committed /
+        rejected rows, acceptance, efficiency, bytes avoided, fallbacks by cause), KV bytes written."""
+        out = dict(self.strategy.metrics())
+        if self.strategy.stages:
+            out.update(self.runner.staging.metrics.as_dict())
+        out["kv_bytes_written"] = self.cache.bytes_written
+        return out
+
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[StepOutput]:
@@ -155,12 +165,10 @@ class LLMEngine:
     def _apply(self, seq: Sequence, prop: Proposal, c: Commit, stage_base: int) -> StepOutput:
         if prop.direct_write:
             assert c.kv_rows == list(range(len(prop.token_ids))), "direct-write proposals commit every row"
-        else:
-            if not self.runner.commit_staged(seq, stage_base, c.kv_rows):
-                # Fallback to the plain path: keep the tokens, commit no KV; the next step's
-                # direct-write catch-up recomputes it (identical output).
-                c = Commit(kv_rows=[], token_ids=c.token_ids, logprobs=c.logprobs, prompt_logprobs=c.prompt_logprobs)
-            self.runner.staging.metrics.tokens_rejected += len(prop.token_ids) - len(c.kv_rows)
+        elif not self.runner.commit_staged(seq, stage_base, c.kv_rows, len(prop.token_ids)):
+            # Fallback to the plain path (kv/staging.py): keep the tokens, commit no KV; the next
+            # step's direct-write catch-up recomputes it (identical output).
+            c = Commit(kv_rows=[], token_ids=c.token_ids, logprobs=c.logprobs, prompt_logprobs=c.prompt_logprobs)
         seq.num_cached += len(c.kv_rows)
         if c.prompt_logprobs is not None:
             seq.prompt_logprobs += c.prompt_logprobs

@@ -239,7 +239,7 @@ class AsyncEngine:
 
     def _publish(self) -> None:
         eng = self.engine
-        metrics = getattr(getattr(eng, "strategy", None), "metrics", None)
+        metrics = getattr(eng, "metrics", None) or getattr(getattr(eng, "strategy", None), "metrics", None)
         self.snapshot = Snapshot(
             running=len(eng.scheduler.running),
             waiting=len(eng.scheduler.waiting),

@@ -137,3 +137,54 @@ def test_stop_string_inside_multi_token_commit(oracle):
         accepted = next(line for line in metrics.splitlines()
                         if line.startswith("ratchet:strategy_spec_decode_num_accepted_tokens{"))
         assert float(accepted.rsplit(" ", 1)[1]) > 0
+
+
+def _gauges(text: str, prefix: str) -> dict[str, float]:
+    """``ratchet:strategy_<name>{...} value`` lines of a /metrics page whose name starts with prefix."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("ratchet:strategy_" + prefix):
+            name = line[len("ratchet:strategy_"): line.index("{")]
+            out[name] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _check_staging(m: dict[str, float], num_layers: int, bytes_per_token: int) -> None:
+    """The no-write-on-reject metrics with the design's meaning (kv/staging.py)."""
+    assert m["kv_staging_tokens_committed"] > 0 and m["kv_staging_tokens_rejected"] > 0
+    assert m["kv_staging_unique_tokens"] == m["kv_staging_tokens_committed"] + m["kv_staging_tokens_rejected"]
+    assert m["kv_staging_stage_operations"] == m["kv_staging_unique_tokens"] * num_layers  # layer x token
+    assert abs(m["kv_staging_efficiency"] - 1 / num_layers) < 1e-9
+    assert abs(m["kv_staging_acceptance_rate"] - m["kv_staging_tokens_committed"]
+               / m["kv_staging_unique_tokens"]) < 1e-9
+    assert m["kv_staging_bytes_avoided"] == m["kv_staging_tokens_rejected"] * bytes_per_token
+    for cause in ("fake_tensor", "overflow", "stage_fail", "commit_fail"):  # fallbacks by cause
+        assert m[f"kv_staging_fallback_{cause}"] == 0
+    assert m["kv_staging_fallbacks"] == 0
+
+
+def test_staging_metrics_on_metrics_after_speculative_and_wedlm_requests(oracle):
+    from ratchetlm import LLM
+    from tests.speculative.prompts import CODE
+    from tests.wedlm.conftest import TRAINED
+
+    spec = _spec_llm(oracle)
+    body = {"model": "m", "prompt": CODE, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    with serve(spec) as base:
+        assert httpx.post(base + "/v1/completions", json=body, timeout=120).status_code == 200
+        text = httpx.get(base + "/metrics").text
+    m = _gauges(text, "kv_staging_")
+    _check_staging(m, oracle.model_config.num_layers, spec.engine.cache.bytes_per_token())
+    assert _gauges(text, "spec_decode_num_accepted_tokens")["spec_decode_num_accepted_tokens"] > 0
+
+    wedlm = LLM(str(TRAINED), dtype="float32", progress=False, wedlm={"window_size": 16})
+    body = {"model": "m", "prompt": "count from 40 to 60 :", "max_tokens": 24, "temperature": 0}
+    with serve(wedlm) as base:
+        assert httpx.post(base + "/v1/completions", json=body, timeout=120).status_code == 200
+        text = httpx.get(base + "/metrics").text
+    _check_staging(_gauges(text, "kv_staging_"), wedlm.model_config.num_layers, wedlm.engine.cache.bytes_per_token())
+    w = _gauges(text, "wedlm_")
+    assert w["wedlm_tokens_per_forward"] == w["wedlm_commits"] / w["wedlm_forwards"]  # committed tokens per forward
+    assert w["wedlm_fills_per_forward"] == w["wedlm_fills"] / w["wedlm_forwards"]  # masks filled per step
+    assert w["wedlm_efficiency"] == w["wedlm_commits"] / w["wedlm_fills"]
+    assert w["wedlm_commits"] > 0

@@ -9,7 +9,7 @@ import torch
 
 from ratchetlm.sampling_params import SamplingParams
 
-from .conftest import make_engine, run_engine
+from .conftest import GREEDY, make_engine, run_engine
 from .prompts import CODE2, SUMMARY
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
@@ -76,6 +76,41 @@ def test_commit_fault_falls_back_with_identical_output(spec_llm, fault_layer):
     while eng.has_unfinished():
         eng.step()
     assert seq.output_ids == ref[0]
+
+
+@pytest.mark.parametrize("capacity", [3, 8])
+def test_staging_overflow_falls_back_with_identical_output(spec_llm, encoded, reference, capacity):
+    """Capacity 3: no 5-row tree fits, every draft step falls back. Capacity 8: in a batch of
+    three, the first sequence's tree fits and the others' do not. Either way the output is plain
+    greedy's, the buffer never grows past its capacity and nothing rejected reaches the cache."""
+    subset = [0, 1, 3]
+    eng = make_engine(spec_llm, "speculative", staging_capacity=capacity, method="ngram", depth=4)
+    assert run_engine(eng, [encoded[i] for i in subset], GREEDY) == [reference[i] for i in subset]
+    m = eng.runner.staging.metrics
+    assert m.fallback_overflow > 0 and m.fallback_commit_fail == m.fallback_stage_fail == 0
+    assert eng.runner.staging.max_tokens <= capacity
+    assert eng.strategy.metrics()["spec_decode_num_drafts"] > 0
+    if capacity == 8:
+        assert m.tokens_committed > 0  # trees that fit were still staged and committed
+    assert eng.metrics()["kv_staging_fallback_overflow"] == m.fallback_overflow
+    # exactly one token's K/V written per committed token: the unstaged trees wrote nothing
+    assert eng.cache.bytes_written == sum(s.num_cached for s in eng.seqs.values()) * eng.cache.bytes_per_token()
+
+
+@pytest.mark.parametrize("fault_layer", [0, 11])
+def test_stage_failure_falls_back_and_the_engine_keeps_serving(spec_llm, encoded, reference, fault_layer):
+    eng = make_engine(spec_llm, "speculative", kv_cache_blocks=16, method="ngram", num_candidates=2, depth=4)
+    eng.runner.staging.fault_stage_layer = fault_layer
+    seq = step_until(eng, encoded[1], 6, GREEDY)
+    m = eng.runner.staging.metrics
+    assert m.fallback_stage_fail > 0 and m.tokens_committed == 0 and m.fallback_commit_fail == 0
+    assert not eng.cache.k[:, unused_slots(eng, seq)].any()
+    while eng.has_unfinished():
+        eng.step()
+    assert seq.output_ids == reference[1]
+    eng.runner.staging.fault_stage_layer = None  # the same engine serves the next request normally
+    assert run_engine(eng, [encoded[3]], GREEDY) == [reference[3]]
+    assert m.tokens_committed > 0 and eng.metrics()["kv_staging_fallback_stage_fail"] == m.fallback_stage_fail
 
 
 def test_sampling_with_seed_is_reproducible(spec_llm):

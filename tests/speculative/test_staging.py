@@ -17,7 +17,7 @@ def make() -> tuple[KVCache, StagingBuffer]:
                     device="cpu")
     cache.k.normal_()  # pre-existing committed content that a failed commit must not disturb
     cache.v.normal_()
-    return cache, StagingBuffer(cache, max_tokens=8)
+    return cache, StagingBuffer(cache, capacity=8)
 
 
 def stage_forward(buf: StagingBuffer, cache: KVCache, stage_index: torch.Tensor, n: int):
@@ -94,7 +94,52 @@ def test_meta_tensors_are_never_committed():
     for layer in range(LAYERS):
         sink.write(layer, torch.empty(2, H, D, device="meta"), torch.empty(2, H, D, device="meta"))
     before = cache.k.clone()
-    with pytest.raises(StagingCommitError, match="real storage"):
+    with pytest.raises(StagingCommitError, match="abandoned"):
         buf.commit(torch.tensor([0, 1]), torch.tensor([3, 4]))
     assert torch.equal(cache.k, before)
-    assert buf.metrics.fallback_fake_tensor == 1
+    assert buf.metrics.fallback_fake_tensor == 1 and buf.metrics.fallback_commit_fail == 0
+
+
+@pytest.mark.parametrize("fault_layer", [0, 2])
+def test_stage_failure_abandons_the_forward_once_and_the_next_forward_stages(fault_layer):
+    cache, buf = make()
+    buf.fault_stage_layer = fault_layer
+    stage_forward(buf, cache, torch.arange(4), 4)
+    before = cache.k.clone()
+    assert not buf.usable
+    assert buf.metrics.fallback_stage_fail == 1  # once per forward, not per layer
+    assert buf.metrics.stage_operations == fault_layer * 4  # layers after the fault staged nothing
+    with pytest.raises(StagingCommitError, match="abandoned"):
+        buf.commit(torch.tensor([0, 1]), torch.tensor([3, 4]))
+    assert torch.equal(cache.k, before) and buf.metrics.fallback_commit_fail == 0
+    buf.fault_stage_layer = None
+    ks, _ = stage_forward(buf, cache, torch.arange(4), 4)
+    buf.commit(torch.tensor([0, 1]), torch.tensor([3, 4]))
+    assert torch.equal(cache.k[LAYERS - 1, 4], ks[LAYERS - 1][1])
+    assert buf.metrics.fallback_stage_fail == 1
+
+
+def test_capacity_bounds_the_buffer():
+    cache = KVCache(LAYERS, num_blocks=4, block_size=4, num_kv_heads=H, head_dim=D, dtype=torch.float32, device="cpu")
+    buf = StagingBuffer(cache, capacity=5)
+    assert buf.k.shape[1] == 0  # allocated on demand
+    stage_forward(buf, cache, torch.arange(3), 3)
+    assert buf.k.shape[1] == 5  # grew to what was needed, capped by the capacity
+    with pytest.raises(AssertionError):
+        stage_forward(buf, cache, torch.arange(6), 6)
+    with pytest.raises(ValueError, match="capacity"):
+        StagingBuffer(cache, capacity=0)
+
+
+def test_metrics_have_the_designs_meaning():
+    cache, buf = make()
+    stage_forward(buf, cache, torch.arange(5), 5)
+    buf.commit(torch.tensor([0, 1]), torch.tensor([3, 4]))
+    buf.reject(3)
+    d = buf.metrics.as_dict()
+    assert d["kv_staging_unique_tokens"] == 5 and d["kv_staging_stage_operations"] == 5 * LAYERS
+    assert d["kv_staging_efficiency"] == pytest.approx(1 / LAYERS)
+    assert d["kv_staging_tokens_committed"] == 2 and d["kv_staging_tokens_rejected"] == 3
+    assert d["kv_staging_acceptance_rate"] == pytest.approx(2 / 5)
+    assert d["kv_staging_bytes_avoided"] == 3 * cache.bytes_per_token() == 3 * 2 * LAYERS * H * D * 4
+    assert d["kv_staging_fallbacks"] == 0

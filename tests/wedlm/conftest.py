@@ -40,10 +40,10 @@ class Pair:
         self.eos = self.llm.model_config.eos_token_ids
 
     def engine(self, max_model_len: int = 256, kv_cache_blocks: int = 128, max_num_batched_tokens: int = 2048,
-               decoding: str = "wedlm", **wedlm) -> LLMEngine:
+               decoding: str = "wedlm", staging_capacity: int = 1024, **wedlm) -> LLMEngine:
         cfg = EngineConfig(dtype="float32", decoding=decoding, decoding_options=wedlm, kv_cache_blocks=kv_cache_blocks,
                            max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-                           block_size=16, progress=False)
+                           block_size=16, staging_capacity=staging_capacity, progress=False)
         return LLMEngine(cfg, self.llm.engine.model, self.llm.model_config)
 
     def reference(self, prompt: list[int], params: SamplingParams, max_model_len: int = 256, seed: int | None = None,

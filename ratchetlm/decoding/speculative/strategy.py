@@ -69,6 +69,7 @@ def tree_mask(tree: DraftTree) -> torch.Tensor:  # [L, L] bool ancestor-or-self
 
 @register("speculative")
 class Speculative(DecodeStrategy):
+    stages = True
     def __init__(self, ctx: StrategyContext, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(ctx, options)
         self.cfg = SpecConfig.from_options(self.options)
@@ -217,8 +218,4 @@ class Speculative(DecodeStrategy):
         for i, n in enumerate(t.accepted_per_pos):
             out[f"spec_decode_num_accepted_tokens_per_pos_{i}"] = n
         out.update(self.proposer.metrics())
-        runner = self.ctx.runner
-        if runner is not None:
-            out.update(runner.staging.metrics.as_dict())
-            out["kv_bytes_written"] = runner.cache.bytes_written
         return out
