@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -68,7 +69,7 @@ def _check_int(name: str, v: object, lo: int, hi: int | None = None) -> None:
 
 
 def _check_num(name: str, v: object) -> None:
-    if isinstance(v, bool) or not isinstance(v, int | float) or v != v:  # v != v: NaN
-        raise ValueError(f"{name} must be a number, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise ValueError(f"{name} must be a finite number, got {v!r}")
 
 

@@ -93,6 +93,12 @@ class DecodeStrategy(ABC):
         """The sequence lost its KV and will be recomputed; drop private state."""
         seq.strategy_state.clear()
 
+    def on_step_discarded(self, seq: Sequence) -> None:
+        """A step that included ``seq`` raised and is discarded: it will be re-run from the same
+        committed state (tokens and KV unchanged). Drop private state the discarded propose/commit
+        may have changed; the default drops it all (it is rebuilt as after a preemption)."""
+        self.on_preempt(seq)
+
     def on_finish(self, seq: Sequence) -> None:
         """The sequence finished (stop, length, abort); free strategy-owned resources (draft KV)."""
         return None

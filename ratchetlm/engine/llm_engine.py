@@ -37,6 +37,7 @@ class StepOutput:
     finished: bool
     finish_reason: str | None
     new_logprobs: list[dict[int, float]] | None = None
+    error: str | None = None  # set (with finish_reason "error") when this request failed the step
 
 
 @dataclass
@@ -148,19 +149,54 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        seqs = [s for s, _ in scheduled]
-        budgets = [b for _, b in scheduled]
+        outs = self._step_isolated([s for s, _ in scheduled], [b for _, b in scheduled])
+        self.stats.steps += 1
+        return outs
+
+    def _step_isolated(self, seqs: list[Sequence], budgets: list[int]) -> list[StepOutput]:
+        """Run one step for ``seqs``; if it raises, find the request(s) responsible and fail only those.
+
+        Fault isolation: propose, forward and commit change nothing the engine keeps (committed
+        tokens, ``num_cached``) until :meth:`_apply`, so a step that raised is discarded (the
+        strategy drops what it may have changed, sampling generators are rewound) and re-run on
+        each half of the batch, recursively: the request(s) that fail alone get an error output,
+        the others commit exactly what they would have (rows are batch-invariant; a seeded
+        request draws from its rewound generator). A fault costs ~2·log2(batch) extra forwards.
+        """
+        rng = {id(s.generator): (s.generator, s.generator.get_state()) for s in seqs
+               if s.generator is not None and not s.params.greedy}
+        try:
+            commits, proposals, stage_base = self._compute(seqs, budgets)
+        except Exception as e:  # noqa: BLE001 - any failure of the step is isolated below
+            if len(seqs) == 1:
+                return [self._fail(seqs[0], e)]
+            for gen, state in rng.values():
+                gen.set_state(state)
+            for s in seqs:
+                self.strategy.on_step_discarded(s)
+            mid = len(seqs) // 2
+            return self._step_isolated(seqs[:mid], budgets[:mid]) + self._step_isolated(seqs[mid:], budgets[mid:])
+        outs = []
+        for s, p, c, base in zip(seqs, proposals, commits, stage_base, strict=True):
+            try:
+                outs.append(self._apply(s, p, c, base))
+            except Exception as e:  # noqa: BLE001 - only this request's state is touched
+                outs.append(self._fail(s, e))
+        return outs
+
+    def _compute(self, seqs: list[Sequence], budgets: list[int]) -> tuple[list[Commit], list[Proposal], list[int]]:
         proposals = self.strategy.propose(seqs, budgets)
         for s, p, b in zip(seqs, proposals, budgets, strict=True):
             assert len(p.token_ids) <= b, f"strategy proposed {len(p.token_ids)} tokens over budget {b}"
             assert s.num_cached + len(p.token_ids) <= len(s.block_table) * self.blocks.block_size
         result = self.runner.execute(seqs, proposals)
-        commits = self.strategy.commit(seqs, proposals, result.logits)
-        outs = []
-        for s, p, c, base in zip(seqs, proposals, commits, result.stage_base, strict=True):
-            outs.append(self._apply(s, p, c, base))
-        self.stats.steps += 1
-        return outs
+        return self.strategy.commit(seqs, proposals, result.logits), proposals, result.stage_base
+
+    def _fail(self, seq: Sequence, e: Exception) -> StepOutput:
+        """End ``seq`` with finish reason ``error``: its blocks are freed, its output says why."""
+        self.scheduler.finish(seq, "error")
+        self.stats.extra["failed_requests"] = self.stats.extra.get("failed_requests", 0) + 1
+        return StepOutput(seq.seq_id, [], True, "error", error=f"{type(e).__name__}: {e}")
 
     def _apply(self, seq: Sequence, prop: Proposal, c: Commit, stage_base: int) -> StepOutput:
         if prop.direct_write:

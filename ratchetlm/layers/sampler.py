@@ -12,17 +12,30 @@ from ratchetlm.sampling_params import SamplingParams
 
 
 def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """``[n, vocab]`` fp32 logits → ``[n, vocab]`` probabilities after all filters (temperature > 0)."""
+    """``[n, vocab]`` fp32 logits → ``[n, vocab]`` probabilities after all filters (temperature > 0).
+
+    Safe for every valid parameter value and any finite logits: the row maximum is subtracted
+    *before* dividing by the temperature, so a tiny temperature sends the other logits to -inf
+    (the greedy limit: all mass on the top token(s)) instead of overflowing to inf - inf = NaN,
+    and every filter keeps the top token, so a row never sums to zero.
+    """
     assert p.temperature > 0
-    x = logits.float() / p.temperature
+    x = logits.float()
+    shifted = x - x.max(dim=-1, keepdim=True).values  # [n, vocab], <= 0, == 0 at the top token(s)
+    # The division runs in fp32: a temperature below its range rounds to 0 (0/0 at the top would be
+    # NaN), one above it to inf (-inf/inf where a logit gap overflowed): keep the top at 0, cap t.
+    t = min(p.temperature, torch.finfo(torch.float32).max)
+    x = torch.where(shifted == 0, 0.0, shifted / t)
     if p.top_k > 0 and p.top_k < x.shape[-1]:
         kth = torch.topk(x, p.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
     if p.top_p < 1.0:
         sorted_p, idx = probs.sort(dim=-1, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the first token is always kept)
+        # keep the smallest prefix whose mass reaches top_p; the top token is always kept, even
+        # when top_p is below fp32's smallest value (the comparison would then drop everything)
         drop = (sorted_p.cumsum(-1) - sorted_p) >= p.top_p
+        drop[..., 0] = False
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
     if p.min_p > 0.0:

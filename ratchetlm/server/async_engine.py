@@ -62,7 +62,7 @@ class Snapshot:
 
 
 _ACCEPTED = object()
-_DONE = object()
+_CLOSED = object()  # the handler closed the group (client gone): stop waiting for deltas
 
 
 class RequestGroup:
@@ -84,10 +84,13 @@ class RequestGroup:
             raise first
 
     async def deltas(self):
-        """Yield :class:`Delta` until every choice finished; raises :class:`EngineError`."""
+        """Yield :class:`Delta` until every choice finished or the group is closed (check
+        :attr:`closed`); raises :class:`EngineError`."""
         remaining = len(self.subs)
         while remaining:
             item = await self.queue.get()
+            if item is _CLOSED:
+                return
             if isinstance(item, BaseException):
                 raise item
             for d in item:
@@ -95,10 +98,12 @@ class RequestGroup:
                 yield d
 
     def abort(self) -> None:
-        """Client gone: the engine thread aborts and frees every unfinished choice before its next step."""
+        """Client gone (call on the event loop): the engine thread aborts and frees every unfinished
+        choice before its next step, and a handler waiting in :meth:`deltas` returns at once."""
         if not self.closed:
             self.closed = True
             self.owner._commands.put(("abort", self))
+            self.queue.put_nowait(_CLOSED)
 
     def _post(self, item: Any) -> None:  # engine thread
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -195,14 +200,23 @@ class AsyncEngine:
 
     def _deliver(self, outs: list[StepOutput]) -> None:
         by_group: dict[int, tuple[RequestGroup, list[Delta]]] = {}
+        failed: dict[int, tuple[RequestGroup, str]] = {}
         for out in outs:
             live = self._live.get(out.seq_id)
             if live is None:
+                continue
+            if out.error is not None:  # this request failed the step alone; its group's other choices end too
+                self._drop(out.seq_id, "error")
+                failed.setdefault(id(live.group), (live.group, out.error))
                 continue
             d = self._delta(out, live)
             by_group.setdefault(id(live.group), (live.group, []))[1].append(d)
         for g, ds in by_group.values():
             g._post(ds)
+        for g, err in failed.values():
+            for sid in list(g.seq_ids):
+                self._drop(sid, "abort")
+            g._post(EngineError(f"the request failed while decoding: {err}"))
 
     def _delta(self, out: StepOutput, live: _Live) -> Delta:
         visible = out.new_token_ids

@@ -14,7 +14,7 @@ from typing import Any
 from starlette.requests import Request
 
 from ratchetlm.sampling_params import SamplingParams
-from ratchetlm.server.async_engine import Delta, RequestGroup
+from ratchetlm.server.async_engine import Delta, EngineError, RequestGroup
 from ratchetlm.server.errors import APIError, from_value_error
 from ratchetlm.server.metrics import ChoiceTimer, ServerMetrics
 from ratchetlm.server.protocol import CommonRequest
@@ -116,13 +116,13 @@ class Runner:
         self.group = group
         self.states = [ChoiceState(i, ChoiceTimer(metrics, arrival)) for i in range(num_choices)]
 
-    def _aborted(self) -> None:
+    def _aborted(self, reason: str = "abort") -> None:
         self.group.abort()
         now = time.perf_counter()
         for st in self.states:
             if st.finish_reason is None:
-                st.finish_reason = "abort"
-                st.timer.finished("abort", now)
+                st.finish_reason = reason
+                st.timer.finished(reason, now)
 
     async def collect(self) -> None:
         watcher = asyncio.ensure_future(_watch_disconnect(self.request, self.group))
@@ -130,7 +130,10 @@ class Runner:
         try:
             async for d in self.group.deltas():
                 self.states[d.index].add(d, time.perf_counter())
-            done = True
+            done = not self.group.closed  # closed: the client went away while we waited
+        except EngineError as e:
+            self._aborted("error")
+            raise APIError(str(e), 500) from None
         finally:
             watcher.cancel()
             if not done:
@@ -149,10 +152,12 @@ class Runner:
                     if c is not None:
                         st.chunks_sent += 1
                         yield sse(c)
-                done = True
-                if usage_chunk is not None:
+                done = not self.group.closed
+                if usage_chunk is not None and done:
                     yield sse(usage_chunk())
             except Exception as e:  # after the stream started: report in-band, then [DONE]
+                if isinstance(e, EngineError):
+                    self._aborted("error")
                 err = e if isinstance(e, APIError) else APIError(str(e), 500)
                 yield sse(err.body())
             yield SSE_DONE

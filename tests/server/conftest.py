@@ -39,11 +39,15 @@ class Server:
         return httpx.get(self.base + "/health", timeout=10)
 
 
-def start_server(extra: list[str] | None = None, timeout: float = 240.0) -> Server:
+def start_server(extra: list[str] | None = None, timeout: float = 240.0, launcher: str | None = None,
+                 env: dict[str, str] | None = None, **popen) -> Server:
+    """``ratchet serve`` with the test arguments plus ``extra``; ``launcher`` names a test module
+    that patches something (fault injection) and then runs the same ``ratchet serve`` main."""
     port = free_port()
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.Popen([sys.executable, "-m", "ratchetlm", "serve", "--host", "127.0.0.1", "--port", str(port),
-                             *SERVER_ARGS, *(extra or [])], env=env)
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", **(env or {}))
+    cmd = [sys.executable, "-m", launcher] if launcher else [sys.executable, "-m", "ratchetlm", "serve"]
+    proc = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(port), *SERVER_ARGS, *(extra or [])],
+                            env=env, **popen)
     srv = Server(f"http://127.0.0.1:{port}", proc)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

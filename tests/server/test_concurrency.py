@@ -102,3 +102,32 @@ def test_metrics_after_traffic(server):
     assert _metric(text, "ratchet:num_requests_running") == 0
     assert _metric(text, "ratchet:kv_cache_usage_perc") == 0.0
     assert _metric(text, "ratchet:kv_cache_blocks_total") == 384
+
+
+def test_nonstream_disconnects_end_their_handlers(server):
+    """Non-streaming clients that go away: their handlers return (counted as aborted) instead of
+    waiting forever for deltas of a request the engine already freed."""
+    before = _abort_count(httpx.get(server.base + "/metrics").text)
+    body = {"model": MODEL_NAME, "prompt": "Count to one thousand:", "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True}
+
+    async def one():
+        async with httpx.AsyncClient(timeout=httpx.Timeout(60, read=1.5)) as c:
+            with pytest.raises(httpx.ReadTimeout):
+                await c.post(server.base + "/v1/completions", json=body)
+
+    async def run():
+        await asyncio.gather(*(one() for _ in range(5)))
+
+    asyncio.run(run())
+    deadline = time.monotonic() + 5
+    while _abort_count(httpx.get(server.base + "/metrics").text) < before + 5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _abort_count(httpx.get(server.base + "/metrics").text) == before + 5, "every handler ended"
+    h = wait_idle(server, within=2.0)
+    assert h["kv_blocks_free"] == h["kv_blocks_total"], h
+
+
+def _abort_count(text: str) -> float:
+    name = 'ratchet:request_success_total{finished_reason="abort",model_name="test-model"}'
+    return next((float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(name)), 0.0)

@@ -86,6 +86,11 @@ class Speculative(DecodeStrategy):
     def on_finish(self, seq: Sequence) -> None:
         self.proposer.release(seq)
 
+    def on_step_discarded(self, seq: Sequence) -> None:
+        """Keep the draft state: it only shapes proposals (verification is lossless), draft K/V hold
+        committed tokens only, and the proposers re-derive their positions from the committed length."""
+        return None
+
     # ------------------------------------------------------------------ sizing
 
     def _room(self, seq: Sequence) -> int:
