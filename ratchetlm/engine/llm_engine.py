@@ -60,8 +60,7 @@ class LLMEngine:
         self.max_model_len = min(cfg.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
         self.model = model
-        if model.rope.cos_table.shape[0] < self.max_model_len + 64:
-            model.rope._build(self.max_model_len + 64)  # lookahead tokens may sit past the end
+        model.set_context_len(self.max_model_len)
         bytes_per_token = (2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim
                            * torch.tensor([], dtype=self.dtype).element_size())
         num_blocks = cfg.kv_cache_blocks or max(

@@ -25,7 +25,12 @@ from ratchetlm.kv.cache import KVCache, KVSink
 
 @dataclass
 class AttentionBatch:
-    """Per-forward metadata shared by all layers. Built by :func:`build_attention_batch`."""
+    """Per-forward metadata shared by all layers. Built by :func:`build_attention_batch`.
+
+    This is the full-attention view: every committed context row is visible. Sliding-window
+    layers use :meth:`windowed`, a view of the same forward whose context is cut to the window
+    and whose mask also hides keys ``window`` or more positions behind the query.
+    """
 
     positions: torch.Tensor  # [num_tokens] int64 absolute RoPE positions (packed over sequences)
     sink: KVSink  # receives each layer's new K/V
@@ -39,6 +44,8 @@ class AttentionBatch:
     max_new: int
     max_ctx: int
     _grouped: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+    _keys: _KeyInputs | None = None  # what the windowed views are cut from
+    _windows: dict[int, AttentionBatch] = field(default_factory=dict)
 
     def grouped_mask(self, g: int, dtype: torch.dtype) -> torch.Tensor | None:
         """``mask`` with each query row repeated for the ``g`` heads of a KV group: ``[B, 1, g*n, L]``
@@ -50,6 +57,28 @@ class AttentionBatch:
             self._grouped[key] = self.mask.repeat(1, 1, g, 1).to(dtype)
         return self._grouped[key]
 
+    def windowed(self, window: int | None) -> AttentionBatch:
+        """The view a layer with this sliding window attends through (``None``: this full view).
+        A query at position ``p`` sees keys at positions ``(p - window, p]`` that the full view
+        shows it; context rows older than every query's window are not gathered at all."""
+        if window is None:
+            return self
+        if window not in self._windows:
+            assert self._keys is not None
+            self._windows[window] = _build(self._keys, window, self.positions, self.sink, self.cache,
+                                           self.pad_index, self.unpad_index)
+        return self._windows[window]
+
+
+@dataclass
+class _KeyInputs:
+    new_lens: list[int]
+    context_slots: list[torch.Tensor]  # per seq [context_len] slots of positions ctx_start .. ctx_start + len - 1
+    ctx_starts: list[int]
+    new_masks: list[torch.Tensor | None]
+    new_positions: list[torch.Tensor]  # per seq [n_new] int64 on CPU
+    dtype: torch.dtype
+
 
 def build_attention_batch(
     positions: torch.Tensor,  # [num_tokens]
@@ -59,13 +88,12 @@ def build_attention_batch(
     sink: KVSink,
     cache: KVCache | None,
     dtype: torch.dtype = torch.float32,
+    ctx_starts: list[int] | None = None,  # per seq position of its first context row (0: the whole context)
 ) -> AttentionBatch:
     device = positions.device
     b = len(new_lens)
     assert b == len(context_slots) == len(new_masks) and sum(new_lens) == positions.shape[0]
     max_new = max(new_lens)
-    ctx_lens = [int(s.numel()) for s in context_slots]
-    max_ctx = max(ctx_lens)
     starts = [0]
     for n in new_lens[:-1]:
         starts.append(starts[-1] + n)
@@ -74,36 +102,69 @@ def build_attention_batch(
     for i, (s, n) in enumerate(zip(starts, new_lens, strict=True)):
         pad_index[i, :n] = torch.arange(s, s + n)
         unpad.append(torch.arange(i * max_new, i * max_new + n))
-    unpad_index = torch.cat(unpad)
+    pos_cpu = positions.cpu()
+    keys = _KeyInputs(new_lens, [s.cpu() for s in context_slots], ctx_starts or [0] * b, new_masks,
+                      [pos_cpu[s : s + n] for s, n in zip(starts, new_lens, strict=True)], dtype)
+    batch = _build(keys, None, positions, sink, cache, pad_index.to(device), torch.cat(unpad).to(device))
+    batch._keys = keys
+    return batch
 
-    # B == 1 needs no mask when nothing is hidden: plain causal prefill, or one query seeing everything.
-    causal = b == 1 and max_ctx == 0 and new_masks[0] is None
+
+def _build(
+    keys: _KeyInputs,
+    window: int | None,
+    positions: torch.Tensor,
+    sink: KVSink,
+    cache: KVCache | None,
+    pad_index: torch.Tensor,
+    unpad_index: torch.Tensor,
+) -> AttentionBatch:
+    """One view of the forward's keys: all committed context (``window`` None) or only what a
+    sliding window of that size can reach."""
+    device = positions.device
+    b, new_lens, max_new = len(keys.new_lens), keys.new_lens, max(keys.new_lens)
+    ctx_slots, ctx_first = keys.context_slots, keys.ctx_starts
+    if window is not None:  # drop context rows below every query's window
+        cut = [max(0, int(p.min()) - window + 1 - c0) if p.numel() else 0
+               for p, c0 in zip(keys.new_positions, ctx_first, strict=True)]
+        ctx_slots = [s[k:] for s, k in zip(ctx_slots, cut, strict=True)]
+        ctx_first = [c0 + k for c0, k in zip(ctx_first, cut, strict=True)]
+    ctx_lens = [int(s.numel()) for s in ctx_slots]
+    max_ctx = max(ctx_lens)
+    # B == 1 needs no mask when nothing is hidden: plain causal prefill (within the window), or one
+    # query seeing everything left after the cut.
+    span = int(keys.new_positions[0].max() - keys.new_positions[0].min()) if b == 1 else 0
+    causal = b == 1 and max_ctx == 0 and keys.new_masks[0] is None and (window is None or span < window)
     see_all = b == 1 and max_new == 1
     mask = None
     if not (causal or see_all):
         mask = torch.zeros(b, 1, max_new, max_ctx + max_new, dtype=torch.bool)
-        for i, (c, n, nm) in enumerate(zip(ctx_lens, new_lens, new_masks, strict=True)):
+        for i, (c, n, nm) in enumerate(zip(ctx_lens, new_lens, keys.new_masks, strict=True)):
             mask[i, 0, :n, :c] = True
             nm = torch.ones(n, n, dtype=torch.bool).tril_() if nm is None else nm
             assert nm.shape == (n, n), f"new-token mask must be [{n}, {n}], got {tuple(nm.shape)}"
             mask[i, 0, :n, max_ctx : max_ctx + n] = nm.cpu()
+            if window is not None:  # key position > query position - window
+                q_pos = keys.new_positions[i]
+                mask[i, 0, :n, :c] &= (ctx_first[i] + torch.arange(c))[None, :] > (q_pos[:, None] - window)
+                mask[i, 0, :n, max_ctx : max_ctx + n] &= q_pos[None, :] > (q_pos[:, None] - window)
             # Padding query rows attend to one real key so softmax stays finite; their output is dropped.
             mask[i, 0, n:, max_ctx] = True
         # Additive float mask: SDPA's CPU kernels are markedly faster with it than with a bool mask.
-        mask = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf")).to(device)
+        mask = torch.zeros(mask.shape, dtype=keys.dtype).masked_fill_(~mask, float("-inf")).to(device)
     ctx = None
     if max_ctx > 0:
         ctx = torch.zeros(b, max_ctx, dtype=torch.long)
-        for i, cs in enumerate(context_slots):
-            ctx[i, : cs.numel()] = cs.cpu()
+        for i, cs in enumerate(ctx_slots):
+            ctx[i, : cs.numel()] = cs
         ctx = ctx.to(device)
     return AttentionBatch(
         positions=positions,
         sink=sink,
         cache=cache,
         ctx_slots=ctx,
-        pad_index=pad_index.to(device),
-        unpad_index=unpad_index.to(device),
+        pad_index=pad_index,
+        unpad_index=unpad_index,
         mask=mask,
         is_causal=causal and max_new > 1,
         num_seqs=b,
@@ -119,9 +180,15 @@ def paged_attention(
     v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     batch: AttentionBatch,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Write this layer's new K/V through the sink, then attend context + new tokens."""
+    """Write this layer's new K/V through the sink, then attend context + new tokens.
+
+    ``window``: a sliding-window layer (keys ``(p - window, p]``); ``softcap``: scores become
+    ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2)."""
     batch.sink.write(layer, k, v)
+    batch = batch.windowed(window)
     t, h, d = q.shape
     hkv = k.shape[1]
     b, n = batch.num_seqs, batch.max_new
@@ -146,13 +213,35 @@ def paged_attention(
         qp = qp.transpose(1, 2)
         if g > 1:
             kp, vp = kp.repeat_interleave(g, dim=1), vp.repeat_interleave(g, dim=1)
-        out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale)
+        out = _sdpa(qp, kp, vp, None, True, scale, softcap)
         out = out.transpose(1, 2).reshape(b * n, h, d)
     else:
         # GQA without copying K/V: the G query heads sharing a KV head become G*n query rows of it
         # (head j uses KV head j // G, as in HF's repeat_kv). Row r = g_idx * n + i.
         qg = qp.view(b, n, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * n, d)
         mask = batch.grouped_mask(g, q.dtype)
-        out = F.scaled_dot_product_attention(qg, kp, vp, attn_mask=mask, scale=scale)
+        out = _sdpa(qg, kp, vp, mask, False, scale, softcap)
         out = out.view(b, hkv, g, n, d).permute(0, 3, 1, 2, 4).reshape(b * n, h, d)  # [B * max_new, H, D]
     return out if b == 1 else out.index_select(0, batch.unpad_index)
+
+
+def _sdpa(
+    q: torch.Tensor,  # [B, H, Lq, D]
+    k: torch.Tensor,  # [B, H, Lk, D]
+    v: torch.Tensor,  # [B, H, Lk, D]
+    mask: torch.Tensor | None,  # [B, 1, Lq, Lk] additive
+    is_causal: bool,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:  # [B, H, Lq, D]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+    # SDPA has no soft-cap: the textbook form, in HF's order (cap before the mask, fp32 softmax)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, H, Lq, Lk]
+    s = torch.tanh(s / softcap) * softcap
+    if is_causal:
+        lq, lk = s.shape[-2:]
+        s = s.masked_fill(torch.ones(lq, lk, dtype=torch.bool, device=s.device).triu_(lk - lq + 1), float("-inf"))
+    elif mask is not None:
+        s = s + mask
+    return torch.matmul(s.softmax(-1, dtype=torch.float32).to(q.dtype), v)

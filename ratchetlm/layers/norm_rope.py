@@ -6,48 +6,85 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ratchetlm.layers.rope_scaling import RopeScaling, rope_frequencies
+
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """``offset``: the weight is applied as ``offset + weight`` (Gemma stores ``w`` and scales by ``1 + w``)."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.eps = eps
+        self.offset = offset
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # one fused op, same values as the three-step form below (checked in tests/core/test_layers.py)
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            w = self.weight + self.offset if self.offset else self.weight
+            return F.rms_norm(x, self.weight.shape, w, self.eps)
         # Normalise in fp32 (as HF does) and cast back, so bf16 runs match the reference closely.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:  # Gemma: the scale is applied in fp32, then cast (HF's order)
+            return (xf * (self.offset + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
 
-class RotaryEmbedding(nn.Module):
-    """Neox-style (rotate-half) RoPE; cos/sin tables are indexed by absolute position ids."""
+class RotaryEmbedding:
+    """Neox-style (rotate-half) RoPE; cos/sin tables are indexed by absolute position ids.
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
-        super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    ``rotary_dim`` < ``head_dim``: partial rotary (the first ``rotary_dim`` dims of each head turn,
+    the rest pass through). ``scaling``: a RoPE variant (layers/rope_scaling.py); its frequencies
+    and cos/sin scale are fixed for a ``context_len`` (LongRoPE picks its factor set by it). Tables
+    are fp32, built on first use and grown on demand; not module state (no dtype casts, no meta init).
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        max_positions: int,
+        scaling: RopeScaling | None = None,
+        rotary_dim: int | None = None,
+        context_len: int | None = None,
+    ) -> None:
         self.head_dim = head_dim
+        self.rotary_dim = rotary_dim or head_dim
+        assert self.rotary_dim % 2 == 0 and self.rotary_dim <= head_dim, (self.rotary_dim, head_dim)
         self.theta = theta
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self._build(max_positions)
+        self.scaling = scaling
+        self.max_positions = max_positions
+        self.cos_table: torch.Tensor | None = None  # [n, rotary_dim] fp32
+        self.sin_table: torch.Tensor | None = None
+        self.set_context_len(context_len or max_positions)
+
+    def set_context_len(self, n: int) -> None:
+        """Fix the frequencies for a context of ``n`` tokens (drops the tables if they change)."""
+        self.context_len = n
+        self.cos_table = self.sin_table = None  # built on first use (a model may be created on the meta device)
 
     def _build(self, n: int) -> None:
-        inv_freq: torch.Tensor = self.inv_freq  # type: ignore[assignment]
-        t = torch.arange(n, dtype=torch.float32, device=inv_freq.device)
-        freqs = torch.outer(t, inv_freq.float())
-        self.cos_table = torch.cat([freqs.cos(), freqs.cos()], dim=-1)  # [n, head_dim] fp32
+        device = "cpu" if self.cos_table is None else self.cos_table.device
+        self.inv_freq, self.attention_factor = rope_frequencies(self.theta, self.rotary_dim, self.scaling,
+                                                                self.context_len)
+        t = torch.arange(n, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(t, self.inv_freq)
+        cos, sin = freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+        self.cos_table = torch.cat([cos, cos], dim=-1).to(device)  # [n, rotary_dim] fp32
         # sign of rotate-half folded in: x*cos + rotate_half(x)*sin == x*cos + roll(x, d/2)*sin_signed, exactly
-        self.sin_table = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
+        self.sin_table = torch.cat([-sin, sin], dim=-1).to(device)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[num_tokens]`` positions → cos, sin ``[num_tokens, 1, head_dim]`` fp32 (once per forward)."""
+        """``[num_tokens]`` positions → cos, sin ``[num_tokens, 1, rotary_dim]`` fp32 (once per forward)."""
+        have = 0 if self.cos_table is None else self.cos_table.shape[0]
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if self.cos_table is None or need > have:
+            self._build(max(need, self.context_len + 64, 2 * have))  # +64: lookahead tokens
+        assert self.cos_table is not None and self.sin_table is not None
         if self.cos_table.device != positions.device:
             self.cos_table = self.cos_table.to(positions.device)
             self.sin_table = self.sin_table.to(positions.device)
-        assert int(positions.max()) < self.cos_table.shape[0], "position beyond the RoPE table"
         return self.cos_table[positions].unsqueeze(1), self.sin_table[positions].unsqueeze(1)
 
     @staticmethod
@@ -70,8 +107,11 @@ class RotaryEmbedding(nn.Module):
 
 def _rotate(
     x: torch.Tensor,  # [num_tokens, heads, head_dim]
-    cos: torch.Tensor,  # [num_tokens, 1, head_dim] fp32
-    sin: torch.Tensor,  # [num_tokens, 1, head_dim] fp32, first half negated (see _build)
+    cos: torch.Tensor,  # [num_tokens, 1, rotary_dim] fp32
+    sin: torch.Tensor,  # [num_tokens, 1, rotary_dim] fp32, first half negated (see _build)
 ) -> torch.Tensor:
+    rd = cos.shape[-1]
+    if rd < x.shape[-1]:  # partial rotary: the tail of each head passes through unrotated
+        return torch.cat([_rotate(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
     xf = x.float()
-    return (xf * cos + xf.roll(x.shape[-1] // 2, dims=-1) * sin).to(x.dtype)
+    return (xf * cos + xf.roll(rd // 2, dims=-1) * sin).to(x.dtype)

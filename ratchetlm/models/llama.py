@@ -1,8 +1,11 @@
-"""Llama-family decoder (Llama, Qwen2, Qwen3) on the paged KV cache.
+"""The decoder every supported family runs (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3) on the paged KV cache.
 
-Per layer: RMSNorm → fused QKV (+bias for Qwen2) → optional per-head QK-norm (Qwen3) →
-RoPE at explicit positions → :func:`paged_attention` (writes K/V through the batch's sink)
-→ O-proj → residual → RMSNorm → fused gate/up SwiGLU → down → residual.
+Per layer: RMSNorm → fused QKV (+bias: Qwen2) → optional per-head QK-norm (Qwen3, Gemma 3) →
+RoPE at explicit positions (partial, scaled; Gemma 3's sliding layers have their own base) →
+:func:`paged_attention` (writes K/V through the batch's sink; sliding window, logit soft-cap)
+→ O-proj (→ RMSNorm: Gemma's sandwich) → residual → RMSNorm → fused gate/up, SiLU or tanh-GELU
+gate → down (→ RMSNorm: sandwich) → residual. Families are values of
+:class:`~ratchetlm.models.config.ModelConfig` (models/families/), not subclasses.
 
 Tokens are packed: every tensor is ``[num_tokens, ...]`` across all sequences of the step.
 """
@@ -19,6 +22,9 @@ from ratchetlm.layers.attention import AttentionBatch, paged_attention
 from ratchetlm.layers.block_quant import BlockWeight, Linear, fused_matmul, usable
 from ratchetlm.layers.norm_rope import RMSNorm, RotaryEmbedding
 from ratchetlm.models.config import ModelConfig
+from ratchetlm.models.families import FAMILIES, FUSED_PARTS
+
+ACTIVATION = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class DecoderLayer(nn.Module):
@@ -28,20 +34,29 @@ class DecoderLayer(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.scale = cfg.query_scale or cfg.head_dim**-0.5
+        self.window = cfg.layer_window(index)
+        self.softcap = cfg.attn_logit_softcap
+        self.act = ACTIVATION[cfg.hidden_act]
+
+        def norm(dim: int) -> RMSNorm:
+            return RMSNorm(dim, cfg.rms_norm_eps, cfg.norm_offset)
+
+        self.input_norm = norm(cfg.hidden_size)
         self.qkv = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = norm(cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = norm(cfg.head_dim) if cfg.qk_norm else None
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn_out_norm = norm(cfg.hidden_size) if cfg.sandwich_norms else None
+        self.post_norm = norm(cfg.hidden_size)  # before the MLP
         self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.mlp_out_norm = norm(cfg.hidden_size) if cfg.sandwich_norms else None
 
     def forward(
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
-        cos_sin: tuple[torch.Tensor, torch.Tensor],  # ([num_tokens, 1, head_dim],) * 2
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # ([num_tokens, 1, rotary_dim],) * 2
         batch: AttentionBatch,
     ) -> torch.Tensor:
         t = x.shape[0]
@@ -55,10 +70,12 @@ class DecoderLayer(nn.Module):
         else:  # Q and K heads are adjacent in the fused output: rotate them as one tensor
             qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
             q, k = RotaryEmbedding.rotate_packed(cos_sin, qk).split([self.num_heads, self.num_kv_heads], dim=1)
-        attn = paged_attention(self.index, q, k, v, batch, self.scale)
-        x = x + self.o_proj(attn.reshape(t, self.q_size))
+        attn = paged_attention(self.index, q, k, v, batch, self.scale, self.window, self.softcap)
+        h = self.o_proj(attn.reshape(t, self.q_size))
+        x = x + (h if self.attn_out_norm is None else self.attn_out_norm(h))
         gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        h = self.down(self.act(gate) * up)
+        return x + (h if self.mlp_out_norm is None else self.mlp_out_norm(h))
 
 
 class LlamaModel(nn.Module):
@@ -69,8 +86,13 @@ class LlamaModel(nn.Module):
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        rotary = cfg.rotary_dim or cfg.head_dim
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling,
+                                    rotary)
+        # Gemma 3: sliding layers rotate with their own base, unscaled
+        self.local_rope = None if cfg.rope_local_theta is None else RotaryEmbedding(
+            cfg.head_dim, cfg.rope_local_theta, cfg.max_position_embeddings, None, rotary)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.head_blocks: BlockWeight | None = None  # tied head as GGUF blocks (see attach_blocks)
 
@@ -82,18 +104,31 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden] after the final norm
         """Run the first ``num_layers`` layers (all by default; fewer = layer-skip self-draft)."""
         x = self.embed(input_ids)
+        if self.config.embed_scale != 1.0:  # Gemma; the scale in the activations' dtype, as HF
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         cos_sin = self.rope.cos_sin(batch.positions)
+        local = cos_sin if self.local_rope is None else self.local_rope.cos_sin(batch.positions)
         for layer in self.layers[: num_layers or len(self.layers)]:
-            x = layer(x, cos_sin, batch)
+            assert isinstance(layer, DecoderLayer)
+            x = layer(x, local if layer.window is not None else cos_sin, batch)
         return self.norm(x)
+
+    def set_context_len(self, n: int) -> None:
+        """The engine's context length: fixes context-dependent RoPE (LongRoPE's factor set)."""
+        for rope in (self.rope, self.local_rope):
+            if rope is not None and rope.context_len != n:
+                rope.set_context_len(n)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        if usable(hidden, self.head_blocks):
+            out = self.lm_head(hidden).float()
+        elif usable(hidden, self.head_blocks):
             assert self.head_blocks is not None
-            return fused_matmul(hidden, self.head_blocks)
-        return F.linear(hidden, self.embed.weight).float()
+            out = fused_matmul(hidden, self.head_blocks)
+        else:
+            out = F.linear(hidden, self.embed.weight).float()
+        cap = self.config.final_logit_softcap
+        return out if cap is None else torch.tanh(out / cap) * cap
 
     def attach_blocks(self, blocks: dict[str, BlockWeight]) -> int:
         """Give linear layers the GGUF-block copy of their (already loaded) weights, by HF name.
@@ -131,28 +166,21 @@ class LlamaModel(nn.Module):
 
     @torch.no_grad()
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load tensors named as in HF ``LlamaForCausalLM``/``Qwen2``/``Qwen3`` state dicts.
+        """Load tensors named as in the family's HF ``*ForCausalLM`` state dict.
 
-        Separate q/k/v and gate/up tensors are copied into their slices of the fused weights.
-        Raises ValueError naming any missing or unexpected tensor.
+        Separate q/k/v and gate/up tensors are copied into their slices of the fused weights
+        (the family's name table says which). Raises ValueError naming any missing or unexpected tensor.
         """
         cfg = self.config
-        q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-        fused = {
-            "q_proj": ("qkv", 0, q), "k_proj": ("qkv", q, kv), "v_proj": ("qkv", q + kv, kv),
-            "gate_proj": ("gate_up", 0, inter), "up_proj": ("gate_up", inter, inter),
-        }
-        plain = {
-            "self_attn.o_proj.weight": "o_proj.weight", "mlp.down_proj.weight": "down.weight",
-            "input_layernorm.weight": "input_norm.weight", "post_attention_layernorm.weight": "post_norm.weight",
-            "self_attn.q_norm.weight": "q_norm.weight", "self_attn.k_norm.weight": "k_norm.weight",
-        }
+        sizes = {"q": cfg.num_heads * cfg.head_dim, "kv": cfg.num_kv_heads * cfg.head_dim,
+                 "inter": cfg.intermediate_size}
+        names = FAMILIES[cfg.architecture].layer_names
         params = dict(self.named_parameters())
         seen: set[str] = set()
         for name, w in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
-            target, rows = self._map_name(name, fused, plain)
+            target, rows = self._map_name(name, names, sizes)
             if target == "lm_head.weight" and self.lm_head is None:
                 continue  # tied head: some checkpoints also store the (identical) head
             if target is None:
@@ -165,34 +193,41 @@ class LlamaModel(nn.Module):
                 raise ValueError(f"weight {name!r} has shape {tuple(w.shape)}, expected {tuple(dst.shape)}")
             dst.copy_(w.to(dst.dtype))
             seen.add(f"{target}:{rows}")
-        expected = 0
+        # every part of every parameter: q/k/v and gate/up pieces may come separately or fused
+        complete = {f"{n}:{None}" for n in params}
         for n in params:
-            if n.endswith("qkv.weight") or n.endswith("qkv.bias"):
-                expected += 3
-            elif n.endswith("gate_up.weight"):
-                expected += 2
-            else:
-                expected += 1
-        if len(seen) != expected:
-            raise ValueError(f"checkpoint is missing weights: loaded {len(seen)} of {expected} tensors")
+            module, _, kind = n.rpartition(".")
+            parts = FUSED_PARTS.get(module.rsplit(".", 1)[-1])
+            if parts is not None and kind in ("weight", "bias") and f"{n}:{None}" not in seen:
+                complete.discard(f"{n}:{None}")
+                complete |= {f"{n}:{r}" for r in _part_rows(parts, sizes)}
+        missing = sorted(complete - seen)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {', '.join(m.split(':')[0] for m in missing[:5])}"
+                             f"{' ...' if len(missing) > 5 else ''} ({len(missing)} tensors)")
 
     @staticmethod
-    def _map_name(name: str, fused: dict, plain: dict) -> tuple[str | None, tuple[int, int] | None]:
+    def _map_name(
+        name: str, names: dict[str, tuple[str, int | None]], sizes: dict[str, int]
+    ) -> tuple[str | None, tuple[int, int] | None]:
         name = name.removeprefix("model.")
-        if name == "embed_tokens.weight":
-            return "embed.weight", None
-        if name == "norm.weight":
-            return "norm.weight", None
-        if name == "lm_head.weight":
-            return "lm_head.weight", None
+        if name in ("embed_tokens.weight", "norm.weight", "lm_head.weight"):
+            return {"embed_tokens.weight": "embed.weight"}.get(name, name), None
         if not name.startswith("layers."):
             return None, None
         _, idx, rest = name.split(".", 2)
-        if rest in plain:
-            return f"layers.{idx}.{plain[rest]}", None
         module, _, kind = rest.rpartition(".")  # e.g. self_attn.q_proj / weight
-        key = module.rsplit(".", 1)[-1]
-        if key in fused:
-            tgt, start, size = fused[key]
-            return f"layers.{idx}.{tgt}.{kind}", (start, size)
-        return None, None
+        if module not in names:
+            return None, None
+        target, part = names[module]
+        rows = None if part is None else _part_rows(FUSED_PARTS[target], sizes)[part]
+        return f"layers.{idx}.{target}.{kind}", rows
+
+
+def _part_rows(parts: tuple[str, ...], sizes: dict[str, int]) -> list[tuple[int, int]]:
+    """(start, size) of each part of a fused parameter, in order."""
+    out, start = [], 0
+    for p in parts:
+        out.append((start, sizes[p]))
+        start += sizes[p]
+    return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from ratchetlm.layers.block_quant import BlockWeight
+from ratchetlm.layers.rope_scaling import RopeScaling
 from ratchetlm.models.config import ModelConfig
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -123,12 +125,39 @@ def gguf_config(reader: Any) -> ModelConfig:
         num_kv_heads=int(_field(reader, p + "attention.head_count_kv", heads)),
         head_dim=int(_field(reader, p + "rope.dimension_count", hidden // heads)),
         rope_theta=float(_field(reader, p + "rope.freq_base", 10000.0)),
+        rope_scaling=gguf_rope_scaling(reader, p),
         rms_norm_eps=float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
         max_position_embeddings=int(_field(reader, p + "context_length", 2048)),
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
     )
+
+
+def gguf_rope_scaling(reader: Any, p: str) -> RopeScaling | None:
+    """RoPE scaling from GGUF metadata (``{arch}.rope.scaling.*``) and llama.cpp's ``rope_freqs``
+    tensor, per-frequency divisors: how Llama 3.x files carry their ``llama3`` scaling."""
+    tensors = {t.name: t for t in reader.tensors}
+    kind = _field(reader, p + "rope.scaling.type", "none")
+    factor = float(_field(reader, p + "rope.scaling.factor", 1.0) or 1.0)
+    orig = int(_field(reader, p + "rope.scaling.original_context_length", 0) or 0)
+    if "rope_freqs.weight" in tensors:
+        if kind not in ("none", "linear") or factor != 1.0:
+            raise ModelLoadError(f"GGUF has both rope_freqs and rope scaling {kind!r} x{factor}: not supported")
+        freqs = np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float32).reshape(-1)
+        return RopeScaling("freq_factors", freq_factors=tuple(float(x) for x in freqs))
+    if kind == "none" or (kind == "linear" and factor == 1.0):
+        return None
+    if kind == "linear":
+        return RopeScaling("linear", factor=factor)
+    if kind == "yarn":
+        # llama.cpp's attn_factor multiplies YaRN's own 0.1 ln(factor) + 1
+        attn = float(_field(reader, p + "rope.scaling.attn_factor", 1.0)) * (0.1 * math.log(factor) + 1.0)
+        return RopeScaling("yarn", factor=factor, original_max_position_embeddings=orig,
+                           beta_fast=float(_field(reader, p + "rope.scaling.yarn_beta_fast", 32.0)),
+                           beta_slow=float(_field(reader, p + "rope.scaling.yarn_beta_slow", 1.0)),
+                           attention_factor=attn)
+    raise ModelLoadError(f"unsupported GGUF rope scaling type {kind!r}; supported: none, linear, yarn")
 
 
 def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -55,6 +55,8 @@ def load_model(
             cfg = ModelConfig.from_hf_dict(d)
         except KeyError as e:
             raise ModelLoadError(f"config.json in {source.path} lacks field {e}") from None
+        except ValueError as e:
+            raise ModelLoadError(f"{source.path / 'config.json'}: {e}") from None
         weights = iter_hf_weights(source.path, progress)
     tokenizer = load_tokenizer(source)
     mask_id = mask_token_id if mask_token_id is not None else cfg.mask_token_id
@@ -65,10 +67,8 @@ def load_model(
     with torch.device("meta"):
         model = LlamaModel(cfg)
     model = model.to_empty(device="cpu").to(torch.float32)
-    model.rope = type(model.rope)(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
     model.load_hf_weights(weights)
     model = model.to(device=device, dtype=dtype).eval()
-    model.rope.inv_freq = model.rope.inv_freq.float()
     if reader is not None and gguf_kernels and device.type == "cpu" and dtype == torch.float32 and kernels.load():
         model.attach_blocks(gguf_block_weights(reader, cfg))
     return LoadedModel(model, cfg, tokenizer, source)

@@ -57,9 +57,7 @@ class DraftModelProposer(Proposer):
                 f"speculative draft_model {cfg.draft_model!r} has vocab size {dc.vocab_size} but the target "
                 f"has {ctx.model_config.vocab_size}: the draft must use the target's tokenizer")
         self.model = loaded.model
-        rope_len = ctx.max_model_len + 64  # draft trees reach past the committed length
-        if self.model.rope.cos_table.shape[0] < rope_len:
-            self.model.rope._build(rope_len)
+        self.model.set_context_len(ctx.max_model_len)  # RoPE tables grow on demand
         self.draft = DraftCache(_STATE, dc.num_layers, cfg.draft_kv_blocks or runner.blocks.num_blocks,
                                 runner.blocks.block_size, dc.num_kv_heads, dc.head_dim, dtype, runner.device)
         self.cache = self.draft.cache

@@ -166,8 +166,7 @@ class EagleProposer(Proposer):
                              f"{hc.hidden_size} and vocab {hc.target_vocab_size}, the target has {tc.hidden_size} "
                              f"and {tc.vocab_size}")
         self.head = head.to(device=dev, dtype=dtype)
-        if self.head.rope.cos_table.shape[0] < ctx.max_model_len + 64:
-            self.head.rope._build(ctx.max_model_len + 64)
+        self.head.rope.set_context_len(ctx.max_model_len)  # RoPE tables grow on demand
         self.vocab: torch.Tensor = cast(torch.Tensor, self.head.draft_vocab).to(dev)  # [K] -> target token ids
         self.embed = target.embed
         self.lm = self._draft_vocab_head(target, dtype)
