@@ -48,7 +48,8 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidde
 
 def hf_model(arch: str, **overrides):
     """A random HF ``*ForCausalLM`` of ``arch`` in fp32, norms and biases perturbed (random init
-    leaves them at 1/0, which hides a wrong mapping)."""
+    leaves them at 1/0, which hides a wrong mapping) and Q/K scaled up so attention scores are O(1)
+    (random init leaves them near 0: uniform attention hides wrong masks, positions and soft-caps)."""
     import transformers
 
     torch.manual_seed(0)
@@ -64,6 +65,8 @@ def hf_model(arch: str, **overrides):
         for n, p in model.named_parameters():
             if "norm" in n or n.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
+            if any(k in n for k in ("q_proj.weight", "k_proj.weight", "qkv_proj.weight")):
+                p.mul_(8.0)
     return model.eval()
 
 
