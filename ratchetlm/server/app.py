@@ -1,21 +1,30 @@
-"""The FastAPI app: ``build_app(llm_or_loader, served_model_name)``.
+"""The FastAPI app: ``build_app(llm_or_loader, served_model_name, config)``.
 
 Give it a loaded ``LLM`` (anything with ``.engine``, ``.tokenizer``, ``.encode`` and
 ``.apply_chat_template``) or a zero-argument loader; with a loader the server answers at once and
-``/health`` says 503 until the model is loaded in a background thread.
+``/health`` says 503 until the model is loaded in a background thread. If loading fails, ``/health``
+says why (without file paths) and ``on_load_failed`` runs (``ratchet serve`` then exits non-zero).
+
+A request's body is read with a size limit, then parsed, validated and tokenized on one worker
+thread, so a huge prompt never blocks the event loop (``/health`` stays fast).
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import re
 import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
@@ -24,23 +33,60 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ratchetlm.engine.llm_engine import PromptTooLongError, QueueFullError
 from ratchetlm.server.async_engine import AsyncEngine
 from ratchetlm.server.common import Runner, ServingContext, TokenText
+from ratchetlm.server.config import ServerConfig
 from ratchetlm.server.errors import APIError, from_validation, from_value_error
+from ratchetlm.server.guard import Guard
 from ratchetlm.server.metrics import ServerMetrics
-from ratchetlm.server.protocol import ChatCompletionRequest, CommonRequest, CompletionRequest, check_unsupported
+from ratchetlm.server.protocol import (
+    ChatCompletionRequest,
+    CommonRequest,
+    CompletionRequest,
+    check_unsupported,
+    lone_surrogate_path,
+)
 from ratchetlm.server.serving_chat import ChatPlan
 from ratchetlm.server.serving_completion import CompletionPlan
+
+_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][^\s'\"\\/:]+)+[\\/]?")  # absolute paths in an error message
+
+
+def public_error(e: Exception, hide: tuple[str, ...] = ()) -> str:
+    """``Type: message`` with file paths (the given ones, and anything absolute) replaced by ``<path>``."""
+    msg = str(e)
+    for h in sorted((h for h in hide if h), key=len, reverse=True):
+        msg = msg.replace(h, "<path>")
+    return f"{type(e).__name__}: {_PATH.sub('<path>', msg)}"
 
 
 class ServerState:
     """Loading status and, once loaded, the engine thread and serving context."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, cfg: ServerConfig, hide: tuple[str, ...] = ()) -> None:
         self.model_name = model_name
+        self.cfg = cfg
+        self.hide = hide  # strings (the model path) never shown to clients
         self.engine: AsyncEngine | None = None
         self.ctx: ServingContext | None = None
         self.load_error: str | None = None
+        self.on_load_failed: Callable[[], None] | None = None  # called on the load thread
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's event loop, once started
+        self.draining = False
+        self.active = 0  # HTTP generation handlers running now (a leak shows here)
+        self.prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ratchet-prep")
         self.created = int(time.time())
         self.metrics = ServerMetrics(model_name, lambda: self.engine.snapshot if self.engine else None)
+
+    def begin_shutdown(self) -> None:
+        """SIGTERM (on the event loop): refuse new requests; after ``shutdown_timeout`` end the
+        ones still running with an error (streams get an error event and ``[DONE]``)."""
+        if self.draining:
+            return
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        engine = self.engine
+        if engine is not None:
+            loop.call_later(self.cfg.shutdown_timeout, engine.fail_all,
+                            "the server is shutting down (shutdown timeout reached)")
 
     def ready(self, llm: Any) -> None:
         eng = AsyncEngine(llm.engine, llm.tokenizer)
@@ -51,16 +97,20 @@ class ServerState:
     def load(self, loader: Callable[[], Any]) -> None:
         try:
             self.ready(loader())
-        except Exception as e:  # reported by /health; the process keeps answering
-            self.load_error = f"{type(e).__name__}: {e}"
-            print(f"ratchet serve: failed to load the model: {self.load_error}", file=sys.stderr)
+        except Exception as e:  # reported by /health (no paths); the full message goes to the log
+            self.load_error = "the model failed to load: " + public_error(e, self.hide)
+            print(f"ratchet serve: failed to load the model: {type(e).__name__}: {e}", file=sys.stderr)
+            if self.on_load_failed is not None:
+                self.on_load_failed()
 
 
-def build_app(llm_or_loader: Any, served_model_name: str) -> FastAPI:
-    state = ServerState(served_model_name)
+def build_app(llm_or_loader: Any, served_model_name: str, config: ServerConfig | None = None,
+              hide: tuple[str, ...] = ()) -> FastAPI:
+    state = ServerState(served_model_name, config or ServerConfig(), hide)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        state.loop = asyncio.get_running_loop()
         if hasattr(llm_or_loader, "engine"):
             state.ready(llm_or_loader)
         else:
@@ -68,9 +118,11 @@ def build_app(llm_or_loader: Any, served_model_name: str) -> FastAPI:
         yield
         if state.engine is not None:
             state.engine.shutdown()
+        state.prep.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="ratchetlm", lifespan=lifespan)
     app.state.ratchet = state
+    app.add_middleware(Guard, api_key=state.cfg.api_key)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -90,12 +142,14 @@ def build_app(llm_or_loader: Any, served_model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if state.engine is None or not state.engine.alive:
-            msg = state.load_error or ("Loading model" if state.engine is None else "engine thread stopped")
+        if state.engine is None or not state.engine.alive or state.draining:
+            msg = state.load_error or ("Loading model" if state.engine is None else
+                                       "the server is shutting down" if state.draining else "engine thread stopped")
             return JSONResponse(APIError(msg, 503).body(), status_code=503)
         s = state.engine.snapshot
         return JSONResponse({"status": "ok", "requests_running": s.running, "requests_waiting": s.waiting,
-                             "kv_blocks_free": s.kv_blocks_free, "kv_blocks_total": s.kv_blocks_total})
+                             "kv_blocks_free": s.kv_blocks_free, "kv_blocks_total": s.kv_blocks_total,
+                             "http_requests_active": state.active})
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -108,35 +162,101 @@ def build_app(llm_or_loader: Any, served_model_name: str) -> FastAPI:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await _serve(state, request, CompletionRequest, CompletionPlan)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await _serve(state, request, ChatCompletionRequest, ChatPlan)
 
+    def openapi() -> dict[str, Any]:
+        """FastAPI's schema plus the request models (the handlers parse bodies themselves, to
+        answer every failure in OpenAI's error shape, so FastAPI cannot see them)."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            comps = schema.setdefault("components", {}).setdefault("schemas", {})
+            for m in (CompletionRequest, ChatCompletionRequest):
+                js = m.model_json_schema(ref_template="#/components/schemas/{model}")
+                comps.update(js.pop("$defs", {}))
+                comps[m.__name__] = js
+            if state.cfg.api_key:
+                schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+                schema["security"] = [{"bearer": []}]
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
 
 
-async def _serve(state: ServerState, request: Request, model: type[CommonRequest], plan_cls: type) -> Response:
-    arrival = time.perf_counter()
-    if state.engine is None or state.ctx is None:
-        raise APIError("the model is still loading", 503)
+def _body_schema(model: type[CommonRequest]) -> dict[str, Any]:
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+async def _read_body(request: Request, cfg: ServerConfig) -> bytes:
+    """The body, refused with 413 past ``max_body_bytes`` (by its Content-Length before reading
+    anything, else as it arrives) and with 408 if a chunk takes longer than ``idle_timeout``."""
+    limit = cfg.max_body_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(f"the request body has {int(declared)} bytes; the limit is {limit}", 413)
+    chunks, size = [], 0
+    stream = request.stream()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(anext(stream), cfg.idle_timeout)
+        except StopAsyncIteration:
+            break
+        except TimeoutError:
+            raise APIError(f"the request body did not arrive within {cfg.idle_timeout:g} s", 408) from None
+        size += len(chunk)
+        if size > limit:
+            raise APIError(f"the request body is over the limit of {limit} bytes", 413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _prepare(state: ServerState, raw: bytes, model: type[CommonRequest], plan_cls: type) -> Any:
+    """Body bytes -> plan (validated request, tokenized prompts, engine submissions). Runs on the
+    preparation thread; raises :class:`APIError` for anything the client got wrong."""
     try:
-        body = await request.json()
-    except Exception as e:  # noqa: BLE001 - any decode failure is the client's malformed body
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # bad JSON, invalid UTF-8, absurd nesting
         raise APIError(f"malformed JSON body: {e}", 400) from None
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object", 400)
     try:
-        req = model.model_validate(body)
+        bad = lone_surrogate_path(body)
+    except RecursionError:
+        raise APIError("the request body is nested too deeply", 400) from None
+    if bad is not None:
+        raise APIError(f"{bad}: the text contains a lone UTF-16 surrogate (not valid Unicode)", 400, bad)
+    try:
+        req = model.model_validate(body, context={"limits": state.cfg})
     except ValidationError as e:
         raise from_validation(e) from None
     if req.model is not None and req.model != state.model_name:
         raise APIError(f"the model `{req.model}` does not exist (serving `{state.model_name}`)", 404, "model")
     check_unsupported(req)
     plan = plan_cls(req, state.ctx)
+    queue = state.ctx.llm.engine.cfg.max_waiting if state.ctx is not None else None
+    if isinstance(queue, int) and len(plan.subs) > queue:
+        raise APIError(f"this request has {len(plan.subs)} choices but the server queues at most {queue}: "
+                       "it can never be accepted; send fewer prompts or a smaller n", 400, "n")
+    return req, plan
+
+
+async def _serve(state: ServerState, request: Request, model: type[CommonRequest], plan_cls: type) -> Response:
+    arrival = time.perf_counter()
+    if state.draining:
+        raise APIError("the server is shutting down", 503)
+    if state.engine is None or state.ctx is None:
+        raise APIError("the model is still loading", 503)
+    raw = await _read_body(request, state.cfg)
+    loop = asyncio.get_running_loop()
+    req, plan = await loop.run_in_executor(state.prep, _prepare, state, raw, model, plan_cls)
     group = state.engine.group(plan.subs)
     prompt_param = "messages" if model is ChatCompletionRequest else "prompt"
     try:
@@ -149,7 +269,12 @@ async def _serve(state: ServerState, request: Request, model: type[CommonRequest
         raise from_value_error(e) from None
     m = state.metrics
     m.prompt_tokens.labels(m.model_name).inc(sum(len(s.prompt_ids) for s in plan.subs))
-    runner = Runner(request, group, m, arrival, len(plan.subs))
+    state.active += 1
+
+    def ended() -> None:
+        state.active -= 1
+
+    runner = Runner(request, group, m, arrival, len(plan.subs), on_end=ended)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         usage_chunk = (lambda: plan.usage_chunk(runner.states)) if include_usage else None

@@ -46,7 +46,12 @@ class Delta:
 
 
 class EngineError(RuntimeError):
-    """The engine failed while running this request (reported in-stream as an error event)."""
+    """The engine failed while running this request, or the server is ending it (shutdown);
+    reported with HTTP ``status``, or in-stream as an error event."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,8 @@ class Snapshot:
     kv_blocks_free: int = 0
     kv_blocks_total: int = 0
     steps: int = 0
+    preemptions: int = 0
+    failed_requests: int = 0  # requests failed alone by fault isolation
     strategy: dict[str, float] = field(default_factory=dict)
 
 
@@ -144,6 +151,10 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def fail_all(self, message: str, status: int = 503) -> None:
+        """End every request in flight with ``message`` (graceful shutdown past its timeout)."""
+        self._commands.put(("fail_all", (message, status)))
+
     def group(self, subs: list[Submission]) -> RequestGroup:
         return RequestGroup(self, subs)
 
@@ -174,6 +185,8 @@ class AsyncEngine:
         elif kind == "abort":
             for sid in list(g.seq_ids):
                 self._drop(sid, "abort")
+        elif kind == "fail_all":
+            self._fail_all(EngineError(*g))
 
     def _add(self, g: RequestGroup) -> None:
         if g.closed:
@@ -248,8 +261,9 @@ class AsyncEngine:
         groups = {id(l.group): l.group for l in self._live.values()}
         for sid in list(self._live):
             self._drop(sid, "abort")
+        err = e if isinstance(e, EngineError) else EngineError(f"engine step failed: {type(e).__name__}: {e}")
         for g in groups.values():
-            g._post(EngineError(f"engine step failed: {type(e).__name__}: {e}"))
+            g._post(err)
 
     def _publish(self) -> None:
         eng = self.engine
@@ -260,5 +274,7 @@ class AsyncEngine:
             kv_blocks_free=eng.blocks.num_free,
             kv_blocks_total=eng.blocks.num_blocks,
             steps=eng.stats.steps,
+            preemptions=getattr(eng.scheduler, "num_preemptions", 0),
+            failed_requests=eng.stats.extra.get("failed_requests", 0),
             strategy=dict(metrics()) if metrics is not None else {},
         )

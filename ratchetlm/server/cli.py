@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
 from ratchetlm.cli import add_engine_args, engine_kwargs
+from ratchetlm.server.config import ServerConfig
+
+_SERVER_HELP = {
+    "api_key": "require 'Authorization: Bearer KEY' on /v1/* (default: $RATCHET_API_KEY, else no auth)",
+    "shutdown_timeout": "on SIGTERM, seconds running requests may finish before they are ended with an error",
+    "idle_timeout": "seconds a connection may wait without a complete request head, body chunk or next request",
+    "max_body_bytes": "largest request body (413 beyond)",
+    "max_choices": "most choices (prompts x n) in one request",
+    "max_stop_strings": "most stop strings in one request",
+    "max_stop_string_length": "longest stop string, in characters",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--torch-threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice; 1 helps on a busy shared CPU)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    for f in dataclasses.fields(ServerConfig):
+        kind = {"float": float, "int": int}.get(str(f.type), str)
+        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=_SERVER_HELP[f.name])
     add_engine_args(p)
     p.set_defaults(progress=False)  # no tqdm bars in server logs unless --progress true
     return p
@@ -57,10 +72,36 @@ def main(argv: list[str] | None = None) -> int:
     if "decoding_options" in kw and not isinstance(kw["decoding_options"], dict):
         print("ratchet serve: error: --decoding-options must be a JSON object", file=sys.stderr)
         return 2
-    app = build_app(load, args.served_model_name or default_model_name(model))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, workers=1,
-                timeout_graceful_shutdown=5)
-    return 0
+    if args.api_key is None:
+        args.api_key = os.environ.get("RATCHET_API_KEY") or None
+    try:
+        cfg = ServerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)})
+    except ValueError as e:
+        print(f"ratchet serve: error: {e}", file=sys.stderr)
+        return 2
+    from ratchetlm.server.http import GuardedH11Protocol, RatchetServer
+
+    app = build_app(load, args.served_model_name or default_model_name(model), cfg, hide=(str(model or ""),))
+    state = app.state.ratchet
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, workers=1,
+                            http=GuardedH11Protocol, timeout_keep_alive=max(1, round(cfg.idle_timeout)),
+                            timeout_graceful_shutdown=round(cfg.shutdown_timeout) + 5)
+    server = RatchetServer(config, on_shutdown_signal=state.begin_shutdown)
+
+    def stop_after_load_failure() -> None:  # load thread: /health reports the failure briefly, then exit
+        def stop() -> None:
+            server.should_exit = True
+
+        loop = state.loop
+        assert loop is not None, "the model loads only after the server started"
+        loop.call_soon_threadsafe(loop.call_later, LOAD_FAILURE_GRACE_S, stop)
+
+    state.on_load_failed = stop_after_load_failure
+    server.run()
+    return 1 if state.load_error else 0
+
+
+LOAD_FAILURE_GRACE_S = 2.0  # /health shows a load failure this long before the process exits
 
 
 if __name__ == "__main__":

@@ -94,55 +94,66 @@ class TokenText:
         return s
 
 
-async def _watch_disconnect(request: Request, group: RequestGroup) -> None:
-    """Abort the group as soon as the ASGI server reports the client gone."""
-    while True:
-        msg = await request.receive()
-        if msg["type"] == "http.disconnect":
-            group.abort()
-            return
-
-
 class Runner:
     """Drive one request group: collect it whole, or stream it as SSE chunks.
 
     ``chunk(state, delta) -> dict | None`` renders one choice's delta as a stream chunk (None =
-    nothing worth sending yet); ``usage() -> dict`` and ``final() -> dict`` build the rest.
+    nothing worth sending yet); ``usage_chunk() -> dict`` builds the final usage chunk.
+
+    A disconnect watcher starts with the runner (not with the stream), so a client that goes away
+    even before its stream's first iteration still aborts the request. ``on_end`` runs exactly
+    once, when the request completed, failed or was abandoned.
     """
 
     def __init__(self, request: Request, group: RequestGroup, metrics: ServerMetrics, arrival: float,
-                 num_choices: int) -> None:
+                 num_choices: int, on_end: Callable[[], None] | None = None) -> None:
         self.request = request
         self.group = group
         self.states = [ChoiceState(i, ChoiceTimer(metrics, arrival)) for i in range(num_choices)]
+        self.on_end = on_end
+        self.ended = False
+        self.watcher = asyncio.ensure_future(self._watch_disconnect())
 
-    def _aborted(self, reason: str = "abort") -> None:
-        self.group.abort()
-        now = time.perf_counter()
-        for st in self.states:
-            if st.finish_reason is None:
-                st.finish_reason = reason
-                st.timer.finished(reason, now)
+    async def _watch_disconnect(self) -> None:
+        """End the request as soon as the ASGI server reports the client gone."""
+        while True:
+            msg = await self.request.receive()
+            if msg["type"] == "http.disconnect":
+                self._end("abort")
+                return
+
+    def _end(self, reason: str | None) -> None:
+        """Finish once: ``reason`` None = completed; else every unfinished choice ends with it."""
+        if self.ended:
+            return
+        self.ended = True
+        if asyncio.current_task() is not self.watcher:
+            self.watcher.cancel()
+        if reason is not None:
+            self.group.abort()
+            now = time.perf_counter()
+            for st in self.states:
+                if st.finish_reason is None:
+                    st.finish_reason = reason
+                    st.timer.finished(reason, now)
+        if self.on_end is not None:
+            self.on_end()
 
     async def collect(self) -> None:
-        watcher = asyncio.ensure_future(_watch_disconnect(self.request, self.group))
-        done = False
+        outcome: str | None = "abort"
         try:
             async for d in self.group.deltas():
                 self.states[d.index].add(d, time.perf_counter())
-            done = not self.group.closed  # closed: the client went away while we waited
+            outcome = "abort" if self.group.closed else None  # closed: the client went away while we waited
         except EngineError as e:
-            self._aborted("error")
-            raise APIError(str(e), 500) from None
+            outcome = "error"
+            raise APIError(str(e), e.status) from None
         finally:
-            watcher.cancel()
-            if not done:
-                self._aborted()
+            self._end(outcome)
 
     async def stream(self, chunk: Callable[[ChoiceState, Delta], dict | None],
                      usage_chunk: Callable[[], dict] | None) -> AsyncIterator[str]:
-        watcher = asyncio.ensure_future(_watch_disconnect(self.request, self.group))
-        done = False
+        outcome: str | None = "abort"
         try:
             try:
                 async for d in self.group.deltas():
@@ -152,19 +163,18 @@ class Runner:
                     if c is not None:
                         st.chunks_sent += 1
                         yield sse(c)
-                done = not self.group.closed
-                if usage_chunk is not None and done:
+                outcome = "abort" if self.group.closed else None
+                if usage_chunk is not None and outcome is None:
                     yield sse(usage_chunk())
             except Exception as e:  # after the stream started: report in-band, then [DONE]
                 if isinstance(e, EngineError):
-                    self._aborted("error")
+                    outcome = "error"
+                    e = APIError(str(e), e.status)
                 err = e if isinstance(e, APIError) else APIError(str(e), 500)
                 yield sse(err.body())
             yield SSE_DONE
         finally:
-            watcher.cancel()
-            if not done:
-                self._aborted()
+            self._end(outcome)
 
 
 @dataclass
@@ -180,11 +190,23 @@ class ServingContext:
     def max_model_len(self) -> int:
         return int(self.llm.engine.max_model_len)
 
+    def clamp_max_tokens(self, max_tokens: int, prompt_ids: list[int]) -> int:
+        """``max_tokens`` clamped to what the context leaves after the prompt (a prompt that leaves
+        nothing keeps it: the engine then refuses the prompt as too long, naming it)."""
+        left = self.max_model_len - len(prompt_ids)
+        return min(max_tokens, left) if left >= 1 else max_tokens
+
     def encode(self, prompt: str | list[int], param: str) -> list[int]:
+        """Text or token ids -> token ids; ids are range-checked here, before anything (``echo``)
+        decodes them."""
         try:
-            return list(self.llm.encode(prompt))
+            ids = list(self.llm.encode(prompt))
         except ValueError as e:
             raise APIError(str(e), 400, param) from None
+        vocab = self.llm.model_config.vocab_size
+        if not isinstance(prompt, str) and any(not 0 <= t < vocab for t in ids):
+            raise APIError(f"prompt token ids must be integers in [0, {vocab})", 400, param)
+        return ids
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -11,8 +11,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError",
-          500: "InternalServerError", 503: "ServiceUnavailableError"}
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 408: "RequestTimeoutError",
+          413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError", 500: "InternalServerError",
+          503: "ServiceUnavailableError"}
 
 
 class APIError(Exception):

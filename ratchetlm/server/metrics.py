@@ -39,6 +39,9 @@ class _EngineCollector(Collector):
             ("kv_cache_blocks_free", "Free KV-cache blocks.", s.kv_blocks_free),
             ("kv_cache_blocks_total", "Total KV-cache blocks.", s.kv_blocks_total),
             ("engine_steps", "Engine steps run so far.", s.steps),
+            ("num_preemptions", "Sequences preempted (KV freed, recomputed later) so far.", s.preemptions),
+            ("num_failed_requests", "Requests that failed an engine step alone (fault isolation) so far.",
+             s.failed_requests),
         ):
             yield _gauge(name, doc, self.model_name, value)
         for key, value in sorted(s.strategy.items()):

@@ -37,6 +37,7 @@ class ChatPlan:
             max_tokens = max(1, ctx.max_model_len - len(self.prompt_ids))  # the rest of the context
         if max_tokens < 1:
             raise APIError(f"{param} must be >= 1, got {max_tokens}", 400, param)
+        max_tokens = ctx.clamp_max_tokens(max_tokens, self.prompt_ids)
         self.k = (req.top_logprobs or 0) if req.logprobs else None
         self.subs = [Submission(j, self.prompt_ids, make_params(req, max_tokens=max_tokens, choice=j, logprobs=self.k))
                      for j in range(req.n)]

@@ -36,7 +36,7 @@ class CompletionPlan:
         prompt_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
         self.subs = [
             Submission(i * req.n + j, ids, make_params(
-                req, max_tokens=1 if self.score_only else max_tokens, choice=j,
+                req, max_tokens=1 if self.score_only else ctx.clamp_max_tokens(max_tokens, ids), choice=j,
                 logprobs=None if self.score_only else req.logprobs, prompt_logprobs=prompt_lp))
             for i, (_, ids) in enumerate(self.prompts) for j in range(req.n)
         ]

@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import pytest
@@ -30,6 +30,7 @@ def free_port() -> int:
 class Server:
     base: str
     proc: subprocess.Popen
+    headers: dict[str, str] = field(default_factory=dict)  # what every /v1 request must carry (auth)
 
     @property
     def v1(self) -> str:
@@ -74,6 +75,20 @@ def stop_server(srv: Server) -> None:
 @pytest.fixture(scope="session")
 def server():
     srv = start_server()
+    yield srv
+    stop_server(srv)
+
+
+API_KEY = "test-key-8c1f"
+# every limit small, an API key from the environment, and the fault-injection hook
+HARDENED_ARGS = ["--max-model-len", "96", "--idle-timeout", "2", "--max-body-bytes", "65536", "--max-choices", "8",
+                 "--max-stop-strings", "4", "--max-stop-string-length", "32"]
+
+
+@pytest.fixture(scope="session")
+def hardened():
+    srv = start_server(HARDENED_ARGS, launcher="tests.server.fault_launcher", env={"RATCHET_API_KEY": API_KEY})
+    srv.headers = {"Authorization": f"Bearer {API_KEY}"}
     yield srv
     stop_server(srv)
 

@@ -30,6 +30,8 @@ CASES = [
     ("chat_100k_chars", CHAT, {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x y " * 25000}]},
      400, "messages"),
     ("bad_token_id", CMPL, {"model": MODEL_NAME, "prompt": [1, 2, 10**9]}, 400, None),
+    ("echo_negative_token_id", CMPL, {"prompt": [[-1]], "echo": True}, 400, "prompt"),  # found by the fuzz test
+    ("echo_huge_token_id", CMPL, {"prompt": [2**70], "echo": True, "max_tokens": 0}, 400, "prompt"),
     ("wrong_type_max_tokens", CMPL, {"model": MODEL_NAME, "prompt": "a", "max_tokens": "ten"}, 400, "max_tokens"),
     ("wrong_type_temperature", CMPL, {"model": MODEL_NAME, "prompt": "a", "temperature": "hot"}, 400, "temperature"),
     ("wrong_type_prompt", CMPL, {"model": MODEL_NAME, "prompt": 5}, 400, "prompt"),
@@ -38,7 +40,7 @@ CASES = [
     ("n_zero", CMPL, {"model": MODEL_NAME, "prompt": "a", "n": 0}, 400, "n"),
     ("stream_options_without_stream", CMPL, {"model": MODEL_NAME, "prompt": "a",
                                              "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    ("queue_over_limit", CMPL, {"model": MODEL_NAME, "prompt": ["a"] * 40, "max_tokens": 1}, 503, None),
+    ("queue_over_limit", CMPL, {"model": MODEL_NAME, "prompt": ["a"] * 40, "max_tokens": 1}, 400, "n"),
 ]
 
 

@@ -6,10 +6,9 @@ import asyncio
 import json
 
 import httpx
-import pytest
 
 from ratchetlm import SamplingParams
-from tests.server.conftest import MODEL_NAME, start_server, stop_server, wait_idle
+from tests.server.conftest import MODEL_NAME, wait_idle
 from tests.server.fault_launcher import POISON_TOP_K
 
 PROMPTS = [f"Question {i}: what is {i} times three? Answer:" for i in range(8)]
@@ -70,23 +69,17 @@ def test_extreme_sampling_values_are_served_and_harm_no_one(server, oracle):
     assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"] == chat_ref
 
 
-@pytest.fixture(scope="module")
-def fault_server():
-    srv = start_server(launcher="tests.server.fault_launcher")
-    yield srv
-    stop_server(srv)
-
-
-def test_a_request_that_makes_the_step_raise_fails_alone(fault_server, oracle):
+def test_a_request_that_makes_the_step_raise_fails_alone(hardened, oracle):
     """Fault injection: the sampler raises for one request's parameters. That request fails with
     a clear error (in-stream, and as a 500 when not streamed); 8 concurrent requests finish
     exactly as in a clean run; every KV block comes back; the server keeps serving."""
     refs = [o.text for o in oracle.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))]
     poison = {"temperature": 1.0, "top_k": POISON_TOP_K}
-    base = fault_server.base
+    base = hardened.base
 
     async def run():
-        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=32)) as c:
+        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=32),
+                                     headers=hardened.headers) as c:
             good = [asyncio.ensure_future(_stream(c, base, "/v1/completions", _cmpl(p))) for p in PROMPTS]
             bad_stream = asyncio.ensure_future(_stream(c, base, "/v1/completions", _cmpl("Poison", **poison)))
             bad_chat = asyncio.ensure_future(c.post(base + "/v1/chat/completions", json={
@@ -99,9 +92,10 @@ def test_a_request_that_makes_the_step_raise_fails_alone(fault_server, oracle):
     assert err is not None and "injected sampler fault" in err["message"] and err["code"] == 500
     assert bad_chat.status_code == 500, bad_chat.text
     assert "injected sampler fault" in bad_chat.json()["error"]["message"]
-    h = wait_idle(fault_server, within=5.0)
+    h = wait_idle(hardened, within=5.0)
     assert h["kv_blocks_free"] == h["kv_blocks_total"], h
     metrics = httpx.get(base + "/metrics").text
     assert 'ratchet:request_success_total{finished_reason="error",model_name="test-model"} 2.0' in metrics
-    again = httpx.post(base + "/v1/completions", json=_cmpl(PROMPTS[0]), timeout=120)
+    assert httpx.get(base + "/health").json()["http_requests_active"] == 0
+    again = httpx.post(base + "/v1/completions", json=_cmpl(PROMPTS[0]), timeout=120, headers=hardened.headers)
     assert again.status_code == 200 and again.json()["choices"][0]["text"] == refs[0]

@@ -1,0 +1,70 @@
+"""Fuzz the OpenAI endpoints from the server's own OpenAPI schema (issue 12): schemathesis turns the
+published request schemas into hypothesis strategies, positive (valid bodies, which generate) and
+negative (bodies that break the schema). No case may produce a 5xx (or a 5xx error event in a
+stream); ``/health`` is 200 with every KV block free afterwards. Bounded in time: a small context
+and few choices keep each generation short, and the run stops after ``BUDGET_S``."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.server.conftest import start_server, stop_server, wait_idle
+
+schemathesis = pytest.importorskip("schemathesis")
+
+BUDGET_S = float(os.environ.get("RATCHET_FUZZ_SECONDS", "60"))  # longer runs: set it
+FUZZ_ARGS = ["--max-model-len", "24", "--max-choices", "4", "--max-body-bytes", "32768", "--max-waiting", "8"]
+ENDPOINTS = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatCompletionRequest"}
+
+
+@pytest.fixture(scope="module")
+def fuzz_server():
+    srv = start_server(FUZZ_ARGS)
+    yield srv
+    stop_server(srv)
+
+
+def _cases(raw: dict) -> st.SearchStrategy:
+    schema = schemathesis.openapi.from_dict(raw)
+    return st.one_of([schema[path]["POST"].as_strategy(mode) for path in ENDPOINTS
+                      for mode in schemathesis.GenerationMode])
+
+
+def _server_errors(r) -> list:
+    if r.status_code >= 500:
+        return [r.text]
+    if "text/event-stream" in str(r.headers.get("content-type")):  # schemathesis: header -> list of values
+        events = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
+        return [e for e in events if "error" in e and e["error"]["code"] >= 500]
+    return []
+
+
+def test_fuzzed_bodies_never_give_a_5xx(fuzz_server):
+    raw = httpx.get(fuzz_server.base + "/openapi.json", timeout=30).json()
+    end = time.monotonic() + BUDGET_S
+    seen = {"sent": 0, "2xx": 0, "4xx": 0}
+
+    @settings(max_examples=int(BUDGET_S * 8), deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+    @given(_cases(raw))
+    def check(case):
+        if time.monotonic() > end:
+            return
+        r = case.call(base_url=fuzz_server.base, timeout=60)
+        seen["sent"] += 1
+        seen["2xx"] += r.status_code < 300
+        seen["4xx"] += 400 <= r.status_code < 500
+        assert not _server_errors(r), (case.path, case.body, r.status_code, r.text[:500])
+
+    check()
+    assert seen["sent"] >= 50 and seen["2xx"] >= 5 and seen["4xx"] >= 5, seen  # valid and invalid bodies ran
+    h = wait_idle(fuzz_server, within=10.0)
+    assert fuzz_server.health().status_code == 200
+    assert h["kv_blocks_free"] == h["kv_blocks_total"] and h["http_requests_active"] == 0, h

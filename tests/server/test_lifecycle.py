@@ -1,0 +1,99 @@
+"""Process lifecycle of ``ratchet serve`` (issue 12, defects 5 and 6): graceful SIGTERM, and a model
+that fails to load."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from tests.server.conftest import MODEL_NAME, free_port, start_server
+
+
+async def _stream(c: httpx.AsyncClient, base: str, max_tokens: int) -> tuple[int, str | None, dict | None, bool]:
+    """(content chunks, finish_reason, error event, saw [DONE]) of one streamed completion."""
+    body = {"model": MODEL_NAME, "prompt": "Tell me a long story.", "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    chunks, reason, error, done = 0, None, None, False
+    async with c.stream("POST", base + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line:
+                continue
+            data = line.removeprefix("data: ")
+            if data == "[DONE]":
+                done = True
+            elif "error" in (obj := json.loads(data)):
+                error = obj["error"]
+            else:
+                chunks += 1
+                reason = obj["choices"][0]["finish_reason"] or reason
+    return chunks, reason, error, done
+
+
+def test_sigterm_drains_then_ends_streams_with_an_error_and_done():
+    """SIGTERM: short requests finish normally; long ones get ``--shutdown-timeout`` seconds, then an
+    error event and ``[DONE]`` (never a cut chunked stream); new connections are refused; the
+    process exits."""
+    srv = start_server(["--shutdown-timeout", "3"])
+    base = srv.base
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as c:
+            long = [asyncio.ensure_future(_stream(c, base, 900)) for _ in range(4)]
+            short = [asyncio.ensure_future(_stream(c, base, 6)) for _ in range(2)]
+            while httpx.get(base + "/health").json()["requests_running"] < 6:
+                await asyncio.sleep(0.05)
+            srv.proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            await asyncio.sleep(0.5)
+            refused = False
+            try:
+                httpx.post(base + "/v1/completions", json={"prompt": "hi"}, timeout=5)
+            except httpx.TransportError:
+                refused = True
+            return await asyncio.gather(*short), await asyncio.gather(*long), time.monotonic() - t0, refused
+
+    short, long, elapsed, refused = asyncio.run(run())
+    assert refused, "no new connections while draining"
+    for chunks, reason, error, done in short:
+        assert done and error is None and reason == "length" and chunks >= 1
+    for chunks, reason, error, done in long:
+        assert done, "every stream ends with [DONE]"
+        assert chunks >= 1, "it was streaming when the signal came"
+        assert reason is None and error is not None and "shutting down" in error["message"]
+        assert error["code"] == 503
+    assert 2.5 < elapsed < 10, elapsed  # they had the shutdown timeout to finish
+    srv.proc.wait(15)
+
+
+def test_model_load_failure_is_reported_without_the_path_and_exits_nonzero():
+    secret = "/nonexistent/private-dir/model.gguf"
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ratchetlm", "serve", "--host", "127.0.0.1", "--port", str(port),
+                             "--model", secret, "--log-level", "warning"],
+                            stderr=subprocess.PIPE, text=True)
+    seen = []
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+            if "failed to load" in r.text:
+                seen.append(r)
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    rc = proc.wait(30)
+    stderr = proc.stderr.read() if proc.stderr else ""
+    assert rc == 1, (rc, stderr)
+    assert seen, "/health reported the failure before the process exited"
+    for r in seen:
+        assert r.status_code == 503
+        msg = r.json()["error"]["message"]
+        assert "does not exist" in msg and "private-dir" not in msg and "model.gguf" not in msg, msg
+    assert secret in stderr  # the operator's log has the full message
