@@ -190,6 +190,12 @@ class ServingContext:
     def max_model_len(self) -> int:
         return int(self.llm.engine.max_model_len)
 
+    @property
+    def vocab_size(self) -> int:
+        eng = self.llm.engine
+        cfg = getattr(eng, "model_config", None) or eng.config  # LLMEngine / the DeepSeek-V4 engine
+        return int(cfg.vocab_size)
+
     def clamp_max_tokens(self, max_tokens: int, prompt_ids: list[int]) -> int:
         """``max_tokens`` clamped to what the context leaves after the prompt (a prompt that leaves
         nothing keeps it: the engine then refuses the prompt as too long, naming it)."""
@@ -203,7 +209,7 @@ class ServingContext:
             ids = list(self.llm.encode(prompt))
         except ValueError as e:
             raise APIError(str(e), 400, param) from None
-        vocab = self.llm.model_config.vocab_size
+        vocab = self.vocab_size
         if not isinstance(prompt, str) and any(not 0 <= t < vocab for t in ids):
             raise APIError(f"prompt token ids must be integers in [0, {vocab})", 400, param)
         return ids
