@@ -2,8 +2,65 @@
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the output text (vLLM's ``StructuredOutputsParams``): exactly one of
+
+    ``json`` a JSON schema (dict or JSON string), ``regex``, ``choice`` (the output is one of these
+    strings), ``grammar`` (a Lark or GBNF/EBNF grammar, llama.cpp's format), ``json_object=True``
+    (any JSON object). ``whitespace_flexible``: JSON grammars allow free whitespace between tokens;
+    off by default (compact JSON), because small models otherwise ramble in whitespace.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_flexible: bool = False
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError("structured choice must be a list of strings")
+            if not self.choice:
+                raise ValueError("structured choice must not be empty")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if isinstance(self.json, str):
+            try:
+                parsed = json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured json schema is not valid JSON: {e}") from None
+            object.__setattr__(self, "json", parsed)
+        if self.json is not None and not isinstance(self.json, Mapping | bool):
+            raise ValueError(f"structured json schema must be a JSON object, got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured {name} must be a non-empty string")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError("structured json_object must be a boolean")
+        given = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured outputs need exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {', '.join(given) or 'none'}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> str:
+        """A canonical string naming the constraint (the compiled-grammar cache key)."""
+        return json.dumps([self.kind, getattr(self, self.kind), self.whitespace_flexible], sort_keys=True)
 
 
 @dataclass(frozen=True)
@@ -13,6 +70,17 @@ class SamplingParams:
     ``temperature == 0`` is greedy. ``top_k`` of -1 or 0 disables top-k; ``top_p`` of 1 and
     ``min_p`` of 0 disable those filters. ``seed`` makes one request's sampling reproducible
     regardless of what else is in the batch. ``stop`` strings are matched by the text layer.
+
+    Logits controls (applied to the model's logits before temperature and the filters, for every
+    decoding strategy; speculative verification tests drafts against the same distribution):
+    ``repetition_penalty`` (HF/vLLM: logits of tokens seen in the prompt or output are divided by it
+    when positive, multiplied when negative; 1 = off), ``frequency_penalty`` / ``presence_penalty``
+    (OpenAI: subtract ``f * count`` / ``p * [count > 0]`` over output tokens; in [-2, 2]),
+    ``logit_bias`` (token id -> bias added to its logit, in [-100, 100]), ``allowed_token_ids``
+    (only these may be generated), ``bad_words`` (strings never generated: their last token is banned
+    wherever the tokens before it were just generated), ``min_tokens`` (EOS and ``stop_token_ids``
+    are banned until that many tokens were generated), ``structured`` (a grammar the output must
+    match, :class:`StructuredOutputsParams`).
     """
 
     max_tokens: int = 16
@@ -28,6 +96,14 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives to return per sampled token (0 = only the token)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
+    min_tokens: int = 0
+    structured: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -54,6 +130,55 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        self._check_logits_controls()
+
+    def _check_logits_controls(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _check_num(name, v)
+            if not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v}")
+        _check_num("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, Mapping):
+                raise ValueError("logit_bias must map token ids to numbers")
+            bias: dict[int, float] = {}
+            for k, v in self.logit_bias.items():
+                try:
+                    tid = int(k)  # JSON object keys arrive as strings ("50256")
+                except (TypeError, ValueError):
+                    raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
+                _check_num("logit_bias", v)
+                if not -100.0 <= v <= 100.0:
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {v} for token {tid}")
+                bias[tid] = float(v)
+            object.__setattr__(self, "logit_bias", bias or None)
+        if self.allowed_token_ids is not None:
+            ids = tuple(self.allowed_token_ids)
+            if not ids or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+            object.__setattr__(self, "allowed_token_ids", ids)
+        if isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", (self.bad_words,))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        for w in self.bad_words:
+            if not isinstance(w, str) or not w:
+                raise ValueError(f"bad_words must be non-empty strings, got {w!r}")
+        _check_int("min_tokens", self.min_tokens, lo=0, hi=self.max_tokens)
+        if self.structured is not None and not isinstance(self.structured, StructuredOutputsParams):
+            if isinstance(self.structured, Mapping):
+                object.__setattr__(self, "structured", StructuredOutputsParams(**self.structured))
+            else:
+                raise ValueError("structured must be a StructuredOutputsParams (or a dict of its fields)")
+
+    @property
+    def has_logits_controls(self) -> bool:
+        """Whether anything but temperature and the filters shapes this request's distribution."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.allowed_token_ids is not None or self.bad_words
+                    or self.min_tokens or self.structured is not None)
 
     @property
     def greedy(self) -> bool:

@@ -1,12 +1,21 @@
-"""Plain decoding: every known-but-uncached token is fed, the last one's logits pick the next."""
+"""Plain decoding: every known-but-uncached token is fed, the last one's logits pick the next.
+
+Grammar-forced tokens (jump-forward): where a request's grammar admits only one continuation,
+those tokens ride behind the root as tentative tokens and are verified and committed in the same
+forward as the model's next token (decoding/tentative.py) — the same output as one token per
+forward, in fewer forwards.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from ratchetlm.decoding.base import Commit, DecodeStrategy, Proposal, register
+from ratchetlm.decoding.tentative import chain, chain_proposal, forced_chain, observe_forced, verify_tree
 from ratchetlm.engine.sequence import Sequence
-from ratchetlm.layers.sampler import sample, top_logprobs
+from ratchetlm.layers.sampler import sample, target_logits, top_logprobs
 
 
 def catch_up_proposal(seq: Sequence, budget: int) -> Proposal:
@@ -49,20 +58,45 @@ def catch_up_commit(seq: Sequence, prop: Proposal, logits: torch.Tensor, sample_
     lps = None
     if reached_end:
         last = logits[-1:]
-        tok = sample(last, seq.params, seq.generator)
+        tok = sample(target_logits(last, seq.controls), seq.params, seq.generator)
         tokens = [int(tok[0])]
         if seq.params.logprobs is not None:
             lps = top_logprobs(last, tok, seq.params.logprobs)
     return Commit(kv_rows=list(range(n)), token_ids=tokens, logprobs=lps, prompt_logprobs=prompt_lp)
 
 
+def room(seq: Sequence, max_model_len: int) -> int:
+    """Tokens the sequence may still append."""
+    return min(seq.params.max_tokens - seq.num_output_tokens, max_model_len - len(seq.token_ids))
+
+
+@dataclass(frozen=True)
+class ForcedState:
+    tokens: list[int]  # the grammar-forced tokens proposed after the root
+
+
 @register("autoregressive")
 class Autoregressive(DecodeStrategy):
     def tokens_wanted(self, seq: Sequence) -> int:
-        return len(seq.token_ids) - seq.num_cached
+        pending = len(seq.token_ids) - seq.num_cached
+        if pending == 1 and seq.controls is not None:
+            return 1 + len(forced_chain(seq, 1 << 30, room(seq, self.ctx.max_model_len)))
+        return pending
 
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
-        return [catch_up_proposal(s, b) for s, b in zip(seqs, budgets, strict=True)]
+        out = []
+        for s, b in zip(seqs, budgets, strict=True):
+            forced = forced_chain(s, b, room(s, self.ctx.max_model_len))
+            out.append(chain_proposal(s, forced, ForcedState(forced)) if forced else catch_up_proposal(s, b))
+        return out
 
     def commit(self, seqs: list[Sequence], proposals: list[Proposal], logits: list[torch.Tensor]) -> list[Commit]:
-        return [catch_up_commit(s, p, lg) for s, p, lg in zip(seqs, proposals, logits, strict=True)]
+        out = []
+        for s, p, lg in zip(seqs, proposals, logits, strict=True):
+            if isinstance(p.state, ForcedState):
+                c, path = verify_tree(s, chain(p.state.tokens), lg, room(s, self.ctx.max_model_len))
+                observe_forced(s, len(p.state.tokens), len(path))
+                out.append(c)
+            else:
+                out.append(catch_up_commit(s, p, lg))
+        return out

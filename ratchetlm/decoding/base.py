@@ -89,6 +89,11 @@ class DecodeStrategy(ABC):
     def commit(self, seqs: list[Sequence], proposals: list[Proposal], logits: list[torch.Tensor]) -> list[Commit]:
         """``logits[i]``: ``[len(proposals[i].logit_rows), vocab]`` fp32."""
 
+    def check_request(self, params: Any) -> None:
+        """Raise ``ValueError`` naming the field if this strategy cannot honour ``params`` (a
+        SamplingParams) exactly; called before a request is queued."""
+        return None
+
     def on_preempt(self, seq: Sequence) -> None:
         """The sequence lost its KV and will be recomputed; drop private state."""
         seq.strategy_state.clear()

@@ -27,6 +27,7 @@ from ratchetlm.decoding.autoregressive import catch_up_commit, catch_up_proposal
 from ratchetlm.decoding.base import Commit, DecodeStrategy, Proposal, StrategyContext, register
 from ratchetlm.decoding.wedlm_window import WeDLMConfig, Window, commit_length, fill, new_window, refill
 from ratchetlm.engine.sequence import Sequence
+from ratchetlm.layers.sampler import target_logits
 
 _KEY = "wedlm_window"
 _STAT_KEYS = ("wedlm_forwards", "wedlm_fills", "wedlm_commits", "wedlm_window_tokens")
@@ -62,6 +63,13 @@ class WeDLM(DecodeStrategy):
             raise ValueError(f"wedlm mask_token_id {mask_id} is outside the vocabulary [0, {vocab})")
         self.mask_id = int(mask_id)
         self.totals = {k: 0 for k in _STAT_KEYS}
+
+    def check_request(self, params: Any) -> None:
+        if params.structured is not None:
+            # A window fills masks out of order, so a left-to-right grammar cannot mask them exactly.
+            raise ValueError("structured outputs are not supported with decoding='wedlm' (a window fills "
+                             "positions out of order, so the grammar cannot be enforced exactly); use "
+                             "autoregressive or speculative decoding")
 
     # ------------------------------------------------------------------ window bookkeeping
 
@@ -137,7 +145,12 @@ class WeDLM(DecodeStrategy):
         if not finishing:
             mask_slots = st.order[st.num_filled :]
             w.drop_front(n)
-            fills = fill(w, [k - n for k in mask_slots], logits, self.cfg, seq.params, seq.generator)
+            slots = [k - n for k in mask_slots]
+            if seq.controls is not None:
+                # each mask's context: the tokens committed now, then the filled slots before it
+                paths = [tokens + [w.tokens[j] for j in range(k) if not w.is_mask[j]] for k in slots]
+                logits = target_logits(logits, seq.controls, paths)
+            fills = fill(w, slots, logits, self.cfg, seq.params, seq.generator)
         self._observe(seq, len(st.order), fills, n)
         return Commit(kv_rows=list(range(n)), token_ids=tokens, logprobs=lps)
 

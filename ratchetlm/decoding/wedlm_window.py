@@ -90,7 +90,8 @@ def refill(w: Window, mask_id: int, room: int) -> int:
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:  # [m, V] -> [m] nats, of the raw (unfiltered) logits
     logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+    plogp = logp.exp() * logp
+    return -plogp.masked_fill(torch.isneginf(logp), 0.0).sum(-1)  # a banned token (-inf) adds 0, not NaN
 
 
 def select_fills(

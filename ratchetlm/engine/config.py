@@ -30,6 +30,9 @@ class EngineConfig:
     decoding_options: dict[str, Any] = field(default_factory=dict)
     gguf_kernels: bool = True  # CPU fp32 + Q4_1/Q8_0 GGUF: decode matmuls read the quantized blocks
     seed: int = 0  # global RNG seed for unseeded sampling
+    # structured outputs: tokens the grammar forces are verified and committed in the same forward as
+    # the model's next token (same output, fewer forwards); False = one token per forward
+    jump_forward: bool = True
     progress: bool = True  # tqdm bars for loading and batch generation
 
     def __post_init__(self) -> None:

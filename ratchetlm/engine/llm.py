@@ -72,7 +72,7 @@ class LLM:
                             gguf_kernels=self.config.gguf_kernels)
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
-        self.engine = LLMEngine(self.config, loaded.model, loaded.config)
+        self.engine = LLMEngine(self.config, loaded.model, loaded.config, tokenizer=loaded.tokenizer)
 
     def _init_deepseek_v4(self, model: str) -> None:
         """DeepSeek-V4's cache (sliding ring + compressed KV + compressor state) is not the paged
@@ -84,7 +84,8 @@ class LLM:
                              "(only 'autoregressive'; its MTP second token is not yet consumed)")
         self.tokenizer = load_tokenizer(resolve(model))
         eng = DeepseekV4Engine(model, max_num_seqs=self.config.max_num_seqs, dtype=self.config.torch_dtype(),
-                               seed=self.config.seed, max_model_len=self.config.max_model_len)
+                               seed=self.config.seed, max_model_len=self.config.max_model_len,
+                               tokenizer=self.tokenizer)
         self.engine = eng  # type: ignore[assignment]  # same surface as LLMEngine
         self.model_config = eng.config  # type: ignore[assignment]
 

@@ -15,6 +15,7 @@ from ratchetlm.engine.model_runner import ModelRunner
 from ratchetlm.engine.scheduler import Scheduler
 from ratchetlm.engine.sequence import SeqStatus, Sequence
 from ratchetlm.kv.cache import KVCache
+from ratchetlm.layers.logits_processors import ControlsFactory
 from ratchetlm.models.config import ModelConfig
 from ratchetlm.models.llama import LlamaModel
 from ratchetlm.sampling_params import SamplingParams
@@ -52,7 +53,7 @@ class LLMEngine:
     """Owns model, KV cache, scheduler and the decoding strategy. Not thread-safe: one thread
     calls ``add_request``/``step``/``abort`` (the server funnels requests through a queue)."""
 
-    def __init__(self, cfg: EngineConfig, model: LlamaModel, model_config: ModelConfig) -> None:
+    def __init__(self, cfg: EngineConfig, model: LlamaModel, model_config: ModelConfig, tokenizer: Any = None) -> None:
         self.cfg = cfg
         self.model_config = model_config
         self.device = torch.device(cfg.device)
@@ -74,6 +75,9 @@ class LLMEngine:
         self.strategy: DecodeStrategy = create_strategy(cfg.decoding, ctx, cfg.decoding_options)
         self.scheduler = Scheduler(self.blocks, self.strategy.tokens_wanted, self.strategy.on_preempt,
                                    cfg.max_num_seqs, cfg.max_num_batched_tokens, self.strategy.on_finish)
+        # tokenizer: for bad_words and structured outputs (grammar compilation); None refuses those
+        self.controls = ControlsFactory(tokenizer, model_config.vocab_size, model_config.eos_token_ids,
+                                        jump_forward=cfg.jump_forward)
         self.seqs: dict[int, Sequence] = {}
         self._ids = itertools.count()
         self.stats = EngineStats()
@@ -104,12 +108,15 @@ class LLMEngine:
             )
         if len(self.scheduler.waiting) >= self.cfg.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.cfg.max_waiting} requests)")
+        self.strategy.check_request(params)
+        eos = () if params.ignore_eos else self.model_config.eos_token_ids
+        controls = self.controls.build(params, prompt_ids, eos)
         sid = next(self._ids)
         gen = self.generator
         if params.seed is not None:
             gen = torch.Generator().manual_seed(params.seed)
-        eos = () if params.ignore_eos else self.model_config.eos_token_ids
-        seq = Sequence(sid, list(prompt_ids), len(prompt_ids), params, eos_token_ids=eos, generator=gen)
+        seq = Sequence(sid, list(prompt_ids), len(prompt_ids), params, eos_token_ids=eos, generator=gen,
+                       controls=controls)
         self.seqs[sid] = seq
         self.scheduler.add(seq)
         self.stats.prompt_tokens += len(prompt_ids)
@@ -218,6 +225,10 @@ class LLMEngine:
                 reason = "stop"
             elif seq.num_output_tokens >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len:
                 reason = "length"
+            if seq.controls is not None:
+                seq.controls.accept([tok])
+                if reason is None and seq.controls.done:
+                    reason = "stop"  # the grammar is complete: only EOS could follow
             if reason:
                 break  # a stop inside a multi-token commit ends the sequence there
         assert seq.num_cached <= len(seq.token_ids), "committed KV beyond committed tokens"

@@ -39,6 +39,9 @@ class Sequence:
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, when requested
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)  # counters the strategy reports (forwards, drafts, ...)
+    # The request's logits controls (penalties, bias, bans, grammar; layers/logits_processors.py), or
+    # None. It has seen exactly the committed output; it survives preemption (token_ids do too).
+    controls: Any = None
     num_preemptions: int = 0
 
     @property

@@ -1,14 +1,27 @@
-"""Token sampling: temperature, top-k, top-p, min-p; greedy at temperature 0.
+"""Token sampling: a request's logits controls, then temperature, top-k, top-p, min-p; greedy at
+temperature 0.
 
-``filtered_probs`` is the *target distribution* of a request — speculative rejection
-sampling must test drafts against exactly this, so it lives in one place.
+This is the one place where a request's logits become its target distribution:
+``target_logits`` applies the request's :class:`~ratchetlm.layers.logits_processors.LogitsControls`
+(penalties, bias, bans, grammar mask) to any rows of its logits, and ``filtered_probs`` turns
+those into probabilities. Every strategy samples, and speculative rejection sampling tests
+drafts, against exactly this.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ratchetlm.sampling_params import SamplingParams
+
+
+def target_logits(logits: torch.Tensor, controls: Any, paths: list[list[int]] | None = None) -> torch.Tensor:
+    """``[n, vocab]`` raw logits of one request -> the logits it samples from. ``controls``: the
+    request's ``LogitsControls`` (None: unchanged); ``paths[i]``: tentative tokens between the
+    committed sequence and row ``i`` (a draft node's path; default none)."""
+    return logits if controls is None else controls.process(logits, paths)
 
 
 def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

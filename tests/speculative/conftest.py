@@ -19,7 +19,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
 
 
 def make_engine(llm, decoding: str = "autoregressive", kv_cache_blocks: int = 192, max_num_seqs: int = 32,
-                staging_capacity: int = 1024, **options) -> LLMEngine:
+                staging_capacity: int = 1024, jump_forward: bool = True, **options) -> LLMEngine:
     """A fresh engine (own small KV cache) on an already loaded model. Speculative tests draft
     with a constant depth unless they name a schedule: they test what a given draft does (the
     default "auto" schedule may skip drafts; tests/speculative/test_gain_schedule.py covers it)."""
@@ -27,8 +27,8 @@ def make_engine(llm, decoding: str = "autoregressive", kv_cache_blocks: int = 19
         options.setdefault("depth_schedule", "constant")
     cfg = EngineConfig(device="cpu", dtype="float32", decoding=decoding, decoding_options=options,
                        kv_cache_blocks=kv_cache_blocks, max_num_seqs=max_num_seqs, staging_capacity=staging_capacity,
-                       progress=False)
-    return LLMEngine(cfg, llm.engine.model, llm.model_config)
+                       progress=False, jump_forward=jump_forward)
+    return LLMEngine(cfg, llm.engine.model, llm.model_config, tokenizer=llm.tokenizer)
 
 
 def run_engine(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:

@@ -1,3 +1,5 @@
-"""Lossless speculative decoding: proposers → prefix-tree packing → one staged verify forward → commit."""
+"""Lossless speculative decoding: proposers → prefix-tree packing → one staged verify forward → commit.
 
-from ratchetlm.decoding.speculative import strategy  # noqa: F401  (registers "speculative")
+The strategy registers when :mod:`ratchetlm.decoding` imports ``speculative.strategy``; this package
+itself imports nothing, so its tree-verification math (``verify``) can be used by other strategies
+(grammar-forced tokens, decoding/tentative.py) without a cycle."""

@@ -27,9 +27,9 @@ from ratchetlm.decoding.speculative.config import SpecConfig
 from ratchetlm.decoding.speculative.proposers import PAD, DraftBeam, create_proposer
 from ratchetlm.decoding.speculative.stats import SpecCounters
 from ratchetlm.decoding.speculative.tree_attention import num_nodes, pack, parents, with_root
-from ratchetlm.decoding.speculative.verify import DraftTree, greedy_accept, sample_accept
+from ratchetlm.decoding.speculative.verify import DraftTree
+from ratchetlm.decoding.tentative import forced_chain, observe_forced, verify_tree
 from ratchetlm.engine.sequence import Sequence
-from ratchetlm.layers.sampler import filtered_probs, top_logprobs
 
 _PREFIX = "spec_"
 _LEFTOVER = "spec_leftover"  # strategy_state key: (anchor length, remaining chain) for chunked verify
@@ -40,6 +40,7 @@ _DEPTH = "spec_depth"  # strategy_state key: the adaptive schedule's current dra
 class TreeState:
     tree: DraftTree
     leftover: list[int] | None  # chunked verify: draft tokens after this chunk (chains only)
+    forced: bool = False  # the chain is grammar-forced tokens (jump-forward), not a draft
 
 
 def tree_from_beam(beam: torch.Tensor, max_nodes: int) -> DraftTree:  # beam [M, C] with PAD
@@ -134,6 +135,11 @@ class Speculative(DecodeStrategy):
             if len(s.token_ids) - s.num_cached > 1 or d <= 0:
                 props[i] = catch_up_proposal(s, b)
                 continue
+            forced = forced_chain(s, b, self._room(s))
+            if forced:  # the grammar admits one continuation: verify it instead of a draft
+                chain = torch.tensor(forced, dtype=torch.long)[None]
+                props[i] = self._tree_proposal(s, DraftBeam(chain, torch.zeros(chain.shape)), b, forced=True)
+                continue
             left = s.strategy_state.pop(_LEFTOVER, None)
             if left is not None and left[0] == len(s.token_ids) and left[1]:
                 chain = torch.tensor(left[1][:d], dtype=torch.long)[None]
@@ -147,9 +153,14 @@ class Speculative(DecodeStrategy):
                 self._tree_proposal(seqs[i], beam, budgets[i])
         return props  # type: ignore[return-value]
 
-    def _tree_proposal(self, seq: Sequence, beam: DraftBeam, budget: int) -> Proposal:
+    def _tree_proposal(self, seq: Sequence, beam: DraftBeam, budget: int, forced: bool = False) -> Proposal:
         tokens, leftover = beam.tokens, None
-        if self.cfg.chunk_size and tokens.shape[1] > self.cfg.chunk_size:
+        if seq.controls is not None and seq.controls.grammar is not None and not forced:
+            tokens = tokens.clone()  # drop each candidate's draft tokens from the first one the grammar rejects
+            for row in tokens:
+                ok = seq.controls.valid_prefix([t for t in row.tolist() if t != PAD])
+                row[ok:] = PAD
+        if self.cfg.chunk_size and not forced and tokens.shape[1] > self.cfg.chunk_size:
             leftover = [t for t in tokens[0, self.cfg.chunk_size :].tolist() if t != PAD]
             tokens = tokens[:, : self.cfg.chunk_size]
         tree = tree_from_beam(tokens, budget - 1)
@@ -162,7 +173,7 @@ class Speculative(DecodeStrategy):
             logit_rows=list(range(1 + len(tree))),
             mask=with_root(tree_mask(tree)),
             direct_write=False,
-            state=TreeState(tree, leftover),
+            state=TreeState(tree, leftover, forced),
         )
 
     # ------------------------------------------------------------------ commit
@@ -180,27 +191,17 @@ class Speculative(DecodeStrategy):
     def _commit_tree(self, seq: Sequence, prop: Proposal, logits: torch.Tensor) -> Commit:
         st: TreeState = prop.state
         tree = st.tree
-        if seq.params.greedy:
-            path, nxt = greedy_accept(tree, logits.argmax(dim=-1).tolist())
-        else:
-            path, nxt = sample_accept(tree, filtered_probs(logits, seq.params), seq.generator)
-        tokens = [tree.tokens[n] for n in path] + [nxt]
-        cut = self._room(seq)
-        for j, t in enumerate(tokens):
-            if t in seq.eos_token_ids or t in seq.params.stop_token_ids:
-                cut = min(cut, j + 1)  # the engine ends the sequence there; commit no KV past it
-                break
-        tokens = tokens[:cut]
-        rows = [0] + [1 + n for n in path]  # row predicting each emitted token
-        lps = None
-        if seq.params.logprobs is not None:
-            lps = top_logprobs(logits[rows[: len(tokens)]], torch.tensor(tokens), seq.params.logprobs)
+        commit, path = verify_tree(seq, tree, logits, self._room(seq))
+        tokens = commit.token_ids
+        if st.forced:
+            observe_forced(seq, len(tree), len(path))
+            return commit
         self._observe(seq, len(tree), len(path))
         self._adapt_depth(seq, max(tree.depth) + 1, len(path))
-        if st.leftover and len(path) == len(tree) and st.leftover[0] == nxt and len(tokens) == len(path) + 1:
+        if st.leftover and len(path) == len(tree) and st.leftover[0] == tokens[-1] and len(tokens) == len(path) + 1:
             # the whole chunk and the next draft token were accepted: keep the rest of the chain
             seq.strategy_state[_LEFTOVER] = (len(seq.token_ids) + len(tokens), st.leftover[1:])
-        return Commit(kv_rows=rows[: len(tokens)], token_ids=tokens, logprobs=lps)
+        return commit
 
     # ------------------------------------------------------------------ metrics
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ratchetlm.engine.llm_engine import StepOutput
 from ratchetlm.engine.sequence import SeqStatus, Sequence
-from ratchetlm.layers.sampler import sample
+from ratchetlm.layers.logits_processors import ControlsFactory
+from ratchetlm.layers.sampler import sample, target_logits
 from ratchetlm.models.deepseek_v4.loader import load_deepseek_v4
 from ratchetlm.models.deepseek_v4.runner import DeepseekV4Runner
 from ratchetlm.sampling_params import SamplingParams
@@ -26,9 +28,10 @@ from ratchetlm.sampling_params import SamplingParams
 
 class DeepseekV4Engine:
     def __init__(self, model_path: str | Path, max_num_seqs: int = 4, dtype: torch.dtype | None = None,
-                 seed: int = 0, max_model_len: int | None = None) -> None:
+                 seed: int = 0, max_model_len: int | None = None, tokenizer: Any = None) -> None:
         self.model = load_deepseek_v4(model_path, dtype=dtype)
         self.config = self.model.config
+        self.controls = ControlsFactory(tokenizer, self.config.vocab_size, tuple(self.config.eos_token_ids))
         self.runner = DeepseekV4Runner(self.model, max_seqs=max_num_seqs)
         self.max_model_len = min(max_model_len or self.runner.cap.max_seq_len, self.runner.cap.max_seq_len)
         self.max_num_seqs = max_num_seqs
@@ -47,10 +50,12 @@ class DeepseekV4Engine:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len}")
+        eos = () if params.ignore_eos else self.config.eos_token_ids
+        controls = self.controls.build(params, prompt_ids, eos)
         sid = next(self._ids)
         gen = self.generator if params.seed is None else torch.Generator().manual_seed(params.seed)
-        eos = () if params.ignore_eos else self.config.eos_token_ids
-        self.seqs[sid] = Sequence(sid, list(prompt_ids), len(prompt_ids), params, eos_token_ids=eos, generator=gen)
+        self.seqs[sid] = Sequence(sid, list(prompt_ids), len(prompt_ids), params, eos_token_ids=eos, generator=gen,
+                                  controls=controls)
         self.waiting.append(sid)
         return sid
 
@@ -79,11 +84,14 @@ class DeepseekV4Engine:
         self._next_token.pop(seq.seq_id, None)
 
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
-        tok = int(sample(logits[None].float(), seq.params, seq.generator)[0])
+        tok = int(sample(target_logits(logits[None].float(), seq.controls), seq.params, seq.generator)[0])
         seq.token_ids.append(tok)
         seq.num_cached = len(seq.token_ids) - 1  # every token but the newest is in the cache
         reason = None
-        if tok in seq.eos_token_ids or tok in seq.params.stop_token_ids:
+        if seq.controls is not None:
+            seq.controls.accept([tok])
+        if tok in seq.eos_token_ids or tok in seq.params.stop_token_ids or (seq.controls is not None
+                                                                             and seq.controls.done):
             reason = "stop"
         elif seq.num_output_tokens >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             reason = "length"

@@ -1,0 +1,109 @@
+"""Logits controls under every strategy: penalties + speculative == penalties plain, constrained +
+speculative == constrained plain, and grammar-forced tokens (jump-forward) change nothing but the
+number of forwards — token for token, greedy, batched."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from ratchetlm.sampling_params import SamplingParams, StructuredOutputsParams
+
+from .conftest import make_engine, run_engine
+from .prompts import PROMPTS
+
+PENALTIES = dict(repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.3)
+SPECS = {
+    "ngram_chain": dict(method="ngram", depth=4),
+    "ngram_tree": dict(method="ngram", num_candidates=3, depth=4),
+    "self_draft": dict(method="draft", draft_layers=4, depth=3),
+    # 29 of 30 layers: drafts are (nearly) the *unpenalised* greedy continuation, so acceptance hinges
+    # on each row's penalty seeing the draft tokens before it
+    "near_target_draft": dict(method="draft", draft_layers=29, depth=4),
+}
+CHATTY = PROMPTS[5:] + ["<|im_start|>user\nRepeat the word 'go' ten times.<|im_end|>\n<|im_start|>assistant\n"]
+
+
+def assert_same_as_plain(llm, prompts, params, spec) -> None:
+    plain = run_engine(make_engine(llm), prompts, params)
+    free = run_engine(make_engine(llm), prompts, SamplingParams(temperature=0.0, max_tokens=params.max_tokens,
+                                                                ignore_eos=True))
+    assert plain != free, "the controls changed nothing: the comparison would be vacuous"
+    eng = make_engine(llm, "speculative", **SPECS[spec])
+    assert run_engine(eng, prompts, params) == plain
+    assert eng.strategy.metrics()["spec_decode_num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("spec", ["ngram_tree", "near_target_draft"])
+def test_penalties_with_speculation_equal_plain(spec_llm, spec):
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, **PENALTIES)
+    assert_same_as_plain(spec_llm, [spec_llm.encode(p) for p in CHATTY], params, spec)
+
+
+def test_bans_with_speculation_equal_plain(spec_llm, encoded):
+    """A two-token bad word the n-gram draft copies from the prompt ("(j"): banned inside the draft."""
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, bad_words=("(j", "self.items"),
+                            min_tokens=6, logit_bias={spec_llm.encode(" the")[0]: -3.0})
+    assert_same_as_plain(spec_llm, encoded[:5], params, "ngram_chain")
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 30},
+        "age": {"type": "integer", "minimum": 0, "maximum": 130},
+        "city": {"enum": ["Paris", "London", "Warsaw"]},
+        "fields": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 2},
+    },
+    "required": ["name", "age", "city", "fields"],
+    "additionalProperties": False,
+}
+TEXTS = [
+    "Marie Curie was a physicist and chemist born in Warsaw; she died at 66.",
+    "Alan Turing, a mathematician from London, lived to 41.",
+    "Victor Hugo (83) was a French writer who lived in Paris.",
+]
+
+
+@pytest.fixture(scope="module")
+def extraction(spec_llm):
+    prompts = [spec_llm.encode(spec_llm.apply_chat_template([{"role": "user", "content": f"Extract name, age, city "
+                                                              f"and fields as JSON: {t}"}])) for t in TEXTS]
+    params = SamplingParams(temperature=0.0, max_tokens=60, structured=StructuredOutputsParams(json=SCHEMA))
+    eng = make_engine(spec_llm, jump_forward=False)
+    ref = run_engine(eng, prompts, params)
+    return prompts, params, ref, eng
+
+
+def test_constrained_output_validates(spec_llm, extraction):
+    _, _, ref, eng = extraction
+    for i, out in enumerate(ref):
+        assert eng.seqs[i].finish_reason == "stop", "the grammar completed"
+        doc = json.loads(spec_llm.tokenizer.decode(out, skip_special_tokens=True))
+        jsonschema.validate(doc, SCHEMA)
+
+
+@pytest.mark.parametrize("decoding, opts, jf", [
+    ("autoregressive", {}, True),
+    ("speculative", SPECS["ngram_chain"], False),
+    ("speculative", SPECS["ngram_chain"], True),
+    ("speculative", SPECS["ngram_tree"], True),
+    ("speculative", SPECS["self_draft"], False),
+])
+def test_constrained_is_identical_across_strategies(spec_llm, extraction, decoding, opts, jf):
+    prompts, params, ref, ref_eng = extraction
+    eng = make_engine(spec_llm, decoding, jump_forward=jf, **opts)
+    assert run_engine(eng, prompts, params) == ref
+    stats = [s.stats for s in eng.seqs.values()]
+    forced = sum(st.get("forced_tokens_accepted", 0) for st in stats)
+    if jf:
+        assert forced > 0, "jump-forward never committed a forced token"
+        assert eng.runner.num_forwards < ref_eng.runner.num_forwards
+    else:
+        assert forced == 0
+    if decoding == "speculative":  # drafts were verified under the grammar (n-gram ones copy the prompt: accepted)
+        m = eng.strategy.metrics()
+        assert m["spec_decode_num_drafts"] > 0
+        assert m["spec_decode_num_accepted_tokens"] > 0 or opts["method"] != "ngram"
