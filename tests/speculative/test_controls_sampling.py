@@ -15,11 +15,10 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
+from ratchetlm import LLM
 from ratchetlm.decoding import tentative
 from ratchetlm.layers.sampler import filtered_probs
 from ratchetlm.sampling_params import SamplingParams
-
-from ratchetlm import LLM
 from tests.conftest import make_tiny_hf_folder
 
 from .conftest import make_engine
