@@ -100,12 +100,27 @@ class LLM:
             return [int(t) if not isinstance(t, bool) else -1 for t in prompt]
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                            tool_parser: str | None = None, add_generation_prompt: bool = True) -> str:
+        """The prompt text for ``messages`` (OpenAI shape: assistant ``tool_calls`` and ``role: "tool"``
+        results allowed). ``tools`` (OpenAI function tools) reach a template that handles them, or are
+        described in the system message in the ``tool_parser`` family's format (structured/tool_calls.py)."""
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
-        if getattr(self.tokenizer, "chat_template", None) is None:
+        template = getattr(self.tokenizer, "chat_template", None)
+        if template is None:
             raise ValueError("this model has no chat template")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if tools is None and not any(m.get("tool_calls") for m in messages):
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        from ratchetlm.structured.tool_calls import chat_messages, functions_from, template_handles_tools, tool_format
+
+        funcs = functions_from(tools or [])
+        native = template_handles_tools(template)
+        msgs = chat_messages(messages, funcs, tool_format(tool_parser, template), native)
+        kw: dict[str, Any] = {"tools": [f.as_openai() for f in funcs]} if native and funcs else {}
+        return self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                  **kw)
 
     # ------------------------------------------------------------------ generation
 
