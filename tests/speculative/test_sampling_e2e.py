@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ratchetlm import LLM
-from ratchetlm.decoding.speculative import strategy as spec_strategy
+from ratchetlm.decoding import tentative
 from ratchetlm.decoding.speculative.verify import sample_accept
 from ratchetlm.layers.sampler import filtered_probs
 from ratchetlm.sampling_params import SamplingParams
@@ -92,7 +92,7 @@ def test_plain_sampling_passes_and_a_wrong_rule_fails(tiny, exact, monkeypatch):
     counts, _ = sample_counts(llm, "autoregressive")
     assert chi_square_pvalue(counts, exact, N_REQ) > 1e-3, "the oracle disagrees with plain sampling"
     wrong = functools.partial(sample_accept, rule=wrong_full_resample)
-    monkeypatch.setattr(spec_strategy, "sample_accept", wrong)
+    monkeypatch.setattr(tentative, "sample_accept", wrong)  # the verify step speculative decoding uses
     counts, _ = sample_counts(llm, "speculative", draft_model=path, **SPEC)
     p = chi_square_pvalue(counts, exact, N_REQ)
     assert p < 1e-6, f"the engine-level chi-square test missed a wrong acceptance rule (p={p:.2e})"

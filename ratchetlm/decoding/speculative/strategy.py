@@ -118,27 +118,27 @@ class Speculative(DecodeStrategy):
         pending = len(seq.token_ids) - seq.num_cached
         if pending > 1:
             return pending
-        return 1 + self.cfg.num_candidates * self._verify_len(seq)
+        forced = forced_chain(seq, 1 << 30, self._room(seq))
+        return 1 + (len(forced) if forced else self.cfg.num_candidates * self._verify_len(seq))
 
     # ------------------------------------------------------------------ propose
 
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
         limit = self.cfg.disable_by_batch_size
-        if limit and len(seqs) >= limit:  # a big batch: plain rows only (drafting there costs more than it saves)
-            self.disabled_steps += 1
-            return [catch_up_proposal(s, b) for s, b in zip(seqs, budgets, strict=True)]
+        disabled = bool(limit and len(seqs) >= limit)  # a big batch: no drafts (they cost more than they save)
+        self.disabled_steps += disabled
         props: list[Proposal | None] = [None] * len(seqs)
         todo: list[int] = []
         depths: list[int] = []
         for i, (s, b) in enumerate(zip(seqs, budgets, strict=True)):
-            d = min(self._depth(s), b - 1)
-            if len(s.token_ids) - s.num_cached > 1 or d <= 0:
-                props[i] = catch_up_proposal(s, b)
-                continue
             forced = forced_chain(s, b, self._room(s))
             if forced:  # the grammar admits one continuation: verify it instead of a draft
                 chain = torch.tensor(forced, dtype=torch.long)[None]
                 props[i] = self._tree_proposal(s, DraftBeam(chain, torch.zeros(chain.shape)), b, forced=True)
+                continue
+            d = min(self._depth(s), b - 1)
+            if disabled or len(s.token_ids) - s.num_cached > 1 or d <= 0:
+                props[i] = catch_up_proposal(s, b)
                 continue
             left = s.strategy_state.pop(_LEFTOVER, None)
             if left is not None and left[0] == len(s.token_ids) and left[1]:
