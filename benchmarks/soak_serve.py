@@ -224,7 +224,7 @@ def main() -> int:
     ap.add_argument("--minutes", type=float, default=5.0)
     ap.add_argument("--concurrency", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=24)
-    ap.add_argument("--kv-cache-blocks", type=int, default=40, help="small, so the scheduler preempts")
+    ap.add_argument("--kv-cache-blocks", type=int, default=20, help="small, so the scheduler preempts")
     ap.add_argument("--rss-slack-mb", type=float, default=64.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--server-args", default="--torch-threads 1")
