@@ -131,7 +131,8 @@ class LogitsControls:
             x = x - p.frequency_penalty * counts
         if p.presence_penalty:
             x = x - p.presence_penalty * (counts > 0).float()
-        return x
+        # a tiny repetition penalty can overflow a division: keep every value finite or -inf
+        return x.clamp(max=torch.finfo(torch.float32).max)
 
 
 def bad_word_ids(tokenizer: Any, words: tuple[str, ...]) -> list[list[int]]:

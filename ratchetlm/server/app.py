@@ -1,4 +1,4 @@
-"""The FastAPI app: ``build_app(llm_or_loader, served_model_name, config)``.
+"""The FastAPI app: ``build_app(llm_or_loader, served_model_name(s), config)``.
 
 Give it a loaded ``LLM`` (anything with ``.engine``, ``.tokenizer``, ``.encode`` and
 ``.apply_chat_template``) or a zero-argument loader; with a loader the server answers at once and
@@ -7,6 +7,10 @@ says why (without file paths) and ``on_load_failed`` runs (``ratchet serve`` the
 
 A request's body is read with a size limit, then parsed, validated and tokenized on one worker
 thread, so a huge prompt never blocks the event loop (``/health`` stays fast).
+
+Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` (every served name),
+``/tokenize``, ``/detokenize``, ``/tokenizer_info`` (vLLM's), ``/health``, ``/metrics``, ``/version``.
+CORS headers only with ``allowed_origins``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -41,11 +46,14 @@ from ratchetlm.server.protocol import (
     ChatCompletionRequest,
     CommonRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     check_unsupported,
     lone_surrogate_path,
 )
 from ratchetlm.server.serving_chat import ChatPlan
 from ratchetlm.server.serving_completion import CompletionPlan
+from ratchetlm.server.serving_tokenize import detokenize, tokenize, tokenizer_info
 
 _PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][^\s'\"\\/:]+)+[\\/]?")  # absolute paths in an error message
 
@@ -61,8 +69,9 @@ def public_error(e: Exception, hide: tuple[str, ...] = ()) -> str:
 class ServerState:
     """Loading status and, once loaded, the engine thread and serving context."""
 
-    def __init__(self, model_name: str, cfg: ServerConfig, hide: tuple[str, ...] = ()) -> None:
-        self.model_name = model_name
+    def __init__(self, model_names: list[str], cfg: ServerConfig, hide: tuple[str, ...] = ()) -> None:
+        self.model_names = model_names  # any may be named in a request; responses name the first
+        self.model_name = model_names[0]
         self.cfg = cfg
         self.hide = hide  # strings (the model path) never shown to clients
         self.engine: AsyncEngine | None = None
@@ -74,7 +83,7 @@ class ServerState:
         self.active = 0  # HTTP generation handlers running now (a leak shows here)
         self.prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ratchet-prep")
         self.created = int(time.time())
-        self.metrics = ServerMetrics(model_name, lambda: self.engine.snapshot if self.engine else None)
+        self.metrics = ServerMetrics(self.model_name, lambda: self.engine.snapshot if self.engine else None)
 
     def begin_shutdown(self) -> None:
         """SIGTERM (on the event loop): refuse new requests; after ``shutdown_timeout`` end the
@@ -91,7 +100,8 @@ class ServerState:
     def ready(self, llm: Any) -> None:
         eng = AsyncEngine(llm.engine, llm.tokenizer)
         eng.start()
-        self.ctx = ServingContext(llm, self.model_name, self.metrics, TokenText(llm.tokenizer))
+        self.ctx = ServingContext(llm, self.model_name, self.metrics, TokenText(llm.tokenizer),
+                                  tool_call_parser=self.cfg.tool_call_parser)
         self.engine = eng
 
     def load(self, loader: Callable[[], Any]) -> None:
@@ -104,9 +114,12 @@ class ServerState:
                 self.on_load_failed()
 
 
-def build_app(llm_or_loader: Any, served_model_name: str, config: ServerConfig | None = None,
+def build_app(llm_or_loader: Any, served_model_name: str | list[str], config: ServerConfig | None = None,
               hide: tuple[str, ...] = ()) -> FastAPI:
-    state = ServerState(served_model_name, config or ServerConfig(), hide)
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError("served model names must be non-empty strings")
+    state = ServerState(names, config or ServerConfig(), hide)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -123,6 +136,9 @@ def build_app(llm_or_loader: Any, served_model_name: str, config: ServerConfig |
     app = FastAPI(title="ratchetlm", lifespan=lifespan)
     app.state.ratchet = state
     app.add_middleware(Guard, api_key=state.cfg.api_key)
+    if state.cfg.allowed_origins:  # outermost: a browser's preflight is answered before auth
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.cfg.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials="*" not in state.cfg.allowed_origins)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -153,10 +169,34 @@ def build_app(llm_or_loader: Any, served_model_name: str, config: ServerConfig |
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        card = {"id": served_model_name, "object": "model", "created": state.created, "owned_by": "ratchetlm"}
-        if state.ctx is not None:
-            card["max_model_len"] = state.ctx.max_model_len
-        return JSONResponse({"object": "list", "data": [card]})
+        cards = []
+        for name in state.model_names:
+            card: dict[str, Any] = {"id": name, "object": "model", "created": state.created, "owned_by": "ratchetlm",
+                                    "root": state.model_name}
+            if state.ctx is not None:
+                card["max_model_len"] = state.ctx.max_model_len
+            cards.append(card)
+        return JSONResponse({"object": "list", "data": cards})
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        from ratchetlm import __version__
+
+        return JSONResponse({"version": __version__})
+
+    @app.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest))
+    async def tokenize_route(request: Request) -> JSONResponse:
+        return JSONResponse(await _simple(state, request, TokenizeRequest, tokenize))
+
+    @app.post("/detokenize", openapi_extra=_body_schema(DetokenizeRequest))
+    async def detokenize_route(request: Request) -> JSONResponse:
+        return JSONResponse(await _simple(state, request, DetokenizeRequest, detokenize))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info_route() -> JSONResponse:
+        if state.ctx is None:
+            raise APIError("the model is still loading", 503)
+        return JSONResponse(tokenizer_info(state.ctx))
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -176,7 +216,7 @@ def build_app(llm_or_loader: Any, served_model_name: str, config: ServerConfig |
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             comps = schema.setdefault("components", {}).setdefault("schemas", {})
-            for m in (CompletionRequest, ChatCompletionRequest):
+            for m in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest):
                 js = m.model_json_schema(ref_template="#/components/schemas/{model}")
                 comps.update(js.pop("$defs", {}))
                 comps[m.__name__] = js
@@ -190,7 +230,7 @@ def build_app(llm_or_loader: Any, served_model_name: str, config: ServerConfig |
     return app
 
 
-def _body_schema(model: type[CommonRequest]) -> dict[str, Any]:
+def _body_schema(model: type[Any]) -> dict[str, Any]:
     ref = {"$ref": f"#/components/schemas/{model.__name__}"}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
@@ -218,9 +258,8 @@ async def _read_body(request: Request, cfg: ServerConfig) -> bytes:
     return b"".join(chunks)
 
 
-def _prepare(state: ServerState, raw: bytes, model: type[CommonRequest], plan_cls: type) -> Any:
-    """Body bytes -> plan (validated request, tokenized prompts, engine submissions). Runs on the
-    preparation thread; raises :class:`APIError` for anything the client got wrong."""
+def _parse(state: ServerState, raw: bytes, model: type[Any]) -> Any:
+    """Body bytes -> a validated request model (unknown fields checked, the model name served)."""
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as e:  # bad JSON, invalid UTF-8, absurd nesting
@@ -237,15 +276,34 @@ def _prepare(state: ServerState, raw: bytes, model: type[CommonRequest], plan_cl
         req = model.model_validate(body, context={"limits": state.cfg})
     except ValidationError as e:
         raise from_validation(e) from None
-    if req.model is not None and req.model != state.model_name:
-        raise APIError(f"the model `{req.model}` does not exist (serving `{state.model_name}`)", 404, "model")
+    if req.model is not None and req.model not in state.model_names:
+        raise APIError(f"the model `{req.model}` does not exist (serving `{'`, `'.join(state.model_names)}`)", 404,
+                       "model")
     check_unsupported(req)
+    return req
+
+
+def _prepare(state: ServerState, raw: bytes, model: type[CommonRequest], plan_cls: type) -> Any:
+    """Body bytes -> plan (validated request, tokenized prompts, engine submissions). Runs on the
+    preparation thread; raises :class:`APIError` for anything the client got wrong."""
+    req = _parse(state, raw, model)
     plan = plan_cls(req, state.ctx)
     queue = state.ctx.llm.engine.cfg.max_waiting if state.ctx is not None else None
     if isinstance(queue, int) and len(plan.subs) > queue:
         raise APIError(f"this request has {len(plan.subs)} choices but the server queues at most {queue}: "
                        "it can never be accepted; send fewer prompts or a smaller n", 400, "n")
     return req, plan
+
+
+async def _simple(state: ServerState, request: Request, model: type[Any],
+                  handler: Callable[[Any, ServingContext], dict[str, Any]]) -> dict[str, Any]:
+    """A request answered without the engine (``/tokenize``, ``/detokenize``), on the prep thread."""
+    if state.ctx is None:
+        raise APIError("the model is still loading", 503)
+    raw = await _read_body(request, state.cfg)
+    ctx = state.ctx
+    return await asyncio.get_running_loop().run_in_executor(
+        state.prep, lambda: handler(_parse(state, raw, model), ctx))
 
 
 async def _serve(state: ServerState, request: Request, model: type[CommonRequest], plan_cls: type) -> Response:

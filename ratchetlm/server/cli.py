@@ -18,6 +18,10 @@ _SERVER_HELP = {
     "max_choices": "most choices (prompts x n) in one request",
     "max_stop_strings": "most stop strings in one request",
     "max_stop_string_length": "longest stop string, in characters",
+    "allowed_origins": "CORS: origins browsers may call from, as a JSON list or comma-separated ('*' = any); "
+                       "default: none (no CORS headers)",
+    "tool_call_parser": "tool-call format of the model family: auto (from the chat template) | smollm2 | "
+                        "hermes (qwen) | llama3_json (llama3)",
 }
 
 
@@ -25,8 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ratchet serve", description="Run the OpenAI-compatible server.")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None,
-                   help="model id clients must send (default: the model file/folder name)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model id(s) clients may send; responses name the first (default: the model file/folder name)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file (or the template text) replacing the model's own")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice; 1 helps on a busy shared CPU)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -36,6 +42,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     p.set_defaults(progress=False)  # no tqdm bars in server logs unless --progress true
     return p
+
+
+def read_chat_template(arg: str) -> str:
+    """A template file's text, or ``arg`` itself when it is template text (contains ``{{`` / ``{%``)."""
+    if os.path.isfile(arg):
+        with open(arg, encoding="utf-8") as f:
+            text = f.read()
+    elif "{{" in arg or "{%" in arg:
+        text = arg
+    else:
+        raise ValueError(f"no such file: {arg!r}")
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"the template does not parse: {e}") from None
+    return text
 
 
 def default_model_name(model: str | None) -> str:
@@ -64,10 +88,21 @@ def main(argv: list[str] | None = None) -> int:
     kw = engine_kwargs(args)
     model = kw.pop("model")
 
+    template = None
+    if args.chat_template is not None:
+        try:
+            template = read_chat_template(args.chat_template)
+        except (OSError, ValueError) as e:
+            print(f"ratchet serve: error: --chat-template: {e}", file=sys.stderr)
+            return 2
+
     def load():
         from ratchetlm import LLM
 
-        return LLM(model, **kw)
+        llm = LLM(model, **kw)
+        if template is not None:
+            llm.tokenizer.chat_template = template
+        return llm
 
     if "decoding_options" in kw and not isinstance(kw["decoding_options"], dict):
         print("ratchet serve: error: --decoding-options must be a JSON object", file=sys.stderr)
@@ -81,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from ratchetlm.server.http import GuardedH11Protocol, RatchetServer
 
-    app = build_app(load, args.served_model_name or default_model_name(model), cfg, hide=(str(model or ""),))
+    app = build_app(load, args.served_model_name or [default_model_name(model)], cfg, hide=(str(model or ""),))
     state = app.state.ratchet
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, workers=1,
                             http=GuardedH11Protocol, timeout_keep_alive=max(1, round(cfg.idle_timeout)),

@@ -13,7 +13,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from ratchetlm.sampling_params import SamplingParams
+from ratchetlm.sampling_params import SamplingParams, StructuredOutputsParams
 from ratchetlm.server.async_engine import Delta, EngineError, RequestGroup
 from ratchetlm.server.errors import APIError, from_value_error
 from ratchetlm.server.metrics import ChoiceTimer, ServerMetrics
@@ -21,7 +21,8 @@ from ratchetlm.server.protocol import CommonRequest
 
 
 def make_params(req: CommonRequest, *, max_tokens: int, choice: int, logprobs: int | None = None,
-                prompt_logprobs: int | None = None) -> SamplingParams:
+                prompt_logprobs: int | None = None,
+                structured: StructuredOutputsParams | None = None) -> SamplingParams:
     """OpenAI fields -> SamplingParams; with a seed, choice ``i`` uses ``seed + i`` so n>1 choices
     differ but each is reproducible. ValueErrors (naming the field) become 400s."""
     seed = None if req.seed is None else req.seed + choice
@@ -32,10 +33,17 @@ def make_params(req: CommonRequest, *, max_tokens: int, choice: int, logprobs: i
         include_stop_str_in_output=req.include_stop_str_in_output,
         logprobs=logprobs, prompt_logprobs=prompt_logprobs,
     )
-    for name in ("temperature", "top_p", "top_k", "min_p"):
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "logit_bias", "min_tokens"):
         v = getattr(req, name)
         if v is not None:
             kw[name] = v
+    if req.bad_words:
+        kw["bad_words"] = tuple(req.bad_words)
+    if req.allowed_token_ids is not None:
+        kw["allowed_token_ids"] = tuple(req.allowed_token_ids)
+    if structured is not None:
+        kw["structured"] = structured
     try:
         return SamplingParams(**kw)
     except ValueError as e:
@@ -97,8 +105,8 @@ class TokenText:
 class Runner:
     """Drive one request group: collect it whole, or stream it as SSE chunks.
 
-    ``chunk(state, delta) -> dict | None`` renders one choice's delta as a stream chunk (None =
-    nothing worth sending yet); ``usage_chunk() -> dict`` builds the final usage chunk.
+    ``chunk(state, delta) -> dict | list[dict] | None`` renders one choice's delta as stream chunks
+    (None = nothing worth sending yet); ``usage_chunk() -> dict`` builds the final usage chunk.
 
     A disconnect watcher starts with the runner (not with the stream), so a client that goes away
     even before its stream's first iteration still aborts the request. ``on_end`` runs exactly
@@ -151,7 +159,7 @@ class Runner:
         finally:
             self._end(outcome)
 
-    async def stream(self, chunk: Callable[[ChoiceState, Delta], dict | None],
+    async def stream(self, chunk: Callable[[ChoiceState, Delta], dict | list[dict] | None],
                      usage_chunk: Callable[[], dict] | None) -> AsyncIterator[str]:
         outcome: str | None = "abort"
         try:
@@ -160,9 +168,9 @@ class Runner:
                     st = self.states[d.index]
                     st.add(d, time.perf_counter())
                     c = chunk(st, d)
-                    if c is not None:
+                    for one in [c] if isinstance(c, dict) else (c or []):
                         st.chunks_sent += 1
-                        yield sse(c)
+                        yield sse(one)
                 outcome = "abort" if self.group.closed else None
                 if usage_chunk is not None and outcome is None:
                     yield sse(usage_chunk())
@@ -185,6 +193,7 @@ class ServingContext:
     model_name: str
     metrics: ServerMetrics
     token_text: TokenText
+    tool_call_parser: str | None = None  # --tool-call-parser (None/"auto": from the chat template)
 
     @property
     def max_model_len(self) -> int:

@@ -23,6 +23,9 @@ class ServerConfig:
     max_choices: int = 64  # prompts x n of one request
     max_stop_strings: int = 16
     max_stop_string_length: int = 512  # characters per stop string
+    # CORS: origins a browser page may call from ("*" = any); empty = no CORS headers (browsers refuse)
+    allowed_origins: tuple[str, ...] = ()
+    tool_call_parser: str = "auto"  # structured/tool_calls.py: auto | smollm2 | hermes (qwen) | llama3_json
 
     def __post_init__(self) -> None:
         for name in ("shutdown_timeout", "idle_timeout"):
@@ -35,3 +38,25 @@ class ServerConfig:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
+        if isinstance(self.allowed_origins, str):
+            object.__setattr__(self, "allowed_origins", parse_origins(self.allowed_origins))
+        object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
+        for o in self.allowed_origins:
+            if not isinstance(o, str) or not (o == "*" or o.startswith(("http://", "https://"))):
+                raise ValueError(f"allowed_origins entries must be '*' or http(s)://host[:port] origins, got {o!r}")
+        from ratchetlm.structured.tool_calls import tool_format
+
+        tool_format(self.tool_call_parser)  # raises ValueError naming the choices
+
+
+def parse_origins(text: str) -> tuple[str, ...]:
+    """``'["https://a.example", "http://localhost:3000"]'`` (vLLM's JSON list) or a comma-separated list."""
+    text = text.strip()
+    if text.startswith("["):
+        import json
+
+        items = json.loads(text)
+        if not isinstance(items, list):
+            raise ValueError("allowed_origins must be a JSON list of origins")
+        return tuple(str(i) for i in items)
+    return tuple(o.strip() for o in text.split(",") if o.strip())

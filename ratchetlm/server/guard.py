@@ -1,4 +1,5 @@
-"""ASGI middleware in front of the app: Bearer auth and JSON-only POST bodies on ``/v1/*``.
+"""ASGI middleware in front of the app: Bearer auth and JSON-only POST bodies on ``/v1/*`` and the
+tokenizer routes.
 
 Pure ASGI (not Starlette's ``BaseHTTPMiddleware``), so streaming responses and the handlers'
 disconnect detection pass through untouched.
@@ -20,6 +21,9 @@ def is_json(content_type: str) -> bool:
     return mime == "application/json" or (mime.startswith("application/") and mime.endswith("+json"))
 
 
+_ROOT_API = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})  # vLLM's, outside /v1
+
+
 class Guard:
     """401 without the API key (when one is set); 415 for a POST whose body is not declared JSON:
     a web page can send text/plain or form bodies cross-origin without a CORS preflight, so only a
@@ -30,7 +34,8 @@ class Guard:
         self.expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path == "/v1" or path.startswith("/v1/") or path in _ROOT_API):
             headers = dict(scope["headers"])
             err = None
             if self.expected is not None and not hmac.compare_digest(headers.get(b"authorization", b""),

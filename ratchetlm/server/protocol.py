@@ -1,11 +1,14 @@
 """Request models for the OpenAI-compatible endpoints (pydantic, strict types).
 
 Strict mode: a string where a number is expected is a 400, not a silent coercion; every float
-must be finite (JSON's ``Infinity``/``NaN`` are 400s). Unknown fields are ignored (clients send many
-optional OpenAI fields); fields we cannot honour are rejected in :func:`check_unsupported` rather
-than silently dropped. The server's configurable limits (:class:`ServerConfig`) are checked by the
-models' validators, given as ``model_validate(body, context={"limits": cfg})``, so a new field
-slots its own limit in next to its declaration.
+must be finite (JSON's ``Infinity``/``NaN`` are 400s). Unknown top-level fields are checked by
+:func:`check_unsupported` against a table (docs/serving.md): fields OpenAI clients send harmlessly
+(``user``, ``metadata``, ``store``, ...) are ignored; a field that would change the meaning of the
+request and is not supported (``audio``, ``prediction``, ``web_search_options``, ...) and any field
+we do not know are a 400 naming it, never silently dropped. The server's configurable limits
+(:class:`ServerConfig`) are checked by the models' validators, given as
+``model_validate(body, context={"limits": cfg})``, so a new field slots its own limit in next to
+its declaration.
 """
 
 from __future__ import annotations
@@ -27,14 +30,45 @@ def limits_of(info: ValidationInfo) -> ServerConfig:
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+
+class _Request(_Model):
+    """A request body: unknown fields are kept (``model_extra``) for :func:`check_unsupported`."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class JSONSchemaFormat(_Model):
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Model):
+    """OpenAI's ``response_format``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Model):
+    """vLLM's ``structured_outputs`` object (one of json / regex / choice / grammar / json_object)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, max_length=4096)
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None  # vLLM's switch; ours defaults to no free whitespace
 
 
 class StreamOptions(_Model):
     include_usage: bool = False
 
 
-class CommonRequest(_Model):
+class CommonRequest(_Request):
     """Fields shared by completions and chat completions (vLLM's extras included: top_k, min_p, ...)."""
 
     model: str | None = None
@@ -51,10 +85,21 @@ class CommonRequest(_Model):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     max_tokens: int | None = Field(default=None, le=_INT64)  # clamped to what is left of the context
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=1000)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=4096)
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=1 << 20)
+    bad_words: list[str] | None = Field(default=None, max_length=256)
+    min_tokens: int | None = Field(default=None, ge=0, le=_INT64)
     user: str | None = None
+    # output constraints (server/structured.py): OpenAI's, vLLM's current and its older spellings
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, max_length=4096)
+    guided_grammar: str | None = None
 
     def num_choices(self) -> int:
         return self.n
@@ -92,16 +137,60 @@ class TextPart(_Model):
     text: str
 
 
+class FunctionCall(_Model):
+    name: str
+    arguments: str = "{}"  # a JSON object, as text
+
+
+class ToolCallIn(_Model):
+    """A call in an assistant message of the conversation so far."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Model):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(p.text for p in content)
-        return {"role": self.role, "content": content or ""}
+        role = "system" if self.role == "developer" else self.role  # OpenAI's newer name for system
+        d: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            d["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+            d["content"] = content
+        for k in ("name", "tool_call_id"):
+            if getattr(self, k) is not None:
+                d[k] = getattr(self, k)
+        return d
+
+
+class FunctionDef(_Model):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(_Model):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(CommonRequest):
@@ -109,19 +198,65 @@ class ChatCompletionRequest(CommonRequest):
     max_completion_tokens: int | None = Field(default=None, le=_INT64)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, le=_INT64)
+    tools: list[ToolSpec] | None = Field(default=None, max_length=256)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
-def check_unsupported(req: CommonRequest) -> None:
-    """Reject OpenAI options this server cannot honour instead of ignoring them."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = getattr(req, name)
-        if v not in (None, 0, 0.0):
-            raise APIError(f"{name} is not supported (only 0)", 400, name)
-    if req.logit_bias:
-        raise APIError("logit_bias is not supported", 400, "logit_bias")
+class TokenizeRequest(_Request):
+    """vLLM's ``POST /tokenize``: a ``prompt`` or chat ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[ToolSpec] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # None: exactly what the completion/chat endpoint feeds
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)
+
+
+# Fields the server accepts without acting on them: OpenAI clients send them and they do not change
+# what is generated (docs/serving.md has the whole table).
+IGNORED_FIELDS = frozenset({
+    "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "request_id", "priority",
+    "guided_decoding_backend", "spaces_between_special_tokens",
+})
+# Fields that would change the request's meaning and are not supported: a 400 unless the value is
+# one that asks for nothing (listed).
+REFUSED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
+    "functions": (None,), "function_call": (None,), "reasoning_effort": (None,), "verbosity": (None,),
+    "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
+    "echo": (None, False), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
+    "chat_template": (None,), "chat_template_kwargs": (None, {}), "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False), "documents": (None,), "return_tokens_as_token_ids": (None, False),
+    "logits_processors": (None,), "structural_tag": (None,), "guided_whitespace_pattern": (None,),
+    "mm_processor_kwargs": (None,), "cache_salt": (None,), "add_special_tokens": (None,),
+    "skip_special_tokens": (None, True),
+}
+_HINTS = {"functions": "use tools", "function_call": "use tool_choice"}
+
+
+def check_unsupported(req: _Request) -> None:
+    """Reject what this server cannot honour instead of ignoring it (see :data:`IGNORED_FIELDS`)."""
+    for name, value in (req.model_extra or {}).items():
+        if name in IGNORED_FIELDS:
+            continue
+        if name in REFUSED_FIELDS:
+            if value in REFUSED_FIELDS[name]:
+                continue
+            hint = f" ({_HINTS[name]})" if name in _HINTS else ""
+            raise APIError(f"{name} is not supported by this server{hint}", 400, name)
+        raise APIError(f"unknown field {name!r}: not an OpenAI or vLLM request field this server supports", 400,
+                       name)
     if isinstance(req, CompletionRequest) and req.suffix:
         raise APIError("suffix is not supported", 400, "suffix")
-    if req.stream_options is not None and not req.stream:
+    if isinstance(req, CommonRequest) and req.stream_options is not None and not req.stream:
         raise APIError("stream_options is only allowed with stream=true", 400, "stream_options")
 
 

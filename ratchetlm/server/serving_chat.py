@@ -2,6 +2,12 @@
 
 Streaming never sends a role-only chunk: the role rides on each choice's first chunk that carries
 content (or its finishing chunk), so time-to-first-chunk is the time to the first real token.
+
+Tools (server/structured.py, structured/tool_calls.py): the tools reach the prompt, the output is
+searched for calls in the model family's format, calls become ``message.tool_calls`` (streamed:
+``delta.tool_calls``, first the id and name, then the arguments) with ``finish_reason
+"tool_calls"``; text outside the calls stays ``content``. ``tool_choice: "required"`` or a named
+function is enforced by a grammar; ``"none"`` leaves the tools out of the prompt.
 """
 
 from __future__ import annotations
@@ -12,7 +18,13 @@ from typing import Any
 from ratchetlm.server.async_engine import Delta, Submission
 from ratchetlm.server.common import ChoiceState, ServingContext, make_params, new_id, usage
 from ratchetlm.server.errors import APIError
-from ratchetlm.server.protocol import ChatCompletionRequest
+from ratchetlm.server.protocol import ChatCompletionRequest, ChatMessage
+from ratchetlm.server.structured import ToolPlan, compile_constraint, requested_constraint, tool_plan
+from ratchetlm.structured.tool_calls import StreamingToolParser, ToolCall
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    return [m.as_template_dict() for m in messages]
 
 
 class ChatPlan:
@@ -26,8 +38,20 @@ class ChatPlan:
                 raise APIError("top_logprobs requires logprobs=true", 400, "top_logprobs")
             if not 0 <= req.top_logprobs <= 20:
                 raise APIError(f"top_logprobs must be in [0, 20], got {req.top_logprobs}", 400, "top_logprobs")
+        template = getattr(ctx.llm.tokenizer, "chat_template", None)
+        self.tools: ToolPlan | None = tool_plan(req, template, ctx.tool_call_parser)
+        constraint = requested_constraint(req)
+        if self.tools is not None and self.tools.forced is not None:
+            if constraint is not None:
+                raise APIError(f"tool_choice {self.tools.choice!r} and {constraint[0]} both constrain the output; "
+                               "send one of them", 400, constraint[0])
+            constraint = ("tool_choice", self.tools.forced)
+        if constraint is not None:
+            compile_constraint(ctx.llm, constraint[1], constraint[0])
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if self.tools and self.tools.parses else None
         try:
-            text = ctx.llm.apply_chat_template([m.as_template_dict() for m in req.messages])
+            text = ctx.llm.apply_chat_template(template_messages(req.messages), tools=tools,
+                                               tool_parser=ctx.tool_call_parser)
         except ValueError as e:
             raise APIError(str(e), 400, "messages") from None
         self.prompt_ids = ctx.encode(text, "messages")
@@ -39,8 +63,11 @@ class ChatPlan:
             raise APIError(f"{param} must be >= 1, got {max_tokens}", 400, param)
         max_tokens = ctx.clamp_max_tokens(max_tokens, self.prompt_ids)
         self.k = (req.top_logprobs or 0) if req.logprobs else None
-        self.subs = [Submission(j, self.prompt_ids, make_params(req, max_tokens=max_tokens, choice=j, logprobs=self.k))
+        structured = constraint[1] if constraint is not None else None
+        self.subs = [Submission(j, self.prompt_ids, make_params(req, max_tokens=max_tokens, choice=j, logprobs=self.k,
+                                                                structured=structured))
                      for j in range(req.n)]
+        self.parsers: dict[int, StreamingToolParser] = {}
 
     def _logprobs(self, ids: list[int], lps: list[dict[int, float]] | None) -> dict[str, Any] | None:
         if self.k is None:
@@ -55,28 +82,77 @@ class ChatPlan:
             })
         return {"content": content}
 
+    def _calls(self, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall], str | None]:
+        """(content, calls, finish_reason) of a finished choice."""
+        if self.tools is None or not self.tools.parses:
+            return text, [], finish_reason
+        content, calls = self.tools.fmt.parse(text)
+        if not self.tools.parallel:
+            calls = calls[:1]
+        if calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return (content if calls else text), calls, finish_reason
+
     def response(self, states: list[ChoiceState]) -> dict[str, Any]:
-        choices = [{"index": st.index, "message": {"role": "assistant", "content": "".join(st.text)},
-                    "logprobs": self._logprobs(st.token_ids, st.logprobs), "finish_reason": st.finish_reason}
-                   for st in states]
+        choices = []
+        for st in states:
+            content, calls, reason = self._calls("".join(st.text), st.finish_reason)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [c.as_openai() for c in calls]
+            choices.append({"index": st.index, "message": message,
+                            "logprobs": self._logprobs(st.token_ids, st.logprobs), "finish_reason": reason})
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.ctx.model_name,
                 "choices": choices, "usage": self.usage(states)}
 
     def usage(self, states: list[ChoiceState]) -> dict[str, int]:
         return usage(len(self.prompt_ids), sum(len(s.token_ids) for s in states))
 
-    def chunk(self, st: ChoiceState, d: Delta) -> dict[str, Any] | None:
-        if not d.text and not d.finished and not (self.k is not None and d.token_ids):
-            return None  # nothing visible yet (held-back partial character or stop prefix)
-        delta: dict[str, Any] = {"content": d.text}
-        if st.chunks_sent == 0:
+    def _chunk(self, st: ChoiceState, delta: dict[str, Any], logprobs: dict[str, Any] | None,
+               finish_reason: str | None, first: bool) -> dict[str, Any]:
+        if first:
             delta = {"role": "assistant", **delta}
         c = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.ctx.model_name,
-             "choices": [{"index": st.index, "delta": delta, "logprobs": self._logprobs(d.token_ids, d.logprobs),
-                          "finish_reason": d.finish_reason if d.finished else None}]}
+             "choices": [{"index": st.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
         if self.req.stream_options and self.req.stream_options.include_usage:
             c["usage"] = None
         return c
+
+    def chunk(self, st: ChoiceState, d: Delta) -> dict[str, Any] | list[dict[str, Any]] | None:
+        if self.tools is not None and self.tools.parses:
+            return self._tool_chunks(st, d)
+        if not d.text and not d.finished and not (self.k is not None and d.token_ids):
+            return None  # nothing visible yet (held-back partial character or stop prefix)
+        return self._chunk(st, {"content": d.text}, self._logprobs(d.token_ids, d.logprobs),
+                           d.finish_reason if d.finished else None, st.chunks_sent == 0)
+
+    def _tool_chunks(self, st: ChoiceState, d: Delta) -> list[dict[str, Any]]:
+        """Content is released up to a possible call; calls go out whole when the choice ends."""
+        assert self.tools is not None
+        parser = self.parsers.setdefault(st.index, StreamingToolParser(self.tools.fmt, self.tools.forced is not None))
+        out: list[dict[str, Any]] = []
+        first = st.chunks_sent == 0
+        text = parser.feed(d.text)
+        if text or (self.k is not None and d.token_ids):
+            out.append(self._chunk(st, {"content": text}, self._logprobs(d.token_ids, d.logprobs), None, first))
+            first = False
+        if not d.finished:
+            return out
+        rest, calls = parser.finish()
+        if not self.tools.parallel:
+            calls = calls[:1]
+        if rest:
+            out.append(self._chunk(st, {"content": rest}, None, None, first))
+            first = False
+        for i, call in enumerate(calls):
+            head = {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+            out.append(self._chunk(st, {"tool_calls": [head]}, None, None, first))
+            first = False
+            out.append(self._chunk(st, {"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]},
+                                   None, None, False))
+        reason = "tool_calls" if calls and d.finish_reason == "stop" else d.finish_reason
+        out.append(self._chunk(st, {}, None, reason, first))
+        return out
 
     def usage_chunk(self, states: list[ChoiceState]) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,

@@ -17,6 +17,7 @@ from ratchetlm.server.async_engine import Delta, Submission
 from ratchetlm.server.common import ChoiceState, ServingContext, make_params, new_id, usage
 from ratchetlm.server.errors import APIError
 from ratchetlm.server.protocol import CompletionRequest
+from ratchetlm.server.structured import compile_constraint, requested_constraint
 
 
 class CompletionPlan:
@@ -34,10 +35,16 @@ class CompletionPlan:
         self.prompts = self._prompts(req.prompt)
         self.prompt_texts = [self._prompt_text(p, ids) for p, ids in self.prompts] if req.echo else None
         prompt_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
+        constraint = requested_constraint(req)
+        structured = None
+        if constraint is not None and not self.score_only:
+            compile_constraint(ctx.llm, constraint[1], constraint[0])
+            structured = constraint[1]
         self.subs = [
             Submission(i * req.n + j, ids, make_params(
                 req, max_tokens=1 if self.score_only else ctx.clamp_max_tokens(max_tokens, ids), choice=j,
-                logprobs=None if self.score_only else req.logprobs, prompt_logprobs=prompt_lp))
+                logprobs=None if self.score_only else req.logprobs, prompt_logprobs=prompt_lp,
+                structured=structured))
             for i, (_, ids) in enumerate(self.prompts) for j in range(req.n)
         ]
         self.offsets = [0] * len(self.subs)

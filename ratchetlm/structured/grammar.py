@@ -83,10 +83,18 @@ class GrammarCompiler:
     def _ll_tokenizer(self) -> Any:
         with self._lock:
             if self._lltok is None:  # ~1 s once per engine: the token trie of the whole vocabulary
+                import llguidance
                 import llguidance.hf
 
                 eos = list(self.eos_token_ids) or None
-                self._lltok = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=eos)
+                try:
+                    self._lltok = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=eos)
+                except ValueError:  # a decoder llguidance does not read (e.g. a Metaspace variant): spell it out
+                    try:
+                        wrapped = llguidance.TokenizerWrapper(_TokenBytes(self.tokenizer, self.vocab_size))
+                        self._lltok = llguidance.LLTokenizer(wrapped, n_vocab=self.vocab_size, eos_token=eos)
+                    except Exception as e:  # noqa: BLE001 - reported to the client as a 400
+                        raise GrammarError(f"the grammar engine cannot read this model's tokenizer: {e}") from None
             return self._lltok
 
     def _build(self, spec: StructuredOutputsParams) -> Any:
@@ -126,6 +134,56 @@ class GrammarCompiler:
 
     def matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:
         return GrammarMatcher(self.compile(spec).deep_copy(), self.vocab_size)
+
+
+class _TokenBytes:
+    """What llguidance needs of a tokenizer it cannot convert itself: every token's bytes (byte
+    fallback ``<0xNN>`` as that byte, SentencePiece's ``▁`` as a space, byte-level BPE through
+    its byte map), the special ids, and an encode function over those bytes."""
+
+    def __init__(self, tok: Any, vocab_size: int) -> None:
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        byte_level = {v: k for k, v in bytes_to_unicode().items()}
+        self.eos_token_id = tok.eos_token_id
+        self.bos_token_id = tok.bos_token_id
+        self.special_token_ids = sorted(set(tok.all_special_ids))
+        pieces = tok.convert_ids_to_tokens(list(range(len(tok))))
+        self.tokens: list[bytes] = []
+        for i in range(vocab_size):
+            piece = pieces[i] if i < len(pieces) and pieces[i] is not None else ""
+            self.tokens.append(_piece_bytes(piece, byte_level))
+        specials = set(self.special_token_ids)
+        self._by_bytes = {b: i for i, b in enumerate(self.tokens) if b and i not in specials}
+        self._longest = max((len(b) for b in self._by_bytes), default=1)
+
+    def __call__(self, s: str | bytes) -> list[int]:
+        """Greedy longest match over the token bytes: faithful to the bytes (llguidance tokenizes
+        forced text with it), unlike a tokenizer that maps unknown text to <unk>; bytes no token
+        starts with are skipped."""
+        data = s.encode("utf-8") if isinstance(s, str) else s
+        out, i = [], 0
+        while i < len(data):
+            for n in range(min(self._longest, len(data) - i), 0, -1):
+                t = self._by_bytes.get(data[i : i + n])
+                if t is not None:
+                    out.append(t)
+                    i += n
+                    break
+            else:
+                i += 1
+        return out
+
+
+def _piece_bytes(piece: str, byte_level: dict[str, int]) -> bytes:
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            pass
+    if piece and all(c in byte_level for c in piece) and ("Ġ" in piece or "Ċ" in piece):
+        return bytes(byte_level[c] for c in piece)
+    return piece.replace("▁", " ").encode("utf-8")
 
 
 class GrammarMatcher:

@@ -68,6 +68,18 @@ def test_bad_words_ban_the_last_token_after_its_prefix():
     assert c.process(x)[0, 32] == x[0, 32]
 
 
+def test_extreme_valid_penalties_stay_samplable():
+    """Found by the server fuzz test: repetition_penalty 5e-324 divided a logit into inf (then NaN)."""
+    from ratchetlm.layers.sampler import filtered_probs
+
+    c = controls(prompt=(5, 6, 7), repetition_penalty=5e-324, frequency_penalty=2.0, presence_penalty=-2.0)
+    c.accept([9] * 1000)
+    x = c.process(logits())
+    assert not torch.isnan(x).any() and not torch.isposinf(x).any()
+    p = filtered_probs(x, SamplingParams(temperature=1.0))
+    assert torch.isfinite(p).all() and abs(float(p.sum()) - 1) < 1e-5
+
+
 def test_a_row_with_no_allowed_token_falls_back_to_the_raw_logits():
     x = logits()
     out = controls(allowed_token_ids=[EOS], min_tokens=1, max_tokens=4).process(x)

@@ -78,3 +78,20 @@ def test_sampled_output_validates_against_its_schema(llm_fp32):
 
 def test_ignore_eos_still_stops_when_the_grammar_is_complete(llm_fp32):
     assert gen(llm_fp32, "Pick one.", S(choice=["alpha", "beta"]), ignore_eos=True) in ("alpha", "beta")
+
+
+def test_a_tokenizer_llguidance_cannot_convert_is_spelled_out():
+    """The bundled WeDLM model's SentencePiece-style word tokenizer (a Metaspace decoder llguidance
+    does not read; every token starts with "▁"): token bytes are given explicitly, and the mask for
+    " 1[0-9]" admits exactly the tokens " 1" and " 10" .. " 19". (This toy vocabulary has no token for
+    a bare space, so a grammar that forces one cannot be served with it; real SentencePiece
+    vocabularies have byte fallback.)"""
+    from ratchetlm.models.loader import resolve
+    from ratchetlm.models.tokenizer import load_tokenizer
+    from tests.wedlm.conftest import TRAINED
+
+    tok = load_tokenizer(resolve(str(TRAINED)))
+    m = GrammarCompiler(tok, len(tok), (tok.eos_token_id,)).matcher(S(regex=" 1[0-9]"))
+    allowed = set(m.allowed([[]])[0].nonzero().flatten().tolist())
+    expect = {t for t in range(len(tok)) if re.fullmatch(r"▁1[0-9]?", tok.convert_ids_to_tokens(t))}
+    assert len(expect) == 11 and allowed == expect

@@ -1,0 +1,60 @@
+"""``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info`` in vLLM's shapes.
+
+``/tokenize`` takes a ``prompt`` (text, tokenized as ``/v1/completions`` does) or chat ``messages``
+(rendered by the chat template, with ``tools`` and ``add_generation_prompt``, as
+``/v1/chat/completions`` does) and answers ``{"count", "max_model_len", "tokens", "token_strs"}``;
+``/detokenize`` turns ``tokens`` back into ``{"prompt": text}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ratchetlm.server.common import ServingContext
+from ratchetlm.server.errors import APIError
+from ratchetlm.server.protocol import DetokenizeRequest, TokenizeRequest
+
+
+def tokenize(req: TokenizeRequest, ctx: ServingContext) -> dict[str, Any]:
+    llm = ctx.llm
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError("give exactly one of prompt and messages", 400, "prompt")
+    if req.messages is not None:
+        from ratchetlm.server.serving_chat import template_messages
+
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        try:
+            text = llm.apply_chat_template(template_messages(req.messages), tools=tools,
+                                           tool_parser=ctx.tool_call_parser,
+                                           add_generation_prompt=req.add_generation_prompt)
+        except ValueError as e:
+            raise APIError(str(e), 400, "messages") from None
+        ids = list(llm.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens)))
+    else:
+        assert req.prompt is not None
+        if req.add_special_tokens is None:  # exactly the ids /v1/completions feeds the model
+            ids = ctx.encode(req.prompt, "prompt")
+        else:
+            ids = list(llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+    strs = [ctx.token_text(t) for t in ids] if req.return_token_strs else None
+    return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids, "token_strs": strs}
+
+
+def detokenize(req: DetokenizeRequest, ctx: ServingContext) -> dict[str, Any]:
+    vocab = ctx.vocab_size
+    bad = [t for t in req.tokens if not 0 <= t < vocab]
+    if bad:
+        raise APIError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", 400, "tokens")
+    return {"prompt": ctx.llm.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+
+def tokenizer_info(ctx: ServingContext) -> dict[str, Any]:
+    """vLLM's ``GET /tokenizer_info``: what a client needs to tokenize and template like the server
+    (lm-evaluation-harness uses it with ``/tokenize`` and ``/detokenize`` as a remote tokenizer)."""
+    tok = ctx.llm.tokenizer
+    info: dict[str, Any] = {"tokenizer_class": type(tok).__name__, "model_max_length": ctx.max_model_len,
+                            "vocab_size": ctx.vocab_size, "chat_template": getattr(tok, "chat_template", None)}
+    for name in ("eos_token", "bos_token", "pad_token", "unk_token"):
+        v = getattr(tok, name, None)
+        info[name] = v if isinstance(v, str) else None
+    return info
