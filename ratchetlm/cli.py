@@ -21,6 +21,7 @@ _ENGINE_HELP = {
     "max_num_batched_tokens": "max tokens in one forward",
     "max_waiting": "max queued requests before new ones are refused",
     "staging_capacity": "max tentative K/V rows staged per forward (speculative, wedlm); more fall back to recompute",
+    "enable_prefix_caching": "reuse cached KV blocks of shared prompt prefixes (true/false)",
     "decoding": "decoding strategy: autoregressive | speculative | wedlm",
     "decoding_options": "JSON object of strategy options",
     "gguf_kernels": "CPU fp32 with a Q4_1/Q8_0 GGUF: decode matmuls read the quantized blocks (true/false)",

@@ -76,7 +76,9 @@ class LLM:
 
     def _init_deepseek_v4(self, model: str) -> None:
         """DeepSeek-V4's cache (sliding ring + compressed KV + compressor state) is not the paged
-        per-token K/V cache, so it runs on its own engine with the same surface."""
+        per-token K/V cache, so it runs on its own engine with the same surface. That engine has no
+        prefix cache (docs/deepseek_v4.md): ``enable_prefix_caching`` does not apply, outputs are
+        the same either way, only the prompt is always prefilled whole."""
         from ratchetlm.models.deepseek_v4.engine_adapter import DeepseekV4Engine
 
         if self.config.decoding != "autoregressive":

@@ -69,7 +69,8 @@ class LLMEngine:
         )
         self.cache = KVCache(model_config.num_layers, num_blocks, cfg.block_size, model_config.num_kv_heads,
                              model_config.head_dim, self.dtype, self.device)
-        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        self.blocks = BlockManager(num_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
+                                   cache_key=self.kv_identity())
         self.runner = ModelRunner(model, self.cache, self.blocks, self.device, cfg.staging_capacity)
         ctx = StrategyContext(runner=self.runner, model_config=model_config, max_model_len=self.max_model_len)
         self.strategy: DecodeStrategy = create_strategy(cfg.decoding, ctx, cfg.decoding_options)
@@ -84,12 +85,23 @@ class LLMEngine:
         # Unseeded requests share the engine's generator (no process-wide RNG side effects).
         self.generator = torch.Generator().manual_seed(cfg.seed)
 
+    def kv_identity(self) -> dict[str, str]:
+        """Everything engine-wide that changes the K/V of a token prefix: the root of every prefix
+        cache name (engine/block_hash.py). A feature that changes K/V for all requests (an adapter,
+        another numerics mode) adds its part here; one that changes it per request passes
+        ``cache_salt`` to :meth:`add_request`."""
+        return {"model": str(self.cfg.model or "default"), "architecture": self.model_config.architecture,
+                "dtype": str(self.dtype), "gguf_kernels": str(self.cfg.gguf_kernels)}
+
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        """Validate and queue a request; returns its id. Raises ValueError subclasses for bad input."""
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None) -> int:
+        """Validate and queue a request; returns its id. Raises ValueError subclasses for bad input.
+        ``cache_salt``: the request shares prefix-cache blocks only with requests of the same salt."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt must be a non-empty string")
         if len(prompt_ids) == 0:
             raise ValueError("prompt is empty: at least one token is required")
         vocab = self.model_config.vocab_size
@@ -116,7 +128,7 @@ class LLMEngine:
         if params.seed is not None:
             gen = torch.Generator().manual_seed(params.seed)
         seq = Sequence(sid, list(prompt_ids), len(prompt_ids), params, eos_token_ids=eos, generator=gen,
-                       controls=controls)
+                       controls=controls, cache_salt=cache_salt)
         self.seqs[sid] = seq
         self.scheduler.add(seq)
         self.stats.prompt_tokens += len(prompt_ids)
@@ -211,6 +223,7 @@ class LLMEngine:
             # Fallback to the plain path (kv/staging.py): keep the tokens, commit no KV; the next
             # step's direct-write catch-up recomputes it (identical output).
             c = Commit(kv_rows=[], token_ids=c.token_ids, logprobs=c.logprobs, prompt_logprobs=c.prompt_logprobs)
+        cached_before = seq.num_cached
         seq.num_cached += len(c.kv_rows)
         if c.prompt_logprobs is not None:
             seq.prompt_logprobs += c.prompt_logprobs
@@ -232,6 +245,7 @@ class LLMEngine:
             if reason:
                 break  # a stop inside a multi-token commit ends the sequence there
         assert seq.num_cached <= len(seq.token_ids), "committed KV beyond committed tokens"
+        self.blocks.cache_full_blocks(seq, cached_before)  # before finish() releases them
         self.stats.generation_tokens += len(new)
         if reason:
             self.scheduler.finish(seq, reason)

@@ -11,9 +11,11 @@ from ratchetlm.engine.sequence import SeqStatus, Sequence
 
 class Scheduler:
     """Running sequences are served first, in arrival order; waiting ones are admitted while
-    ``max_num_seqs`` and the token budget allow. When KV blocks run out, the most recently
-    admitted running sequence is preempted by recompute (blocks freed, ``num_cached = 0``)
-    and goes back to the front of the queue."""
+    ``max_num_seqs`` and the token budget allow. On admission a sequence first takes the cached
+    blocks its tokens start with (prefix caching), so it computes only the rest. When KV blocks
+    run out, the most recently admitted running sequence is preempted by recompute (references
+    released, ``num_cached = 0``) and goes back to the front of the queue, where it usually
+    re-hits its own committed blocks."""
 
     def __init__(
         self,
@@ -59,10 +61,16 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            hit = self._match_prefix(seq)
             want = min(self.tokens_wanted(seq), budget)
             if not self.blocks.can_grow(seq, seq.num_cached + want):
+                self._release(seq)  # the hits go back to the cache; looked up again next step
                 break
             self.waiting.popleft()
+            if hit is not None:
+                self.blocks.stats.observe(len(seq.token_ids), hit, recompute=seq.num_preemptions > 0)
+                if seq.num_preemptions == 0:
+                    seq.num_prefix_hit_tokens = hit
             self.blocks.grow(seq, seq.num_cached + want)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -70,11 +78,21 @@ class Scheduler:
             budget -= want
         return out
 
+    def _match_prefix(self, seq: Sequence) -> int | None:
+        """Reuse cached blocks of ``seq``'s prefix; None when it does not look up. A request that
+        asked for prompt logprobs computes its whole prompt: a cached block has no logits."""
+        if not self.blocks.enable_caching or seq.params.prompt_logprobs is not None:
+            return None
+        return self.blocks.match_prefix(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.free(seq)
+        seq.num_cached = 0
+
     def _preempt(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
-        self.blocks.free(seq)
-        seq.num_cached = 0
+        self._release(seq)
         seq.prompt_logprobs.clear()  # recomputed with the prompt's KV
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING

@@ -30,11 +30,13 @@ class Submission:
     index: int  # choice index in the response
     prompt_ids: list[int]
     params: SamplingParams
+    cache_salt: str | None = None  # prefix-cache isolation key (shares blocks only within one salt)
 
 
 @dataclass
 class Delta:
-    """What one choice committed in one step. ``prompt_logprobs`` is set on the choice's first delta."""
+    """What one choice committed in one step. ``prompt_logprobs`` and ``cached_tokens`` (prompt tokens
+    whose K/V came from the prefix cache) are set on the choice's first delta."""
 
     index: int
     token_ids: list[int]
@@ -43,6 +45,7 @@ class Delta:
     finished: bool
     finish_reason: str | None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    cached_tokens: int | None = None
 
 
 class EngineError(RuntimeError):
@@ -66,6 +69,7 @@ class Snapshot:
     preemptions: int = 0
     failed_requests: int = 0  # requests failed alone by fault isolation
     strategy: dict[str, float] = field(default_factory=dict)
+    prefix_cache: dict[str, float] = field(default_factory=dict)  # BlockManager.metrics(); empty when off
 
 
 _ACCEPTED = object()
@@ -193,7 +197,7 @@ class AsyncEngine:
             return
         try:
             for sub in g.subs:
-                sid = self.engine.add_request(sub.prompt_ids, sub.params)
+                sid = self.engine.add_request(sub.prompt_ids, sub.params, cache_salt=sub.cache_salt)
                 g.seq_ids[sid] = sub.index
                 ts = TextStream(self.tokenizer, sub.prompt_ids, sub.params.stop, sub.params.include_stop_str_in_output)
                 self._live[sid] = _Live(g, sub.index, ts)
@@ -249,13 +253,16 @@ class AsyncEngine:
         # The prompt is fully prefilled once a token commits, so the first delta carries the
         # prompt logprobs (a streamed ``echo`` needs them up front); a later recompute after
         # preemption is not sent again.
-        prompt_lp = None
+        prompt_lp = cached = None
         if not live.prompt_logprobs_sent:
             live.prompt_logprobs_sent = True
             seq = seq or self.engine.seqs.get(out.seq_id)
-            if seq is not None and seq.params.prompt_logprobs is not None:
-                prompt_lp = list(seq.prompt_logprobs)
-        return Delta(live.index, list(out.new_token_ids), text, out.new_logprobs, finished, reason, prompt_lp)
+            if seq is not None:
+                cached = seq.num_prefix_hit_tokens
+                if seq.params.prompt_logprobs is not None:
+                    prompt_lp = list(seq.prompt_logprobs)
+        return Delta(live.index, list(out.new_token_ids), text, out.new_logprobs, finished, reason, prompt_lp,
+                     cached)
 
     def _fail_all(self, e: Exception) -> None:
         groups = {id(l.group): l.group for l in self._live.values()}
@@ -268,6 +275,7 @@ class AsyncEngine:
     def _publish(self) -> None:
         eng = self.engine
         metrics = getattr(eng, "metrics", None) or getattr(getattr(eng, "strategy", None), "metrics", None)
+        cache_metrics = getattr(getattr(eng, "blocks", None), "metrics", None)
         self.snapshot = Snapshot(
             running=len(eng.scheduler.running),
             waiting=len(eng.scheduler.waiting),
@@ -277,4 +285,5 @@ class AsyncEngine:
             preemptions=getattr(eng.scheduler, "num_preemptions", 0),
             failed_requests=eng.stats.extra.get("failed_requests", 0),
             strategy=dict(metrics()) if metrics is not None else {},
+            prefix_cache=dict(cache_metrics()) if cache_metrics is not None else {},
         )

@@ -60,6 +60,7 @@ class ChoiceState:
     text: list[str] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
     finish_reason: str | None = None
     chunks_sent: int = 0
 
@@ -71,6 +72,8 @@ class ChoiceState:
         self.timer.tokens(len(d.token_ids), now)
         if d.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = d.prompt_logprobs
+        if d.cached_tokens is not None:
+            self.cached_tokens = d.cached_tokens
         if d.finished:
             self.finish_reason = d.finish_reason
             self.timer.finished(d.finish_reason, now)
@@ -224,6 +227,8 @@ class ServingContext:
         return ids
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens whose K/V the prefix cache supplied."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}

@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ratchetlm.server.async_engine import Snapshot
@@ -44,6 +44,7 @@ class _EngineCollector(Collector):
              s.failed_requests),
         ):
             yield _gauge(name, doc, self.model_name, value)
+        yield from _prefix_cache(s.prefix_cache, self.model_name)
         for key, value in sorted(s.strategy.items()):
             yield _gauge("strategy_" + _sanitize(key), f"Decoding strategy counter {key}.", self.model_name,
                          float(value))
@@ -53,6 +54,28 @@ def _gauge(name: str, doc: str, model_name: str, value: float) -> GaugeMetricFam
     g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
     g.add_metric([model_name], float(value))
     return g
+
+
+_PREFIX_CACHE = (  # (BlockManager.metrics() key, counter?, help); token counts like vLLM's
+    ("prefix_cache_queries", True, "Prompt tokens looked up in the prefix cache (first admissions)."),
+    ("prefix_cache_hits", True, "Of those, tokens whose K/V the prefix cache supplied."),
+    ("prefix_cache_hit_rate", False, "prefix_cache_hits / prefix_cache_queries since start (0-1)."),
+    ("prefix_cache_recompute_queries", True, "Tokens looked up again after a preemption."),
+    ("prefix_cache_recompute_hits", True, "Of those, tokens found cached (usually the request's own)."),
+    ("prefix_cache_evictions", True, "Cached blocks evicted to make room."),
+    ("prefix_cache_blocks", False, "KV blocks holding a named committed prefix, referenced or not."),
+    ("prefix_cache_blocks_unreferenced", False, "Cached blocks no request holds (evictable, counted as free)."),
+)
+
+
+def _prefix_cache(values: dict[str, float], model_name: str):
+    if not values:  # caching off, or an engine without a prefix cache (DeepSeek-V4)
+        return
+    for key, counter, doc in _PREFIX_CACHE:
+        family = CounterMetricFamily if counter else GaugeMetricFamily
+        m = family(PREFIX + key, doc, labels=["model_name"])
+        m.add_metric([model_name], float(values[key]))
+        yield m
 
 
 def _sanitize(key: str) -> str:

@@ -100,6 +100,9 @@ class CommonRequest(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(default=None, max_length=4096)
     guided_grammar: str | None = None
+    # vLLM's extra: requests share prefix-cache blocks only with requests of the same salt, so one
+    # tenant cannot probe another's prompts through time to first token
+    cache_salt: str | None = Field(default=None, min_length=1)
 
     def num_choices(self) -> int:
         return self.n
@@ -236,7 +239,7 @@ REFUSED_FIELDS: dict[str, tuple[Any, ...]] = {
     "chat_template": (None,), "chat_template_kwargs": (None, {}), "add_generation_prompt": (None, True),
     "continue_final_message": (None, False), "documents": (None,), "return_tokens_as_token_ids": (None, False),
     "logits_processors": (None,), "structural_tag": (None,), "guided_whitespace_pattern": (None,),
-    "mm_processor_kwargs": (None,), "cache_salt": (None,), "add_special_tokens": (None,),
+    "mm_processor_kwargs": (None,), "add_special_tokens": (None,),
     "skip_special_tokens": (None, True),
 }
 _HINTS = {"functions": "use tools", "function_call": "use tool_choice"}

@@ -65,7 +65,8 @@ class ChatPlan:
         self.k = (req.top_logprobs or 0) if req.logprobs else None
         structured = constraint[1] if constraint is not None else None
         self.subs = [Submission(j, self.prompt_ids, make_params(req, max_tokens=max_tokens, choice=j, logprobs=self.k,
-                                                                structured=structured))
+                                                                structured=structured),
+                                req.cache_salt)
                      for j in range(req.n)]
         self.parsers: dict[int, StreamingToolParser] = {}
 
@@ -105,8 +106,9 @@ class ChatPlan:
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.ctx.model_name,
                 "choices": choices, "usage": self.usage(states)}
 
-    def usage(self, states: list[ChoiceState]) -> dict[str, int]:
-        return usage(len(self.prompt_ids), sum(len(s.token_ids) for s in states))
+    def usage(self, states: list[ChoiceState]) -> dict[str, Any]:
+        # the prompt is counted once, as OpenAI does for n > 1: its cached tokens are choice 0's
+        return usage(len(self.prompt_ids), sum(len(s.token_ids) for s in states), states[0].cached_tokens)
 
     def _chunk(self, st: ChoiceState, delta: dict[str, Any], logprobs: dict[str, Any] | None,
                finish_reason: str | None, first: bool) -> dict[str, Any]:

@@ -44,7 +44,7 @@ class CompletionPlan:
             Submission(i * req.n + j, ids, make_params(
                 req, max_tokens=1 if self.score_only else ctx.clamp_max_tokens(max_tokens, ids), choice=j,
                 logprobs=None if self.score_only else req.logprobs, prompt_logprobs=prompt_lp,
-                structured=structured))
+                structured=structured), req.cache_salt)
             for i, (_, ids) in enumerate(self.prompts) for j in range(req.n)
         ]
         self.offsets = [0] * len(self.subs)
@@ -120,9 +120,11 @@ class CompletionPlan:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.ctx.model_name,
                 "choices": choices, "usage": self.usage(states)}
 
-    def usage(self, states: list[ChoiceState]) -> dict[str, int]:
+    def usage(self, states: list[ChoiceState]) -> dict[str, Any]:
         completion = 0 if self.score_only else sum(len(s.token_ids) for s in states)
-        return usage(sum(len(ids) for _, ids in self.prompts), completion)
+        # each prompt is counted once (not per choice): its cached tokens are its first choice's
+        cached = sum(states[i * self.req.n].cached_tokens for i in range(len(self.prompts)))
+        return usage(sum(len(ids) for _, ids in self.prompts), completion, cached)
 
     def chunk(self, st: ChoiceState, d: Delta) -> dict[str, Any] | None:
         ids, lps = self._gen(d.token_ids, d.logprobs)

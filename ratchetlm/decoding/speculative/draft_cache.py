@@ -24,6 +24,7 @@ class DraftSeqState:
 
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # leading draft positions whose K/V are in the draft cache
+    start: int = 0  # first position with K/V: attention reads positions [start, num_cached)
 
 
 class DraftCache:

@@ -214,7 +214,13 @@ class EagleProposer(Proposer):
     def _ready(self, seq: Sequence) -> bool:
         """Features of draft indices ``c .. T-1`` are known and the head cache covers ``T`` indices."""
         run = seq.strategy_state.get(_FEATS)
-        c, t = self.draft.state(seq).num_cached, len(seq.token_ids) - 1
+        st = self.draft.state(seq)
+        if run is not None and st.num_cached == 0 and run.start > 0:
+            # The target reused a cached prefix and computed no features there: the head's own
+            # context starts at the first position it has features for (drafts may be a little
+            # worse; verification keeps the output exact).
+            st.start = st.num_cached = run.start
+        c, t = st.num_cached, len(seq.token_ids) - 1
         if run is None or run.start > c or run.end < t or t <= c:
             return False
         return self.draft.reserve(seq, t)
@@ -227,7 +233,7 @@ class EagleProposer(Proposer):
         pos = torch.cat([torch.arange(s, s + len(t)) for s, t in zip(starts, tokens, strict=True)]).to(dev)
         cache = self.draft.cache
         batch = build_attention_batch(pos, [len(t) for t in tokens],
-                                      [self.draft.slots(st, 0, st.num_cached) for st in states],
+                                      [self.draft.slots(st, st.start, st.num_cached) for st in states],
                                       [None] * len(tokens), sink, cache, dtype=cache.k.dtype)
         ids = torch.tensor([x for t in tokens for x in t], dtype=torch.long, device=dev)
         out = self.head(self.embed(ids), torch.cat(feats), batch)

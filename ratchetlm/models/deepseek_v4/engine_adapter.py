@@ -6,6 +6,11 @@ V4's cache (sliding ring + compressed KV + compressor state) does not fit the en
 per-token paged K/V cache, so V4 gets its own step loop: each step prefills at most one
 waiting request (emitting its first token) and runs one batched decode call that commits
 exactly one token for every running request. Speculative strategies are not supported.
+
+No prefix caching (an explicit opt-out, docs/deepseek_v4.md): the sliding ring and the compressor
+state are per-request running state, not per-token blocks a name could identify, so every
+request prefills its whole prompt and reports ``num_prefix_hit_tokens = 0``; ``cache_salt`` is
+accepted for the common surface and has nothing to isolate.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ class DeepseekV4Engine:
         self._ids = itertools.count()
         self.generator = torch.Generator().manual_seed(seed)
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None) -> int:
         vocab = self.config.vocab_size
         if not prompt_ids:
             raise ValueError("prompt is empty: at least one token is required")

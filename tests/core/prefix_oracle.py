@@ -1,0 +1,59 @@
+"""Oracle for the prefix cache: every named block holds the K/V a plain prefill computes for its
+prefix. A rejected draft token or a WeDLM mask whose K/V leaked into a block would break it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ratchetlm.engine.llm_engine import LLMEngine
+from ratchetlm.engine.sequence import Sequence
+from ratchetlm.sampling_params import SamplingParams
+
+
+def committed(eng: LLMEngine, seq_id: int) -> list[int]:
+    """A finished request's tokens that have K/V (read before ``release``)."""
+    seq = eng.seqs[seq_id]
+    return seq.token_ids[: seq.num_cached]
+
+
+def expected_hit(prompt: list[int], history: list[list[int]], block_size: int) -> int:
+    """Tokens a lookup must find: the longest common prefix with anything committed before, in
+    whole blocks, leaving the prompt's last token to compute."""
+    best = 0
+    for done in history:
+        n = 0
+        while n < min(len(prompt), len(done)) and prompt[n] == done[n]:
+            n += 1
+        best = max(best, n)
+    return min(best // block_size, (len(prompt) - 1) // block_size) * block_size
+
+
+def assert_cached_blocks_match_prefill(eng: LLMEngine, histories: list[list[int]], atol: float = 2e-3) -> int:
+    """For each history (a finished request's committed tokens), the blocks of ``eng``'s prefix cache
+    named after its prefixes hold what a plain autoregressive prefill of those tokens writes, in every
+    layer. Returns how many blocks were compared (callers assert it is not zero)."""
+    bm, bs = eng.blocks, eng.blocks.block_size
+    room = max(len(t) for t in histories) // bs + 2
+    plain = LLMEngine(replace(eng.cfg, decoding="autoregressive", decoding_options={}, enable_prefix_caching=False,
+                              kv_cache_blocks=room), eng.model, eng.model_config)
+    checked = 0
+    for tokens in histories:
+        probe = Sequence(-1, list(tokens), len(tokens), SamplingParams())
+        names = bm._hashes(probe, len(tokens) // bs)
+        blocks = [(i, bm.cached[h]) for i, h in enumerate(names) if h in bm.cached]
+        if not blocks:
+            continue
+        sid = plain.add_request(list(tokens), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        while plain.seqs[sid].num_cached < len(tokens):
+            plain.step()  # (chunked) prefill: every prompt token's K/V is in its blocks now
+        table = plain.seqs[sid].block_table
+        for i, b in blocks:
+            mine = slice(b * bs, (b + 1) * bs)
+            ref = slice(table[i] * bs, (table[i] + 1) * bs)
+            torch.testing.assert_close(eng.cache.k[:, mine], plain.cache.k[:, ref], atol=atol, rtol=atol)
+            torch.testing.assert_close(eng.cache.v[:, mine], plain.cache.v[:, ref], atol=atol, rtol=atol)
+            checked += 1
+        plain.abort(sid)
+    return checked
