@@ -5,6 +5,7 @@ on both endpoints; invalid constraints are 400s naming the problem."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,7 +14,9 @@ import jsonschema
 import pytest
 from pydantic import BaseModel
 
+from ratchetlm.sampling_params import StructuredOutputsParams
 from tests.server.conftest import MODEL_NAME
+from tests.server.test_inprocess import _sse, serve
 
 S = {"type": "string", "maxLength": 24}
 # Numbers carry bounds and a precision (multipleOf): a bare "number" lets a 135M model write digits
@@ -161,6 +164,61 @@ def test_tool_results_go_through_the_template(server):
     out = httpx.post(server.v1 + "/chat/completions", json={"model": MODEL_NAME, "messages": msgs, "tools": [WEATHER],
                                                             "max_tokens": 8, "temperature": 0}, timeout=120)
     assert out.status_code == 200, out.text
+
+
+# tool_choice "auto": the default 135M model never decides to call by itself, so the test scripts its
+# decision: every request's output is forced (a one-choice constraint, added behind the server's
+# back) to text followed by a call in the model family's format. The server still treats the
+# request as auto / none, so this checks the server's side: parsing, content split, finish reason.
+SCRIPTED = ('Let me check. <tool_call>[{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}]'
+            '</tool_call>')
+
+
+@pytest.fixture
+def scripted(oracle, monkeypatch):
+    real = oracle.engine.add_request
+
+    def add_request(prompt_ids, params):
+        return real(prompt_ids, dataclasses.replace(params, structured=StructuredOutputsParams(choice=[SCRIPTED])))
+
+    monkeypatch.setattr(oracle.engine, "add_request", add_request)
+    with serve(oracle, MODEL_NAME) as base:
+        yield base
+
+
+def _chat(base: str, **extra) -> httpx.Response:
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Is it cold in Oslo?"}], "max_tokens": 80,
+            "temperature": 0, **extra}
+    r = httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_auto_tool_choice_parses_the_models_calls(scripted):
+    c = _chat(scripted, tools=[WEATHER, SEARCH]).json()["choices"][0]
+    assert c["finish_reason"] == "tool_calls" and c["message"]["content"] == "Let me check."
+    [call] = c["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and call["id"].startswith("call_")
+    assert json.loads(call["function"]["arguments"]) == {"city": "Oslo", "unit": "celsius"}
+
+    events = _sse(_chat(scripted, tools=[WEATHER, SEARCH], stream=True).text)
+    assert events[-1] == "[DONE]"
+    deltas = [e["choices"][0] for e in events[:-1]]
+    content = "".join(d["delta"].get("content") or "" for d in deltas)
+    assert content.strip() == "Let me check." and "<tool" not in content  # the call's text is held back
+    parts = [t for d in deltas for t in d["delta"].get("tool_calls") or []]
+    assert parts[0]["id"].startswith("call_") and parts[0]["function"]["name"] == "get_weather"
+    assert json.loads("".join(p["function"].get("arguments") or "" for p in parts)) == {"city": "Oslo",
+                                                                                          "unit": "celsius"}
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+
+
+def test_none_tool_choice_leaves_calls_as_text(scripted):
+    auto = _chat(scripted, tools=[WEATHER, SEARCH]).json()
+    none = _chat(scripted, tools=[WEATHER, SEARCH], tool_choice="none").json()
+    c = none["choices"][0]
+    assert c["finish_reason"] == "stop" and c["message"]["content"] == SCRIPTED and not c["message"].get("tool_calls")
+    assert none["usage"]["prompt_tokens"] < auto["usage"]["prompt_tokens"]  # the tools stay out of the prompt
 
 
 @pytest.mark.parametrize("path, extra, check", [
