@@ -239,7 +239,7 @@ REFUSED_FIELDS: dict[str, tuple[Any, ...]] = {
     "chat_template": (None,), "chat_template_kwargs": (None, {}), "add_generation_prompt": (None, True),
     "continue_final_message": (None, False), "documents": (None,), "return_tokens_as_token_ids": (None, False),
     "logits_processors": (None,), "structural_tag": (None,), "guided_whitespace_pattern": (None,),
-    "mm_processor_kwargs": (None,), "add_special_tokens": (None,),
+    "mm_processor_kwargs": (None,), "add_special_tokens": (None, False),
     "skip_special_tokens": (None, True),
 }
 _HINTS = {"functions": "use tools", "function_call": "use tool_choice"}

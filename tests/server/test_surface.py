@@ -33,7 +33,8 @@ def test_sampling_controls_equal_the_offline_engine(server, oracle):
 
 
 @pytest.mark.parametrize("extra", [{"user": "u1"}, {"metadata": {"k": "v"}}, {"store": False},
-                                   {"service_tier": "auto"}, {"modalities": ["text"]}, {"audio": None}])
+                                   {"service_tier": "auto"}, {"modalities": ["text"]}, {"audio": None},
+                                   {"add_special_tokens": False}])
 def test_harmless_fields_are_ignored(server, extra):
     r = httpx.post(server.v1 + "/chat/completions", json={"model": MODEL_NAME, "max_tokens": 2, **extra,
                                                           "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
@@ -43,7 +44,7 @@ def test_harmless_fields_are_ignored(server, extra):
 @pytest.mark.parametrize("field, value", [
     ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
     ("prediction", {"type": "content", "content": "x"}), ("web_search_options", {}),
-    ("functions", [{"name": "f"}]), ("best_of", 3), ("frobnicate", 1),
+    ("functions", [{"name": "f"}]), ("best_of", 3), ("add_special_tokens", True), ("frobnicate", 1),
 ])
 def test_meaning_changing_and_unknown_fields_are_refused(server, field, value):
     r = httpx.post(server.v1 + "/chat/completions", json={"model": MODEL_NAME, "max_tokens": 2, field: value,
