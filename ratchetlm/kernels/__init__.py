@@ -26,8 +26,9 @@ import torch  # noqa: F401  (must be loaded before the kernel library: shared Op
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("ggml_blocks.c")
-# -ffp-contract=off: the in-register dequantization must round exactly like gguf-py's numpy code.
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("dequant.c", "matmul.c"))
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("ggml_types.h",))
+# -ffp-contract=off: dequantization must round exactly like gguf-py's numpy code (no fused d * q + m).
 _FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 # tried in order: the native ISA (AVX-512 / AVX2 paths), then portable C
 _ARCH_FLAGS: tuple[list[str], ...] = (["-march=native"], [])
@@ -50,7 +51,7 @@ def _build(cc: str, flags: list[str], out: Path) -> bool:
         log.warning("cannot write kernel cache in %s: %s", out.parent, e)
         return False
     os.close(fd)
-    proc = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+    proc = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True)
     if proc.returncode != 0:
         os.unlink(tmp)
         log.warning("kernel build failed (%s): %s", " ".join(flags), proc.stderr.strip()[-500:])
@@ -70,11 +71,12 @@ def compile_library(arch_flags: list[str]) -> ctypes.CDLL | None:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     flags = _FLAGS + arch_flags
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(flags).encode() + version.encode() + platform.machine().encode()
+        b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+        + " ".join(flags).encode() + version.encode() + platform.machine().encode()
     ).hexdigest()[:16]
     fallback = Path(tempfile.gettempdir()) / f"ratchetlm-kernels-{getattr(os, 'getuid', lambda: 0)()}"
     for folder in (cache_dir(), fallback):
-        path = folder / f"ggml_blocks-{key}.so"
+        path = folder / f"ratchet_kernels-{key}.so"
         if path.exists() or _build(cc, flags, path):
             lib = ctypes.CDLL(str(path))
             _declare(lib)
@@ -92,13 +94,27 @@ def load() -> ctypes.CDLL | None:
     return None
 
 
+class Part(ctypes.Structure):
+    """One run of output rows of a block weight (``part_t`` in matmul.c)."""
+
+    _fields_ = [("type", ctypes.c_int32), ("rows", ctypes.c_int32), ("data", ctypes.c_void_p),
+                ("row_bytes", ctypes.c_int64), ("rowmap", ctypes.c_void_p)]
+
+
 def _declare(lib: ctypes.CDLL) -> None:
-    p, i = ctypes.c_void_p, ctypes.c_int
+    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     lib.ratchet_kernel_isa.restype = ctypes.c_char_p
-    lib.ratchet_q4_1_mm.argtypes = [p, i, i, p, p, p, i, p, i]
-    lib.ratchet_q4_1_mm.restype = None
-    lib.ratchet_q8_0_mm.argtypes = [p, i, i, p, p, i, p, i]
-    lib.ratchet_q8_0_mm.restype = None
+    lib.ratchet_num_types.restype = i
+    lib.ratchet_type_name.restype = ctypes.c_char_p
+    lib.ratchet_type_name.argtypes = [i]
+    for f in (lib.ratchet_type_ggml_id, lib.ratchet_type_blck, lib.ratchet_type_bytes):
+        f.argtypes, f.restype = [i], i
+    lib.ratchet_to_float.argtypes = [i, p, p, i64]
+    lib.ratchet_to_float.restype = None
+    lib.ratchet_mm.argtypes = [p, i, i, p, i, p, i, i]
+    lib.ratchet_mm.restype = None
+    lib.ratchet_get_rows.argtypes = [p, i, p, i, p, i]
+    lib.ratchet_get_rows.restype = None
 
 
 def isa() -> str | None:

@@ -1,19 +1,26 @@
-"""GGUF block-quantized weights kept next to their dense copy, and the linear layer that uses them.
+"""GGUF block weights (read in place from the file) and the Linear / Embedding layers that use them.
 
-A GGUF model's Q4_1 / Q8_0 tensors are dequantized for the dense path (prefill, GPUs, bf16) and
-*also* kept as blocks. Decode-size matmuls (few rows) on CPU in fp32 then read the blocks
-(5 or 8.5 bits per weight instead of 32) through the fused kernel in ``ratchetlm/kernels``: at
-batch 1 the model is weight-read bound, so reading ~6x fewer bytes is the whole speed-up.
+A GGUF model's 2-D tensors stay in their stored form — quantized blocks (Q4_K, Q8_0, ...) or
+F16/BF16/F32 rows — usually as read-only views into the mmapped file. There is no dense fp32 copy:
+on CPU with fp32 activations every matmul, at any number of rows (decode, verify, prefill), goes
+through the block kernels in ``ratchetlm/kernels`` (dequantize a panel of rows into a small
+per-thread scratch buffer, multiply it with register tiles), and embedding rows are dequantized
+as they are gathered. Elsewhere (autograd, other dtypes or devices) the weight is dequantized on
+the fly.
 
-Contract: the kernel dequantizes each weight with exactly gguf-py's float operations, so the
-weights it multiplies are bit-identical to the dense copy; outputs differ from ``F.linear`` only
-by fp32 summation order (~1e-6 relative).
+Contract: the kernels dequantize with exactly gguf-py's float operations (tests: ``x = I`` gives
+gguf-py's ``dequantize`` bit for bit, per format and per instruction-set build), so the model
+multiplies the same weights as HF transformers' GGUF loader; each output's fp32 summation order is
+fixed per build and independent of the number of rows in the call (batch-invariant).
+
+The formats are rows of one table (``RATCHET_TYPES`` in ``kernels/dequant.c``); ``SUPPORTED_TYPES``
+lists them by GGUF name in the same order.
 """
 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -22,181 +29,233 @@ from torch import nn
 
 from ratchetlm import kernels
 
-QK = 32  # weights per GGUF block for Q4_1 and Q8_0
-# Fused kernel up to at least this many rows of x. Above it, whichever of the kernel and BLAS sgemm
-# on the dense copy is faster depends on the machine (docs/architecture.md, "GGUF block kernels"):
-# on an Intel CPU MKL's sgemm won past ~110 rows, on an AMD EPYC the kernel won up to 1,024.
-MAX_FUSED_ROWS = 96
-PROBE_ROWS = (128, 256, 512, 1024)  # row counts fused_rows_limit() measures above MAX_FUSED_ROWS
-_fused_rows: int | None = None  # the measured limit: a property of this machine, found once per process
+# GGUF tensor types the kernels read, in the order of the C table (kernels/dequant.c).
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
-@dataclass(frozen=True)
-class BlockWeight:
-    """Rows of a ``[N, K]`` weight as GGUF blocks along K."""
+class UnsupportedTensorType(ValueError):
+    """A GGUF tensor stored in a format the kernels do not read (e.g. the IQ formats)."""
 
-    kind: str  # "q4_1" | "q8_0"
-    qs: torch.Tensor  # [N, K/32, 16] uint8 (q4_1 nibbles) | [N, K/32, 32] int8 (q8_0)
-    d: torch.Tensor  # [N, K/32] fp32 block scales
-    m: torch.Tensor | None  # [N, K/32] fp32 block minimums (q4_1 only)
+
+def type_sizes(type_name: str) -> tuple[int, int]:
+    """(weights per block, bytes per block) of a GGUF type."""
+    from ratchetlm.models.gguf_file import TYPE_SIZES
+
+    return TYPE_SIZES[type_name]
+
+
+@dataclass(frozen=True, eq=False)
+class BlockPart:
+    """A run of output rows stored in one GGUF format: ``data[i]`` holds stored row i's blocks."""
+
+    type_name: str
+    data: np.ndarray  # [stored_rows, row_bytes] uint8, usually a read-only view of the mmapped file
+    k: int  # weights per row
+    rowmap: np.ndarray | None = None  # [rows] int32: output row i reads stored row rowmap[i]
 
     def __post_init__(self) -> None:
-        assert self.kind in ("q4_1", "q8_0"), self.kind
-        assert self.d.dtype == torch.float32 and self.d.shape == self.qs.shape[:2]
-        assert (self.m is not None) == (self.kind == "q4_1")
+        if self.type_name not in SUPPORTED_TYPES:
+            raise UnsupportedTensorType(f"GGUF type {self.type_name} is not supported; supported: "
+                                        f"{', '.join(SUPPORTED_TYPES)}")
+        blck, nbytes = type_sizes(self.type_name)
+        assert self.data.dtype == np.uint8 and self.data.ndim == 2, (self.data.dtype, self.data.shape)
+        assert self.k % blck == 0 and self.data.shape[1] == self.k // blck * nbytes, (self.type_name, self.k,
+                                                                                     self.data.shape)
+        assert self.rowmap is None or (self.rowmap.dtype == np.int32 and self.rowmap.ndim == 1)
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0] if self.rowmap is None else len(self.rowmap)
+
+    def dequantize(self) -> torch.Tensor:  # [rows, k] fp32
+        lib = kernels.load()
+        rows = np.arange(self.data.shape[0]) if self.rowmap is None else self.rowmap
+        if lib is None:  # gguf-py, the reference
+            from gguf import GGMLQuantizationType
+            from gguf.quants import dequantize
+
+            dense = dequantize(np.ascontiguousarray(self.data[rows]), GGMLQuantizationType[self.type_name])
+            return torch.from_numpy(np.array(dense, dtype=np.float32).reshape(len(rows), self.k))
+        out = torch.empty(len(rows), self.k, dtype=torch.float32)
+        ids = torch.arange(self.rows, dtype=torch.int64)
+        lib.ratchet_get_rows(ctypes.byref(self.c_part()), self.k, ids.data_ptr(), len(ids), out.data_ptr(),
+                             torch.get_num_threads())
+        return out
+
+    def c_part(self) -> kernels.Part:
+        data = self.data
+        assert data.strides[1] == 1, "rows must be contiguous bytes"
+        return kernels.Part(SUPPORTED_TYPES.index(self.type_name), self.rows, data.ctypes.data, data.strides[0],
+                            None if self.rowmap is None else self.rowmap.ctypes.data)
+
+
+@dataclass(frozen=True, eq=False)
+class BlockWeight:
+    """A ``[N, K]`` weight as GGUF blocks: one part per run of output rows (a fused QKV weight is
+    the q, k and v tensors, possibly in three formats), never expanded to fp32 as a whole."""
+
+    parts: tuple[BlockPart, ...]
+    _c: list = field(default_factory=list, repr=False)  # cached ctypes array of the parts
+
+    def __post_init__(self) -> None:
+        assert self.parts and all(p.k == self.parts[0].k for p in self.parts), "parts must share K"
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.qs.shape[0], self.qs.shape[1] * QK
+        return sum(p.rows for p in self.parts), self.parts[0].k
+
+    @property
+    def type_names(self) -> tuple[str, ...]:
+        return tuple(p.type_name for p in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.rows * p.data.shape[1] for p in self.parts)
 
     @staticmethod
-    def from_gguf(type_name: str, raw: np.ndarray) -> BlockWeight | None:
-        """From a GGUF tensor's raw bytes ``[N, K/32 * block_bytes]``; None for other quant types."""
-        n = raw.shape[0]
-        if type_name == "Q4_1":
-            blocks = np.ascontiguousarray(raw).reshape(n, -1, 20)  # fp16 d, fp16 m, 16 bytes of nibbles
-            d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-            m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-            return BlockWeight("q4_1", torch.from_numpy(blocks[..., 4:].copy()), torch.from_numpy(d),
-                               torch.from_numpy(m))
-        if type_name == "Q8_0":
-            blocks = np.ascontiguousarray(raw).reshape(n, -1, 34)  # fp16 d, 32 int8
-            d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-            return BlockWeight("q8_0", torch.from_numpy(blocks[..., 2:].copy().view(np.int8)), torch.from_numpy(d),
-                               None)
-        return None
+    def from_gguf(type_name: str, raw: np.ndarray, k: int, rowmap: np.ndarray | None = None) -> BlockWeight:
+        """A GGUF tensor's data ``[N, ...]`` (any dtype gguf-py gives it) as one part, without a copy."""
+        data = raw.reshape(raw.shape[0], -1).view(np.uint8)
+        return BlockWeight((BlockPart(type_name, data, k, rowmap),))
+
+    @staticmethod
+    def cat(weights: list[BlockWeight]) -> BlockWeight:
+        """Row-concatenate (fused QKV / gate-up): the parts side by side, nothing copied."""
+        return BlockWeight(tuple(p for w in weights for p in w.parts))
+
+    def take_rows(self, order: np.ndarray) -> BlockWeight:
+        """Output rows ``order`` of a single-part weight (a row map over the same data)."""
+        assert len(self.parts) == 1, "take_rows needs a single-part weight"
+        p = self.parts[0]
+        order = np.asarray(order, dtype=np.int64)
+        rowmap = (order if p.rowmap is None else p.rowmap[order]).astype(np.int32)
+        return BlockWeight((BlockPart(p.type_name, p.data, p.k, rowmap),))
 
     @staticmethod
     def quantize_q8_0(w: torch.Tensor) -> BlockWeight:  # w [N, K] float, K % 32 == 0
         """GGUF Q8_0 of a dense weight (fp16 scale ``max|w| / 127`` per 32 weights, int8 values
         rounded to nearest), for weights that ship dense but run through the block kernels."""
         n, k = w.shape
-        assert k % QK == 0, f"Q8_0 needs K divisible by {QK}, got {k}"
-        blocks = w.detach().float().cpu().reshape(n, k // QK, QK)
-        d = (blocks.abs().amax(dim=-1) / 127.0).half().float()  # [N, K/32], as stored (fp16)
-        inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+        assert k % 32 == 0, f"Q8_0 needs K divisible by 32, got {k}"
+        blocks = w.detach().float().cpu().reshape(n, k // 32, 32)
+        d = (blocks.abs().amax(dim=-1) / 127.0).half()  # [N, K/32] as stored
+        inv = torch.where(d > 0, 1.0 / d.float(), torch.zeros_like(d, dtype=torch.float32))
         qs = (blocks * inv[..., None]).round().clamp_(-127, 127).to(torch.int8)
-        return BlockWeight("q8_0", qs.contiguous(), d.contiguous(), None)
+        raw = torch.cat([d[..., None].view(torch.uint8), qs.view(torch.uint8)], dim=-1)  # [N, K/32, 34]
+        return BlockWeight.from_gguf("Q8_0", raw.reshape(n, -1).numpy(), k)
 
-    def take_rows(self, order: np.ndarray) -> BlockWeight:  # order: [N] row permutation
-        idx = torch.from_numpy(np.asarray(order, dtype=np.int64))
-        return BlockWeight(self.kind, self.qs[idx].contiguous(), self.d[idx].contiguous(),
-                           None if self.m is None else self.m[idx].contiguous())
+    def dequantize(self) -> torch.Tensor:  # [N, K] fp32: exactly the weights the kernels multiply
+        return torch.cat([p.dequantize() for p in self.parts])
 
-    @staticmethod
-    def cat(parts: list[BlockWeight]) -> BlockWeight | None:
-        """Row-concatenate (fused QKV / gate-up); None unless all parts share one kind and K."""
-        if not parts or any(p.kind != parts[0].kind or p.shape[1] != parts[0].shape[1] for p in parts):
-            return None
-        m = None if parts[0].m is None else torch.cat([p.m for p in parts if p.m is not None])
-        return BlockWeight(parts[0].kind, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m)
-
-    def dequantize(self) -> torch.Tensor:  # [N, K] fp32, the reference the kernel must reproduce
-        if self.kind == "q4_1":
-            assert self.m is not None
-            q = torch.cat([self.qs & 0x0F, self.qs >> 4], dim=-1).float()  # [N, nb, 32]
-            w = self.d[..., None] * q + self.m[..., None]
-        else:
-            w = self.qs.float() * self.d[..., None]
-        return w.reshape(self.shape)
+    def c_parts(self) -> ctypes.Array:
+        if not self._c:
+            self._c.append((kernels.Part * len(self.parts))(*(p.c_part() for p in self.parts)))
+        return self._c[0]
 
 
-def fused_matmul(
+def block_matmul(
     x: torch.Tensor,  # [M, K] fp32, CPU
     w: BlockWeight,  # [N, K]
     threads: int | None = None,
     lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:  # [M, N] fp32
-    """``x @ w.T`` through the compiled kernel (``lib``: a specific build, default the best one).
-    Callers on the model path check :func:`usable` first."""
+    """``x @ w.T`` through the compiled kernels (``lib``: a specific build, default the best one)."""
     lib = lib or kernels.load()
-    assert lib is not None, "fused_matmul needs the compiled kernels (check usable() first)"
+    assert lib is not None, "block_matmul needs the compiled kernels (check usable() first)"
     x = x.contiguous()
-    mrows, k = x.shape
+    m, k = x.shape
     n, wk = w.shape
     assert k == wk and x.dtype == torch.float32 and x.device.type == "cpu", (x.shape, w.shape, x.dtype)
-    y = torch.empty(mrows, n, dtype=torch.float32)
-    nt = threads or torch.get_num_threads()
-    p = ctypes.c_void_p
-    if w.kind == "q4_1":
-        assert w.m is not None
-        lib.ratchet_q4_1_mm(p(x.data_ptr()), mrows, k, p(w.qs.data_ptr()), p(w.d.data_ptr()), p(w.m.data_ptr()),
-                            n, p(y.data_ptr()), nt)
-    else:
-        lib.ratchet_q8_0_mm(p(x.data_ptr()), mrows, k, p(w.qs.data_ptr()), p(w.d.data_ptr()), n, p(y.data_ptr()), nt)
+    y = torch.empty(m, n, dtype=torch.float32)
+    parts = w.c_parts()
+    if lib is not kernels.load():  # another build: rebuild the parts (same layout, fresh array)
+        parts = (kernels.Part * len(w.parts))(*(p.c_part() for p in w.parts))
+    lib.ratchet_mm(x.data_ptr(), m, k, parts, len(w.parts), y.data_ptr(), n, threads or torch.get_num_threads())
     return y
 
 
-def usable(x: torch.Tensor, w: BlockWeight | None) -> bool:
-    """Whether ``x @ w.T`` should take the fused kernel: CPU fp32, up to :func:`fused_rows_limit`
-    rows, kernels built."""
+def usable(x: torch.Tensor) -> bool:
+    """Whether ``x`` can go through the block kernels: 2-D fp32 on CPU, no gradient wanted, built."""
     return (
-        w is not None
-        and x.dim() == 2
+        x.dim() == 2
         and x.dtype == torch.float32
         and x.device.type == "cpu"
-        and not torch.is_grad_enabled()
+        and not (x.requires_grad and torch.is_grad_enabled())
         and kernels.load() is not None
-        and x.shape[0] <= fused_rows_limit()
     )
 
 
-def fused_rows_limit() -> int:
-    """Most rows of ``x`` the fused kernel takes: ``MAX_FUSED_ROWS``, raised to the largest of
-    ``PROBE_ROWS`` up to which the kernel beat sgemm on the dense copy by >= 10% on this machine
-    (a [1536, 576] Q4_1 weight, the current torch threads, medians of 3; ~0.1 s, once per process).
-    Both paths multiply the same weights; only the speed differs."""
-    global _fused_rows
-    if _fused_rows is None:
-        _fused_rows = MAX_FUSED_ROWS if kernels.load() is None else _measure_fused_rows()
-    return _fused_rows
-
-
-def set_fused_rows_limit(rows: int | None) -> None:
-    """Fix the limit (benchmarks compare both paths; tests pin it); None measures again on next use."""
-    global _fused_rows
-    _fused_rows = rows
-
-
-def _measure_fused_rows() -> int:
-    import time
-
-    gen = torch.Generator().manual_seed(0)
-    n, k = 1536, 576
-    w = BlockWeight("q4_1", torch.randint(0, 256, (n, k // QK, 16), dtype=torch.uint8, generator=gen),
-                    torch.rand(n, k // QK, generator=gen) * 0.01, -torch.rand(n, k // QK, generator=gen) * 0.05)
-    dense = w.dequantize()
-
-    def best(f) -> float:  # median of 3 after a warm-up
-        f()
-        times = []
-        for _ in range(3):
-            t = time.perf_counter()
-            f()
-            times.append(time.perf_counter() - t)
-        return sorted(times)[1]
-
-    limit = MAX_FUSED_ROWS
-    with torch.inference_mode():
-        for rows in PROBE_ROWS:
-            x = torch.randn(rows, k, generator=gen)
-            if best(lambda x=x: fused_matmul(x, w)) > 0.9 * best(lambda x=x: F.linear(x, dense)):
-                break
-            limit = rows
-    return limit
+def _dequantized(w: BlockWeight, like: torch.Tensor) -> torch.Tensor:
+    return w.dequantize().to(device=like.device, dtype=like.dtype)
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that may also hold its weight as GGUF blocks (``blocks``, set after loading).
-
-    Both copies hold the same weights; :func:`usable` picks the path per call.
-    """
+    """``nn.Linear`` whose weight may instead be a :class:`BlockWeight` (``use_blocks``): then the
+    dense ``weight`` is gone and matmuls read the blocks."""
 
     blocks: BlockWeight | None = None
 
+    def use_blocks(self, w: BlockWeight) -> None:
+        assert w.shape == (self.out_features, self.in_features), (w.shape, self.out_features, self.in_features)
+        self.blocks = w
+        self.weight = None  # type: ignore[assignment]  # no dense copy
+
+    def dense_weight(self) -> torch.Tensor:  # [out, in]: the weight, dequantized if need be
+        return self.weight if self.blocks is None else self.blocks.dequantize()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if usable(x, self.blocks):
-            assert self.blocks is not None
-            y = fused_matmul(x, self.blocks)
+        if self.blocks is None:
+            return F.linear(x, self.weight, self.bias)
+        if usable(x.reshape(-1, x.shape[-1])):
+            y = block_matmul(x.reshape(-1, x.shape[-1]), self.blocks).view(*x.shape[:-1], -1)
             return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, _dequantized(self.blocks, x), self.bias)  # slow path: autograd, other dtypes
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` whose table may be a :class:`BlockWeight`: rows are dequantized as gathered.
+    ``as_head`` multiplies by the table (a tied LM head)."""
+
+    blocks: BlockWeight | None = None
+
+    def use_blocks(self, w: BlockWeight) -> None:
+        assert w.shape == (self.num_embeddings, self.embedding_dim), (w.shape, self.num_embeddings)
+        self.blocks = w
+        self.weight = None  # type: ignore[assignment]
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.weight if self.blocks is None else self.blocks.dequantize()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.blocks is None:
+            return super().forward(ids)
+        lib = kernels.load()
+        flat = ids.reshape(-1).to(device="cpu", dtype=torch.int64).contiguous()
+        if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < self.num_embeddings:
+            raise IndexError(f"token id out of range [0, {self.num_embeddings})")
+        out = torch.empty(flat.numel(), self.embedding_dim, dtype=torch.float32)
+        if lib is None:
+            out.copy_(self.blocks.dequantize()[flat])
+        else:
+            part = self.blocks.parts[0]
+            assert len(self.blocks.parts) == 1
+            lib.ratchet_get_rows(ctypes.byref(part.c_part()), part.k, flat.data_ptr(), flat.numel(), out.data_ptr(),
+                                 torch.get_num_threads())
+        return out.view(*ids.shape, -1).to(ids.device)
+
+    def as_head(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, dim] -> [n, num_embeddings] fp32
+        if self.blocks is None:
+            return F.linear(hidden, self.weight).float()
+        if usable(hidden):
+            return block_matmul(hidden, self.blocks)
+        return F.linear(hidden, _dequantized(self.blocks, hidden)).float()
+
+
+def dense_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` with block weights dequantized (to warm-start a dense copy)."""
+    out = dict(module.state_dict())
+    for name, sub in module.named_modules():
+        if isinstance(sub, (Linear, Embedding)) and sub.blocks is not None:
+            out[f"{name}.weight" if name else "weight"] = sub.blocks.dequantize()
+    return out

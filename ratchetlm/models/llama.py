@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ratchetlm.layers.attention import AttentionBatch, paged_attention
-from ratchetlm.layers.block_quant import BlockWeight, Linear, fused_matmul, usable
+from ratchetlm.layers.block_quant import BlockWeight, Embedding, Linear
 from ratchetlm.layers.norm_rope import RMSNorm, RotaryEmbedding
 from ratchetlm.models.config import ModelConfig
 from ratchetlm.models.families import FAMILIES, FUSED_PARTS
@@ -84,7 +84,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         rotary = cfg.rotary_dim or cfg.head_dim
@@ -94,7 +94,6 @@ class LlamaModel(nn.Module):
         self.local_rope = None if cfg.rope_local_theta is None else RotaryEmbedding(
             cfg.head_dim, cfg.rope_local_theta, cfg.max_position_embeddings, None, rotary)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.head_blocks: BlockWeight | None = None  # tied head as GGUF blocks (see attach_blocks)
 
     def forward(
         self,
@@ -122,47 +121,38 @@ class LlamaModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
         if self.lm_head is not None:
             out = self.lm_head(hidden).float()
-        elif usable(hidden, self.head_blocks):
-            assert self.head_blocks is not None
-            out = fused_matmul(hidden, self.head_blocks)
         else:
-            out = F.linear(hidden, self.embed.weight).float()
+            out = self.embed.as_head(hidden)
         cap = self.config.final_logit_softcap
         return out if cap is None else torch.tanh(out / cap) * cap
 
-    def attach_blocks(self, blocks: dict[str, BlockWeight]) -> int:
-        """Give linear layers the GGUF-block copy of their (already loaded) weights, by HF name.
-
-        Fused layers get blocks only when every part is block-quantized with one kind. Returns the
-        number of layers that got blocks. The dense weights stay: they serve prefill and non-CPU paths.
-        """
-        attached = 0
-        for i, layer in enumerate(self.layers):
-            assert isinstance(layer, DecoderLayer)
-            pre = f"model.layers.{i}."
-            groups: list[tuple[Linear, list[str]]] = [
-                (layer.qkv, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
-                (layer.o_proj, ["self_attn.o_proj"]),
-                (layer.gate_up, ["mlp.gate_proj", "mlp.up_proj"]),
-                (layer.down, ["mlp.down_proj"]),
-            ]
-            for module, names in groups:
-                parts = [blocks.get(f"{pre}{n}.weight") for n in names]
-                bw = BlockWeight.cat([p for p in parts if p is not None]) if all(parts) else None
-                if bw is not None and bw.shape == tuple(module.weight.shape):
-                    module.blocks = bw
-                    attached += 1
+    def attach_blocks(self, blocks: dict[str, BlockWeight]) -> set[str]:
+        """Give every linear layer (and the embedding) whose weights are all in ``blocks`` (by HF
+        name) those blocks in place of its dense weight; a fused layer takes its parts side by side
+        (the family's name table says which tensors they are). Call before the dense weights are
+        allocated. Returns the names used."""
+        sources: dict[str, dict[int | None, str]] = {}  # our linear -> {part: HF tensor}
+        for hf, (target, part) in FAMILIES[self.config.architecture].layer_names.items():
+            if target in ("qkv", "o_proj", "gate_up", "down"):
+                sources.setdefault(target, {})[part] = hf
+        groups: list[tuple[Linear | Embedding, list[str]]] = [(self.embed, ["model.embed_tokens.weight"])]
         if self.lm_head is not None:
-            bw = blocks.get("lm_head.weight")
-            if bw is not None and bw.shape == tuple(self.lm_head.weight.shape):
-                self.lm_head.blocks = bw
-                attached += 1
-        else:
-            bw = blocks.get("model.embed_tokens.weight")
-            if bw is not None and bw.shape == tuple(self.embed.weight.shape):
-                self.head_blocks = bw
-                attached += 1
-        return attached
+            groups.append((self.lm_head, ["lm_head.weight"]))
+        for i, layer in enumerate(self.layers):
+            for target, parts in sources.items():
+                pre = f"model.layers.{i}."
+                whole = parts.get(None)
+                if whole is not None and f"{pre}{whole}.weight" in blocks:
+                    names = [f"{pre}{whole}.weight"]
+                else:
+                    names = [f"{pre}{parts[p]}.weight" for p in sorted(k for k in parts if k is not None)]
+                groups.append((getattr(layer, target), names))
+        used: set[str] = set()
+        for module, names in groups:
+            if names and all(n in blocks for n in names):
+                module.use_blocks(BlockWeight.cat([blocks[n] for n in names]))
+                used.update(names)
+        return used
 
     @torch.no_grad()
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

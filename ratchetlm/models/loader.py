@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,9 +18,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ratchetlm.layers.block_quant import BlockWeight
+from ratchetlm import kernels
+from ratchetlm.layers.block_quant import SUPPORTED_TYPES, BlockWeight
 from ratchetlm.layers.rope_scaling import RopeScaling
 from ratchetlm.models.config import ModelConfig
+from ratchetlm.models.gguf_file import GGUFFile, GGUFTensor
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -92,6 +94,22 @@ def iter_hf_weights(path: Path, progress: bool = True) -> Iterator[tuple[str, to
 
 # ---------------------------------------------------------------- GGUF
 
+
+@dataclass(frozen=True)
+class GGUFArch:
+    """How one GGUF ``general.architecture`` maps onto this engine's models (one row per family)."""
+
+    hf_architecture: str  # ModelConfig.architecture
+    permuted_qk: bool  # llama.cpp's converter permuted Q/K rows for its interleaved RoPE: undo it
+
+
+GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
+    "llama": GGUFArch("LlamaForCausalLM", permuted_qk=True),  # Llama 2/3, Mistral, SmolLM
+    "qwen2": GGUFArch("Qwen2ForCausalLM", permuted_qk=False),  # q/k/v bias
+    "qwen3": GGUFArch("Qwen3ForCausalLM", permuted_qk=False),  # per-head q/k RMSNorm
+}
+
+# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
 _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -100,51 +118,62 @@ _GGUF_LAYER_NAMES = {
 }
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+def gguf_arch(reader: GGUFFile) -> tuple[str, GGUFArch]:
+    arch = reader.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
+    return arch, GGUF_ARCHITECTURES[arch]
 
 
-def gguf_config(reader: Any) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"unsupported GGUF architecture {arch!r}; supported: 'llama'")
-    p = "llama."
-    heads = int(_field(reader, p + "attention.head_count"))
-    hidden = int(_field(reader, p + "embedding_length"))
-    names = {t.name for t in reader.tensors}
-    vocab = _field(reader, p + "vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+def gguf_config(reader: GGUFFile) -> ModelConfig:
+    arch, info = gguf_arch(reader)
+    p = arch + "."
+
+    def need(key: str) -> Any:
+        if p + key not in reader.meta:
+            raise ModelLoadError(f"GGUF file {reader.path} lacks metadata {p + key!r}")
+        return reader.meta[p + key]
+
+    heads = int(need("attention.head_count"))
+    hidden = int(need("embedding_length"))
+    names = set(reader.tensors)
+    if "token_embd.weight" not in reader.tensors:
+        raise ModelLoadError(f"GGUF file {reader.path} has no token_embd.weight tensor")
+    vocab = reader.tensors["token_embd.weight"].shape[0]  # the table's rows define the vocabulary
+    eos = reader.get("tokenizer.ggml.eos_token_id")
+    head_dim = reader.get(p + "attention.key_length") or reader.get(p + "rope.dimension_count")
     return ModelConfig(
-        architecture="LlamaForCausalLM",
+        architecture=info.hf_architecture,
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, p + "feed_forward_length")),
-        num_layers=int(_field(reader, p + "block_count")),
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
         num_heads=heads,
-        num_kv_heads=int(_field(reader, p + "attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, p + "rope.dimension_count", hidden // heads)),
-        rope_theta=float(_field(reader, p + "rope.freq_base", 10000.0)),
+        num_kv_heads=int(reader.get(p + "attention.head_count_kv", heads)),
+        head_dim=int(head_dim or hidden // heads),
+        rope_theta=float(reader.get(p + "rope.freq_base", 10000.0)),
         rope_scaling=gguf_rope_scaling(reader, p),
-        rms_norm_eps=float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(_field(reader, p + "context_length", 2048)),
+        rms_norm_eps=float(reader.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(reader.get(p + "context_length", 2048)),
         tie_word_embeddings="output.weight" not in names,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        bos_token_id=reader.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
     )
 
 
-def gguf_rope_scaling(reader: Any, p: str) -> RopeScaling | None:
+def gguf_rope_scaling(reader: GGUFFile, p: str) -> RopeScaling | None:
     """RoPE scaling from GGUF metadata (``{arch}.rope.scaling.*``) and llama.cpp's ``rope_freqs``
     tensor, per-frequency divisors: how Llama 3.x files carry their ``llama3`` scaling."""
-    tensors = {t.name: t for t in reader.tensors}
-    kind = _field(reader, p + "rope.scaling.type", "none")
-    factor = float(_field(reader, p + "rope.scaling.factor", 1.0) or 1.0)
-    orig = int(_field(reader, p + "rope.scaling.original_context_length", 0) or 0)
+    tensors = reader.tensors
+    kind = reader.get(p + "rope.scaling.type", "none")
+    factor = float(reader.get(p + "rope.scaling.factor", 1.0) or 1.0)
+    orig = int(reader.get(p + "rope.scaling.original_context_length", 0) or 0)
     if "rope_freqs.weight" in tensors:
         if kind not in ("none", "linear") or factor != 1.0:
             raise ModelLoadError(f"GGUF has both rope_freqs and rope scaling {kind!r} x{factor}: not supported")
-        freqs = np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float32).reshape(-1)
+        freqs = tensors["rope_freqs.weight"].dense().reshape(-1)
         return RopeScaling("freq_factors", freq_factors=tuple(float(x) for x in freqs))
     if kind == "none" or (kind == "linear" and factor == 1.0):
         return None
@@ -152,10 +181,10 @@ def gguf_rope_scaling(reader: Any, p: str) -> RopeScaling | None:
         return RopeScaling("linear", factor=factor)
     if kind == "yarn":
         # llama.cpp's attn_factor multiplies YaRN's own 0.1 ln(factor) + 1
-        attn = float(_field(reader, p + "rope.scaling.attn_factor", 1.0)) * (0.1 * math.log(factor) + 1.0)
+        attn = float(reader.get(p + "rope.scaling.attn_factor", 1.0)) * (0.1 * math.log(factor) + 1.0)
         return RopeScaling("yarn", factor=factor, original_max_position_embeddings=orig,
-                           beta_fast=float(_field(reader, p + "rope.scaling.yarn_beta_fast", 32.0)),
-                           beta_slow=float(_field(reader, p + "rope.scaling.yarn_beta_slow", 1.0)),
+                           beta_fast=float(reader.get(p + "rope.scaling.yarn_beta_fast", 32.0)),
+                           beta_slow=float(reader.get(p + "rope.scaling.yarn_beta_slow", 1.0)),
                            attention_factor=attn)
     raise ModelLoadError(f"unsupported GGUF rope scaling type {kind!r}; supported: none, linear, yarn")
 
@@ -169,9 +198,9 @@ def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_target(name: str, cfg: ModelConfig) -> tuple[str | None, int | None]:
-    """HF tensor name for a GGUF tensor (None = not a weight we load) and, for Q/K, the head count
-    whose RoPE row permutation must be undone."""
+def _gguf_target(name: str, cfg: ModelConfig, permuted_qk: bool) -> tuple[str | None, int | None]:
+    """HF tensor name for a GGUF tensor (None = not a weight we load) and, for permuted Q/K, the
+    head count whose RoPE row permutation must be undone."""
     if name == "token_embd.weight":
         return "model.embed_tokens.weight", None
     if name == "output_norm.weight":
@@ -179,40 +208,58 @@ def _gguf_target(name: str, cfg: ModelConfig) -> tuple[str | None, int | None]:
     if name == "output.weight":
         return "lm_head.weight", None
     if not name.startswith("blk."):
-        return None, None  # e.g. rope_freqs: derived from the config instead
+        return None, None
     _, idx, kind, suffix = name.split(".", 3)
     if kind not in _GGUF_LAYER_NAMES:
         raise ModelLoadError(f"unexpected GGUF tensor {name!r}")
-    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(kind)
+    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(kind) if permuted_qk else None
     return f"model.layers.{idx}.{_GGUF_LAYER_NAMES[kind]}.{suffix}", heads
 
 
-def iter_gguf_weights(reader: Any, cfg: ModelConfig, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    from gguf.quants import dequantize
+def _is_block_weight(t: GGUFTensor) -> bool:
+    """2-D weights (linear layers, embedding, head) stay in their stored form; norms and biases
+    (1-D, tiny) become dense fp32."""
+    return len(t.shape) == 2 and t.name.endswith(".weight")
 
-    for t in tqdm(reader.tensors, desc="loading weights", disable=not progress, leave=False):
-        name, heads = _gguf_target(t.name, cfg)
-        if name is None:
+
+def gguf_block_weights(reader: GGUFFile, cfg: ModelConfig) -> dict[str, BlockWeight]:
+    """Every 2-D weight of the model as a :class:`BlockWeight` over the mmapped file (no copy), by
+    HF name; permuted Q/K rows are undone by a row map. An unsupported format raises, naming the
+    tensor, its type and the supported list."""
+    _, info = gguf_arch(reader)
+    out: dict[str, BlockWeight] = {}
+    for t in reader.tensors.values():
+        name, heads = _gguf_target(t.name, cfg, info.permuted_qk)
+        if name is None or not _is_block_weight(t):
             continue
-        arr = dequantize(t.data, t.tensor_type)
+        if t.type_name not in SUPPORTED_TYPES:
+            raise ModelLoadError(
+                f"GGUF tensor {t.name!r} is stored as {t.type_name}, which the block kernels do not "
+                f"read; supported: {', '.join(SUPPORTED_TYPES)} (gguf_kernels=False dequantizes every tensor "
+                f"to a dense copy instead)")
+        out[name] = _block_weight(t, heads)
+    return out
+
+
+def _block_weight(t: GGUFTensor, heads: int | None) -> BlockWeight:
+    rows, k = t.shape
+    rowmap = None if heads is None else _unpermute_qk(np.arange(rows, dtype=np.int32), heads)
+    return BlockWeight.from_gguf(t.type_name, t.data, k, rowmap)
+
+
+def iter_gguf_weights(reader: GGUFFile, cfg: ModelConfig, progress: bool = True,
+                      skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's tensors as dense fp32 (exactly gguf-py's dequantization, Q/K un-permuted), except
+    the HF names in ``skip`` (those the model holds as blocks)."""
+    _, info = gguf_arch(reader)
+    for t in tqdm(list(reader.tensors.values()), desc="loading weights", disable=not progress, leave=False):
+        name, heads = _gguf_target(t.name, cfg, info.permuted_qk)
+        if name is None or name in skip:
+            continue
+        if t.type_name in SUPPORTED_TYPES and _is_block_weight(t) and kernels.load() is not None:
+            yield name, _block_weight(t, heads).dequantize()  # the kernels' dequantizers: same values, faster
+            continue
+        arr = t.dense()
         if heads is not None:
             arr = _unpermute_qk(arr, heads)
-        yield name, torch.from_numpy(np.array(arr, dtype=np.float32))  # copy: reader memory is read-only
-
-
-def gguf_block_weights(reader: Any, cfg: ModelConfig) -> dict[str, BlockWeight]:
-    """The GGUF tensors stored as Q4_1 / Q8_0 blocks, by HF name, rows in the same order as the
-    dense weights :func:`iter_gguf_weights` yields (Q/K RoPE permutation undone on whole rows)."""
-    out: dict[str, BlockWeight] = {}
-    for t in reader.tensors:
-        name, heads = _gguf_target(t.name, cfg)
-        if name is None or not name.endswith(".weight"):
-            continue
-        raw = np.asarray(t.data)
-        bw = BlockWeight.from_gguf(t.tensor_type.name, raw) if raw.ndim == 2 else None
-        if bw is None:
-            continue
-        if heads is not None:
-            bw = bw.take_rows(_unpermute_qk(np.arange(bw.shape[0]), heads))
-        out[name] = bw
-    return out
+        yield name, torch.from_numpy(arr)

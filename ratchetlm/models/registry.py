@@ -9,6 +9,7 @@ import torch
 
 from ratchetlm import kernels
 from ratchetlm.models.config import ModelConfig
+from ratchetlm.models.gguf_file import GGUFFile, GGUFFormatError
 from ratchetlm.models.llama import LlamaModel
 from ratchetlm.models.loader import (
     ModelLoadError,
@@ -39,16 +40,17 @@ def load_model(
     mask_token_id: int | None = None,
     gguf_kernels: bool = True,
 ) -> LoadedModel:
-    """``gguf_kernels``: for a block-quantized GGUF run on CPU in fp32, also keep the Q4_1/Q8_0
-    blocks so decode-size matmuls read them through the fused kernel (same weights, fewer bytes)."""
+    """``gguf_kernels``: a GGUF run on CPU in fp32 keeps its 2-D weights in their stored form (read
+    in place from the mmapped file) and multiplies them through the block kernels; otherwise (or
+    without a C compiler) every tensor is dequantized to a dense copy in ``dtype``."""
     source = resolve(ref)
     reader = None
     if source.kind == "gguf":
-        import gguf
-
-        reader = gguf.GGUFReader(str(source.path))
+        try:
+            reader = GGUFFile(source.path)
+        except GGUFFormatError as e:
+            raise ModelLoadError(str(e)) from None
         cfg = gguf_config(reader)
-        weights = iter_gguf_weights(reader, cfg, progress)
     else:
         d = read_hf_config(source.path)
         try:
@@ -57,7 +59,6 @@ def load_model(
             raise ModelLoadError(f"config.json in {source.path} lacks field {e}") from None
         except ValueError as e:
             raise ModelLoadError(f"{source.path / 'config.json'}: {e}") from None
-        weights = iter_hf_weights(source.path, progress)
     tokenizer = load_tokenizer(source)
     mask_id = mask_token_id if mask_token_id is not None else cfg.mask_token_id
     if mask_id is None and getattr(tokenizer, "mask_token_id", None) is not None:
@@ -66,9 +67,14 @@ def load_model(
         cfg = replace(cfg, mask_token_id=mask_id)
     with torch.device("meta"):
         model = LlamaModel(cfg)
-    model = model.to_empty(device="cpu").to(torch.float32)
-    model.load_hf_weights(weights)
-    model = model.to(device=device, dtype=dtype).eval()
+    in_blocks: set[str] = set()
     if reader is not None and gguf_kernels and device.type == "cpu" and dtype == torch.float32 and kernels.load():
-        model.attach_blocks(gguf_block_weights(reader, cfg))
+        in_blocks = model.attach_blocks(gguf_block_weights(reader, cfg))  # before any dense allocation
+    # dense tensors are allocated in the run dtype (a bf16 checkpoint is never expanded to fp32 first)
+    model = model.to_empty(device="cpu").to(dtype)
+    if reader is not None:
+        model.load_hf_weights(iter_gguf_weights(reader, cfg, progress, skip=in_blocks))
+    else:
+        model.load_hf_weights(iter_hf_weights(source.path, progress))
+    model = model.to(device=device).eval()
     return LoadedModel(model, cfg, tokenizer, source)

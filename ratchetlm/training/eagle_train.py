@@ -33,6 +33,7 @@ from ratchetlm import LLM, SamplingParams
 from ratchetlm.decoding.speculative.eagle import EagleConfig, EagleHead
 from ratchetlm.kv.cache import NullSink
 from ratchetlm.layers.attention import build_attention_batch
+from ratchetlm.layers.block_quant import dense_state_dict
 from ratchetlm.models.llama import LlamaModel
 from ratchetlm.training import eagle_data
 
@@ -119,9 +120,9 @@ def train(llm: LLM, data: dict, a: argparse.Namespace) -> EagleHead:
     head = EagleHead(EagleConfig.for_target(llm.model_config, len(vocab)))
     cast(torch.Tensor, head.draft_vocab).copy_(vocab)
     with torch.no_grad():  # warm start: the target's last layer and final norm (same shapes)
-        head.layer.load_state_dict(target.layers[-1].state_dict())
+        head.layer.load_state_dict(dense_state_dict(target.layers[-1]))
         head.norm.load_state_dict(target.norm.state_dict())
-    w_full = (target.lm_head.weight if target.lm_head is not None else target.embed.weight).detach()  # [V, H]
+    w_full = (target.lm_head if target.lm_head is not None else target.embed).dense_weight().detach()  # [V, H]
     w_head = w_full[vocab]  # [K, H]
     remap = torch.full((llm.model_config.vocab_size,), -100, dtype=torch.long)
     remap[vocab] = torch.arange(len(vocab))

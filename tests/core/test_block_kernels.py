@@ -1,5 +1,6 @@
-"""GGUF block kernels: the fused dequantize-dot multiplies exactly the dense weights, every
-instruction-set build agrees with the reference, and the model uses them only where it should."""
+"""GGUF block kernels: every format dequantizes exactly like gguf-py in every instruction-set build,
+the matmul multiplies exactly those weights at any row count (and a row's result does not depend on
+the other rows of the call), and the model holds its GGUF weights only in block form."""
 
 from __future__ import annotations
 
@@ -11,37 +12,44 @@ import torch
 import torch.nn.functional as F
 
 from ratchetlm import LLM, SamplingParams, kernels
-from ratchetlm.layers.block_quant import (
-    MAX_FUSED_ROWS,
-    PROBE_ROWS,
-    BlockWeight,
-    fused_matmul,
-    fused_rows_limit,
-    set_fused_rows_limit,
-    usable,
-)
+from ratchetlm.layers.block_quant import SUPPORTED_TYPES, BlockWeight, Linear, block_matmul, type_sizes
 
-VARIANTS = {"native": ["-march=native"], "avx2": ["-mavx2", "-mfma"], "portable": []}
+VARIANTS = {"native": ["-march=native"], "avx2": ["-mavx2", "-mfma", "-mf16c"], "portable": []}
+# byte offsets of the fp16 scales in each block (the rest of a block may be any bytes)
+SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
+                 "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+# K not a multiple of 256 (or of the vector width) where the format allows it
+ODD_K = {"F32": 37, "F16": 37, "BF16": 53, "Q4_0": 96, "Q4_1": 96, "Q5_0": 96, "Q5_1": 96, "Q8_0": 96}
 
 
-def _random_raw(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """Random GGUF bytes ``[n, k/32 * block_bytes]`` in the on-disk layout."""
+def random_raw(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random GGUF bytes ``[n, row_bytes]`` with valid (finite, varied) fp16 scales."""
     rng = np.random.default_rng(seed)
-    nb = k // 32
-    if kind == "q4_1":
-        d = rng.uniform(1e-3, 2e-2, (n, nb, 1)).astype(np.float16)
-        m = rng.uniform(-0.1, 0.0, (n, nb, 1)).astype(np.float16)
-        qs = rng.integers(0, 256, (n, nb, 16), dtype=np.uint8)
-        return np.concatenate([d.view(np.uint8), m.view(np.uint8), qs], axis=-1).reshape(n, -1)
-    d = rng.uniform(1e-3, 2e-2, (n, nb, 1)).astype(np.float16)
-    qs = rng.integers(-128, 128, (n, nb, 32), dtype=np.int8)
-    return np.concatenate([d.view(np.uint8), qs.view(np.uint8)], axis=-1).reshape(n, -1)
+    if type_name == "F32":
+        return rng.standard_normal((n, k)).astype(np.float32).view(np.uint8)
+    if type_name == "F16":
+        return rng.standard_normal((n, k)).astype(np.float16).view(np.uint8)
+    if type_name == "BF16":
+        bits = (rng.standard_normal((n, k)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        return bits.view(np.uint8)
+    blck, nbytes = type_sizes(type_name)
+    raw = rng.integers(0, 256, (n, k // blck, nbytes), dtype=np.uint8)
+    for off in SCALE_OFFSETS[type_name]:
+        scale = rng.uniform(1e-3, 3e-2, (n, k // blck)) * rng.choice([-1, 1], (n, k // blck))
+        raw[..., off:off + 2] = scale.astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(n, -1)
 
 
-def _random_blocks(kind: str, n: int, k: int, seed: int = 0) -> BlockWeight:
-    bw = BlockWeight.from_gguf(kind.upper(), _random_raw(kind, n, k, seed))
-    assert bw is not None
-    return bw
+def gguf_py(type_name: str, raw: np.ndarray) -> np.ndarray:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return np.asarray(dequantize(raw, GGMLQuantizationType[type_name]), dtype=np.float32)
+
+
+def same_bits(a: torch.Tensor | np.ndarray, b: torch.Tensor | np.ndarray) -> bool:
+    a, b = np.asarray(a, dtype=np.float32), np.asarray(b, dtype=np.float32)
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -56,72 +64,123 @@ def test_best_build_is_available():
     assert kernels.load() is not None and kernels.isa() in ("avx512", "avx2", "scalar")
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-def test_block_parse_and_dequantize_match_gguf_py(kind):
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
+def test_one_type_table_in_c_and_python():
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    raw = _random_raw(kind, 5, 96)
-    bw = BlockWeight.from_gguf(kind.upper(), raw)
-    assert bw is not None and bw.shape == (5, 96)
-    qtype = GGMLQuantizationType.Q4_1 if kind == "q4_1" else GGMLQuantizationType.Q8_0
-    assert torch.equal(bw.dequantize(), torch.from_numpy(dequantize(raw, qtype)))
-
-
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-def test_kernel_multiplies_exactly_the_dequantized_weights(lib, kind):
-    """x = identity picks single weights (one nonzero product, the rest exact zeros), so the
-    result must equal the dequantized weights bit for bit — in every instruction-set build."""
-    bw = _random_blocks(kind, 37, 64)
-    eye = torch.eye(64)
-    got = torch.cat([fused_matmul(eye[i:i + n], bw, lib=lib) for i, n in ((0, 3), (3, 8), (11, 53))])
-    assert torch.equal(got, bw.dequantize().T)
+    lib = kernels.load()
+    names = tuple(lib.ratchet_type_name(i).decode() for i in range(lib.ratchet_num_types()))
+    assert names == SUPPORTED_TYPES
+    for i, name in enumerate(names):
+        q = GGMLQuantizationType[name]
+        assert lib.ratchet_type_ggml_id(i) == q.value
+        assert (lib.ratchet_type_blck(i), lib.ratchet_type_bytes(i)) == GGML_QUANT_SIZES[q]
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("rows", [1, 5, 8, 9, 17, 33, 96, 301])  # row loop (<= 8), register tiles (> 8), prefill
-@pytest.mark.parametrize("threads", [1, 2])
-def test_kernel_matches_dense_linear(lib, kind, rows, threads):
-    bw = _random_blocks(kind, 302, 576, seed=rows)  # 302: not a multiple of the 4-row tile
-    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
-    ref = F.linear(x.double(), bw.dequantize().double()).float()
-    got = fused_matmul(x, bw, threads=threads, lib=lib)
-    assert got.shape == (rows, 302)
-    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-5)  # |y| ~ 30: fp32 summation-order noise
+@pytest.mark.parametrize("type_name", SUPPORTED_TYPES)
+def test_dequantize_is_bit_identical_to_gguf_py(lib, type_name):
+    blck, _ = type_sizes(type_name)
+    k = 512 if blck == 256 else ODD_K[type_name] * 3
+    raw = random_raw(type_name, 7, k, seed=len(type_name))
+    out = np.empty((7, k), dtype=np.float32)
+    lib.ratchet_to_float(SUPPORTED_TYPES.index(type_name), raw.ctypes.data, out.ctypes.data, 7 * k // blck)
+    assert same_bits(out, gguf_py(type_name, raw))
 
 
-def test_usable_only_for_small_fp32_cpu_inference():
-    bw = _random_blocks("q4_1", 8, 64)
-    limit = fused_rows_limit()
-    assert limit == MAX_FUSED_ROWS or limit in PROBE_ROWS  # measured on this machine, once per process
+@pytest.mark.parametrize("type_name", SUPPORTED_TYPES)
+def test_identity_input_returns_the_weights_exactly(lib, type_name):
+    """x = I picks single weights (one nonzero product, the rest exact zeros), so x @ w.T must be
+    gguf-py's dequantized weights — at 1, 3, 8 (few-token path) and 9+ rows (chunked-K path)."""
+    blck, _ = type_sizes(type_name)
+    k = 512 if blck == 256 else ODD_K[type_name] * 3
+    n = 37  # not a multiple of the register tile's rows
+    raw = random_raw(type_name, n, k, seed=3)
+    bw = BlockWeight.from_gguf(type_name, raw, k)
+    eye = torch.eye(k)
+    cuts = [0, 1, 4, 12, 21, k]
+    got = torch.cat([block_matmul(eye[a:b], bw, lib=lib) for a, b in zip(cuts, cuts[1:], strict=False)])
+    assert torch.equal(got, torch.from_numpy(gguf_py(type_name, raw)).T)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "F16"])
+def test_row_map_and_parts(lib, type_name):
+    """A fused weight of parts in different formats, one with a row map (the Q/K un-permutation),
+    multiplies the concatenation of the mapped rows."""
+    k = 256
+    raw_a, raw_b = random_raw(type_name, 10, k, seed=1), random_raw("Q5_0", 6, k, seed=2)
+    order = np.array([3, 1, 4, 1, 5, 9, 2, 6], dtype=np.int32)
+    w = BlockWeight.cat([BlockWeight.from_gguf(type_name, raw_a, k, order), BlockWeight.from_gguf("Q5_0", raw_b, k)])
+    assert w.shape == (14, k)
+    dense = np.concatenate([gguf_py(type_name, raw_a)[order], gguf_py("Q5_0", raw_b)])
+    assert torch.equal(w.dequantize(), torch.from_numpy(dense))
+    eye = torch.eye(k)
+    assert torch.equal(torch.cat([block_matmul(eye[:5], w, lib=lib), block_matmul(eye[5:], w, lib=lib)]),
+                       torch.from_numpy(dense).T)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "BF16"])
+def test_matmul_matches_fp64_and_is_batch_invariant(lib, type_name):
+    """Random activations: close to an fp64 reference, and each row's result is bit-identical
+    whether it is computed alone, among 7 rows or among 301 (another tiling and K chunking), with
+    1 or 2 threads: the per-output reduction order never depends on the batch."""
+    k, n = 512, 75
+    bw = BlockWeight.from_gguf(type_name, random_raw(type_name, n, k, seed=5), k)
+    x = torch.randn(301, k, generator=torch.Generator().manual_seed(0))
+    w = bw.dequantize().double()
+    ref = F.linear(x.double(), w)
+    big = block_matmul(x, bw, threads=2, lib=lib)
+    scale = F.linear(x.double().abs(), w.abs())  # sum of |terms|: fp32 summation error is a tiny fraction
+    assert ((big.double() - ref).abs() <= 1e-5 * scale).all()
+    for rows in (slice(0, 1), slice(5, 12), slice(290, 301)):
+        assert same_bits(block_matmul(x[rows], bw, threads=1, lib=lib), big[rows])
+
+
+def test_quantize_q8_0_round_trips():
+    w = torch.randn(8, 64)
+    bw = BlockWeight.quantize_q8_0(w)
+    assert same_bits(bw.dequantize(), gguf_py("Q8_0", bw.parts[0].data))
+    assert (bw.dequantize() - w).abs().max() <= w.abs().max() / 127
+
+
+def test_linear_without_kernels_path_dequantizes(monkeypatch):
+    """Autograd (or another dtype) cannot use the kernels: the layer multiplies the dequantized
+    weights instead, with the same result."""
+    bw = BlockWeight.from_gguf("Q4_K", random_raw("Q4_K", 16, 256), 256)
+    lin = Linear(256, 16, bias=False)
+    lin.use_blocks(bw)
+    assert lin.weight is None
+    x = torch.randn(3, 256)
     with torch.inference_mode():
-        assert usable(torch.zeros(limit, 64), bw)
-        assert not usable(torch.zeros(limit + 1, 64), bw)  # a long prefill: BLAS on the dense copy
-        try:
-            set_fused_rows_limit(MAX_FUSED_ROWS)  # pinned: the limit is what usable() follows
-            assert not usable(torch.zeros(MAX_FUSED_ROWS + 1, 64), bw)
-        finally:
-            set_fused_rows_limit(limit)
-        assert not usable(torch.zeros(1, 64, dtype=torch.bfloat16), bw)
-        assert not usable(torch.zeros(1, 64), None)
-    assert not usable(torch.zeros(1, 64), bw)  # autograd on: dense path (the kernel has no backward)
+        fast = lin(x)
+    slow = lin(x.clone().requires_grad_(True))
+    assert slow.requires_grad
+    torch.testing.assert_close(fast, slow.detach(), atol=1e-5, rtol=1e-5)
 
 
-def test_default_model_blocks_hold_the_loaded_weights(llm_fp32):
-    """Every linear of the bundled Q4_1 model (and its tied Q8_0 head) got blocks whose
-    dequantization is exactly the dense weight in use, rows in the same (un-permuted) order."""
+def test_default_model_holds_only_blocks_of_the_file(llm_fp32, hf_smollm):
+    """No dense copy: every linear layer and the embedding hold views of the mmapped GGUF (norms
+    are the only dense parameters), and the blocks dequantize exactly to the weights HF
+    transformers' own GGUF loader builds (Q/K permutation undone by row maps)."""
     model = llm_fp32.engine.model
+    dense = sum(p.numel() for p in model.parameters())
+    assert dense == sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+    assert model.embed.weight is None and model.embed.blocks is not None
     for layer in model.layers:
         for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
-            assert lin.blocks is not None and lin.blocks.kind == "q4_1"
-            assert torch.equal(lin.blocks.dequantize(), lin.weight)
-    assert model.head_blocks is not None and model.head_blocks.kind == "q8_0"
-    assert torch.equal(model.head_blocks.dequantize(), model.embed.weight)
+            assert lin.weight is None and lin.blocks is not None
+            assert all(not p.data.flags.owndata and not p.data.flags.writeable for p in lin.blocks.parts)
+    hf = hf_smollm.model
+    for i in (0, len(model.layers) - 1):
+        ours, theirs = model.layers[i], hf.layers[i]
+        att = theirs.self_attn
+        assert torch.equal(ours.qkv.blocks.dequantize(),
+                           torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]))
+        assert torch.equal(ours.down.blocks.dequantize(), theirs.mlp.down_proj.weight)
+    assert torch.equal(model.embed(torch.tensor([0, 7, 49151])), hf.embed_tokens.weight[[0, 7, 49151]])
 
 
 def test_switch_off_and_compiler_missing_fall_back_to_dense(monkeypatch, tmp_path, caplog):
     off = LLM(progress=False, dtype="float32", gguf_kernels=False, kv_cache_blocks=32)
-    assert all(layer.qkv.blocks is None for layer in off.engine.model.layers)
+    assert all(layer.qkv.blocks is None and layer.qkv.weight is not None for layer in off.engine.model.layers)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(kernels, "_compiler", lambda: None)
     kernels.load.cache_clear()
@@ -129,7 +188,7 @@ def test_switch_off_and_compiler_missing_fall_back_to_dense(monkeypatch, tmp_pat
         with caplog.at_level(logging.WARNING):
             llm = LLM(progress=False, dtype="float32", kv_cache_blocks=32)
         assert "no C compiler" in caplog.text
-        assert llm.engine.model.head_blocks is None
+        assert llm.engine.model.embed.blocks is None
         p = SamplingParams(max_tokens=8, temperature=0)
         assert llm.generate("The capital of France is", p)[0].token_ids == \
             off.generate("The capital of France is", p)[0].token_ids
@@ -162,4 +221,14 @@ def test_unwritable_cache_falls_back_to_temp_dir(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     lib = kernels.compile_library([])
     assert lib is not None
-    assert list((tmp_path / "tmp").glob("ratchetlm-kernels-*/ggml_blocks-*.so"))
+    assert list((tmp_path / "tmp").glob("ratchetlm-kernels-*/ratchet_kernels-*.so"))
+
+
+def test_get_rows_bounds_are_checked():
+    from ratchetlm.layers.block_quant import Embedding
+
+    emb = Embedding(4, 32)
+    emb.use_blocks(BlockWeight.from_gguf("Q8_0", random_raw("Q8_0", 4, 32), 32))
+    assert emb(torch.tensor([[3, 0]])).shape == (1, 2, 32)
+    with pytest.raises(IndexError):
+        emb(torch.tensor([4]))

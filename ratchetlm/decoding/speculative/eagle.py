@@ -177,25 +177,26 @@ class EagleProposer(Proposer):
         self.num_forwards = 0
 
     def _draft_vocab_head(self, target: LlamaModel, dtype: torch.dtype) -> Linear:
-        """The target's head restricted to the draft vocabulary (rows in draft-vocab order)."""
-        full = target.lm_head
-        weight = full.weight if full is not None else target.embed.weight  # [V, hidden]
-        lm = Linear(weight.shape[1], self.vocab.numel(), bias=False).to(device=weight.device, dtype=dtype)
-        lm.weight.data.copy_(weight[self.vocab])
-        blocks = full.blocks if full is not None else target.head_blocks
-        if blocks is not None:
-            lm.blocks = blocks.take_rows(self.vocab.cpu().numpy())
+        """The target's head restricted to the draft vocabulary (rows in draft-vocab order; GGUF
+        blocks stay blocks, selected by a row map)."""
+        src = target.lm_head if target.lm_head is not None else target.embed
+        hidden, k = target.config.hidden_size, self.vocab.numel()
+        if src.blocks is not None:
+            lm = Linear(hidden, k, bias=False, device="meta")
+            lm.use_blocks(src.blocks.take_rows(self.vocab.cpu().numpy()))
+            return lm
+        lm = Linear(hidden, k, bias=False).to(device=src.weight.device, dtype=dtype)
+        lm.weight.data.copy_(src.weight[self.vocab])
         return lm
 
     @torch.no_grad()
     def _to_blocks(self) -> None:
-        """Q8_0 for the head's own matmuls (the block kernels read 4x fewer bytes); the dense copy
-        takes the same dequantized values so every path drafts alike."""
+        """Q8_0 for the head's own matmuls (the block kernels read 4x fewer bytes); the dense
+        weights are dropped, so every path (kernels or dequantized) drafts with the same values."""
         for mod in (self.head.fc, self.head.layer.qkv, self.head.layer.o_proj, self.head.layer.gate_up,
                     self.head.layer.down):
             assert isinstance(mod, Linear)
-            mod.blocks = BlockWeight.quantize_q8_0(mod.weight)
-            mod.weight.copy_(mod.blocks.dequantize())
+            mod.use_blocks(BlockWeight.quantize_q8_0(mod.weight))
 
     # ------------------------------------------------------------------ features and state
 

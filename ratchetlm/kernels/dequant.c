@@ -1,0 +1,489 @@
+/* Dequantizers for every supported GGUF format, and the type table that names them.
+ *
+ * Each format has a portable C version that transcribes gguf-py's numpy `dequantize_blocks` float
+ * operation by float operation (same operands, same order, no fused multiply-add: the library is
+ * built with -ffp-contract=off), so its output is bit-identical to gguf-py. The AVX2 / AVX-512
+ * versions of the common formats do the same operations on vectors; the 4/5-bit formats on AVX-512
+ * compute the block's 16 or 32 possible weights once (the same operations on q = 0..15 / 0..31) and
+ * pick each weight from that table with a permute.
+ *
+ * Block layouts (bytes, little-endian; fp16 scales):
+ *   Q4_0 d, qs[16]           w[j] = d * (nib - 8)          nib: low nibble of qs[j] for j < 16,
+ *   Q4_1 d, m, qs[16]        w[j] = d * nib + m            high nibble of qs[j - 16] above
+ *   Q5_0 d, qh[4], qs[16]    w[j] = d * (q5 - 16)          q5 = nib | bit j of qh << 4
+ *   Q5_1 d, m, qh[4], qs[16] w[j] = d * q5 + m
+ *   Q8_0 d, qs[32] int8      w[j] = q * d
+ *   Q2_K scales[16], qs[64], d, dmin                      (256 weights, 16 sub-blocks of 16)
+ *   Q3_K hmask[32], qs[64], scales[12], d                 (256 weights, 16 sub-blocks of 16)
+ *   Q4_K d, dmin, scales[12], qs[128]                      (256 weights, 8 sub-blocks of 32)
+ *   Q5_K d, dmin, scales[12], qh[32], qs[128]             (256 weights, 8 sub-blocks of 32)
+ *   Q6_K ql[128], qh[64], scales[16] int8, d              (256 weights, 16 sub-blocks of 16)
+ */
+#include "ggml_types.h"
+
+#define QK 32
+#define QK_K 256
+
+/* ------------------------------------------------------------ portable C (the reference) */
+
+static void f32_c(const uint8_t *src, float *dst, int64_t n) { memcpy(dst, src, (size_t)n * 4); }
+
+static void f16_c(const uint8_t *src, float *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = load_fp16(src + 2 * i);
+}
+
+static void bf16_c(const uint8_t *src, float *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        uint16_t h;
+        memcpy(&h, src + 2 * i, 2);
+        uint32_t bits = (uint32_t)h << 16;
+        memcpy(dst + i, &bits, 4);
+    }
+}
+
+static void q4_0_c(const uint8_t *src, float *dst, int64_t n) {
+    for (int64_t b = 0; b < n; b++, src += 18, dst += QK) {
+        const float d = load_fp16(src);
+        for (int j = 0; j < 16; j++) {
+            dst[j] = d * (float)((src[2 + j] & 0x0F) - 8);
+            dst[j + 16] = d * (float)((src[2 + j] >> 4) - 8);
+        }
+    }
+}
+
+static void q4_1_c(const uint8_t *src, float *dst, int64_t n) {
+    for (int64_t b = 0; b < n; b++, src += 20, dst += QK) {
+        const float d = load_fp16(src), m = load_fp16(src + 2);
+        for (int j = 0; j < 16; j++) {
+            dst[j] = d * (float)(src[4 + j] & 0x0F) + m;
+            dst[j + 16] = d * (float)(src[4 + j] >> 4) + m;
+        }
+    }
+}
+
+static inline uint32_t load_u32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+static void q5_0_c(const uint8_t *src, float *dst, int64_t n) {
+    for (int64_t b = 0; b < n; b++, src += 22, dst += QK) {
+        const float d = load_fp16(src);
+        const uint32_t qh = load_u32(src + 2);
+        for (int j = 0; j < 16; j++) {
+            int lo = (src[6 + j] & 0x0F) | (int)(((qh >> j) & 1) << 4);
+            int hi = (src[6 + j] >> 4) | (int)(((qh >> (j + 16)) & 1) << 4);
+            dst[j] = d * (float)(lo - 16);
+            dst[j + 16] = d * (float)(hi - 16);
+        }
+    }
+}
+
+static void q5_1_c(const uint8_t *src, float *dst, int64_t n) {
+    for (int64_t b = 0; b < n; b++, src += 24, dst += QK) {
+        const float d = load_fp16(src), m = load_fp16(src + 2);
+        const uint32_t qh = load_u32(src + 4);
+        for (int j = 0; j < 16; j++) {
+            int lo = (src[8 + j] & 0x0F) | (int)(((qh >> j) & 1) << 4);
+            int hi = (src[8 + j] >> 4) | (int)(((qh >> (j + 16)) & 1) << 4);
+            dst[j] = d * (float)lo + m;
+            dst[j + 16] = d * (float)hi + m;
+        }
+    }
+}
+
+static void q8_0_c(const uint8_t *src, float *dst, int64_t n) {
+    for (int64_t b = 0; b < n; b++, src += 34, dst += QK) {
+        const float d = load_fp16(src);
+        for (int j = 0; j < 32; j++) dst[j] = (float)(int8_t)src[2 + j] * d;
+    }
+}
+
+static void q2_k_c(const uint8_t *src, float *dst, int64_t n) {
+    for (int64_t b = 0; b < n; b++, src += 84, dst += QK_K) {
+        const uint8_t *sc = src, *qs = src + 16;
+        const float d = load_fp16(src + 80), dmin = load_fp16(src + 82);
+        for (int i = 0; i < QK_K; i++) {
+            int h = i / 128, s = (i % 128) / 32, l = i % 32, sb = i / 16;
+            float q = (float)((qs[h * 32 + l] >> (2 * s)) & 3);
+            float dl = d * (float)(sc[sb] & 0x0F), ml = dmin * (float)(sc[sb] >> 4);
+            dst[i] = dl * q - ml;
+        }
+    }
+}
+
+static void q3_k_c(const uint8_t *src, float *dst, int64_t n) {
+    for (int64_t b = 0; b < n; b++, src += 110, dst += QK_K) {
+        const uint8_t *hmask = src, *qs = src + 32, *scales = src + 96;
+        const float d = load_fp16(src + 108);
+        float dl[16];
+        for (int i = 0; i < 16; i++) {
+            int lo = (i < 8 ? scales[i] : scales[i - 8] >> 4) & 0x0F;
+            int hi = (scales[8 + i % 4] >> (2 * (i / 4))) & 3;
+            dl[i] = d * (float)((lo | (hi << 4)) - 32);
+        }
+        for (int i = 0; i < QK_K; i++) {
+            int h = i / 128, s = (i % 128) / 32, l = i % 32;
+            int ql = (qs[h * 32 + l] >> (2 * s)) & 3;
+            int qh = ((hmask[l] >> (i / 32)) & 1) ^ 1; /* the offset is applied when the mask bit is 0 */
+            dst[i] = dl[i / 16] * (float)(ql - (qh << 2));
+        }
+    }
+}
+
+/* 6-bit sub-block scales and mins of Q4_K / Q5_K (12 bytes -> 8 + 8) */
+static inline void k4_scale_min(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 0x3F;
+        mn[j] = s[4 + j] & 0x3F;
+        sc[4 + j] = (s[8 + j] & 0x0F) | ((s[j] >> 2) & 0x30);
+        mn[4 + j] = (s[8 + j] >> 4) | ((s[4 + j] >> 2) & 0x30);
+    }
+}
+
+static void q4_k_c(const uint8_t *src, float *dst, int64_t n) {
+    for (int64_t b = 0; b < n; b++, src += 144, dst += QK_K) {
+        const float d = load_fp16(src), dmin = load_fp16(src + 2);
+        uint8_t sc[8], mn[8];
+        k4_scale_min(src + 4, sc, mn);
+        const uint8_t *qs = src + 16;
+        for (int i = 0; i < QK_K; i++) {
+            int c = i / 64, s = (i % 64) / 32, l = i % 32, sb = i / 32;
+            float q = (float)((qs[c * 32 + l] >> (4 * s)) & 0x0F);
+            dst[i] = (d * (float)sc[sb]) * q - dmin * (float)mn[sb];
+        }
+    }
+}
+
+static void q5_k_c(const uint8_t *src, float *dst, int64_t n) {
+    for (int64_t b = 0; b < n; b++, src += 176, dst += QK_K) {
+        const float d = load_fp16(src), dmin = load_fp16(src + 2);
+        uint8_t sc[8], mn[8];
+        k4_scale_min(src + 4, sc, mn);
+        const uint8_t *qh = src + 16, *qs = src + 48;
+        for (int i = 0; i < QK_K; i++) {
+            int c = i / 64, s = (i % 64) / 32, l = i % 32, sb = i / 32;
+            int q = ((qs[c * 32 + l] >> (4 * s)) & 0x0F) | (((qh[l] >> sb) & 1) << 4);
+            dst[i] = (d * (float)sc[sb]) * (float)q - dmin * (float)mn[sb];
+        }
+    }
+}
+
+static void q6_k_c(const uint8_t *src, float *dst, int64_t n) {
+    for (int64_t b = 0; b < n; b++, src += 210, dst += QK_K) {
+        const uint8_t *ql = src, *qh = src + 128;
+        const int8_t *scales = (const int8_t *)(src + 192);
+        const float d = load_fp16(src + 208);
+        for (int i = 0; i < QK_K; i++) {
+            int h = i / 128, j = i % 128;
+            int lo = (ql[h * 64 + j % 64] >> (4 * (j / 64))) & 0x0F;
+            int hi = (qh[h * 32 + j % 32] >> (2 * (j / 32))) & 3;
+            dst[i] = (d * (float)scales[i / 16]) * (float)((lo | (hi << 4)) - 32);
+        }
+    }
+}
+
+/* ------------------------------------------------------------ AVX-512 */
+#if defined(__AVX512F__)
+#define IOTA16 _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+#define LOAD16B(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+
+static void f16_avx512(const uint8_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + 2 * i))));
+    f16_c(src + 2 * i, dst + i, n - i);
+}
+
+static void bf16_avx512(const uint8_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + 2 * i)));
+        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+    }
+    bf16_c(src + 2 * i, dst + i, n - i);
+}
+
+/* 16 bytes of nibbles with a 16-entry table: low nibbles -> dst[0..15], high -> dst[hi_off..+15] */
+static inline void nibbles_avx512(const uint8_t *qs, __m512 tlo, __m512 thi, float *dst, int hi_off) {
+    __m512i v = LOAD16B(qs);
+    _mm512_storeu_ps(dst, _mm512_permutexvar_ps(v, tlo)); /* permutexvar reads index bits 0..3 */
+    _mm512_storeu_ps(dst + hi_off, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), thi));
+}
+
+static void q4_0_avx512(const uint8_t *src, float *dst, int64_t n) {
+    const __m512 q = _mm512_sub_ps(IOTA16, _mm512_set1_ps(8.0f)); /* exactly (float)(nib - 8) */
+    for (int64_t b = 0; b < n; b++, src += 18, dst += QK) {
+        __m512 t = _mm512_mul_ps(_mm512_set1_ps(load_fp16(src)), q);
+        nibbles_avx512(src + 2, t, t, dst, 16);
+    }
+}
+
+static void q4_1_avx512(const uint8_t *src, float *dst, int64_t n) {
+    for (int64_t b = 0; b < n; b++, src += 20, dst += QK) {
+        __m512 t = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(load_fp16(src)), IOTA16), _mm512_set1_ps(load_fp16(src + 2)));
+        nibbles_avx512(src + 4, t, t, dst, 16);
+    }
+}
+
+/* 5-bit: nibble | (bit << 4) indexes a 32-entry table (t0: q < 16, t1: q >= 16) */
+static inline void q5_avx512(const uint8_t *qs, uint32_t qh, __m512 t0, __m512 t1, float *dst) {
+    const __m512i low4 = _mm512_set1_epi32(0x0F), b4 = _mm512_set1_epi32(0x10);
+    __m512i v = LOAD16B(qs);
+    __m512i lo = _mm512_mask_or_epi32(_mm512_and_si512(v, low4), (__mmask16)(qh & 0xFFFF), _mm512_and_si512(v, low4), b4);
+    __m512i sh = _mm512_srli_epi32(v, 4);
+    __m512i hi = _mm512_mask_or_epi32(sh, (__mmask16)(qh >> 16), sh, b4);
+    _mm512_storeu_ps(dst, _mm512_permutex2var_ps(t0, lo, t1));
+    _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(t0, hi, t1));
+}
+
+static void q5_0_avx512(const uint8_t *src, float *dst, int64_t n) {
+    const __m512 q0 = _mm512_sub_ps(IOTA16, _mm512_set1_ps(16.0f)), q1 = IOTA16;
+    for (int64_t b = 0; b < n; b++, src += 22, dst += QK) {
+        __m512 vd = _mm512_set1_ps(load_fp16(src));
+        q5_avx512(src + 6, load_u32(src + 2), _mm512_mul_ps(vd, q0), _mm512_mul_ps(vd, q1), dst);
+    }
+}
+
+static void q5_1_avx512(const uint8_t *src, float *dst, int64_t n) {
+    const __m512 q1 = _mm512_add_ps(IOTA16, _mm512_set1_ps(16.0f));
+    for (int64_t b = 0; b < n; b++, src += 24, dst += QK) {
+        __m512 vd = _mm512_set1_ps(load_fp16(src)), vm = _mm512_set1_ps(load_fp16(src + 2));
+        q5_avx512(src + 8, load_u32(src + 4), _mm512_add_ps(_mm512_mul_ps(vd, IOTA16), vm),
+                  _mm512_add_ps(_mm512_mul_ps(vd, q1), vm), dst);
+    }
+}
+
+static void q8_0_avx512(const uint8_t *src, float *dst, int64_t n) {
+    for (int64_t b = 0; b < n; b++, src += 34, dst += QK) {
+        __m512 vd = _mm512_set1_ps(load_fp16(src));
+        for (int h = 0; h < 2; h++) {
+            __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 2 + 16 * h)));
+            _mm512_storeu_ps(dst + 16 * h, _mm512_mul_ps(_mm512_cvtepi32_ps(q), vd));
+        }
+    }
+}
+
+static void q4_k_avx512(const uint8_t *src, float *dst, int64_t n) {
+    for (int64_t b = 0; b < n; b++, src += 144, dst += QK_K) {
+        const float d = load_fp16(src), dmin = load_fp16(src + 2);
+        uint8_t sc[8], mn[8];
+        k4_scale_min(src + 4, sc, mn);
+        for (int c = 0; c < 4; c++) { /* 32 bytes: sub-block 2c (low nibbles), 2c + 1 (high) */
+            __m512 tlo = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(d * (float)sc[2 * c]), IOTA16),
+                                       _mm512_set1_ps(dmin * (float)mn[2 * c]));
+            __m512 thi = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(d * (float)sc[2 * c + 1]), IOTA16),
+                                       _mm512_set1_ps(dmin * (float)mn[2 * c + 1]));
+            nibbles_avx512(src + 16 + 32 * c, tlo, thi, dst + 64 * c, 32);
+            nibbles_avx512(src + 16 + 32 * c + 16, tlo, thi, dst + 64 * c + 16, 32);
+        }
+    }
+}
+
+static void q5_k_avx512(const uint8_t *src, float *dst, int64_t n) {
+    const __m512 q1 = _mm512_add_ps(IOTA16, _mm512_set1_ps(16.0f));
+    const __m512i low4 = _mm512_set1_epi32(0x0F), b4 = _mm512_set1_epi32(0x10);
+    for (int64_t b = 0; b < n; b++, src += 176, dst += QK_K) {
+        const float d = load_fp16(src), dmin = load_fp16(src + 2);
+        uint8_t sc[8], mn[8];
+        k4_scale_min(src + 4, sc, mn);
+        const uint8_t *qh = src + 16, *qs = src + 48;
+        __m512i h[2] = {LOAD16B(qh), LOAD16B(qh + 16)}; /* qh bytes for l = 0..15, 16..31 */
+        for (int sb = 0; sb < 8; sb++) {
+            __m512 vd = _mm512_set1_ps(d * (float)sc[sb]), vm = _mm512_set1_ps(dmin * (float)mn[sb]);
+            __m512 t0 = _mm512_sub_ps(_mm512_mul_ps(vd, IOTA16), vm), t1 = _mm512_sub_ps(_mm512_mul_ps(vd, q1), vm);
+            const __m512i bit = _mm512_set1_epi32(1 << sb);
+            for (int half = 0; half < 2; half++) {
+                __m512i v = LOAD16B(qs + 32 * (sb / 2) + 16 * half);
+                v = (sb & 1) ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, low4);
+                __mmask16 k = _mm512_test_epi32_mask(h[half], bit);
+                v = _mm512_mask_or_epi32(v, k, v, b4);
+                _mm512_storeu_ps(dst + 32 * sb + 16 * half, _mm512_permutex2var_ps(t0, v, t1));
+            }
+        }
+    }
+}
+
+static void q6_k_avx512(const uint8_t *src, float *dst, int64_t n) {
+    const __m128i m4 = _mm_set1_epi8(0x0F), m3 = _mm_set1_epi8(3), off = _mm_set1_epi8(32);
+    for (int64_t b = 0; b < n; b++, src += 210, dst += QK_K) {
+        const uint8_t *ql = src, *qh = src + 128;
+        const int8_t *scales = (const int8_t *)(src + 192);
+        const float d = load_fp16(src + 208);
+        for (int h = 0; h < 2; h++) {
+            for (int l0 = 0; l0 < 64; l0 += 16) {
+                __m128i lb = _mm_loadu_si128((const __m128i *)(ql + h * 64 + l0));
+                __m128i hb = _mm_loadu_si128((const __m128i *)(qh + h * 32 + l0 % 32));
+                int s = 2 * (l0 / 32);
+                __m128i hlo = _mm_and_si128(_mm_srl_epi16(hb, _mm_cvtsi32_si128(s)), m3);
+                __m128i hhi = _mm_and_si128(_mm_srl_epi16(hb, _mm_cvtsi32_si128(s + 4)), m3);
+                __m128i qlo = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(lb, m4), _mm_slli_epi16(hlo, 4)), off);
+                __m128i qhi = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(lb, 4), m4), _mm_slli_epi16(hhi, 4)), off);
+                int ilo = h * 128 + l0, ihi = h * 128 + 64 + l0;
+                _mm512_storeu_ps(dst + ilo, _mm512_mul_ps(_mm512_set1_ps(d * (float)scales[ilo / 16]),
+                                                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qlo))));
+                _mm512_storeu_ps(dst + ihi, _mm512_mul_ps(_mm512_set1_ps(d * (float)scales[ihi / 16]),
+                                                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qhi))));
+            }
+        }
+    }
+}
+#define F16_FN f16_avx512
+#define BF16_FN bf16_avx512
+#define Q4_0_FN q4_0_avx512
+#define Q4_1_FN q4_1_avx512
+#define Q5_0_FN q5_0_avx512
+#define Q5_1_FN q5_1_avx512
+#define Q8_0_FN q8_0_avx512
+#define Q4_K_FN q4_k_avx512
+#define Q5_K_FN q5_k_avx512
+#define Q6_K_FN q6_k_avx512
+
+/* ------------------------------------------------------------ AVX2 (+FMA, F16C) */
+#elif defined(__AVX2__)
+#define U8x8(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+
+static void f16_avx2(const uint8_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * i))));
+#endif
+    f16_c(src + 2 * i, dst + i, n - i);
+}
+
+/* nibbles of 16 bytes as floats: low -> q[0..1], high -> q[2..3] (8 lanes each) */
+static inline void nibbles_avx2(const uint8_t *qs, __m256 q[4]) {
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+    __m128i lo = _mm_and_si128(raw, low4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+static void q4_0_avx2(const uint8_t *src, float *dst, int64_t n) {
+    const __m256 eight = _mm256_set1_ps(8.0f);
+    for (int64_t b = 0; b < n; b++, src += 18, dst += QK) {
+        __m256 vd = _mm256_set1_ps(load_fp16(src)), q[4];
+        nibbles_avx2(src + 2, q);
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(dst + 8 * j, _mm256_mul_ps(vd, _mm256_sub_ps(q[j], eight)));
+    }
+}
+
+static void q4_1_avx2(const uint8_t *src, float *dst, int64_t n) {
+    for (int64_t b = 0; b < n; b++, src += 20, dst += QK) {
+        __m256 vd = _mm256_set1_ps(load_fp16(src)), vm = _mm256_set1_ps(load_fp16(src + 2)), q[4];
+        nibbles_avx2(src + 4, q);
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(dst + 8 * j, _mm256_add_ps(_mm256_mul_ps(vd, q[j]), vm));
+    }
+}
+
+static void q8_0_avx2(const uint8_t *src, float *dst, int64_t n) {
+    for (int64_t b = 0; b < n; b++, src += 34, dst += QK) {
+        __m256 vd = _mm256_set1_ps(load_fp16(src));
+        for (int j = 0; j < 4; j++) {
+            __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 2 + 8 * j)));
+            _mm256_storeu_ps(dst + 8 * j, _mm256_mul_ps(_mm256_cvtepi32_ps(q), vd));
+        }
+    }
+}
+
+static void q4_k_avx2(const uint8_t *src, float *dst, int64_t n) {
+    for (int64_t b = 0; b < n; b++, src += 144, dst += QK_K) {
+        const float d = load_fp16(src), dmin = load_fp16(src + 2);
+        uint8_t sc[8], mn[8];
+        k4_scale_min(src + 4, sc, mn);
+        for (int c = 0; c < 4; c++) {
+            __m256 dl = _mm256_set1_ps(d * (float)sc[2 * c]), ml = _mm256_set1_ps(dmin * (float)mn[2 * c]);
+            __m256 dh = _mm256_set1_ps(d * (float)sc[2 * c + 1]), mh = _mm256_set1_ps(dmin * (float)mn[2 * c + 1]);
+            for (int half = 0; half < 2; half++) {
+                __m256 q[4];
+                nibbles_avx2(src + 16 + 32 * c + 16 * half, q);
+                float *o = dst + 64 * c + 16 * half;
+                _mm256_storeu_ps(o, _mm256_sub_ps(_mm256_mul_ps(dl, q[0]), ml));
+                _mm256_storeu_ps(o + 8, _mm256_sub_ps(_mm256_mul_ps(dl, q[1]), ml));
+                _mm256_storeu_ps(o + 32, _mm256_sub_ps(_mm256_mul_ps(dh, q[2]), mh));
+                _mm256_storeu_ps(o + 40, _mm256_sub_ps(_mm256_mul_ps(dh, q[3]), mh));
+            }
+        }
+    }
+}
+
+static void q6_k_avx2(const uint8_t *src, float *dst, int64_t n) {
+    const __m128i m4 = _mm_set1_epi8(0x0F), m3 = _mm_set1_epi8(3), off = _mm_set1_epi8(32);
+    for (int64_t b = 0; b < n; b++, src += 210, dst += QK_K) {
+        const uint8_t *ql = src, *qh = src + 128;
+        const int8_t *scales = (const int8_t *)(src + 192);
+        const float d = load_fp16(src + 208);
+        for (int h = 0; h < 2; h++) {
+            for (int l0 = 0; l0 < 64; l0 += 16) {
+                __m128i lb = _mm_loadu_si128((const __m128i *)(ql + h * 64 + l0));
+                __m128i hb = _mm_loadu_si128((const __m128i *)(qh + h * 32 + l0 % 32));
+                int s = 2 * (l0 / 32);
+                __m128i hlo = _mm_and_si128(_mm_srl_epi16(hb, _mm_cvtsi32_si128(s)), m3);
+                __m128i hhi = _mm_and_si128(_mm_srl_epi16(hb, _mm_cvtsi32_si128(s + 4)), m3);
+                __m128i q[2] = {_mm_sub_epi8(_mm_or_si128(_mm_and_si128(lb, m4), _mm_slli_epi16(hlo, 4)), off),
+                                _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(lb, 4), m4), _mm_slli_epi16(hhi, 4)), off)};
+                for (int p = 0; p < 2; p++) {
+                    int i = h * 128 + 64 * p + l0;
+                    __m256 vd = _mm256_set1_ps(d * (float)scales[i / 16]);
+                    _mm256_storeu_ps(dst + i, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q[p]))));
+                    _mm256_storeu_ps(dst + i + 8, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q[p], 8)))));
+                }
+            }
+        }
+    }
+}
+#define F16_FN f16_avx2
+#define BF16_FN bf16_c
+#define Q4_0_FN q4_0_avx2
+#define Q4_1_FN q4_1_avx2
+#define Q5_0_FN q5_0_c
+#define Q5_1_FN q5_1_c
+#define Q8_0_FN q8_0_avx2
+#define Q4_K_FN q4_k_avx2
+#define Q5_K_FN q5_k_c
+#define Q6_K_FN q6_k_avx2
+
+#else
+#define F16_FN f16_c
+#define BF16_FN bf16_c
+#define Q4_0_FN q4_0_c
+#define Q4_1_FN q4_1_c
+#define Q5_0_FN q5_0_c
+#define Q5_1_FN q5_1_c
+#define Q8_0_FN q8_0_c
+#define Q4_K_FN q4_k_c
+#define Q5_K_FN q5_k_c
+#define Q6_K_FN q6_k_c
+#endif
+
+/* ------------------------------------------------------------ the table */
+/* name, GGMLQuantizationType, weights per block, bytes per block, dequantize */
+const ggml_type_t RATCHET_TYPES[] = {
+    {"F32", 0, 1, 4, f32_c},
+    {"F16", 1, 1, 2, F16_FN},
+    {"BF16", 30, 1, 2, BF16_FN},
+    {"Q4_0", 2, QK, 18, Q4_0_FN},
+    {"Q4_1", 3, QK, 20, Q4_1_FN},
+    {"Q5_0", 6, QK, 22, Q5_0_FN},
+    {"Q5_1", 7, QK, 24, Q5_1_FN},
+    {"Q8_0", 8, QK, 34, Q8_0_FN},
+    {"Q2_K", 10, QK_K, 84, q2_k_c}, /* portable C only: rare formats, correct and slower */
+    {"Q3_K", 11, QK_K, 110, q3_k_c},
+    {"Q4_K", 12, QK_K, 144, Q4_K_FN},
+    {"Q5_K", 13, QK_K, 176, Q5_K_FN},
+    {"Q6_K", 14, QK_K, 210, Q6_K_FN},
+};
+const int RATCHET_NUM_TYPES = sizeof(RATCHET_TYPES) / sizeof(RATCHET_TYPES[0]);
+
+/* ------------------------------------------------------------ exports for Python */
+int ratchet_num_types(void) { return RATCHET_NUM_TYPES; }
+const char *ratchet_type_name(int t) { return RATCHET_TYPES[t].name; }
+int ratchet_type_ggml_id(int t) { return RATCHET_TYPES[t].ggml_id; }
+int ratchet_type_blck(int t) { return RATCHET_TYPES[t].blck; }
+int ratchet_type_bytes(int t) { return RATCHET_TYPES[t].bytes; }
+
+/* n_blocks blocks of type t -> floats (tests compare this with gguf-py) */
+void ratchet_to_float(int t, const uint8_t *src, float *dst, int64_t n_blocks) { RATCHET_TYPES[t].to_float(src, dst, n_blocks); }

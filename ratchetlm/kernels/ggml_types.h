@@ -1,0 +1,58 @@
+/* GGUF tensor types: one table row per format (ggml's type-traits idea).
+ *
+ * A row says how many weights a block holds, how many bytes it takes and how to dequantize it
+ * (to_float, bit-identical to gguf-py's numpy `dequantize`). The matmul driver (matmul.c) looks the
+ * row up and never names a format; a new format is a new row. Issue 14's integer mode adds columns
+ * (activation format, dot product) to the same rows.
+ */
+#ifndef RATCHET_GGML_TYPES_H
+#define RATCHET_GGML_TYPES_H
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+/* n_blocks consecutive blocks at src -> n_blocks * blck floats at dst */
+typedef void (*to_float_fn)(const uint8_t *src, float *dst, int64_t n_blocks);
+
+typedef struct {
+    const char *name; /* GGML name, e.g. "Q4_K" (the Python side matches rows by it) */
+    int ggml_id;      /* GGMLQuantizationType value in the file */
+    int blck;         /* weights per block */
+    int bytes;        /* bytes per block */
+    to_float_fn to_float;
+} ggml_type_t;
+
+extern const ggml_type_t RATCHET_TYPES[];
+extern const int RATCHET_NUM_TYPES;
+
+/* IEEE half -> float, exact (what numpy's astype(float32) does); handles subnormals, inf, nan */
+static inline float fp16_to_fp32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0x1F) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal: normalise */
+        exp = 113;
+        while (!(man & 0x400)) {
+            man <<= 1;
+            exp--;
+        }
+        bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float load_fp16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return fp16_to_fp32(h);
+}
+
+#endif

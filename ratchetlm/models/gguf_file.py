@@ -1,0 +1,165 @@
+"""A GGUF file opened for inference: metadata parsed, tensor data mapped (never copied).
+
+Why not gguf-py's ``GGUFReader``: it builds a numpy array per metadata element, so a file with a
+49k-token vocabulary takes seconds and ~150 MB just to open. Here the header is walked once with
+``struct``; arrays (the vocabulary, merges) are kept as (type, count, offset) and decoded only if
+asked for. Tensor data are read-only views into one ``np.memmap`` of the file: the OS pages the
+weights in on first use and shares them with the page cache.
+
+Format (little-endian): magic ``GGUF``, version (2 or 3), tensor count, metadata count; metadata
+as (key, type, value); tensor infos as (name, n_dims, dims with the fastest-varying first, type,
+offset); tensor data from the next multiple of ``general.alignment`` (default 32).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# GGML tensor types: id -> (name, weights per block, bytes per block). The same numbers as gguf-py's
+# GGML_QUANT_SIZES (a test checks); kept here so that opening a file does not import gguf-py (~1 s).
+GGML_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
+    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98), 19: ("IQ1_S", 256, 50),
+    20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136),
+    24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8),
+    29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
+    39: ("MXFP4", 32, 17), 40: ("NVFP4", 64, 36), 41: ("Q1_0", 128, 18),
+}
+TYPE_SIZES = {name: (blck, nbytes) for name, blck, nbytes in GGML_TYPES.values()}
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
+
+
+class GGUFFormatError(ValueError):
+    """Not a GGUF file, or a truncated / corrupt one."""
+
+
+@dataclass(frozen=True)
+class ArrayValue:
+    """A metadata array, decoded on demand (``GGUFFile.array``)."""
+
+    type: int
+    count: int
+    offset: int  # of the first element
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    type_name: str  # GGMLQuantizationType name, e.g. "Q4_K"
+    shape: tuple[int, ...]  # numpy order: rows first, the K (fastest-varying) dimension last
+    data: np.ndarray  # [rows, row_bytes] uint8 view of the mapped file (1-D tensors: [1, bytes])
+
+    @property
+    def ggml_type(self) -> Any:
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType[self.type_name]
+
+    def dense(self) -> np.ndarray:
+        """fp32 copy in ``shape`` (gguf-py's dequantization for quantized formats)."""
+        if self.type_name == "F32":
+            arr = self.data.view(np.float32)
+        elif self.type_name == "F16":
+            arr = self.data.view(np.float16).astype(np.float32)
+        else:
+            from gguf.quants import dequantize
+
+            arr = dequantize(self.data, self.ggml_type)
+        return np.array(arr, dtype=np.float32).reshape(self.shape)
+
+
+class GGUFFile:
+    """``meta``: key -> int / float / bool / str / :class:`ArrayValue`; ``tensors``: name -> tensor."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._map = np.memmap(self.path, mode="r")
+        buf = memoryview(self._map)  # type: ignore[arg-type]
+        self._buf = buf
+        if len(buf) < 24 or bytes(buf[:4]) != b"GGUF":
+            raise GGUFFormatError(f"{self.path} is not a GGUF file")
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+        if version not in (2, 3):
+            raise GGUFFormatError(f"{self.path}: GGUF version {version} is not supported (2 or 3)")
+        pos = 24
+        self.meta: dict[str, Any] = {}
+        try:
+            for _ in range(n_kv):
+                key, pos = self._string(pos)
+                (vtype,) = struct.unpack_from("<I", buf, pos)
+                self.meta[key], pos = self._value(vtype, pos + 4)
+            infos = []
+            for _ in range(n_tensors):
+                name, pos = self._string(pos)
+                (n_dims,) = struct.unpack_from("<I", buf, pos)
+                dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+                ttype, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
+                pos += 4 + 8 * n_dims + 12
+                infos.append((name, dims, ttype, offset))
+        except struct.error:
+            raise GGUFFormatError(f"{self.path}: truncated GGUF header") from None
+        align = int(self.meta.get("general.alignment", 32))
+        start = (pos + align - 1) // align * align
+        self.tensors: dict[str, GGUFTensor] = {}
+        for name, dims, ttype, offset in infos:
+            if ttype not in GGML_TYPES:
+                raise GGUFFormatError(f"{self.path}: tensor {name!r} has unknown type id {ttype}")
+            type_name, blck, nbytes = GGML_TYPES[ttype]
+            k, rows = int(dims[0]), int(np.prod(dims[1:], dtype=np.int64))
+            row_bytes = k // blck * nbytes
+            lo = start + offset
+            if k % blck or lo + rows * row_bytes > len(self._map):
+                raise GGUFFormatError(f"{self.path}: tensor {name!r} lies outside the file or has a bad shape")
+            data = self._map[lo:lo + rows * row_bytes].reshape(rows, row_bytes)
+            self.tensors[name] = GGUFTensor(name, type_name, tuple(int(d) for d in reversed(dims)), data)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.meta.get(key, default)
+
+    def array(self, key: str) -> list[Any]:
+        """Decode a metadata array (e.g. ``tokenizer.ggml.tokens``)."""
+        arr = self.meta[key]
+        assert isinstance(arr, ArrayValue), key
+        out, pos = [], arr.offset
+        for _ in range(arr.count):
+            v, pos = self._value(arr.type, pos)
+            out.append(v)
+        return out
+
+    # ---------------------------------------------------------------- header walking
+
+    def _string(self, pos: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from("<Q", self._buf, pos)
+        return bytes(self._buf[pos + 8:pos + 8 + n]).decode("utf-8", errors="replace"), pos + 8 + n
+
+    def _value(self, vtype: int, pos: int) -> tuple[Any, int]:
+        if vtype in _SCALARS:
+            fmt = _SCALARS[vtype]
+            return struct.unpack_from(fmt, self._buf, pos)[0], pos + struct.calcsize(fmt)
+        if vtype == _STRING:
+            return self._string(pos)
+        if vtype == _ARRAY:
+            etype, count = struct.unpack_from("<IQ", self._buf, pos)
+            pos += 12
+            arr = ArrayValue(etype, count, pos)
+            if etype in _SCALARS:
+                return arr, pos + count * struct.calcsize(_SCALARS[etype])
+            if etype == _STRING:  # walk over the lengths only (a vocabulary is ~100k strings)
+                length = _U64.unpack_from
+                for _ in range(count):
+                    pos += 8 + length(self._buf, pos)[0]
+                return arr, pos
+            for _ in range(count):  # nested arrays
+                _, pos = self._value(etype, pos)
+            return arr, pos
+        raise GGUFFormatError(f"{self.path}: unknown metadata value type {vtype}")
