@@ -115,6 +115,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ratchet_mm.restype = None
     lib.ratchet_get_rows.argtypes = [p, i, p, i, p, i]
     lib.ratchet_get_rows.restype = None
+    lib.ratchet_dequant_rows.argtypes = [p, i, i, i, i, p, i]
+    lib.ratchet_dequant_rows.restype = None
 
 
 def isa() -> str | None:

@@ -26,8 +26,10 @@
 #if defined(__AVX512F__)
 #define KERNEL_ISA "avx512"
 #define VLEN 16
+#ifndef R
 #define R 4 /* weight rows per register tile */
 #define T 6 /* tokens per register tile: R * T accumulators + R weight vectors <= 32 registers */
+#endif
 typedef __m512 vec_t;
 #define VZERO() _mm512_setzero_ps()
 #define VLOAD(p) _mm512_loadu_ps(p)
@@ -83,8 +85,12 @@ static inline float VSUM(vec_t a) {
 }
 #endif
 
+#ifndef KC
 #define KC 256 /* weights per K chunk when many tokens share a panel (multiple of every block size) */
+#endif
+#ifndef P_MAX
 #define P_MAX 16
+#endif
 
 const char *ratchet_kernel_isa(void) { return KERNEL_ISA; }
 
@@ -139,6 +145,8 @@ ALWAYS_INLINE void tile(const float *w, int ldw, const float *x, int K, int klen
     case 3: TILE_T(RR, MIN(3, T)); break;                                                          \
     case 4: TILE_T(RR, MIN(4, T)); break;                                                          \
     case 5: TILE_T(RR, MIN(5, T)); break;                                                          \
+    case 6: TILE_T(RR, MIN(6, T)); break;                                                          \
+    case 7: TILE_T(RR, MIN(7, T)); break;                                                          \
     default: TILE_T(RR, T); break;                                                                 \
     }
 
@@ -224,5 +232,19 @@ void ratchet_get_rows(const part_t *part, int K, const int64_t *ids, int n, floa
     for (int i = 0; i < n; i++) {
         long row = part->rowmap ? part->rowmap[ids[i]] : ids[i];
         ty->to_float(part->data + row * part->row_bytes, out + (long)i * K, K / ty->blck);
+    }
+}
+
+/* Output rows [row0, row0 + n) of a weight made of parts, dequantized into out [n, K] (the dense
+ * tile a BLAS multiply reads when many tokens share the call). */
+void ratchet_dequant_rows(const part_t *parts, int nparts, int row0, int n, int K, float *out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (n > 16)
+    for (int i = 0; i < n; i++) {
+        int row = row0 + i, p = 0;
+        while (p < nparts - 1 && row >= parts[p].rows) row -= parts[p++].rows;
+        const part_t *pt = &parts[p];
+        const ggml_type_t *ty = &RATCHET_TYPES[pt->type];
+        long stored = pt->rowmap ? pt->rowmap[row] : row;
+        ty->to_float(pt->data + stored * pt->row_bytes, out + (long)i * K, K / ty->blck);
     }
 }

@@ -159,20 +159,101 @@ def block_matmul(
     w: BlockWeight,  # [N, K]
     threads: int | None = None,
     lib: ctypes.CDLL | None = None,
+    path: str = "auto",  # "kernel" | "blas" | "auto" (BLAS from blas_rows() rows on)
 ) -> torch.Tensor:  # [M, N] fp32
-    """``x @ w.T`` through the compiled kernels (``lib``: a specific build, default the best one)."""
+    """``x @ w.T`` through the compiled kernels (``lib``: a specific build, default the best one).
+
+    Many rows (a long prefill chunk) may instead go through BLAS: the weight is dequantized a tile
+    at a time into a reused scratch buffer (never the whole matrix) and multiplied by sgemm, where
+    this machine measured that faster (:func:`blas_rows`). Both paths multiply the same weights."""
     lib = lib or kernels.load()
     assert lib is not None, "block_matmul needs the compiled kernels (check usable() first)"
     x = x.contiguous()
     m, k = x.shape
     n, wk = w.shape
     assert k == wk and x.dtype == torch.float32 and x.device.type == "cpu", (x.shape, w.shape, x.dtype)
-    y = torch.empty(m, n, dtype=torch.float32)
+    nt = threads or torch.get_num_threads()
     parts = w.c_parts()
     if lib is not kernels.load():  # another build: rebuild the parts (same layout, fresh array)
         parts = (kernels.Part * len(w.parts))(*(p.c_part() for p in w.parts))
-    lib.ratchet_mm(x.data_ptr(), m, k, parts, len(w.parts), y.data_ptr(), n, threads or torch.get_num_threads())
+    if path == "blas" or (path == "auto" and m >= blas_rows()):
+        return _blas_matmul(x, w, parts, lib, nt)
+    y = torch.empty(m, n, dtype=torch.float32)
+    lib.ratchet_mm(x.data_ptr(), m, k, parts, len(w.parts), y.data_ptr(), n, nt)
     return y
+
+
+TILE_BYTES = 32 << 20  # dense fp32 weight tile of the BLAS path (one buffer, reused by every layer)
+_tile: list[torch.Tensor] = []
+
+
+def _blas_matmul(x: torch.Tensor, w: BlockWeight, parts: ctypes.Array, lib: ctypes.CDLL, nt: int) -> torch.Tensor:
+    (m, k), n = x.shape, w.shape[0]
+    rows = max(1, min(n, TILE_BYTES // (4 * k)))
+    if not _tile or _tile[0].numel() < rows * k:
+        _tile[:] = [torch.empty(rows * k, dtype=torch.float32)]
+    tile = _tile[0][: rows * k].view(rows, k)
+    if rows == n:
+        lib.ratchet_dequant_rows(parts, len(w.parts), 0, n, k, tile.data_ptr(), nt)
+        return F.linear(x, tile)
+    y = torch.empty(m, n, dtype=torch.float32)
+    for r0 in range(0, n, rows):
+        r = min(rows, n - r0)
+        lib.ratchet_dequant_rows(parts, len(w.parts), r0, r, k, tile.data_ptr(), nt)
+        y[:, r0:r0 + r] = F.linear(x, tile[:r])
+    return y
+
+
+BLAS_PROBE_ROWS = (64, 128, 256, 512)
+_blas_rows: int | None = None
+
+
+def blas_rows() -> float:
+    """Rows from which a block matmul goes through BLAS on a dequantized tile instead of the
+    kernel: the smallest of ``BLAS_PROBE_ROWS`` at which that was >= 10% faster on this machine (a
+    [1024, 2048] Q4_K weight, current torch threads, best of 3; ~0.2 s, once per process, on first
+    use), or infinity. Only speed depends on it: both paths multiply the same weights."""
+    global _blas_rows
+    if _blas_rows is None:
+        _blas_rows = _measure_blas_rows()
+    return float("inf") if _blas_rows <= 0 else _blas_rows
+
+
+def set_blas_rows(rows: int | None) -> None:
+    """Fix the switch point (0 = never BLAS; benchmarks and tests pin it); None measures again."""
+    global _blas_rows
+    _blas_rows = rows
+
+
+def _measure_blas_rows() -> int:
+    import time
+
+    lib = kernels.load()
+    if lib is None:
+        return 0
+    n, k = 1024, 2048
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
+    raw[..., 0:4] = rng.uniform(1e-4, 1e-3, (n, k // 256, 2)).astype(np.float16).view(np.uint8)
+    w = BlockWeight.from_gguf("Q4_K", raw.reshape(n, -1), k)
+
+    def best(f: object) -> float:
+        assert callable(f)
+        f()
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    with torch.inference_mode():
+        for rows in BLAS_PROBE_ROWS:
+            x = torch.randn(rows, k)
+            if best(lambda x=x: block_matmul(x, w, path="blas")) < 0.9 * best(
+                    lambda x=x: block_matmul(x, w, path="kernel")):
+                return rows
+    return 0
 
 
 def usable(x: torch.Tensor) -> bool:

@@ -52,6 +52,13 @@ def same_bits(a: torch.Tensor | np.ndarray, b: torch.Tensor | np.ndarray) -> boo
     return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
+def assert_fp32_close(got: torch.Tensor, x: torch.Tensor, w: BlockWeight) -> None:
+    """Within fp32 summation-order noise of an fp64 reference: a tiny fraction of sum |terms|."""
+    dense = w.dequantize().double()
+    err = (got.double() - F.linear(x.double(), dense)).abs()
+    assert (err <= 1e-5 * F.linear(x.double().abs(), dense.abs())).all(), float(err.max())
+
+
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def lib(request):
     built = kernels.compile_library(VARIANTS[request.param])
@@ -97,8 +104,9 @@ def test_identity_input_returns_the_weights_exactly(lib, type_name):
     bw = BlockWeight.from_gguf(type_name, raw, k)
     eye = torch.eye(k)
     cuts = [0, 1, 4, 12, 21, k]
-    got = torch.cat([block_matmul(eye[a:b], bw, lib=lib) for a, b in zip(cuts, cuts[1:], strict=False)])
+    got = torch.cat([block_matmul(eye[a:b], bw, lib=lib, path="kernel") for a, b in zip(cuts, cuts[1:], strict=False)])
     assert torch.equal(got, torch.from_numpy(gguf_py(type_name, raw)).T)
+    assert torch.equal(block_matmul(eye, bw, lib=lib, path="blas"), got)  # the dequantized-tile path too
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "F16"])
@@ -113,8 +121,9 @@ def test_row_map_and_parts(lib, type_name):
     dense = np.concatenate([gguf_py(type_name, raw_a)[order], gguf_py("Q5_0", raw_b)])
     assert torch.equal(w.dequantize(), torch.from_numpy(dense))
     eye = torch.eye(k)
-    assert torch.equal(torch.cat([block_matmul(eye[:5], w, lib=lib), block_matmul(eye[5:], w, lib=lib)]),
+    assert torch.equal(torch.cat([block_matmul(eye[:5], w, lib=lib), block_matmul(eye[5:], w, lib=lib, path="kernel")]),
                        torch.from_numpy(dense).T)
+    assert torch.equal(block_matmul(eye, w, lib=lib, path="blas"), torch.from_numpy(dense).T)
 
 
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "BF16"])
@@ -125,13 +134,41 @@ def test_matmul_matches_fp64_and_is_batch_invariant(lib, type_name):
     k, n = 512, 75
     bw = BlockWeight.from_gguf(type_name, random_raw(type_name, n, k, seed=5), k)
     x = torch.randn(301, k, generator=torch.Generator().manual_seed(0))
-    w = bw.dequantize().double()
-    ref = F.linear(x.double(), w)
-    big = block_matmul(x, bw, threads=2, lib=lib)
-    scale = F.linear(x.double().abs(), w.abs())  # sum of |terms|: fp32 summation error is a tiny fraction
-    assert ((big.double() - ref).abs() <= 1e-5 * scale).all()
+    big = block_matmul(x, bw, threads=2, lib=lib, path="kernel")
+    assert_fp32_close(big, x, bw)
     for rows in (slice(0, 1), slice(5, 12), slice(290, 301)):
-        assert same_bits(block_matmul(x[rows], bw, threads=1, lib=lib), big[rows])
+        assert same_bits(block_matmul(x[rows], bw, threads=1, lib=lib, path="kernel"), big[rows])
+    assert_fp32_close(block_matmul(x, bw, lib=lib, path="blas"), x, bw)  # sgemm on dequantized tiles
+
+
+def test_blas_path_tiles_the_weight(monkeypatch):
+    """The BLAS path dequantizes a bounded tile at a time (never the whole matrix), across parts."""
+    from ratchetlm.layers import block_quant
+
+    k = 256
+    w = BlockWeight.cat([BlockWeight.from_gguf("Q6_K", random_raw("Q6_K", 70, k, seed=1), k,
+                                               np.arange(70, dtype=np.int32)[::-1].copy()),
+                         BlockWeight.from_gguf("Q4_0", random_raw("Q4_0", 33, k, seed=2), k)])
+    monkeypatch.setattr(block_quant, "TILE_BYTES", 4 * k * 16)  # 16 rows per tile: 7 tiles, one spans both parts
+    monkeypatch.setattr(block_quant, "_tile", [])
+    x = torch.randn(40, k)
+    got = block_matmul(x, w, path="blas")
+    assert got.shape == (40, 103) and block_quant._tile[0].numel() == 16 * k
+    assert_fp32_close(got, x, w)
+
+
+def test_blas_rows_is_measured_once_and_can_be_pinned():
+    from ratchetlm.layers.block_quant import BLAS_PROBE_ROWS, blas_rows, set_blas_rows
+
+    measured = blas_rows()
+    assert measured in BLAS_PROBE_ROWS or measured == float("inf")
+    try:
+        set_blas_rows(0)
+        assert blas_rows() == float("inf")
+        set_blas_rows(64)
+        assert blas_rows() == 64
+    finally:
+        set_blas_rows(None if measured == float("inf") else int(measured))
 
 
 def test_quantize_q8_0_round_trips():
