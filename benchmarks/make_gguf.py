@@ -100,7 +100,9 @@ def write_f16(path: Path, shape: str, seed: int = 0) -> None:
 
 def quantize(src: Path, out: Path, type_name: str, threads: int) -> None:
     import llama_cpp
+    from llama_cpp._logger import set_verbose
 
+    set_verbose(False)  # the quantizer logs every tensor
     params = llama_cpp.llama_model_quantize_default_params()
     params.nthread = threads
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{type_name}")

@@ -88,7 +88,9 @@ def _tensors(obj: Any) -> list[Any]:
 class LlamaCppRunner(Runner):
     def __init__(self, model: str, threads: int, ctx: int, max_batch: int) -> None:
         import llama_cpp as lc
+        from llama_cpp._logger import set_verbose
 
+        set_verbose(False)  # llama.cpp logs every tensor at load
         self.lc = lc
         lc.llama_backend_init()
         mp = lc.llama_model_default_params()

@@ -264,16 +264,33 @@ static void q8_0_avx512(const uint8_t *src, float *dst, int64_t n) {
     }
 }
 
+/* Q4_K / Q5_K sub-block factors: ds[j] = d * sc[j], dm[j] = dmin * mn[j] (8 each), with the 6-bit
+ * fields unpacked four at a time in 32-bit words, then one vector multiply each (same values as
+ * the scalar d * (float)sc). */
+static inline void k4_factors_avx512(const uint8_t *blk, float ds[8], float dm[8]) {
+    uint32_t u[4];
+    memcpy(u, blk + 4, 12);
+    const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
+    u[3] = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4); /* mins 4..7 */
+    const uint32_t mins_lo = u[1] & m6;                    /* mins 0..3 */
+    u[1] = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);        /* scales 4..7 */
+    u[0] &= m6;                                            /* scales 0..3 */
+    u[2] = mins_lo;
+    __m128i bytes = _mm_loadu_si128((const __m128i *)u); /* scales 0..7, mins 0..7 */
+    __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+    __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
+    _mm256_storeu_ps(ds, _mm256_mul_ps(_mm256_set1_ps(load_fp16(blk)), sc));
+    _mm256_storeu_ps(dm, _mm256_mul_ps(_mm256_set1_ps(load_fp16(blk + 2)), mn));
+}
+
 static void q4_k_avx512(const uint8_t *src, float *dst, int64_t n) {
     for (int64_t b = 0; b < n; b++, src += 144, dst += QK_K) {
-        const float d = load_fp16(src), dmin = load_fp16(src + 2);
-        uint8_t sc[8], mn[8];
-        k4_scale_min(src + 4, sc, mn);
+        float ds[8], dm[8];
+        k4_factors_avx512(src, ds, dm);
         for (int c = 0; c < 4; c++) { /* 32 bytes: sub-block 2c (low nibbles), 2c + 1 (high) */
-            __m512 tlo = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(d * (float)sc[2 * c]), IOTA16),
-                                       _mm512_set1_ps(dmin * (float)mn[2 * c]));
-            __m512 thi = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(d * (float)sc[2 * c + 1]), IOTA16),
-                                       _mm512_set1_ps(dmin * (float)mn[2 * c + 1]));
+            __m512 tlo = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(ds[2 * c]), IOTA16), _mm512_set1_ps(dm[2 * c]));
+            __m512 thi = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(ds[2 * c + 1]), IOTA16),
+                                       _mm512_set1_ps(dm[2 * c + 1]));
             nibbles_avx512(src + 16 + 32 * c, tlo, thi, dst + 64 * c, 32);
             nibbles_avx512(src + 16 + 32 * c + 16, tlo, thi, dst + 64 * c + 16, 32);
         }
@@ -284,13 +301,12 @@ static void q5_k_avx512(const uint8_t *src, float *dst, int64_t n) {
     const __m512 q1 = _mm512_add_ps(IOTA16, _mm512_set1_ps(16.0f));
     const __m512i low4 = _mm512_set1_epi32(0x0F), b4 = _mm512_set1_epi32(0x10);
     for (int64_t b = 0; b < n; b++, src += 176, dst += QK_K) {
-        const float d = load_fp16(src), dmin = load_fp16(src + 2);
-        uint8_t sc[8], mn[8];
-        k4_scale_min(src + 4, sc, mn);
+        float ds[8], dm[8];
+        k4_factors_avx512(src, ds, dm);
         const uint8_t *qh = src + 16, *qs = src + 48;
         __m512i h[2] = {LOAD16B(qh), LOAD16B(qh + 16)}; /* qh bytes for l = 0..15, 16..31 */
         for (int sb = 0; sb < 8; sb++) {
-            __m512 vd = _mm512_set1_ps(d * (float)sc[sb]), vm = _mm512_set1_ps(dmin * (float)mn[sb]);
+            __m512 vd = _mm512_set1_ps(ds[sb]), vm = _mm512_set1_ps(dm[sb]);
             __m512 t0 = _mm512_sub_ps(_mm512_mul_ps(vd, IOTA16), vm), t1 = _mm512_sub_ps(_mm512_mul_ps(vd, q1), vm);
             const __m512i bit = _mm512_set1_epi32(1 << sb);
             for (int half = 0; half < 2; half++) {
@@ -308,8 +324,9 @@ static void q6_k_avx512(const uint8_t *src, float *dst, int64_t n) {
     const __m128i m4 = _mm_set1_epi8(0x0F), m3 = _mm_set1_epi8(3), off = _mm_set1_epi8(32);
     for (int64_t b = 0; b < n; b++, src += 210, dst += QK_K) {
         const uint8_t *ql = src, *qh = src + 128;
-        const int8_t *scales = (const int8_t *)(src + 192);
-        const float d = load_fp16(src + 208);
+        float ds[16]; /* d * scale of each 16-weight sub-block: one vector multiply */
+        _mm512_storeu_ps(ds, _mm512_mul_ps(_mm512_set1_ps(load_fp16(src + 208)),
+                                           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 192))))));
         for (int h = 0; h < 2; h++) {
             for (int l0 = 0; l0 < 64; l0 += 16) {
                 __m128i lb = _mm_loadu_si128((const __m128i *)(ql + h * 64 + l0));
@@ -320,9 +337,9 @@ static void q6_k_avx512(const uint8_t *src, float *dst, int64_t n) {
                 __m128i qlo = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(lb, m4), _mm_slli_epi16(hlo, 4)), off);
                 __m128i qhi = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(lb, 4), m4), _mm_slli_epi16(hhi, 4)), off);
                 int ilo = h * 128 + l0, ihi = h * 128 + 64 + l0;
-                _mm512_storeu_ps(dst + ilo, _mm512_mul_ps(_mm512_set1_ps(d * (float)scales[ilo / 16]),
+                _mm512_storeu_ps(dst + ilo, _mm512_mul_ps(_mm512_set1_ps(ds[ilo / 16]),
                                                           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qlo))));
-                _mm512_storeu_ps(dst + ihi, _mm512_mul_ps(_mm512_set1_ps(d * (float)scales[ihi / 16]),
+                _mm512_storeu_ps(dst + ihi, _mm512_mul_ps(_mm512_set1_ps(ds[ihi / 16]),
                                                           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qhi))));
             }
         }

@@ -52,7 +52,11 @@ static inline float fp16_to_fp32(uint16_t h) {
 static inline float load_fp16(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h); /* exact, like the portable conversion */
+#else
     return fp16_to_fp32(h);
+#endif
 }
 
 #endif

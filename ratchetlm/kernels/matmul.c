@@ -88,6 +88,9 @@ static inline float VSUM(vec_t a) {
 #ifndef KC
 #define KC 256 /* weights per K chunk when many tokens share a panel (multiple of every block size) */
 #endif
+#ifndef KC_FEW
+#define KC_FEW 2048 /* weights per K chunk for few tokens: the panel's scratch stays in L1/L2 */
+#endif
 #ifndef P_MAX
 #define P_MAX 16
 #endif
@@ -182,19 +185,20 @@ void ratchet_mm(const float *x, int M, int K, const part_t *parts, int nparts, f
     /* Few tokens: the weights are read once and the whole K fits one chunk (no accumulator spills).
      * Many tokens: short K chunks keep a panel's scratch and a tile's tokens in L1. */
     const int P = M <= 8 ? R : P_MAX;
-    const int kc = M <= 8 ? K : KC;
+    const int kc = M <= 8 ? KC_FEW : KC;
     int npanels = 0;
     for (int i = 0; i < nparts; i++) npanels += (parts[i].rows + P - 1) / P;
     panel_t *panels = malloc(sizeof(panel_t) * (size_t)npanels);
     for (int i = 0, j = 0, col = 0; i < nparts; col += parts[i].rows, i++)
         for (int r = 0; r < parts[i].rows; r += P, j++) panels[j] = (panel_t){&parts[i], r, MIN(P, parts[i].rows - r), col + r};
     const int ldw = (MIN(kc, K) + 15) / 16 * 16;
+    const int spill = kc < K; /* accumulators live across K chunks */
     const int ngroups = (M + T - 1) / T;
 #pragma omp parallel num_threads(threads)
     {
         scratch_w = grow(scratch_w, &scratch_w_cap, sizeof(float) * (size_t)P * ldw);
         vec_t *accbuf = NULL;
-        if (kc < K) accbuf = scratch_acc = grow(scratch_acc, &scratch_acc_cap, sizeof(vec_t) * (size_t)ngroups * P * T);
+        if (spill) accbuf = scratch_acc = grow(scratch_acc, &scratch_acc_cap, sizeof(vec_t) * (size_t)ngroups * P * T);
         float *wbuf = scratch_w;
 #pragma omp for schedule(static, 1)
         for (int pi = 0; pi < npanels; pi++) {
