@@ -89,7 +89,7 @@ def write_f16(path: Path, shape: str, seed: int = 0) -> None:
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
-    for name, shp in tensors:
+    for _, shp in tensors:
         if len(shp) == 1:
             arr = (1.0 + 0.1 * rng.standard_normal(shp, dtype=np.float32)).astype(np.float32)
         else:

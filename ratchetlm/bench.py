@@ -254,13 +254,13 @@ def main(argv: list[str] | None = None) -> int:
         long += tok.encode(text, add_special_tokens=False)
     job = {"model": str(source.path), "prompts": prompts, "long": long[:a.prompt_tokens]}
     results = []
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(job, f)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as tmp:
+        json.dump(job, tmp)
     try:
         for engine in engines.split(","):
             if engine not in ENGINES:
                 raise SystemExit(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
-            cmd = [sys.executable, "-m", "ratchetlm.bench", "--worker", engine, "--job", f.name,
+            cmd = [sys.executable, "-m", "ratchetlm.bench", "--worker", engine, "--job", tmp.name,
                    *[x for x in (argv if argv is not None else sys.argv[1:])]]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(json.loads(line[0][7:]))
             print(f"({engine} done)", flush=True)
     finally:
-        os.unlink(f.name)
+        os.unlink(tmp.name)
     _report(a, source.path, results)
     if a.json:
         with open(a.json, "w") as out:
@@ -304,7 +304,7 @@ def _report(a: argparse.Namespace, path: Any, results: list[dict[str, Any]]) -> 
         if hf and r["engine"].startswith("ratchetlm"):
             same = sum(x == y for x, y in zip(r["check"], hf["check"], strict=True))
             print(f"{r['engine']}: greedy tokens identical to HF on {same}/{len(hf['check'])} prompts")
-    print(f"(ratios vs llama.cpp in parentheses; peak RSS counts the process: python + torch are ~0.25 GB)")
+    print("(ratios vs llama.cpp in parentheses; peak RSS counts the whole process: python + torch are ~0.25 GB)")
 
 
 if __name__ == "__main__":
