@@ -24,7 +24,7 @@ _ENGINE_HELP = {
     "enable_prefix_caching": "reuse cached KV blocks of shared prompt prefixes (true/false)",
     "decoding": "decoding strategy: autoregressive | speculative | wedlm",
     "decoding_options": "JSON object of strategy options",
-    "gguf_kernels": "CPU fp32 with a Q4_1/Q8_0 GGUF: decode matmuls read the quantized blocks (true/false)",
+    "gguf_kernels": "CPU fp32: GGUF (and 16-bit HF) weights stay in stored form, matmuls read them (true/false)",
     "seed": "global RNG seed for unseeded sampling",
     "jump_forward": "structured outputs: commit grammar-forced tokens in the same forward as the next one (true/false)",
     "progress": "show progress bars (true/false)",

@@ -30,7 +30,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     decoding: str = "autoregressive"
     decoding_options: dict[str, Any] = field(default_factory=dict)
-    gguf_kernels: bool = True  # CPU fp32 + Q4_1/Q8_0 GGUF: decode matmuls read the quantized blocks
+    # CPU fp32: GGUF weights (every format) and 16-bit HF weights stay in their stored form and every
+    # matmul reads them through the block kernels (False: dense fp32 copies multiplied by BLAS)
+    gguf_kernels: bool = True
     seed: int = 0  # global RNG seed for unseeded sampling
     # structured outputs: tokens the grammar forces are verified and committed in the same forward as
     # the model's next token (same output, fewer forwards); False = one token per forward

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import struct
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,16 +81,58 @@ def read_hf_config(path: Path) -> dict[str, Any]:
         return json.load(f)
 
 
-def iter_hf_weights(path: Path, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
+def _safetensors_files(path: Path) -> list[Path]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"model folder {path} has no *.safetensors files")
+    return files
+
+
+def iter_hf_weights(path: Path, progress: bool = True,
+                    skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the folder's safetensors files in its stored dtype, except the names in
+    ``skip`` (those the model holds as blocks)."""
+    from safetensors import safe_open
+
+    files = _safetensors_files(path)
     for f in tqdm(files, desc="loading weights", disable=not progress or len(files) == 1):
         with safe_open(str(f), framework="pt") as sf:
             for name in sf.keys():
-                yield name, sf.get_tensor(name)
+                if name not in skip:
+                    yield name, sf.get_tensor(name)
+
+
+# safetensors dtype -> block format of the kernels (16-bit floats widen to fp32 exactly)
+_SAFETENSORS_BLOCK_TYPES = {"BF16": "BF16", "F16": "F16"}
+
+
+def hf_block_weights(path: Path) -> dict[str, BlockWeight]:
+    """The 16-bit (BF16 / F16) 2-D tensors of an HF folder as :class:`BlockWeight` views of the
+    mmapped safetensors files, by name: the weights keep the checkpoint's dtype (half the bytes of
+    an fp32 copy) and the block kernels widen them exactly to fp32 as they multiply.
+
+    The files are parsed here rather than through ``safetensors.safe_open``, whose ``get_tensor``
+    copies each tensor into process memory; the format is an 8-byte little-endian header length,
+    a JSON header (name -> dtype, shape, [begin, end) byte offsets into the data) and the data."""
+    out: dict[str, BlockWeight] = {}
+    for f in _safetensors_files(path):
+        mm = np.memmap(f, dtype=np.uint8, mode="r")
+        try:
+            (n,) = struct.unpack("<Q", mm[:8].tobytes())
+            header = json.loads(mm[8:8 + n].tobytes())
+        except (struct.error, ValueError) as e:
+            raise ModelLoadError(f"{f} is not a safetensors file: {e}") from None
+        base = 8 + n
+        for name, info in header.items():
+            if name == "__metadata__" or len(info["shape"]) != 2:
+                continue
+            fmt = _SAFETENSORS_BLOCK_TYPES.get(info["dtype"])
+            rows, k = info["shape"]
+            begin, end = info["data_offsets"]
+            if fmt is None or rows == 0 or end - begin != rows * k * 2 or base + end > len(mm):
+                continue  # other dtypes (and anything malformed) load densely, with safetensors' own checks
+            out[name] = BlockWeight.from_gguf(fmt, mm[base + begin:base + end].reshape(rows, k * 2), k)
+    return out
 
 
 # ---------------------------------------------------------------- GGUF

@@ -16,6 +16,7 @@ from ratchetlm.models.loader import (
     ModelSource,
     gguf_block_weights,
     gguf_config,
+    hf_block_weights,
     iter_gguf_weights,
     iter_hf_weights,
     read_hf_config,
@@ -40,9 +41,10 @@ def load_model(
     mask_token_id: int | None = None,
     gguf_kernels: bool = True,
 ) -> LoadedModel:
-    """``gguf_kernels``: a GGUF run on CPU in fp32 keeps its 2-D weights in their stored form (read
-    in place from the mmapped file) and multiplies them through the block kernels; otherwise (or
-    without a C compiler) every tensor is dequantized to a dense copy in ``dtype``."""
+    """``gguf_kernels``: a run on CPU in fp32 keeps a GGUF's 2-D weights, and an HF folder's 16-bit
+    (BF16 / F16) 2-D weights, in their stored form (read in place from the mmapped file) and
+    multiplies them through the block kernels; otherwise (or without a C compiler) every tensor is
+    dequantized to a dense copy in ``dtype``."""
     source = resolve(ref)
     reader = None
     if source.kind == "gguf":
@@ -68,13 +70,15 @@ def load_model(
     with torch.device("meta"):
         model = LlamaModel(cfg)
     in_blocks: set[str] = set()
-    if reader is not None and gguf_kernels and device.type == "cpu" and dtype == torch.float32 and kernels.load():
-        in_blocks = model.attach_blocks(gguf_block_weights(reader, cfg))  # before any dense allocation
+    if gguf_kernels and device.type == "cpu" and dtype == torch.float32 and kernels.load():
+        # before any dense allocation: a bf16 checkpoint run in fp32 is never expanded to an fp32 copy
+        blocks = gguf_block_weights(reader, cfg) if reader is not None else hf_block_weights(source.path)
+        in_blocks = model.attach_blocks(blocks)
     # dense tensors are allocated in the run dtype (a bf16 checkpoint is never expanded to fp32 first)
     model = model.to_empty(device="cpu").to(dtype)
     if reader is not None:
         model.load_hf_weights(iter_gguf_weights(reader, cfg, progress, skip=in_blocks))
     else:
-        model.load_hf_weights(iter_hf_weights(source.path, progress))
+        model.load_hf_weights(iter_hf_weights(source.path, progress, skip=in_blocks))
     model = model.to(device=device).eval()
     return LoadedModel(model, cfg, tokenizer, source)
