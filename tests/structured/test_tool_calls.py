@@ -3,7 +3,9 @@ tool_choice required / named forces calls whose arguments validate against the f
 
 from __future__ import annotations
 
+import copy
 import json
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -102,3 +104,45 @@ def test_tools_reach_the_prompt(llm_fp32):
     text = llm_fp32.apply_chat_template(msgs, tools=[WEATHER])
     assert "get_weather" in text and '<tool_call>[{"name": "get_weather"' in text
     assert '<|im_start|>tool\n{"temp": 21}<|im_end|>' in text
+
+
+# A Qwen-2.5-like template (written for this test) that renders tools and calls itself.
+NATIVE = """{%- if tools %}<|im_start|>system
+Tools:
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+Answer with <tool_call>{"name": ..., "arguments": ...}</tool_call> blocks.<|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == "assistant" and m.tool_calls %}<|im_start|>assistant
+{%- for tc in m.tool_calls %}
+<tool_call>
+{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif m.role == "tool" %}<|im_start|>user
+<tool_response>{{ m.content }}</tool_response><|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_a_template_that_renders_tools_gets_them_and_parsed_arguments(smollm_tokenizer):
+    from ratchetlm import LLM
+
+    tok = copy.copy(smollm_tokenizer)
+    tok.chat_template = NATIVE
+    msgs = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [CALLS[0].as_openai()]},
+            {"role": "tool", "tool_call_id": CALLS[0].id, "content": '{"temp": 21}'}]
+    text = LLM.apply_chat_template(SimpleNamespace(tokenizer=tok), msgs, tools=[WEATHER])
+    assert "You can call functions" not in text  # no description of our own: the template has one
+    assert json.dumps(WEATHER, ensure_ascii=False) in text  # the tools as OpenAI sent them
+    # the template gets the arguments as an object (as HF templates expect), not as a JSON string
+    assert '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}' in text
+    assert '<tool_response>{"temp": 21}</tool_response>' in text
+    assert tool_format(None, NATIVE).name == "hermes"  # and its calls are read in its format
