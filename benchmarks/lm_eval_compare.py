@@ -12,7 +12,8 @@ runs
 and compares every (question, choice) loglikelihood of the two loglikelihood runs. Not part of the
 test suite: lm-eval pulls in datasets, evaluate, scikit-learn, ... (``pip install 'ratchetlm[eval]'``).
 
-    python benchmarks/lm_eval_compare.py [--gguf-kernels true|false] [--tolerance 1e-3]
+    python benchmarks/lm_eval_compare.py [--gguf-kernels true|false] [--tolerance 1e-3] [--limit N]
+                                         [--threads N]
 """
 
 from __future__ import annotations
@@ -93,9 +94,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(port: int, gguf_kernels: str) -> subprocess.Popen:
+def start_server(port: int, gguf_kernels: str, threads: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "ratchetlm", "serve", "--port", str(port), "--dtype", "float32",
-           "--gguf-kernels", gguf_kernels, "--served-model-name", "smollm2", "--log-level", "warning"]
+           "--gguf-kernels", gguf_kernels, "--served-model-name", "smollm2", "--log-level", "warning",
+           "--torch-threads", str(threads)]
     proc = subprocess.Popen(cmd)
     for _ in range(600):
         try:
@@ -117,7 +119,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gguf-kernels", default="true")
     ap.add_argument("--tolerance", type=float, default=1e-3)
+    ap.add_argument("--limit", type=int, default=None, help="only the first N documents of each task (a smoke run)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the server and of the hf backend")
     args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -128,19 +135,20 @@ def main() -> None:
     write_tasks(d)
     tm = TaskManager(include_path=str(d))
     port = free_port()
-    server = start_server(port, args.gguf_kernels)
+    server = start_server(port, args.gguf_kernels, args.threads)
     try:
         base = f"http://127.0.0.1:{port}/v1"
         t0 = time.perf_counter()
         served = lm_eval.simple_evaluate(model="local-completions", tasks=["ratchet_mc"], task_manager=tm,
                                          model_args={"base_url": base + "/completions", "model": "smollm2",
+                                                     "tokenizer_backend": "remote",  # the server's tokenizer
                                                      "num_concurrent": 1, "max_retries": 1},
-                                         log_samples=True)
+                                         log_samples=True, limit=args.limit)
         t_served = time.perf_counter() - t0
         chat = lm_eval.simple_evaluate(model="local-chat-completions", tasks=["ratchet_gen"], task_manager=tm,
                                        model_args={"base_url": base + "/chat/completions", "model": "smollm2",
                                                    "num_concurrent": 1, "max_retries": 1},
-                                       apply_chat_template=True, log_samples=True)
+                                       apply_chat_template=True, log_samples=True, limit=args.limit)
     finally:
         server.terminate()
         server.wait(30)
@@ -149,10 +157,11 @@ def main() -> None:
     hf = lm_eval.simple_evaluate(model="hf", tasks=["ratchet_mc"], task_manager=tm, batch_size=1, device="cpu",
                                  model_args={"pretrained": str(gguf.parent), "gguf_file": gguf.name,
                                              "dtype": "float32"},
-                                 log_samples=True)
+                                 log_samples=True, limit=args.limit)
     t_hf = time.perf_counter() - t0
     a, b = loglikelihoods(served), loglikelihoods(hf)
-    assert len(a) == len(b) == sum(len(c) for _, c, _ in QUESTIONS), (len(a), len(b))
+    questions = QUESTIONS[: args.limit] if args.limit else QUESTIONS
+    assert len(a) == len(b) == sum(len(c) for _, c, _ in questions), (len(a), len(b))
     diff = max(abs(x - y) for x, y in zip(a, b, strict=True))
     gen = chat["samples"]["ratchet_gen"]
     print(f"loglikelihood requests: {len(a)}; max |served - hf| = {diff:.2e} (tolerance {args.tolerance:g}); "
