@@ -4,9 +4,10 @@ Streaming never sends a role-only chunk: the role rides on each choice's first c
 content (or its finishing chunk), so time-to-first-chunk is the time to the first real token.
 
 Tools (server/structured.py, structured/tool_calls.py): the tools reach the prompt, the output is
-searched for calls in the model family's format, calls become ``message.tool_calls`` (streamed:
-``delta.tool_calls``, first the id and name, then the arguments) with ``finish_reason
-"tool_calls"``; text outside the calls stays ``content``. ``tool_choice: "required"`` or a named
+searched for calls in the model family's format, calls become ``message.tool_calls`` (streamed,
+structured/tool_stream.py: ``delta.tool_calls``, the id and name as soon as they are written, then
+the arguments piece by piece) with ``finish_reason "tool_calls"``; text outside the calls stays
+``content``. ``tool_choice: "required"`` or a named
 function is enforced by a grammar; ``"none"`` leaves the tools out of the prompt.
 """
 
@@ -20,7 +21,8 @@ from ratchetlm.server.common import ChoiceState, ServingContext, make_params, ne
 from ratchetlm.server.errors import APIError
 from ratchetlm.server.protocol import ChatCompletionRequest, ChatMessage
 from ratchetlm.server.structured import ToolPlan, compile_constraint, requested_constraint, tool_plan
-from ratchetlm.structured.tool_calls import StreamingToolParser, ToolCall
+from ratchetlm.structured.tool_calls import ToolCall
+from ratchetlm.structured.tool_stream import StreamingToolParser
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -129,31 +131,31 @@ class ChatPlan:
                            d.finish_reason if d.finished else None, st.chunks_sent == 0)
 
     def _tool_chunks(self, st: ChoiceState, d: Delta) -> list[dict[str, Any]]:
-        """Content is released up to a possible call; calls go out whole when the choice ends."""
+        """Content is released up to a possible call; a call's id and name go out as soon as they
+        are written, then its arguments piece by piece (structured/tool_stream.py)."""
         assert self.tools is not None
-        parser = self.parsers.setdefault(st.index, StreamingToolParser(self.tools.fmt, self.tools.forced is not None))
+        parser = self.parsers.get(st.index)
+        if parser is None:
+            parser = self.parsers[st.index] = StreamingToolParser(
+                self.tools.fmt, self.tools.forced is not None, None if self.tools.parallel else 1)
         out: list[dict[str, Any]] = []
         first = st.chunks_sent == 0
-        text = parser.feed(d.text)
+        text, calls = parser.feed(d.text)
         if text or (self.k is not None and d.token_ids):
             out.append(self._chunk(st, {"content": text}, self._logprobs(d.token_ids, d.logprobs), None, first))
             first = False
-        if not d.finished:
-            return out
-        rest, calls = parser.finish()
-        if not self.tools.parallel:
-            calls = calls[:1]
-        if rest:
-            out.append(self._chunk(st, {"content": rest}, None, None, first))
+        if d.finished:
+            rest, more = parser.finish()
+            if rest:
+                out.append(self._chunk(st, {"content": rest}, None, None, first))
+                first = False
+            calls += more
+        for c in calls:
+            out.append(self._chunk(st, {"tool_calls": [c.as_openai()]}, None, None, first))
             first = False
-        for i, call in enumerate(calls):
-            head = {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
-            out.append(self._chunk(st, {"tool_calls": [head]}, None, None, first))
-            first = False
-            out.append(self._chunk(st, {"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]},
-                                   None, None, False))
-        reason = "tool_calls" if calls and d.finish_reason == "stop" else d.finish_reason
-        out.append(self._chunk(st, {}, None, reason, first))
+        if d.finished:
+            reason = "tool_calls" if parser.streamed and d.finish_reason == "stop" else d.finish_reason
+            out.append(self._chunk(st, {}, None, reason, first))
         return out
 
     def usage_chunk(self, states: list[ChoiceState]) -> dict[str, Any]:

@@ -257,62 +257,6 @@ def tool_format(name: str | None, chat_template: str | None = None) -> ToolForma
     return FORMATS[key]()
 
 
-class StreamingToolParser:
-    """Incremental split of streamed text into content deltas and completed tool calls: text
-    from the format's opening marker on (or a possible start of it) is held back; calls are
-    released when the whole output is known (``finish``)."""
-
-    def __init__(self, fmt: ToolFormat, calls_only: bool = False) -> None:
-        self.fmt = fmt
-        self.calls_only = calls_only  # tool_choice required/named: the whole output is calls
-        self.text = ""
-        self.sent = 0  # characters of ``text`` released as content
-        self.held = False  # the opening marker was seen: everything after it waits for finish
-
-    def feed(self, delta: str) -> str:
-        """New text -> the content that can be released now."""
-        self.text += delta
-        if self.calls_only or self.held:
-            return ""
-        start = self.fmt.stream_start()
-        if isinstance(self.fmt, Llama3JsonFormat):
-            stripped = self.text.lstrip()
-            if not stripped:
-                return ""
-            if stripped.startswith(("{", "<|python_tag|>")) and self.sent == 0:
-                self.held = True
-                return ""
-            out, self.sent = self.text[self.sent:], len(self.text)
-            return out
-        i = self.text.find(start, self.sent)
-        if i >= 0:
-            self.held = True
-            out, self.sent = self.text[self.sent:i], i
-            return out
-        keep = _partial_suffix(self.text, start)  # "<tool" could become "<tool_call>"
-        end = max(self.sent, len(self.text) - keep)
-        out, self.sent = self.text[self.sent:end], end
-        return out
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """The rest of the content (if the held text was not calls) and the parsed calls."""
-        content, calls = self.fmt.parse(self.text)
-        if calls:
-            rest = (content or "") if self.sent == 0 else ""
-            return rest, calls
-        out = self.text[self.sent:]
-        self.sent = len(self.text)
-        return out, []
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0
-
-
 def functions_from(tools: list[dict[str, Any]]) -> list[Function]:
     """OpenAI ``tools`` -> :class:`Function` list; raises ValueError naming the problem."""
     out = []

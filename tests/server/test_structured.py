@@ -138,16 +138,18 @@ def test_streamed_tool_calls_assemble(client):
     for chunk in stream:
         ch = chunk.choices[0]
         for d in ch.delta.tool_calls or []:
-            c = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+            c = calls.setdefault(d.index, {"id": None, "name": "", "arguments": "", "pieces": 0})
             c["id"] = c["id"] or d.id
             if d.function is not None:
                 c["name"] += d.function.name or ""
                 c["arguments"] += d.function.arguments or ""
+                c["pieces"] += bool(d.function.arguments)
         finish = ch.finish_reason or finish
     assert finish == "tool_calls" and calls
     for c in calls.values():
         assert c["id"] and c["name"] == "get_weather"
         jsonschema.validate(json.loads(c["arguments"]), SCHEMA_OF["get_weather"])
+        assert c["pieces"] > 2, "the arguments arrive as they are written"
 
 
 def test_tool_results_go_through_the_template(server):
@@ -178,8 +180,9 @@ SCRIPTED = ('Let me check. <tool_call>[{"name": "get_weather", "arguments": {"ci
 def scripted(oracle, monkeypatch):
     real = oracle.engine.add_request
 
-    def add_request(prompt_ids, params):
-        return real(prompt_ids, dataclasses.replace(params, structured=StructuredOutputsParams(choice=[SCRIPTED])))
+    def add_request(prompt_ids, params, **kw):
+        return real(prompt_ids, dataclasses.replace(params, structured=StructuredOutputsParams(choice=[SCRIPTED])),
+                    **kw)
 
     monkeypatch.setattr(oracle.engine, "add_request", add_request)
     with serve(oracle, MODEL_NAME) as base:

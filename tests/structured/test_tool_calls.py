@@ -12,13 +12,8 @@ import pytest
 
 from ratchetlm import SamplingParams
 from ratchetlm.sampling_params import StructuredOutputsParams
-from ratchetlm.structured.tool_calls import (
-    FORMATS,
-    StreamingToolParser,
-    ToolCall,
-    functions_from,
-    tool_format,
-)
+from ratchetlm.structured.tool_calls import FORMATS, ToolCall, functions_from, tool_format
+from ratchetlm.structured.tool_stream import StreamingToolParser
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -41,20 +36,66 @@ def test_rendered_calls_parse_back(name):
     assert fmt.parse("Just text, no calls.") == ("Just text, no calls.", [])
 
 
+def _stream(parser: StreamingToolParser, text: str, step: int = 3) -> tuple[str, list[list], list]:
+    """Feed ``text`` ``step`` characters at a time: (content, per-feed deltas, final deltas)."""
+    content, per_feed = "", []
+    for i in range(0, len(text), step):
+        c, deltas = parser.feed(text[i:i + step])
+        content += c
+        per_feed.append(deltas)
+    rest, final = parser.finish()
+    return content + rest, per_feed, final
+
+
+def _assemble(deltas) -> list[tuple[str, dict]]:
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        c = calls.setdefault(d.index, {"name": None, "args": ""})
+        c["name"] = c["name"] or d.name
+        c["args"] += d.arguments
+    return [(c["name"], json.loads(c["args"])) for _, c in sorted(calls.items())]
+
+
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_streamed_text_splits_into_content_and_calls(name):
     fmt = tool_format(name)
     prefix = "Checking now. " if name != "llama3_json" else ""
     text = prefix + fmt.render(CALLS)
-    p = StreamingToolParser(fmt)
-    released = "".join(p.feed(text[i:i + 3]) for i in range(0, len(text), 3))
-    rest, calls = p.finish()
-    assert released + rest == prefix
-    assert [c.name for c in calls] == ["get_weather", "get_time"]
+    content, per_feed, final = _stream(StreamingToolParser(fmt), text)
+    assert content == prefix
+    assert _assemble([d for f in per_feed for d in f] + final) == [(c.name, json.loads(c.arguments)) for c in CALLS]
+    # streamed as written: each call's head before its arguments end, its arguments in several pieces
+    assert not final
+    first_head = next(i for i, f in enumerate(per_feed) if any(d.id for d in f))
+    assert first_head < len(per_feed) // 2
+    assert sum(1 for f in per_feed for d in f if d.index == 0 and d.id is None) > 3
     # text that only looks like the start of a call is released at the end
     p = StreamingToolParser(fmt)
-    out = p.feed("a < b and {x}") + p.finish()[0]
-    assert out == "a < b and {x}"
+    assert p.feed("a < b and {x}")[0] + p.finish()[0] == "a < b and {x}"
+
+
+def test_streamed_arguments_are_the_grammar_forced_text_byte_for_byte():
+    fmt = tool_format("smollm2")  # forced calls are written with json.dumps' separators
+    tricky = ToolCall("note", json.dumps({"text": 'say " } then ] and {', "path": "C:\\", "n": [1, {"k": []}]}))
+    calls = [CALLS[0], tricky, CALLS[1]]
+    _, per_feed, final = _stream(StreamingToolParser(fmt, calls_only=True), fmt.render(calls), step=1)
+    assert not final
+    args: dict[int, str] = {}
+    for d in [d for f in per_feed for d in f]:
+        args[d.index] = args.get(d.index, "") + d.arguments
+    assert [args[i] for i in range(3)] == [c.arguments for c in calls]
+
+
+def test_streaming_keeps_one_call_without_parallel_calls_and_reads_odd_calls_at_the_end():
+    fmt = tool_format("smollm2")
+    _, per_feed, final = _stream(StreamingToolParser(fmt, calls_only=True, max_calls=1), fmt.render(CALLS))
+    assert _assemble([d for f in per_feed for d in f] + final) == [("get_weather", {"city": "Paris",
+                                                                                   "unit": "celsius"})]
+    # arguments first, or as a JSON string: not streamable, read whole when the choice ends
+    for text in ['<tool_call>[{"arguments": {"zone": "CET"}, "name": "get_time"}]</tool_call>',
+                 '<tool_call>[{"name": "get_time", "arguments": "{\\"zone\\": \\"CET\\"}"}]</tool_call>']:
+        content, per_feed, final = _stream(StreamingToolParser(fmt), text)
+        assert content == "" and not any(per_feed) and _assemble(final) == [("get_time", {"zone": "CET"})]
 
 
 def test_malformed_calls_stay_content():
