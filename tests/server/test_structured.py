@@ -152,6 +152,20 @@ def test_streamed_tool_calls_assemble(client):
         assert c["pieces"] > 2, "the arguments arrive as they are written"
 
 
+def test_the_sdks_stream_helper_assembles_the_calls(client):
+    """openai's own accumulator (``chat.completions.stream``) reads our deltas into the same calls."""
+    kw = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Weather in Rome, in celsius?"}],
+              tools=[WEATHER], tool_choice="required", max_tokens=80, temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    with client.chat.completions.stream(**kw) as stream:
+        done = [e for e in stream if e.type == "tool_calls.function.arguments.done"]
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in whole]
+    assert [e.name for e in done] == [c.function.name for c in whole]
+
+
 def test_tool_results_go_through_the_template(server):
     msgs = [{"role": "user", "content": "Weather in Paris?"},
             {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
