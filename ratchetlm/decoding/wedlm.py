@@ -30,6 +30,7 @@ from ratchetlm.engine.sequence import Sequence
 from ratchetlm.layers.sampler import target_logits
 
 _KEY = "wedlm_window"
+_SAVED = "wedlm_window_before_step"  # (propose call number, the window as it was before that step)
 _STAT_KEYS = ("wedlm_forwards", "wedlm_fills", "wedlm_commits", "wedlm_window_tokens")
 
 
@@ -63,6 +64,7 @@ class WeDLM(DecodeStrategy):
             raise ValueError(f"wedlm mask_token_id {mask_id} is outside the vocabulary [0, {vocab})")
         self.mask_id = int(mask_id)
         self.totals = {k: 0 for k in _STAT_KEYS}
+        self._proposes = 0  # propose() calls so far: names the step a saved window belongs to
 
     def check_request(self, params: Any) -> None:
         if params.structured is not None:
@@ -96,12 +98,17 @@ class WeDLM(DecodeStrategy):
     # ------------------------------------------------------------------ propose
 
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
+        self._proposes += 1
         out = []
         for seq, budget in zip(seqs, budgets, strict=True):
             if len(seq.token_ids) > seq.num_cached:
+                seq.strategy_state.pop(_SAVED, None)
                 out.append(catch_up_proposal(seq, budget))
                 continue
             w = self._window(seq)
+            # propose (refill) and commit (fills) change the window in place: keep it as it was,
+            # so a discarded step (fault isolation) re-runs from exactly this state
+            seq.strategy_state[_SAVED] = (self._proposes, Window(list(w.tokens), list(w.is_mask), list(w.logprobs)))
             refill(w, self.mask_id, self._room(seq, w))
             assert len(w) > 0, "an unfinished sequence always has window room"
             # With a short step budget only a prefix of the topological order runs: causal
@@ -118,6 +125,14 @@ class WeDLM(DecodeStrategy):
                 state=_Step(w, order, num_filled, min(w.leading_filled(), len(order))),
             ))
         return out
+
+    def on_step_discarded(self, seq: Sequence) -> None:
+        """Restore the window this step started from: dropping it instead would change what the
+        sequence commits next (its filled slots are part of its decoding history)."""
+        saved = seq.strategy_state.pop(_SAVED, None)
+        if saved is not None and saved[0] == self._proposes:
+            seq.strategy_state[_KEY] = saved[1]
+        # otherwise the failed propose never reached this sequence: its window is untouched
 
     # ------------------------------------------------------------------ commit
 

@@ -68,3 +68,23 @@ def test_auto_schedule_is_gain_where_it_applies():
     assert SpecConfig(method="eagle").depth_schedule == "gain"
     assert SpecConfig(method="draft").depth_schedule == "constant"
     assert SpecConfig(method="ngram", depth_schedule="constant").depth_schedule == "constant"
+
+
+def test_a_proposal_repeated_from_the_same_state_is_recorded_once(spec_llm):
+    """Fault isolation re-runs a discarded step from the same committed state: the continuation
+    it proposed is recorded once, so it is judged (and counted in the shared totals) once."""
+    from types import SimpleNamespace
+
+    from ratchetlm.decoding.speculative.proposers import _GAIN, NgramProposer
+    from ratchetlm.engine.sequence import Sequence
+    from ratchetlm.sampling_params import SamplingParams
+
+    cfg = SimpleNamespace(num_candidates=1, min_n=1, max_n=4, depth=4, depth_schedule="gain", verify_token_cost=0.1)
+    prop = NgramProposer(cfg, ctx=None)
+    seq = Sequence(0, [5, 6, 7, 8, 5, 6], 6, SamplingParams(max_tokens=8))
+    prop.propose([seq], [4])
+    prop.propose([seq], [4])  # the same step again
+    assert [(p.start, p.tokens) for p in seq.strategy_state[_GAIN].pending] == [(6, [7, 8, 5, 6])]
+    seq.token_ids += [7, 8, 5, 6]
+    prop.propose([seq], [4])
+    assert prop.gain.totals.tries[2].tolist() == [0, 1, 1, 1, 1]  # one judged continuation, not two

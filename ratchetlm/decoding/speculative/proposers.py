@@ -154,5 +154,7 @@ class NgramProposer(Proposer):
         if not cands:
             return 0
         n, cont = cands[0]
+        if rec.pending and rec.pending[-1].start == len(seq.token_ids):
+            rec.pending.pop()  # proposed again from the same state (a discarded step is re-run)
         rec.pending.append(PendingContinuation(len(seq.token_ids), n, cont))
         return self.gain.length(rec, n, min(max_depth, len(cont)), batch)
