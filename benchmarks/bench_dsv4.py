@@ -1,59 +1,52 @@
-"""DeepSeek-V4 decode: step time and cache bytes per sequence, ours (paged) vs HF.
+"""DeepSeek-V4 on the one engine: plain vs MTP speculative decoding, and our cache vs HF's.
 
-Builds the tiny random V4 config of tests/deepseek_v4 (real capacity constants, tiny
-widths), then for each context length L measures one-token decode calls at position L:
+Builds the tiny random V4 config of tests/deepseek_v4 (real capacity constants, tiny widths)
+with random MTP weights, runs one reference forward over the longest context, and for each
+context length L starts one sequence at position L (its cache restored from the reference's
+traces, as a prefix-cache hit would) and decodes ``--steps`` greedy tokens through
+``LLMEngine``:
 
-* ours: ``DeepseekV4Runner.decode`` over the paged cache (S=2 with placeholder);
-* HF: ``DeepseekV4ForCausalLM`` single-token forward on its DynamicCache after a chunked prefill.
+* ``plain``: one committed token per call (the seed's S = 2 shape, placeholder second row);
+* ``mtp``: the checkpoint's MTP module drafts, ``[root, draft]`` verified in the same S = 2
+  shape (random weights: its drafts are nearly always wrong — this row is the mechanism's cost
+  at zero acceptance);
+* ``mtp, all accepted``: the same module runs and its chain is replaced by the known greedy
+  continuation, every draft accepted (depth 1 and 3): the mechanism's ceiling in tokens per call.
 
-Cache bytes per sequence: ours counts every mapped block/page of the sequence (ring,
-compressed KV, indexer keys, rolling compressor state); HF counts its cache tensors; the
-"full KV" column is raw K=V for every token at every layer (what a non-compressing MQA
-model of the same width keeps).
+Per row: tokens per engine step (call), median step time, median time per generated token.
+Also: HF's single-token step on its DynamicCache, and cache bytes per sequence (ours: every
+mapped block/page; HF: its cache tensors; "full KV": raw K = V for every token at every layer).
 
-    python benchmarks/bench_dsv4.py [--contexts 1024 4096 8192 16384] [--steps 10]
+    python benchmarks/bench_dsv4.py [--contexts 1024 8192 16384] [--steps 16] [--threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "deepseek_v4"))
+sys.path.insert(0, str(ROOT))
 
-from conftest import build_hf_model  # noqa: E402
-
+from ratchetlm.decoding.speculative.proposers import DraftBeam  # noqa: E402
 from ratchetlm.models.deepseek_v4.loader import load_deepseek_v4  # noqa: E402
-from ratchetlm.models.deepseek_v4.reference import prefix_traces, reference_forward  # noqa: E402
-from ratchetlm.models.deepseek_v4.runner import DeepseekV4Runner  # noqa: E402
+from ratchetlm.models.deepseek_v4.reference import reference_forward  # noqa: E402
+from ratchetlm.sampling_params import SamplingParams  # noqa: E402
+from tests.deepseek_v4.conftest import add_restored, build_hf_model, v4_engine, write_mtp_weights  # noqa: E402
 
 
-def ours_cache_bytes(runner: DeepseekV4Runner, seq: int) -> int:
-    c, t = runner.cache, runner.cache._seqs[seq]
-    total = 0
-    for name, pools in (("csa_cmp", c.csa_cmp), ("idx", c.idx), ("hca_cmp", c.hca_cmp)):
-        for pool in pools.values():
-            total += len(getattr(t, name)) * pool[0].numel() * pool.element_size()
-    for pool in c.ori.values():
-        total += len(t.ori) * pool[0].numel() * pool.element_size()
-    for name, pools, page in (("csa_state", c.csa_state, c.cap.csa_state_page),
-                              ("inner_state", c.inner_state, c.cap.csa_state_page),
-                              ("hca_state", c.hca_state, c.cap.hca_state_page)):
-        for pool in pools.values():
-            total += len(getattr(t, name)) * page * pool.shape[1] * pool.element_size()
-    return total
-
-
-def hf_cache_bytes(cache) -> int:
+def hf_cache_bytes(cache: Any) -> int:
     seen, total = set(), 0
 
-    def add(x):
+    def add(x: Any) -> None:
         nonlocal total
         if isinstance(x, torch.Tensor) and id(x) not in seen:
             seen.add(id(x))
@@ -68,67 +61,100 @@ def hf_cache_bytes(cache) -> int:
     return total
 
 
-def time_calls(fn, steps: int) -> float:
-    times = []
-    for _ in range(steps):
+def steer_all_accepted(engine: Any, truth: list[int]) -> None:
+    """After the module drafts, replace its chain by the known greedy continuation."""
+    prop = engine.strategy.proposer
+    real = prop.propose
+
+    def propose(seqs: list[Any], depths: list[int]) -> list[DraftBeam | None]:
+        out: list[DraftBeam | None] = []
+        for s, b in zip(seqs, real(seqs, depths), strict=True):
+            if b is not None:
+                k = b.tokens.shape[1]
+                chain = (truth[s.num_output_tokens : s.num_output_tokens + k] + [0] * k)[:k]
+                b = DraftBeam(torch.tensor([chain]), b.scores)
+            out.append(b)
+        return out
+
+    prop.propose = propose
+
+
+def run(engine: Any, ids: torch.Tensor, traces: Any, L: int, steps: int) -> tuple[list[int], list[float], int]:
+    """Greedy ``steps`` tokens after position L -> (tokens, per-step seconds, cache bytes held)."""
+    sid = add_restored(engine, ids[: L + 1].tolist(), SamplingParams(temperature=0.0, max_tokens=steps,
+                                                                       ignore_eos=True), traces, L)
+    times, held = [], 0
+    while engine.has_unfinished():
         t0 = time.perf_counter()
-        fn()
+        engine.step()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+        held = max(held, engine.blocks.seq_bytes(sid))
+    return engine.seqs[sid].output_ids, times[1:], held  # step 0 feeds the restored root
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192, 16384])
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 16384])
+    ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     hf = build_hf_model(seed=0)
-    folder = Path("/tmp/ratchet_bench_dsv4")
+    folder = Path(tempfile.mkdtemp(prefix="ratchet_bench_dsv4_"))
     hf.save_pretrained(folder)
+    write_mtp_weights(folder)
     model = load_deepseek_v4(folder)
     cfg = model.config
-    longest = max(args.contexts)
-    ids = torch.randint(0, cfg.vocab_size, (longest + args.steps + 2,), generator=torch.Generator().manual_seed(0))
-    _, traces = reference_forward(model, ids[:longest], chunk=512, logits_for=slice(-1, None))
+    cap = cfg.max_position_embeddings
+    lengths = [min(L, cap - args.steps - 1) for L in args.contexts]  # room for the generated tokens
+    ids = torch.randint(0, cfg.vocab_size, (max(lengths) + 1,), generator=torch.Generator().manual_seed(0))
+    _, traces = reference_forward(model, ids[: max(lengths)], chunk=512, logits_for=slice(-1, None))
+    print(f"load average at start: {os.getloadavg()[0]:.2f} ({os.cpu_count()} cpus), threads {args.threads}",
+          flush=True)
 
     from transformers import DynamicCache
 
-    rows = []
-    for L in args.contexts:
-        if L + args.steps > cfg.max_position_embeddings:
-            L_eff = cfg.max_position_embeddings - args.steps
-        else:
-            L_eff = L
-        runner = DeepseekV4Runner(model, max_seqs=1)
-        runner.restore(0, prefix_traces(traces, L_eff))
-        it = iter(ids[L_eff:].tolist())
-        ours_ms = time_calls(lambda: runner.decode({0: next(it)}), args.steps)  # noqa: B023
-        ours_b = ours_cache_bytes(runner, 0)
-
+    table = []
+    for L in lengths:
+        plain_tokens, plain_t, held = run(v4_engine(model), ids, traces, L, args.steps)
+        rows = [("plain", len(plain_t), plain_t, len(plain_tokens))]
+        for label, depth, steer in (("mtp (module's own drafts)", 1, False), ("mtp, all accepted, depth 1", 1, True),
+                                    ("mtp, all accepted, depth 3", 3, True)):
+            eng = v4_engine(model, "speculative",
+                            decoding_options={"method": "mtp", "depth": depth, "depth_schedule": "constant"})
+            if steer:
+                steer_all_accepted(eng, plain_tokens)
+            toks, t, _ = run(eng, ids, traces, L, args.steps)
+            assert toks == plain_tokens, f"{label}: output differs from plain greedy at L={L}"
+            rows.append((label, len(t), t, len(toks)))
         cache = DynamicCache(config=hf.config)
         with torch.no_grad():
-            for c0 in range(0, L_eff, 1024):
-                hf(ids[None, c0 : min(L_eff, c0 + 1024)], past_key_values=cache, use_cache=True)
-            it2 = iter(ids[L_eff:].tolist())
+            for c0 in range(0, L, 1024):
+                hf(ids[None, c0 : min(L, c0 + 1024)], past_key_values=cache, use_cache=True)
+            hf_t = []
+            for t in [int(ids[L])] + plain_tokens[:-1]:
+                t0 = time.perf_counter()
+                hf(torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+                hf_t.append(time.perf_counter() - t0)
+        full = (L + args.steps) * cfg.num_layers * cfg.head_dim * 4
+        table.append((L, rows, statistics.median(hf_t), held, hf_cache_bytes(cache), full))
+        print(f"L={L} done (load {os.getloadavg()[0]:.2f})", flush=True)
 
-            def hf_step():
-                hf(torch.tensor([[next(it2)]]), past_key_values=cache, use_cache=True)  # noqa: B023
-
-            hf_ms = time_calls(hf_step, args.steps)
-        hf_b = hf_cache_bytes(cache)
-        full_b = (L_eff + args.steps) * cfg.num_layers * cfg.head_dim * 4
-        rows.append((L, ours_ms, hf_ms, ours_b, hf_b, full_b))
-        print(f"L={L}: ours {ours_ms:.1f} ms, hf {hf_ms:.1f} ms, bytes ours {ours_b} hf {hf_b} full {full_b}",
-              flush=True)
-
-    print("\n| context | ours step (ms) | HF step (ms) | HF/ours | ours cache (KiB) | HF cache (KiB) "
-          "| full-KV (KiB) | ours/full |")
-    print("|---|---|---|---|---|---|---|---|")
-    for L, o, h, ob, hb, fb in rows:
-        print(f"| {L} | {o:.1f} | {h:.1f} | {h / o:.2f} | {ob / 1024:.0f} | {hb / 1024:.0f} | {fb / 1024:.0f} "
-              f"| {ob / fb:.2f} |")
+    print("\n| context | decoding | tokens / call | step (ms, median) | ms / token | vs plain (ms / token) |")
+    print("|---|---|---|---|---|---|")
+    for L, rows, _, _, _, _ in table:
+        # generated tokens after the restored root's step, over the calls that produced them
+        base = statistics.median(rows[0][2]) * 1e3 * rows[0][1] / (rows[0][3] - 1)
+        for label, calls, t, ntok in rows:
+            step = statistics.median(t) * 1e3
+            per_tok = step * calls / (ntok - 1)
+            print(f"| {L} | {label} | {(ntok - 1) / calls:.2f} | {step:.1f} | {per_tok:.1f} | {base / per_tok:.2f}x |")
+    print("\n| context | ours plain step (ms) | HF step (ms) | ours cache (KiB) | HF cache (KiB) | full-KV (KiB) |")
+    print("|---|---|---|---|---|---|")
+    for L, rows, hf_ms, ob, hb, fb in table:
+        print(f"| {L} | {statistics.median(rows[0][2]) * 1e3:.1f} | {hf_ms * 1e3:.1f} | {ob / 1024:.0f} "
+              f"| {hb / 1024:.0f} | {fb / 1024:.0f} |")
+    print(f"load average at end: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ _ENGINE_HELP = {
     "device": "cpu or cuda[:N]",
     "dtype": "auto (GGUF on CPU with block kernels: fp32; else bf16 where native) | float32 | bfloat16 | float16",
     "max_model_len": "max prompt + generated tokens per request",
-    "kv_cache_blocks": "number of KV blocks (default ~1 GiB)",
+    "kv_cache_blocks": "number of KV blocks (llama-family paged cache; default ~1 GiB)",
+    "kv_cache_bytes": "cache budget in bytes, any model's cache layout (default ~1 GiB)",
     "block_size": "tokens per KV block",
     "max_num_seqs": "max sequences decoded together",
     "max_num_batched_tokens": "max tokens in one forward",
@@ -56,10 +57,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
     if kw["decoding_options"] is None:
         kw.pop("decoding_options")
-    if args.speculative is not None:
-        kw["speculative"] = args.speculative
-    if args.wedlm is not None:
-        kw["wedlm"] = args.wedlm
+    # ``--speculative {...}`` / ``--wedlm {...}`` select their strategy (the ``--decoding`` default,
+    # "autoregressive", must not silently win over them)
+    for name in ("speculative", "wedlm"):
+        if getattr(args, name) is not None:
+            if kw.get("decoding") not in (None, "autoregressive", name):
+                raise SystemExit(f"--{name} conflicts with --decoding {kw['decoding']}")
+            kw["decoding"] = name
+            kw[name] = getattr(args, name)
     return kw
 
 

@@ -20,6 +20,8 @@ class EngineConfig:
     dtype: str = "auto"
     max_model_len: int | None = None  # default: the model's max positions
     kv_cache_blocks: int | None = None  # default: ~1 GiB of KV (at least one max_model_len)
+    # the cache budget in bytes, for any model's cache layout (default ~1 GiB); exclusive with kv_cache_blocks
+    kv_cache_bytes: int | None = None
     block_size: int = 16
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
@@ -53,6 +55,11 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
         if self.kv_cache_blocks is not None and self.kv_cache_blocks <= 0:
             raise ValueError(f"kv_cache_blocks must be > 0, got {self.kv_cache_blocks}")
+        b = self.kv_cache_bytes
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b <= 0):
+            raise ValueError(f"kv_cache_bytes must be a positive integer, got {self.kv_cache_bytes!r}")
+        if self.kv_cache_blocks is not None and self.kv_cache_bytes is not None:
+            raise ValueError("give kv_cache_blocks or kv_cache_bytes, not both")
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype != "auto":

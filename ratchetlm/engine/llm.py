@@ -11,10 +11,7 @@ from tqdm import tqdm
 
 from ratchetlm.engine.config import EngineConfig
 from ratchetlm.engine.llm_engine import LLMEngine
-from ratchetlm.models.deepseek_v4.loader import is_deepseek_v4_folder
-from ratchetlm.models.loader import resolve
 from ratchetlm.models.registry import load_model
-from ratchetlm.models.tokenizer import load_tokenizer
 from ratchetlm.sampling_params import SamplingParams
 from ratchetlm.text.stream import TextStream
 
@@ -64,32 +61,12 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown LLM argument(s): {', '.join(sorted(unknown))}")
         self.config = EngineConfig(model=model, **kwargs)
-        if model is not None and is_deepseek_v4_folder(model):
-            self._init_deepseek_v4(model)
-            return
         loaded = load_model(model, _dev(self.config), self.config.torch_dtype(),
                             self.config.progress, mask_token_id=mask_token_id,
                             gguf_kernels=self.config.gguf_kernels)
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
         self.engine = LLMEngine(self.config, loaded.model, loaded.config, tokenizer=loaded.tokenizer)
-
-    def _init_deepseek_v4(self, model: str) -> None:
-        """DeepSeek-V4's cache (sliding ring + compressed KV + compressor state) is not the paged
-        per-token K/V cache, so it runs on its own engine with the same surface. That engine has no
-        prefix cache (docs/deepseek_v4.md): ``enable_prefix_caching`` does not apply, outputs are
-        the same either way, only the prompt is always prefilled whole."""
-        from ratchetlm.models.deepseek_v4.engine_adapter import DeepseekV4Engine
-
-        if self.config.decoding != "autoregressive":
-            raise ValueError(f"decoding={self.config.decoding!r} is not supported for DeepSeek-V4 models "
-                             "(only 'autoregressive'; its MTP second token is not yet consumed)")
-        self.tokenizer = load_tokenizer(resolve(model))
-        eng = DeepseekV4Engine(model, max_num_seqs=self.config.max_num_seqs, dtype=self.config.torch_dtype(),
-                               seed=self.config.seed, max_model_len=self.config.max_model_len,
-                               tokenizer=self.tokenizer)
-        self.engine = eng  # type: ignore[assignment]  # same surface as LLMEngine
-        self.model_config = eng.config  # type: ignore[assignment]
 
     # ------------------------------------------------------------------ prompts
 

@@ -9,15 +9,11 @@ from typing import Any
 import torch
 
 from ratchetlm.decoding.base import Commit, DecodeStrategy, Proposal, StrategyContext, create_strategy
-from ratchetlm.engine.block_manager import BlockManager
 from ratchetlm.engine.config import EngineConfig
-from ratchetlm.engine.model_runner import ModelRunner
+from ratchetlm.engine.model_runner import build_runner
 from ratchetlm.engine.scheduler import Scheduler
 from ratchetlm.engine.sequence import SeqStatus, Sequence
-from ratchetlm.kv.cache import KVCache
 from ratchetlm.layers.logits_processors import ControlsFactory
-from ratchetlm.models.config import ModelConfig
-from ratchetlm.models.llama import LlamaModel
 from ratchetlm.sampling_params import SamplingParams
 
 
@@ -53,7 +49,7 @@ class LLMEngine:
     """Owns model, KV cache, scheduler and the decoding strategy. Not thread-safe: one thread
     calls ``add_request``/``step``/``abort`` (the server funnels requests through a queue)."""
 
-    def __init__(self, cfg: EngineConfig, model: LlamaModel, model_config: ModelConfig, tokenizer: Any = None) -> None:
+    def __init__(self, cfg: EngineConfig, model: Any, model_config: Any, tokenizer: Any = None) -> None:
         self.cfg = cfg
         self.model_config = model_config
         self.device = torch.device(cfg.device)
@@ -61,17 +57,13 @@ class LLMEngine:
         self.max_model_len = min(cfg.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
         self.model = model
-        model.set_context_len(self.max_model_len)
-        bytes_per_token = (2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim
-                           * torch.tensor([], dtype=self.dtype).element_size())
-        num_blocks = cfg.kv_cache_blocks or max(
-            -(-self.max_model_len // cfg.block_size) + 1, (1 << 30) // (bytes_per_token * cfg.block_size)
-        )
-        self.cache = KVCache(model_config.num_layers, num_blocks, cfg.block_size, model_config.num_kv_heads,
-                             model_config.head_dim, self.dtype, self.device)
-        self.blocks = BlockManager(num_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
+        # The model's cache layout decides the runner: the llama family's paged per-token K/V,
+        # DeepSeek-V4's ring + compressed KV + compressor state. Everything else is shared.
+        self.runner = build_runner(cfg, model, model_config, self.dtype, self.device, self.max_model_len,
                                    cache_key=self.kv_identity())
-        self.runner = ModelRunner(model, self.cache, self.blocks, self.device, cfg.staging_capacity)
+        self.max_model_len = self.runner.max_model_len
+        self.cache = self.runner.cache
+        self.blocks = self.runner.blocks
         ctx = StrategyContext(runner=self.runner, model_config=model_config, max_model_len=self.max_model_len)
         self.strategy: DecodeStrategy = create_strategy(cfg.decoding, ctx, cfg.decoding_options)
         self.scheduler = Scheduler(self.blocks, self.strategy.tokens_wanted, self.strategy.on_preempt,
@@ -112,12 +104,9 @@ class LLMEngine:
                 f"prompt has {len(prompt_ids)} tokens but max_model_len is {self.max_model_len} "
                 f"(at most {self.max_model_len - 1} prompt tokens, leaving room for one generated token)"
             )
-        need = self.blocks.blocks_needed(min(len(prompt_ids) + params.max_tokens, self.max_model_len))
-        if need > self.blocks.num_blocks:
-            raise PromptTooLongError(
-                f"request needs {need} KV blocks (prompt {len(prompt_ids)} + max_tokens {params.max_tokens}) "
-                f"but the cache has only {self.blocks.num_blocks} blocks of {self.blocks.block_size} tokens"
-            )
+        problem = self.runner.fits(min(len(prompt_ids) + params.max_tokens, self.max_model_len))
+        if problem:
+            raise PromptTooLongError(f"request (prompt {len(prompt_ids)} + max_tokens {params.max_tokens}) {problem}")
         if len(self.scheduler.waiting) >= self.cfg.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.cfg.max_waiting} requests)")
         self.strategy.check_request(params)
@@ -206,7 +195,7 @@ class LLMEngine:
         proposals = self.strategy.propose(seqs, budgets)
         for s, p, b in zip(seqs, proposals, budgets, strict=True):
             assert len(p.token_ids) <= b, f"strategy proposed {len(p.token_ids)} tokens over budget {b}"
-            assert s.num_cached + len(p.token_ids) <= len(s.block_table) * self.blocks.block_size
+            self.runner.check_room(s, s.num_cached + len(p.token_ids))
         result = self.runner.execute(seqs, proposals)
         return self.strategy.commit(seqs, proposals, result.logits), proposals, result.stage_base
 

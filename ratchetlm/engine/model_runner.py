@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ratchetlm.decoding.base import Proposal
 from ratchetlm.engine.block_manager import BlockManager
+from ratchetlm.engine.config import EngineConfig
 from ratchetlm.engine.sequence import Sequence
 from ratchetlm.kv.cache import KVCache
 from ratchetlm.kv.staging import StagingBuffer, StagingCommitError, StepSink
@@ -21,18 +24,56 @@ class StepResult:
     stage_base: list[int]  # per sequence: staging row of its proposal row 0 (-1 if direct)
 
 
+def build_runner(cfg: EngineConfig, model: Any, model_config: Any, dtype: torch.dtype, device: torch.device,
+                 max_model_len: int, cache_key: Mapping[str, str] | None = None) -> Any:
+    """The runner of ``model``'s cache layout. A model family with its own layout provides
+    ``model.make_runner(cfg, dtype, device, max_model_len)`` (DeepSeek-V4, which opts out of
+    prefix caching); the default is the llama family's paged per-token K/V: ``kv_cache_bytes``
+    (or ``kv_cache_blocks``, default ~1 GiB, at least one ``max_model_len`` sequence) of
+    ``block_size``-token blocks, prefix-cached under ``cache_key`` when ``enable_prefix_caching``."""
+    make = getattr(model, "make_runner", None)
+    if make is not None:
+        return make(cfg, dtype, device, max_model_len)
+    model.set_context_len(max_model_len)
+    bytes_per_token = (2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim
+                       * torch.tensor([], dtype=dtype).element_size())
+    block_bytes = bytes_per_token * cfg.block_size
+    num_blocks = cfg.kv_cache_blocks or max(-(-max_model_len // cfg.block_size) + 1,
+                                            (cfg.kv_cache_bytes or 1 << 30) // block_bytes)
+    if cfg.kv_cache_bytes is not None and cfg.kv_cache_bytes < block_bytes:
+        raise ValueError(f"kv_cache_bytes={cfg.kv_cache_bytes} is less than one KV block ({block_bytes} bytes)")
+    cache = KVCache(model_config.num_layers, num_blocks, cfg.block_size, model_config.num_kv_heads,
+                    model_config.head_dim, dtype, device)
+    blocks = BlockManager(num_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching, cache_key=cache_key)
+    return ModelRunner(model, cache, blocks, device, cfg.staging_capacity, max_model_len)
+
+
 class ModelRunner:
+    """The llama family's runner: paged per-token K/V (:class:`KVCache` + :class:`BlockManager`)."""
+
     def __init__(self, model: LlamaModel, cache: KVCache, blocks: BlockManager, device: torch.device,
-                 staging_capacity: int = 1024) -> None:
+                 staging_capacity: int = 1024, max_model_len: int | None = None) -> None:
         self.model = model
         self.cache = cache
         self.blocks = blocks
         self.device = device
+        self.max_model_len = max_model_len or model.config.max_position_embeddings
         self.staging = StagingBuffer(cache, staging_capacity)
         self.num_forwards = 0
         # Final hidden states (after the last norm) of the last forward, per sequence
         # [len(proposal.token_ids), hidden]: the features a trained draft head (EAGLE) reads.
         self.last_hidden: list[torch.Tensor] = []
+
+    def fits(self, num_tokens: int) -> str | None:
+        """Why a sequence of ``num_tokens`` tokens can never fit this cache, or None."""
+        need = self.blocks.blocks_needed(num_tokens)
+        if need > self.blocks.num_blocks:
+            return (f"needs {need} KV blocks but the cache has only {self.blocks.num_blocks} blocks of "
+                    f"{self.blocks.block_size} tokens")
+        return None
+
+    def check_room(self, seq: Sequence, num_tokens: int) -> None:
+        assert num_tokens <= len(seq.block_table) * self.blocks.block_size, "proposal beyond its blocks"
 
     def context_slots(self, seq: Sequence) -> torch.Tensor:  # [num_cached] int64
         return self.blocks.slots(seq, 0, seq.num_cached)

@@ -9,6 +9,7 @@ import torch
 
 from ratchetlm import kernels
 from ratchetlm.models.config import ModelConfig
+from ratchetlm.models.deepseek_v4.loader import is_deepseek_v4_folder
 from ratchetlm.models.gguf_file import GGUFFile, GGUFFormatError
 from ratchetlm.models.llama import LlamaModel
 from ratchetlm.models.loader import (
@@ -27,8 +28,8 @@ from ratchetlm.models.tokenizer import load_tokenizer
 
 @dataclass
 class LoadedModel:
-    model: LlamaModel
-    config: ModelConfig
+    model: Any  # LlamaModel, or DeepseekV4ForCausalLM (its own cache layout, same engine)
+    config: Any  # ModelConfig / DeepseekV4Config
     tokenizer: Any
     source: ModelSource
 
@@ -46,6 +47,11 @@ def load_model(
     multiplies them through the block kernels; otherwise (or without a C compiler) every tensor is
     dequantized to a dense copy in ``dtype``."""
     source = resolve(ref)
+    if source.kind != "gguf" and is_deepseek_v4_folder(source.path):
+        from ratchetlm.models.deepseek_v4.loader import load_deepseek_v4
+
+        v4 = load_deepseek_v4(source.path, dtype=dtype).to(device)
+        return LoadedModel(v4, v4.config, load_tokenizer(source), source)
     reader = None
     if source.kind == "gguf":
         try:

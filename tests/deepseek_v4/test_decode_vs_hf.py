@@ -1,12 +1,13 @@
-"""Paged decode calls against HF's own incremental decode (its DynamicCache path)."""
+"""Paged V4 steps through the common engine against HF's own incremental decode (its DynamicCache path)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ratchetlm.models.deepseek_v4.paging import DecodeCapacity
-from ratchetlm.models.deepseek_v4.runner import DeepseekV4Runner, generate, greedy
+from ratchetlm.sampling_params import SamplingParams
+
+from .conftest import forced_run, v4_engine
 
 ATOL = 5e-5
 
@@ -34,12 +35,23 @@ def test_decode_matches_hf_across_boundaries(hf_model, model, prompt_len, decode
     prompt = torch.randint(0, 96, (prompt_len,), generator=g)
     fed = torch.randint(0, 96, (8,), generator=g).tolist()
     want = _hf_incremental(hf_model, prompt, fed)
-    runner = DeepseekV4Runner(model, max_seqs=1, cap=DecodeCapacity.for_model(model.config, decode_seq=decode_seq),
-                              shuffle_seed=prompt_len)
-    got = [runner.prefill(0, prompt)]
-    for t in fed:
-        got.append(runner.decode({0: t})[0])
-    for step, (a, b) in enumerate(zip(got, want, strict=False)):
+    engine = v4_engine(model, "teacher_forced", decode_seq=decode_seq, shuffle_seed=prompt_len)
+    (sid,) = forced_run(engine, [prompt.tolist()], [fed + [0]])
+    got = engine.strategy.logits[sid]
+    assert len(got) == len(want)
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-4, msg=f"step {step}")
+
+
+def test_chunked_prefill_matches_hf(hf_model, model):
+    # A 700-token prompt in chunks of 96 (the scheduler's token budget): chunk edges fall inside
+    # ring, CSA and HCA windows, so every chunk reads its predecessors' rows from the pools.
+    prompt = torch.randint(0, 96, (700,), generator=torch.Generator().manual_seed(3))
+    fed = torch.randint(0, 96, (4,), generator=torch.Generator().manual_seed(4)).tolist()
+    want = _hf_incremental(hf_model, prompt, fed)
+    engine = v4_engine(model, "teacher_forced", max_num_batched_tokens=96, shuffle_seed=1)
+    (sid,) = forced_run(engine, [prompt.tolist()], [fed + [0]])
+    for step, (a, b) in enumerate(zip(engine.strategy.logits[sid], want, strict=True)):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-4, msg=f"step {step}")
 
 
@@ -47,8 +59,10 @@ def test_closed_loop_generation_matches_hf_generate(hf_model, model):
     prompt = torch.randint(0, 96, (120,), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         hf_out = hf_model.generate(prompt[None], max_new_tokens=20, do_sample=False, min_new_tokens=20)
-    want = hf_out[0, 120:].tolist()
-    runner = DeepseekV4Runner(model, max_seqs=1)
-    got = list(generate(runner, prompt.tolist(), max_new_tokens=20, sampler=greedy))
-    assert got == want
-    assert runner.lengths == {}  # the sequence was released
+    engine = v4_engine(model)
+    sid = engine.add_request(prompt.tolist(), SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.seqs[sid].output_ids == hf_out[0, 120:].tolist()
+    assert engine.blocks.mapped(sid) == {}  # the sequence's blocks were released
+    assert engine.blocks.num_free == engine.blocks.num_blocks

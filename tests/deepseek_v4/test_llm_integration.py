@@ -3,27 +3,10 @@ through the text layer like any other model."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from ratchetlm import LLM, SamplingParams
-
-
-@pytest.fixture(scope="module")
-def v4_with_tokenizer(tiny_v4_dir, tmp_path_factory):
-    """The tiny V4 checkpoint plus a 96-word word-level tokenizer (its vocab size)."""
-    path = tmp_path_factory.mktemp("tiny_v4_tok")
-    for f in tiny_v4_dir.iterdir():
-        shutil.copy(f, path / f.name)
-    vocab = {f"w{i}": i for i in range(96)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(path)
-    return path
 
 
 def test_llm_generates_with_deepseek_v4(v4_with_tokenizer, hf_model):

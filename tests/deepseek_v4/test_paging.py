@@ -1,15 +1,19 @@
-"""The lowering function and the allocator: capacity, boundaries, state paging, -1 writes.
+"""The lowering function fed by the engine's V4 block allocator: capacity, boundaries, state
+paging, -1 writes.
 
-Pure metadata, no model: uses a config with the real capacity constants.
+Pure metadata, no model: uses a config with the real capacity constants. Sequences are grown
+exactly as the scheduler grows them (``allocator.grow(seq, num_cached + tokens)``).
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from ratchetlm.models.deepseek_v4.cache import DeepseekV4PagedCache
 from ratchetlm.models.deepseek_v4.config import DeepseekV4Config, RopeSpec
+from ratchetlm.models.deepseek_v4.layout import DeepseekV4Layout
 from ratchetlm.models.deepseek_v4.paging import DecodeCapacity, lower_decode_step, physical_rows
 
 W = 128
@@ -27,14 +31,23 @@ def _cfg() -> DeepseekV4Config:
     )
 
 
+def _layout(cap: DecodeCapacity, max_seqs: int, shuffle_seed: int | None = None) -> DeepseekV4Layout:
+    return DeepseekV4Layout(_cfg(), cap, torch.float32, "cpu", max_num_seqs=max_seqs, shuffle_seed=shuffle_seed)
+
+
+def _seq(seq_id: int, num_cached: int) -> SimpleNamespace:
+    """What the allocator reads of a Sequence."""
+    return SimpleNamespace(seq_id=seq_id, num_cached=num_cached)
+
+
 def _lower(positions: list[int], decode_seq: int = 2, shuffle_seed: int | None = 7, max_seqs: int | None = None):
+    """Each sequence has ``positions[s]`` tokens cached and commits one more this step."""
     cap = DecodeCapacity.for_model(_cfg(), decode_seq=decode_seq)
-    cache = DeepseekV4PagedCache(_cfg(), cap, max_seqs or len(positions), torch.float32, shuffle_seed=shuffle_seed)
+    layout = _layout(cap, max_seqs or len(positions), shuffle_seed)
     for s, p in enumerate(positions):
-        cache.admit(s)
-        cache.ensure(s, p)
-    tables = cache.tables(list(range(len(positions))))
-    return lower_decode_step(torch.tensor(positions), tables, cap), tables, cache
+        layout.allocator.grow(_seq(s, p), p + 1)
+    tables = layout.tables(list(range(len(positions))))
+    return lower_decode_step(torch.tensor(positions), tables, cap), tables, layout
 
 
 def test_capacity_constants_match_the_seed():
@@ -118,7 +131,7 @@ def test_swa_raw_indices_ring_and_overlay():
 
 
 def test_state_tables_are_logical_and_pool_is_rolling():
-    meta, tables, cache = _lower([8703, 16383, 8192])
+    meta, tables, layout = _lower([8703, 16383, 8192])
     for row, pos in enumerate([8703, 16383, 8192]):
         mapped4 = (tables.csa_state[row] >= 0).nonzero().flatten().tolist()
         mapped128 = (tables.hca_state[row] >= 0).nonzero().flatten().tolist()
@@ -127,21 +140,25 @@ def test_state_tables_are_logical_and_pool_is_rolling():
         assert mapped128 == list(range((pos // 128) * 16, pos // 8 + 1))
         assert meta.csa.state_slot_mapping[row, 0] == tables.csa_state[row, pos // 4] * 4 + pos % 4
         assert meta.hca.state_slot_mapping[row, 0] == tables.hca_state[row, pos // 8] * 8 + pos % 8
-    # the physical pool is far smaller than the logical table
-    assert cache.csa_state[2].shape[0] == 3 * (2 + 1) * 4
-    assert cache.hca_state[3].shape[0] == 3 * (16 + 1) * 8
+    # the physical pool (pages a step may touch, per sequence, plus one spare) is far smaller
+    # than the logical table (4096 / 2048 pages per sequence)
+    cap = layout.cap
+    assert layout.pools.get("csa_state", 2).shape[0] == (3 * cap.state_pages_per_seq(4) + 1) * 4
+    assert layout.pools.get("hca_state", 3).shape[0] == (3 * cap.state_pages_per_seq(128) + 1) * 8
+    assert cap.state_pages_per_seq(4) < 16 and cap.state_pages_per_seq(128) < 32
 
 
 def test_state_slot_is_the_physical_row_where_the_position_is_also_a_valid_row():
-    # Low positions inside the physical pool (36 ratio-4 rows, 408 ratio-128 rows for 3
-    # sequences): a lowering that used the absolute position would still address a real row,
-    # so comparing with the position can fail here (at 8k it cannot: the pool is far smaller).
+    # Low positions inside the physical pool (a few hundred rows for 3 sequences): a lowering
+    # that used the absolute position would still address a real row, so comparing with the
+    # position can fail here (at 8k it cannot: the pool is far smaller).
     positions = [9, 21, 30]
-    meta, tables, cache = _lower(positions, shuffle_seed=3)
+    meta, tables, layout = _lower(positions, shuffle_seed=3)
+    pools = layout.pools
     differs = 0
-    for name, table, page, pool in (("csa", tables.csa_state, 4, cache.csa_state[2]),
-                                    ("inner", tables.inner_state, 4, cache.inner_state[2]),
-                                    ("hca", tables.hca_state, 8, cache.hca_state[3])):
+    for name, table, page, pool in (("csa", tables.csa_state, 4, pools.get("csa_state", 2)),
+                                    ("inner", tables.inner_state, 4, pools.get("inner_state", 2)),
+                                    ("hca", tables.hca_state, 8, pools.get("hca_state", 3))):
         for row, pos in enumerate(positions):
             assert pos < pool.shape[0]  # the absolute position is a valid physical row too
             phys_page = int(table[row, pos // page])
@@ -160,20 +177,20 @@ def test_state_slot_is_the_physical_row_where_the_position_is_also_a_valid_row()
 
 def test_state_pages_are_reused_ring_fashion():
     cap = DecodeCapacity.for_model(_cfg())
-    cache = DeepseekV4PagedCache(_cfg(), cap, 1, torch.float32, shuffle_seed=1)
-    cache.admit(0)
+    layout = _layout(cap, 1, shuffle_seed=1)
     for p in range(0, 700):
-        cache.ensure(0, p)
-        tables = cache.tables([0])
+        layout.allocator.grow(_seq(0, p), p + 1)
+        tables = layout.tables([0])
         meta = lower_decode_step(torch.tensor([p]), tables, cap)
         assert meta.csa.state_slot_mapping[0, 0] >= 0 and meta.hca.state_slot_mapping[0, 0] >= 0
+        assert layout.allocator.mapped(0)["csa_state"] <= cap.state_live_pages(4)  # pages behind the window went back
     by_phys: dict[tuple[str, int], set[int]] = {}
-    for name, logical, phys in cache.page_history:
+    for name, logical, phys in layout.allocator.page_history:
         by_phys.setdefault((name, phys), set()).add(logical)
-    # 175 ratio-4 pages and 88 ratio-128 pages went through 3 and 17 physical pages.
-    assert len({p for (n, p) in by_phys if n == "csa_state"}) == 3
-    assert len({p for (n, p) in by_phys if n == "hca_state"}) == 17
-    assert max(len(v) for (n, _), v in by_phys.items() if n == "inner_state") > 50
+    # 175 ratio-4 pages and 88 ratio-128 pages went through the sequence's few physical pages.
+    assert len({p for (n, p) in by_phys if n == "csa_state"}) == layout.plan.blocks["csa_state"] < 16
+    assert len({p for (n, p) in by_phys if n == "hca_state"}) == layout.plan.blocks["hca_state"] < 32
+    assert max(len(v) for (n, _), v in by_phys.items() if n == "inner_state") > 10
 
 
 @pytest.mark.parametrize("ratio_name,page", [("csa", 4), ("inner", 4), ("hca", 8)])
@@ -187,14 +204,13 @@ def test_state_page_boundaries(ratio_name, page):
 
 def test_unmapped_state_window_is_an_error():
     cap = DecodeCapacity.for_model(_cfg())
-    cache = DeepseekV4PagedCache(_cfg(), cap, 1, torch.float32)
-    cache.admit(0)
-    cache.ensure(0, 7)
-    tables = cache.tables([0])
+    layout = _layout(cap, 1)
+    layout.allocator.grow(_seq(0, 7), 8)
+    tables = layout.tables([0])
     tables.csa_state[0, 0] = -1  # drop the previous window's page: pooling at 7 must refuse
     with pytest.raises(ValueError, match="state window"):
         lower_decode_step(torch.tensor([7]), tables, cap)
-    tables = cache.tables([0])
+    tables = layout.tables([0])
     tables.ori[0, 0] = -1
     with pytest.raises(ValueError, match="ring"):
         lower_decode_step(torch.tensor([7]), tables, cap)

@@ -47,6 +47,8 @@ def test_loader_accepts_hf_module_names(hf_model, tiny_v4_dir, model):
     hf_state = hf_model.state_dict()
     ours = to_module_names(dict(hf_state), model.config.num_experts)
     for k, v in model.state_dict().items():
+        if k.startswith("mtp."):  # HF does not build the MTP module (tests/deepseek_v4/test_mtp.py)
+            continue
         assert torch.equal(ours[k], v), k
 
 

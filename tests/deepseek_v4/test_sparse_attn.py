@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from ratchetlm.models.deepseek_v4.attention import sink_attention
-from ratchetlm.models.deepseek_v4.paging import DecodeCapacity, physical_rows
-from ratchetlm.models.deepseek_v4.runner import DeepseekV4Runner
+from ratchetlm.models.deepseek_v4.paging import physical_rows
 from ratchetlm.models.deepseek_v4.sparse_attn import gather_keys
+from ratchetlm.sampling_params import SamplingParams
+
+from .conftest import forced_run, pool_bytes, v4_engine
 
 W, BS, D, S = 128, 128, 8, 2
 
@@ -60,50 +62,56 @@ def test_sink_attention_ignores_invalid_keys_and_uses_sink():
     torch.testing.assert_close(sink_attention(q, kv2, visible, sinks, 0.5), got)
 
 
-def _run(model, decode_seq, shuffle_seed, prompt, fed, placeholder_poison=None):
-    runner = DeepseekV4Runner(model, max_seqs=1, shuffle_seed=shuffle_seed,
-                              cap=DecodeCapacity.for_model(model.config, decode_seq=decode_seq))
-    runner.prefill(0, prompt)
-    outs = []
-    for t in fed:
-        if placeholder_poison is None:
-            outs.append(runner.decode({0: t})[0])
-        else:  # feed a different id for the placeholder
-            outs.append(_decode_with_placeholder(runner, t, placeholder_poison))
-    return runner, torch.stack(outs)
+def _run(model, decode_seq, shuffle_seed, prompt, fed, placeholder=None):
+    """Prefill + one teacher-forced decode call per fed token through the common engine.
+    ``placeholder``: the id the S=2 call feeds its placeholder row (default: the token itself)."""
+    engine = v4_engine(model, "teacher_forced", decode_seq=decode_seq, shuffle_seed=shuffle_seed)
+    if placeholder is not None:
+        _poison_placeholder(engine, placeholder)
+    (sid,) = forced_run(engine, [prompt.tolist()], [list(fed) + [0]])
+    return engine, torch.stack(engine.strategy.logits[sid][1:])
 
 
-def _decode_with_placeholder(runner, token, placeholder):
-    from ratchetlm.models.deepseek_v4.decode import decode_step
-    from ratchetlm.models.deepseek_v4.paging import lower_decode_step
+def _poison_placeholder(engine, placeholder):
+    """Make the runner feed ``placeholder`` in every placeholder row."""
+    runner = engine.runner
+    forward = runner._forward
 
-    runner.cache.ensure(0, runner.lengths[0])
-    meta = lower_decode_step(torch.tensor([runner.lengths[0]]), runner.cache.tables([0]), runner.cap)
-    logits = decode_step(runner.model, runner.cache, meta, torch.tensor([[token, placeholder]]))
-    runner.lengths[0] += 1
-    return logits[0, 0]
+    def patched(seqs, props):
+        import ratchetlm.models.deepseek_v4.runner as mod
 
+        real = mod.forward_step
 
-def _pools_of(runner):
-    c = runner.cache
-    return {f"{name}{k}": v.clone() for name in ("ori", "csa_cmp", "idx", "hca_cmp", "csa_state", "inner_state",
-                                                  "hca_state") for k, v in getattr(c, name).items()}
+        def with_ids(model, pools, meta, ids, sink, cap):
+            ids = ids.clone()
+            ids[torch.arange(ids.shape[1])[None, :] >= meta.num_tokens[:, None]] = placeholder
+            return real(model, pools, meta, ids, sink, cap)
+
+        mod.forward_step = with_ids
+        try:
+            return forward(seqs, props)
+        finally:
+            mod.forward_step = real
+
+    runner._forward = patched
 
 
 def test_placeholder_mutates_no_cache_and_is_invisible(model):
     g = torch.Generator().manual_seed(9)
     prompt = torch.randint(0, 96, (250,), generator=g)
     fed = torch.randint(0, 96, (10,), generator=g).tolist()  # crosses 255 -> 256 (CSA + HCA)
-    r1, l1 = _run(model, 1, 3, prompt, fed)
-    r2, l2 = _run(model, 2, 3, prompt, fed, placeholder_poison=7)
-    r3, l3 = _run(model, 2, 3, prompt, fed, placeholder_poison=91)
-    # Different batch shapes round differently (~1e-6); a leak of the placeholder would be O(1).
+    e1, l1 = _run(model, 1, 3, prompt, fed)
+    e2, l2 = _run(model, 2, 3, prompt, fed, placeholder=7)
+    e3, l3 = _run(model, 2, 3, prompt, fed, placeholder=91)
+    # Different call shapes (and MoE expert groups: the placeholder routes somewhere) round
+    # differently (~1e-6); a leak of the placeholder would be O(1).
     torch.testing.assert_close(l1, l2, atol=2e-5, rtol=0)
     torch.testing.assert_close(l2, l3, atol=2e-5, rtol=0)
-    p1, p2, p3 = _pools_of(r1), _pools_of(r2), _pools_of(r3)
-    for k in p1:  # S=2 with any placeholder leaves the cache S=1 leaves
-        torch.testing.assert_close(p1[k], p2[k], atol=2e-5, rtol=0, msg=k)
-        torch.testing.assert_close(p2[k], p3[k], atol=2e-5, rtol=0, msg=k)
+    p1, p2, p3 = pool_bytes(e1), pool_bytes(e2), pool_bytes(e3)
+    for k in p1:  # S=2 with any placeholder leaves the cache S=1 leaves: same rows written, same values
+        assert torch.equal(p1[k] != 0, p2[k] != 0) and torch.equal(p2[k] != 0, p3[k] != 0), k
+        torch.testing.assert_close(p1[k], p2[k], atol=2e-5, rtol=0, msg=str(k))
+        torch.testing.assert_close(p2[k], p3[k], atol=2e-5, rtol=0, msg=str(k))
 
 
 def test_permuted_tables_give_identical_results(model):
@@ -111,9 +119,9 @@ def test_permuted_tables_give_identical_results(model):
     prompt = torch.randint(0, 96, (600,), generator=g)
     fed = torch.randint(0, 96, (5,), generator=g).tolist()
     _, identity = _run(model, 2, None, prompt, fed)
-    runner, permuted = _run(model, 2, 99, prompt, fed)
-    tables = runner.cache.tables([0])
-    assert not torch.equal(tables.csa_cmp[0, :2], torch.arange(2))  # genuinely non-identity
+    engine, permuted = _run(model, 2, 99, prompt, fed)
+    maps = [m for name, _, m in engine.blocks.page_history if name == "csa_cmp"]
+    assert maps[:2] != [0, 1]  # genuinely non-identity
     torch.testing.assert_close(identity, permuted, atol=2e-5, rtol=0)
 
 
@@ -122,27 +130,29 @@ def test_future_compressed_slot_is_never_read(model, prompt_len):
     # Poison every compressed / indexer row except the slots already completed by the prompt:
     # the incomplete slot `written` (positions [written * ratio, ...)) included. At 130 the decode
     # token does not complete it, so it must stay invisible; at 131 the step completes CSA slot 32
-    # itself, so it must write that row before any read sees it. Results must not move.
+    # itself, so it must read its own entry, never the pool row. Results must not move.
     g = torch.Generator().manual_seed(8)
     prompt = torch.randint(0, 96, (prompt_len,), generator=g)
     fed = torch.randint(0, 96, (3,), generator=g).tolist()
     _, clean = _run(model, 2, None, prompt, fed[:1])
-    runner = DeepseekV4Runner(model, max_seqs=1, shuffle_seed=5,
-                              cap=DecodeCapacity.for_model(model.config, decode_seq=2))
-    runner.prefill(0, prompt)
-    runner.cache.ensure(0, prompt_len)  # map what the decode step writes, as decode() will
-    tables = runner.cache.tables([0])
+    engine = v4_engine(model, "teacher_forced", decode_seq=2, shuffle_seed=5)
+    sid = engine.add_request(prompt.tolist(), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    engine.strategy.forced[sid] = [fed[0], 0]
+    engine.step()  # the prefill (prompt cached, fed[0] appended)
+    assert engine.seqs[sid].num_cached == prompt_len
+    tables = engine.runner.layout.tables([sid])
     poisoned = 0
     for name, ratio in (("csa_cmp", 4), ("idx", 4), ("hca_cmp", 128)):
         written = prompt_len // ratio  # complete compressed slots after the prompt
         keep = physical_rows(getattr(tables, name), torch.arange(written)[None], BS)[0]
         assert bool((keep >= 0).all())
-        for pool in getattr(runner.cache, name).values():
-            flat = pool.view(-1, pool.shape[-1])
+        for (pool_name, _), flat in engine.runner.layout.pools.tensors.items():
+            if pool_name != name:
+                continue
             bad = torch.ones(flat.shape[0], dtype=torch.bool)
             bad[keep] = False
             flat[bad] = float("nan")
             poisoned += int(bad.sum())
     assert poisoned > 0
-    out = runner.decode({0: fed[0]})[0]
-    torch.testing.assert_close(out, clean[0], atol=2e-5, rtol=0)
+    engine.step()  # the decode call at position prompt_len
+    torch.testing.assert_close(engine.strategy.logits[sid][1], clean[0], atol=2e-5, rtol=0)

@@ -41,13 +41,15 @@ class Server:
 
 
 def start_server(extra: list[str] | None = None, timeout: float = 240.0, launcher: str | None = None,
-                 env: dict[str, str] | None = None, **popen) -> Server:
-    """``ratchet serve`` with the test arguments plus ``extra``; ``launcher`` names a test module
-    that patches something (fault injection) and then runs the same ``ratchet serve`` main."""
+                 env: dict[str, str] | None = None, base_args: list[str] | None = None, **popen) -> Server:
+    """``ratchet serve`` with the test arguments (``base_args``, default ``SERVER_ARGS``) plus
+    ``extra``; ``launcher`` names a test module that patches something (fault injection) and
+    then runs the same ``ratchet serve`` main."""
     port = free_port()
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", **(env or {}))
     cmd = [sys.executable, "-m", launcher] if launcher else [sys.executable, "-m", "ratchetlm", "serve"]
-    proc = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(port), *SERVER_ARGS, *(extra or [])],
+    args = SERVER_ARGS if base_args is None else base_args
+    proc = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(port), *args, *(extra or [])],
                             env=env, **popen)
     srv = Server(f"http://127.0.0.1:{port}", proc)
     deadline = time.monotonic() + timeout

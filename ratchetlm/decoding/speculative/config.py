@@ -13,9 +13,11 @@ from ratchetlm.decoding.base import config_from_options
 @dataclass(frozen=True)
 class SpecConfig:
     """``method``: proposer name ("ngram" prompt lookup, "draft" layer-skip self-draft,
-    "draft_model" a separate local draft model).
+    "draft_model" a separate local draft model, "eagle" a trained EAGLE head, "mtp" DeepSeek-V4's own
+    multi-token-prediction module).
     ``num_candidates`` M: candidates per step (n-gram occurrences / beam width); 1 = chain.
-    ``depth`` C: draft tokens per candidate. ``min_n``/``max_n``: n-gram match lengths.
+    ``depth`` C: draft tokens per candidate (default: 1 for "mtp" — DeepSeek-V4's MTP module, verified
+    in the static ``S = 2`` decode shape — else 4). ``min_n``/``max_n``: n-gram match lengths.
     ``draft_layers``: layers of the self-draft (target's first N + final norm + head).
     ``chunk_size``: speculative chunk verify for chains — verify at most this many draft tokens
     per step and keep the rest of the chain for the next step while everything is accepted
@@ -45,7 +47,7 @@ class SpecConfig:
 
     method: str = "ngram"
     num_candidates: int = 1
-    depth: int = 4
+    depth: int = None  # type: ignore[assignment]  # None: the method's default, resolved below
     min_n: int = 1
     max_n: int = 4
     draft_layers: int = 8
@@ -61,6 +63,8 @@ class SpecConfig:
 
         if self.method not in proposer_names():
             raise ValueError(f"speculative method must be one of {proposer_names()}, got {self.method!r}")
+        if self.depth is None:
+            object.__setattr__(self, "depth", 1 if self.method == "mtp" else 4)
         for name, lo in (("num_candidates", 1), ("depth", 1), ("min_n", 1), ("max_n", 1),
                          ("draft_layers", 1), ("chunk_size", 0), ("draft_kv_blocks", 0),
                          ("disable_by_batch_size", 0)):

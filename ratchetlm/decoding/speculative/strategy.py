@@ -22,7 +22,7 @@ import torch
 
 from ratchetlm.decoding.autoregressive import catch_up_commit, catch_up_proposal
 from ratchetlm.decoding.base import Commit, DecodeStrategy, Proposal, StrategyContext, register
-from ratchetlm.decoding.speculative import draft_model, eagle, self_draft  # noqa: F401  (register the proposers)
+from ratchetlm.decoding.speculative import draft_model, eagle, mtp, self_draft  # noqa: F401  (register the proposers)
 from ratchetlm.decoding.speculative.config import SpecConfig
 from ratchetlm.decoding.speculative.proposers import PAD, DraftBeam, create_proposer
 from ratchetlm.decoding.speculative.stats import SpecCounters

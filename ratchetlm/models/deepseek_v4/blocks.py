@@ -107,6 +107,9 @@ class SharedExpert(nn.Module):
         return self.down_proj(_clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
+ROWWISE_MAX = 64  # tokens per MoE call up to which experts see every row (batch-composition invariant)
+
+
 class Experts(nn.Module):
     def __init__(self, cfg: DeepseekV4Config) -> None:
         super().__init__()
@@ -116,14 +119,25 @@ class Experts(nn.Module):
         self.limit = cfg.swiglu_limit
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x: ``[num_tokens, hidden]``; expert_ids, weights: ``[num_tokens, top_k]``."""
+        """x: ``[num_tokens, hidden]``; expert_ids, weights: ``[num_tokens, top_k]``.
+
+        Decode-size calls (at most ``ROWWISE_MAX`` tokens) run every picked expert over all the
+        call's rows and keep the rows that picked it, so a token's output depends on the call's
+        row count only, never on which other tokens picked the same expert (a GEMM's bits change
+        with its row count): a verify step's committed row is then bit-identical to the same row
+        decoded beside a placeholder. At decode sizes the weights' reads dominate, which is the
+        same either way. Larger calls (prefill) group rows by expert."""
         out = torch.zeros_like(x)
+        dense = x.shape[0] <= ROWWISE_MAX
         for e in expert_ids.unique().tolist():
             tok, slot = torch.where(expert_ids == e)
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(_clamped_swiglu(gate, up, self.limit), self.down_proj[e])
+            y = self._expert(x, e)[tok] if dense else self._expert(x[tok], e)
             out.index_add_(0, tok, (y * weights[tok, slot, None]).to(out.dtype))
         return out
+
+    def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return F.linear(_clamped_swiglu(gate, up, self.limit), self.down_proj[e])
 
 
 class Router(nn.Module):

@@ -75,6 +75,8 @@ class DeepseekV4Config:
     max_position_embeddings: int = 16384
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
+    # MTP modules in the checkpoint (HF's ``num_nextn_predict_layers``; HF does not build them)
+    num_nextn_predict_layers: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "q_lora_rank",
@@ -98,6 +100,10 @@ class DeepseekV4Config:
             raise ValueError(f"scoring_func must be one of {SCORING_FUNCS}")
         if self.csa_ratio <= 1 or self.hca_ratio <= 1:
             raise ValueError("compression ratios must be > 1")
+
+    @property
+    def architecture(self) -> str:
+        return "DeepseekV4ForCausalLM"
 
     def ratio(self, layer: int) -> int:
         """Compression ratio of ``layer`` (0 for sliding-window-only layers)."""
@@ -170,4 +176,5 @@ class DeepseekV4Config:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=d.get("max_position_embeddings", 16384),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), eos_token_ids=eos_ids,
+            num_nextn_predict_layers=int(d.get("num_nextn_predict_layers", d.get("num_mtp_layers", 0)) or 0),
         )

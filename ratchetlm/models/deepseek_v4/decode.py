@@ -1,118 +1,194 @@
-"""One paged V4 decode call: ``decode_step(model, cache, meta, input_ids) -> logits``.
+"""One paged V4 step: ``forward_step(model, pools, meta, input_ids, sink) -> streams``.
 
-Per attention layer, in this order:
+A step is ``S`` consecutive tokens per sequence on top of its cached context (a prefill
+chunk, a decode token plus placeholder, a draft chain to verify). Per attention layer:
+
 1. project q / kv at each token's absolute position;
-2. write each committed token's compressor state row (``state_slot_mapping``), then pool
-   every window a committed token completes, reading the window's rows by absolute
-   position through the logical state table, and write the entry (``cmp_slot_mapping``);
-   CSA does the same for the indexer's own compressor (``idx_*``), then scores and takes
-   the top-k over the visible indexer keys;
-3. sparse attention over ring + overlay + compressed keys (raw-index contract);
-4. only then commit raw KV into the ring (``ori_slot_mapping``) -- delayed so an in-step
-   token never overwrites a ring row another in-step token still reads.
-A slot mapping of -1 writes nothing, so the placeholder token mutates no cache.
+2. every compressor computes its per-token state rows; each token that completes a window
+   pools rows ``[pos - window_rows + 1, pos]`` — those before the step from the state pool
+   (addressed by absolute position through the logical state table), in-step ones from the
+   rows just computed — into the window's entry. CSA does the same for the indexer's own
+   compressor, then scores the visible indexer keys (before the step: the ``idx`` pool; this
+   step's: its own entries) and takes the top-k;
+3. sparse attention over ring + overlay + compressed keys (raw-index contract, paging.py;
+   compressed slots completed in the step are read from the step's own entries);
+4. only then hand every new row (ring KV, state rows, entries, indexer keys) to the step's
+   :class:`~ratchetlm.kv.pool_staging.PoolSink`, the single write point: direct rows land in
+   their slots, staged rows in the staging buffer, ``-1`` rows nowhere.
+
+Because every row is read in-step from the forward itself and written after the layer's
+reads, no in-step token ever overwrites a row another in-step token still reads (the seed's
+write-after-attention rule, now for every pool) and a staged (not yet committed) row is
+never needed in the pools.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch
 
+from ratchetlm.kv.pool_staging import PoolSink, RowPools
 from ratchetlm.models.deepseek_v4.attention import Attention, WindowCompressor, select_topk
-from ratchetlm.models.deepseek_v4.cache import DeepseekV4PagedCache
 from ratchetlm.models.deepseek_v4.config import CSA, HCA
 from ratchetlm.models.deepseek_v4.model import DeepseekV4ForCausalLM
-from ratchetlm.models.deepseek_v4.paging import CompressorMeta, DecodeMetadata, physical_rows
+from ratchetlm.models.deepseek_v4.paging import (
+    CompressorMeta,
+    DecodeCapacity,
+    DecodeMetadata,
+    WindowMeta,
+    physical_rows,
+)
 from ratchetlm.models.deepseek_v4.rope import RopeTable
 from ratchetlm.models.deepseek_v4.sparse_attn import gather_keys, sparse_attention
 
-
-def _scatter_rows(pool: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
-    """pool: ``[num_rows, width]``; rows: ``[N]`` (-1 = skip); values: ``[N, width]``."""
-    keep = rows >= 0
-    pool[rows[keep]] = values[keep].to(pool.dtype)
+QUERY_CHUNK = 256  # queries per gather+attention chunk: bounds memory for long prefill chunks
 
 
 def compress_step(comp: WindowCompressor, x: torch.Tensor, meta: CompressorMeta, state_pool: torch.Tensor,
-                  out_pool: torch.Tensor, rope: RopeTable, positions: torch.Tensor, block: int) -> None:
-    """x: ``[B, S, hidden]``; state_pool: ``[rows, 2*coff*dim]`` fp32; out_pool: ``[blocks, block, dim]``."""
+                  rope: RopeTable, positions: torch.Tensor, step_start: torch.Tensor,
+                  out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: ``[B, S, hidden]``; state_pool: ``[rows, 2*coff*dim]`` fp32.
+
+    -> (state rows ``[B, S, 2*coff*dim]`` of every token, entries ``[B, S, dim]`` — the pooled
+    entry at each token that completes a window, zeros elsewhere)."""
     B, S, _ = x.shape
-    kv_rows, score_rows = comp.rows(x, positions)  # [B, S, coff*dim]
+    kv_rows, score_rows = comp.rows(x, positions)  # [B, S, coff*dim] each
+    rows = torch.cat([kv_rows, score_rows], -1)  # [B, S, 2*coff*dim]
     width = kv_rows.shape[-1]
-    _scatter_rows(state_pool, meta.state_slot_mapping.flatten(), torch.cat([kv_rows, score_rows], -1).flatten(0, 1))
-    if not bool((meta.cmp_slot_mapping >= 0).any()):
-        return
-    # Rows [pos - window_rows + 1, pos], addressed by absolute position; positions before 0
-    # (the first overlapping window has no predecessor) pool as kv 0 / score -inf.
+    entries = torch.zeros(B, S, comp.dim, dtype=out_dtype)
+    done = ((positions + 1) % comp.ratio == 0).nonzero()  # [n, 2] (b, s) of completing tokens
+    if done.numel() == 0:
+        return rows, entries
+    b, s = done[:, 0], done[:, 1]
     R = comp.window_rows
-    wpos = positions[..., None] - R + 1 + torch.arange(R)  # [B, S, R]
-    rows = physical_rows(meta.state_block_table, wpos, meta.state_page)
-    got = state_pool[rows.clamp(min=0)]  # [B, S, R, 2*width]
-    ok = (rows >= 0)[..., None]
-    kv = torch.where(ok, got[..., :width], 0.0).flatten(0, 1)
-    score = torch.where(ok, got[..., width:], float("-inf")).flatten(0, 1)
-    done = meta.cmp_slot_mapping.flatten() >= 0
-    first = (positions.flatten() + 1 - comp.ratio).clamp(min=0)
-    entries = comp.pool(kv[done], score[done], first[done], rope, out_pool.dtype)
-    _scatter_rows(out_pool.view(-1, out_pool.shape[-1]), meta.cmp_slot_mapping.flatten()[done], entries)
+    wpos = positions[b, s][:, None] - R + 1 + torch.arange(R)  # [n, R] window positions, oldest first
+    start = step_start[b][:, None]
+    from_pool = wpos < start
+    # rows before the step: the state pool, by absolute position through the logical table;
+    # positions before 0 (the first overlapping window has no predecessor) pool as kv 0 / score -inf
+    prow = physical_rows(meta.state_block_table[b], torch.where(from_pool, wpos, -1), meta.state_page)
+    in_step = rows[b[:, None], (wpos - start).clamp(0, S - 1)]  # [n, R, 2*width]
+    got = torch.where(from_pool[..., None], state_pool[prow.clamp(min=0)], in_step)
+    ok = (wpos >= 0) & (~from_pool | (prow >= 0))
+    kv = torch.where(ok[..., None], got[..., :width], 0.0)
+    score = torch.where(ok[..., None], got[..., width:], float("-inf"))
+    first = (positions[b, s] + 1 - comp.ratio).clamp(min=0)
+    entries[b, s] = comp.pool(kv, score, first, rope, out_dtype)
+    return rows, entries
+
+
+def _overlay_index(slot: torch.Tensor, step_start: torch.Tensor, ratio: int) -> torch.Tensor:
+    """In-step token row that completed compressed ``slot`` (``[B, ...]``)."""
+    shape = (-1,) + (1,) * (slot.dim() - 1)
+    return (slot + 1) * ratio - 1 - step_start.view(shape)
 
 
 def indexer_topk(attn: Attention, x: torch.Tensor, q_res: torch.Tensor, meta: DecodeMetadata,
-                  idx_pool: torch.Tensor, rope: RopeTable, topk: int, score_len: int, block: int) -> torch.Tensor:
-    """-> raw indices ``[B, S, topk]`` of the selected compressed slots (-1 where fewer are visible)."""
+                 idx_pool: torch.Tensor, rope: RopeTable, topk: int, score_len: int, block: int,
+                 idx_entries: torch.Tensor | None = None) -> torch.Tensor:
+    """-> raw indices ``[B, S, topk]`` of the selected compressed slots (-1 where fewer are visible).
+
+    Keys of slots completed before the step come from ``idx_pool``; those completed in the step
+    from ``idx_entries`` ``[B, S, Di]`` (the indexer compressor's in-step entries)."""
     indexer = attn.csa_compressor().indexer
     B, S, _ = x.shape
-    iq, iw = indexer.queries(x, q_res, meta.position_ids, rope)
-    slots = torch.arange(score_len)
-    rows = physical_rows(meta.inner.cmp_block_table, slots.expand(B, -1), block)  # [B, score_len]
+    iq, iw = indexer.queries(x, q_res, meta.position_ids, rope)  # [B, S, Hi, Di], [B, S, Hi]
+    slots = torch.arange(score_len).expand(B, -1)  # [B, score_len]
+    rows = physical_rows(meta.inner.cmp_block_table, slots, block)
     keys = idx_pool.view(-1, idx_pool.shape[-1])[rows.clamp(min=0)]  # [B, score_len, Di]
-    scores = indexer.scores(iq.flatten(0, 1), iw.flatten(0, 1), keys.repeat_interleave(S, 0)).view(B, S, -1)
-    hidden = (slots >= meta.inner.visible_len[..., None]) | (rows < 0)[:, None, :]
-    values, picked = select_topk(scores.masked_fill(hidden, float("-inf")), topk)
-    raw = meta.window + meta.decode_seq + picked
-    return torch.where(values > float("-inf"), raw, torch.full_like(raw, -1))
+    present = rows >= 0
+    completes = bool(((meta.position_ids + 1) % indexer.ratio == 0).any())
+    if idx_entries is not None and completes:  # some token completed an indexer window this step
+        hist = meta.inner.history_len[:, None]
+        ov = _overlay_index(slots, meta.step_start, indexer.ratio)  # [B, score_len]
+        in_step = (slots >= hist) & (ov >= 0) & (ov < S)
+        ov_keys = idx_entries.gather(1, ov.clamp(0, S - 1)[..., None].expand(-1, -1, idx_entries.shape[-1]))
+        keys = torch.where(in_step[..., None], ov_keys.to(keys.dtype), keys)
+        present = torch.where(slots >= hist, in_step, present)
+    out = torch.full((B, S, topk), -1, dtype=torch.long)
+    for c0 in range(0, S, QUERY_CHUNK):  # scores [B, chunk, score_len]: chunked for long prefill steps
+        c1 = min(S, c0 + QUERY_CHUNK)
+        n = c1 - c0
+        scores = indexer.scores(iq[:, c0:c1].flatten(0, 1), iw[:, c0:c1].flatten(0, 1),
+                                keys.repeat_interleave(n, 0)).view(B, n, -1)
+        hidden = (torch.arange(score_len) >= meta.inner.visible_len[:, c0:c1, None]) | ~present[:, None, :]
+        values, picked = select_topk(scores.masked_fill(hidden, float("-inf")), topk)
+        raw = meta.window + meta.decode_seq + picked
+        out[:, c0:c1] = torch.where(values > float("-inf"), raw, torch.full_like(raw, -1))
+    return out
 
 
-def paged_attention(model: DeepseekV4ForCausalLM, layer: int, x: torch.Tensor, meta: DecodeMetadata,
-                    cache: DeepseekV4PagedCache) -> torch.Tensor:
-    """x: ``[B, S, hidden]`` normed attention input -> ``[B, S, hidden]``."""
-    attn = model.model.decoder_layer(layer).self_attn
-    cap, rope, crope = cache.cap, model.rope_for(layer), model.compress_rope
+def paged_attention(model: DeepseekV4ForCausalLM, attn: Attention, layer: Hashable, x: torch.Tensor,
+                    meta: DecodeMetadata | WindowMeta, pools: RowPools, sink: PoolSink, cap: DecodeCapacity,
+                    rope: RopeTable) -> torch.Tensor:
+    """x: ``[B, S, hidden]`` normed attention input -> ``[B, S, hidden]``. ``layer`` keys this
+    layer's pools (an int for decoder layers, ``"mtp0"`` for the MTP module's ring)."""
+    crope = model.compress_rope
     pos = meta.position_ids
+    B, S, _ = x.shape
     q, kv, q_res = attn.project(x, pos, rope)
-    raw, cmp_pool, cmp_table = meta.swa_indices, None, None
+    raw, cmp_pool, cmp_table, cmp_ov, cmp_hist, ratio = meta.swa_indices, None, None, None, None, 0
+    writes: list[tuple[str, torch.Tensor]] = [("ori", kv)]
     if attn.kind == CSA:
+        assert isinstance(meta, DecodeMetadata)
         csa = attn.csa_compressor()
-        compress_step(csa, x, meta.csa, cache.csa_state[layer], cache.csa_cmp[layer], crope, pos, cap.block_size)
-        compress_step(csa.indexer, x, meta.inner, cache.inner_state[layer], cache.idx[layer], crope, pos,
-                      cap.block_size)
-        picked = indexer_topk(attn, x, q_res, meta, cache.idx[layer], crope, cap.index_topk, cap.score_len,
-                               cap.block_size)
-        raw, cmp_pool, cmp_table = torch.cat([raw, picked], -1), cache.csa_cmp[layer], meta.csa.cmp_block_table
+        rows, entries = compress_step(csa, x, meta.csa, pools.get("csa_state", layer), crope, pos, meta.step_start,
+                                      kv.dtype)
+        irows, ientries = compress_step(csa.indexer, x, meta.inner, pools.get("inner_state", layer), crope, pos,
+                                        meta.step_start, kv.dtype)
+        picked = indexer_topk(attn, x, q_res, meta, pools.get("idx", layer), crope, cap.index_topk, cap.score_len,
+                              cap.block_size, ientries)
+        raw = torch.cat([raw, picked], -1)
+        cmp_pool, cmp_table, cmp_ov, cmp_hist, ratio = pools.get("csa_cmp", layer), meta.csa.cmp_block_table, \
+            entries, meta.csa.history_len, csa.ratio
+        writes += [("csa_state", rows), ("csa_cmp", entries), ("inner_state", irows), ("idx", ientries)]
     elif attn.kind == HCA:
-        compress_step(attn.window_compressor(), x, meta.hca, cache.hca_state[layer], cache.hca_cmp[layer], crope,
-                      pos, cap.block_size)
-        raw, cmp_pool, cmp_table = torch.cat([raw, meta.hca_indices], -1), cache.hca_cmp[layer], \
-            meta.hca.cmp_block_table
-    keys, valid = gather_keys(raw, cache.ori[layer], meta.ori_block_table, kv, cmp_pool, cmp_table,
-                              meta.window, cap.block_size)
-    o = sparse_attention(q, keys, valid, attn.sinks, attn.scale)
-    ring = cache.ori[layer]
-    _scatter_rows(ring.view(-1, ring.shape[-1]), meta.ori_slot_mapping.flatten(), kv.flatten(0, 1))
+        assert isinstance(meta, DecodeMetadata)
+        comp = attn.window_compressor()
+        rows, entries = compress_step(comp, x, meta.hca, pools.get("hca_state", layer), crope, pos, meta.step_start,
+                                      kv.dtype)
+        raw = torch.cat([raw, meta.hca_indices], -1)
+        cmp_pool, cmp_table, cmp_ov, cmp_hist, ratio = pools.get("hca_cmp", layer), meta.hca.cmp_block_table, \
+            entries, meta.hca.history_len, comp.ratio
+        writes += [("hca_state", rows), ("hca_cmp", entries)]
+    ring = pools.get("ori", layer)
+    outs = []
+    for c0 in range(0, S, QUERY_CHUNK):
+        c1 = min(S, c0 + QUERY_CHUNK)
+        keys, valid = gather_keys(raw[:, c0:c1], ring, meta.ori_block_table, kv, cmp_pool, cmp_table, meta.window,
+                                  cap.block_size, cmp_overlay=cmp_ov, cmp_history=cmp_hist, ratio=ratio,
+                                  step_start=meta.step_start)
+        outs.append(sparse_attention(q[:, c0:c1], keys, valid, attn.sinks, attn.scale))
+    o = torch.cat(outs, 1)
+    for name, values in writes:  # after every read of this layer (write-after-attention)
+        sink.write(name, layer, values.flatten(0, 1))
     return attn.output(o, pos, rope)
 
 
 @torch.no_grad()
-def decode_step(model: DeepseekV4ForCausalLM, cache: DeepseekV4PagedCache, meta: DecodeMetadata,
-                input_ids: torch.Tensor) -> torch.Tensor:
-    """input_ids: ``[B, S]`` (the placeholder's id is arbitrary) -> logits ``[B, S, vocab]``.
+def forward_step(model: DeepseekV4ForCausalLM, pools: RowPools, meta: DecodeMetadata, input_ids: torch.Tensor,
+                 sink: PoolSink, cap: DecodeCapacity) -> torch.Tensor:
+    """input_ids: ``[B, S]`` (placeholder ids are arbitrary) -> final residual streams
+    ``[B, S, hc, hidden]`` (``model.head`` turns them into logits; the MTP module reads them).
 
-    Commits exactly the tokens whose slot mappings are >= 0 (one per sequence when the
-    metadata comes from :func:`lower_decode_step`)."""
+    Writes exactly the rows whose slot mappings are >= 0, through ``sink``."""
     if input_ids.shape != meta.position_ids.shape:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} != positions {tuple(meta.position_ids.shape)}")
     streams = model.embed(input_ids)  # [B, S, hc, hidden]
     for layer in model.model.decoder_layers():
         post, comb, x = layer.attn_in(streams)
-        out = paged_attention(model, layer.layer, x, meta, cache)
+        out = paged_attention(model, layer.self_attn, layer.layer, x, meta, pools, sink, cap,
+                              model.rope_for(layer.layer))
         streams = layer.attn_out_and_mlp(post, comb, out, streams, input_ids)
-    return model.head(streams)
+    return streams
+
+
+def step_slots(meta: DecodeMetadata) -> dict[str, torch.Tensor]:
+    """Slot of every token row (flattened ``[B * S]``) per pool: what the sink writes where."""
+    return {
+        "ori": meta.ori_slot_mapping.flatten(),
+        "csa_state": meta.csa.state_slot_mapping.flatten(), "csa_cmp": meta.csa.cmp_slot_mapping.flatten(),
+        "inner_state": meta.inner.state_slot_mapping.flatten(), "idx": meta.inner.cmp_slot_mapping.flatten(),
+        "hca_state": meta.hca.state_slot_mapping.flatten(), "hca_cmp": meta.hca.cmp_slot_mapping.flatten(),
+    }

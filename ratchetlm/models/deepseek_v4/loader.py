@@ -21,6 +21,8 @@ _RENAMES: tuple[tuple[str, str], ...] = (
     (r"^(model\.)?embed\.weight$", "model.embed_tokens.weight"),
     (r"^(model\.)?head\.weight$", "lm_head.weight"),
     (r"^(model\.)?hc_head_(fn|base|scale)$", r"model.hc_head.hc_\2"),
+    (r"^(model\.)?mtp\.(\d+)\.hc_head_(fn|base|scale)$", r"mtp.\2.hc_head.hc_\3"),
+    (r"^model\.mtp\.", "mtp."),
     (r"^(model\.)?norm\.weight$", "model.norm.weight"),
     (r"^layers\.", "model.layers."),
     (r"\.attn\.indexer\.compressor\.", ".attn.compressor.indexer."),
@@ -48,6 +50,8 @@ _RENAMES: tuple[tuple[str, str], ...] = (
     (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
     (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
 )
+# MTP modules past the first, and copies of the shared embedding / head under an MTP prefix
+_MTP_SKIPPED = re.compile(r"^(model\.)?mtp\.(([1-9]\d*)\.|\d+\.(embed|emb|head|shared_head)\.)")
 _EXPERT_KEY = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.weight$")
 
 
@@ -86,8 +90,9 @@ def load_deepseek_v4(path: str | Path, dtype: torch.dtype | None = None,
                      max_positions: int | None = None) -> DeepseekV4ForCausalLM:
     """Builds the model from ``path``. Weights keep the checkpoint dtype unless ``dtype`` is given.
 
-    Raises if any checkpoint tensor is missing or unexpected (MTP weights, which V4
-    checkpoints may ship under ``mtp.*``, are ignored: the MTP layer is not built).
+    Raises if any checkpoint tensor is missing or unexpected. MTP weights (``mtp.{k}.*``,
+    layout in ``mtp.py``) build ``model.mtp`` when present: module 0 (a chain of drafts reuses
+    it); further modules and copies of the shared embedding / head under ``mtp.`` are skipped.
     """
     path = Path(path)
     cfg = DeepseekV4Config.from_hf_dict(json.loads((path / "config.json").read_text()))
@@ -96,11 +101,15 @@ def load_deepseek_v4(path: str | Path, dtype: torch.dtype | None = None,
         state.update(load_file(str(f)))
     if not state:
         raise FileNotFoundError(f"no *.safetensors in {path}")
-    state = {k: v for k, v in state.items() if not k.startswith("mtp.") and ".mtp." not in k}
+    state = {k: v for k, v in state.items() if not _MTP_SKIPPED.match(k)}
     state = to_module_names(state, cfg.num_experts)
     if cfg.tie_word_embeddings and "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model = DeepseekV4ForCausalLM(cfg, max_positions=max_positions)
+    if any(k.startswith("mtp.0.") for k in state):
+        from ratchetlm.models.deepseek_v4.mtp import MTPModule
+
+        model.mtp = torch.nn.ModuleList([MTPModule(cfg)])
     target = dtype or state["model.embed_tokens.weight"].dtype
     model.to(target)
     state = {k: v.to(target) if v.is_floating_point() else v for k, v in state.items()}

@@ -101,10 +101,10 @@ def _attention(attn: Attention, x: torch.Tensor, positions: torch.Tensor, rope: 
 
 
 @torch.no_grad()
-def reference_forward(model: DeepseekV4ForCausalLM, token_ids: torch.Tensor, chunk: int = 256,
-                      logits_for: slice | None = None) -> tuple[torch.Tensor, list[LayerTrace]]:
-    """token_ids: ``[T]`` -> (logits ``[T', vocab]`` for ``logits_for`` rows (all by default),
-    one :class:`LayerTrace` per layer)."""
+def reference_streams(model: DeepseekV4ForCausalLM, token_ids: torch.Tensor,
+                      chunk: int = 256) -> tuple[torch.Tensor, list[LayerTrace]]:
+    """token_ids: ``[T]`` -> (final residual streams ``[T, hc, hidden]``, one :class:`LayerTrace`
+    per layer). The streams are what the MTP module reads."""
     cfg = model.config
     T = token_ids.shape[0]
     if T > model.main_rope.max_positions:
@@ -118,5 +118,32 @@ def reference_forward(model: DeepseekV4ForCausalLM, token_ids: torch.Tensor, chu
                                 cfg.sliding_window, chunk)
         traces.append(trace)
         streams = layer.attn_out_and_mlp(post, comb, out, streams, token_ids)
+    return streams, traces
+
+
+@torch.no_grad()
+def reference_forward(model: DeepseekV4ForCausalLM, token_ids: torch.Tensor, chunk: int = 256,
+                      logits_for: slice | None = None) -> tuple[torch.Tensor, list[LayerTrace]]:
+    """token_ids: ``[T]`` -> (logits ``[T', vocab]`` for ``logits_for`` rows (all by default),
+    one :class:`LayerTrace` per layer)."""
+    streams, traces = reference_streams(model, token_ids, chunk)
     rows = streams if logits_for is None else streams[logits_for]
     return model.head(rows), traces
+
+
+@torch.no_grad()
+def mtp_reference(model: DeepseekV4ForCausalLM, mtp: torch.nn.Module, prev: torch.Tensor,
+                  next_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MTP module over pairs ``j = 0..T-1`` unpaged: prev ``[T, hc, hidden]`` (``h_j``, or
+    a drafting module's own outputs), next_ids ``[T]`` (``x_{j+1}``) -> (logits ``[T, vocab]``,
+    row ``j`` predicting ``x_{j+2}``; the block's output streams ``[T, hc, hidden]``)."""
+    from ratchetlm.models.deepseek_v4.mtp import MTPModule
+
+    assert isinstance(mtp, MTPModule)
+    positions = torch.arange(next_ids.shape[0])
+    streams = mtp.inputs(model.model.embed_tokens(next_ids), prev.to(model.model.embed_tokens.weight.dtype))
+    post, comb, x = mtp.attn_in(streams)
+    out, _ = _attention(mtp.self_attn, x, positions, model.main_rope, model.compress_rope,
+                        model.config.sliding_window, 256)
+    streams = mtp.attn_out_and_mlp(post, comb, out, streams, next_ids)
+    return model.lm_head(mtp.norm(mtp.hc_head(streams))).float(), streams

@@ -1,125 +1,175 @@
-"""Per-sequence V4 serving loop: prefill, commit-exact decode calls, the 512-step driver
-and closed-loop generation.
+"""DeepSeek-V4 under the one engine: the model runner its cache layout needs.
 
-:class:`DeepseekV4Runner` is the adapter an engine drives: ``prefill(seq, ids) -> logits``,
-``decode({seq: token}) -> {seq: logits}`` (one committed token per sequence per call,
-sequences at any mix of positions), ``release(seq)``.
+:class:`DeepseekV4ModelRunner` has the surface of :class:`~ratchetlm.engine.model_runner.ModelRunner`
+(``execute`` / ``commit_staged`` / ``blocks`` / ``staging`` / ``last_hidden``), so the engine's
+step loop, scheduler, preemption, abort, strategies and server are the same code for V4 as for
+the llama family; only the batch differs. Each step lowers the scheduled proposals (the
+sequences' block allocations) into :class:`~ratchetlm.models.deepseek_v4.paging.DecodeMetadata`
+with the one lowering function and runs :func:`~ratchetlm.models.deepseek_v4.decode.forward_step`:
+
+* proposals of up to ``state_span`` tokens (decode tokens, draft chains) share one ``[B, S]``
+  call, ``S = max(decode_seq, longest)``; shorter rows are padded with placeholders (slot -1,
+  invisible), the seed's static ``S = 2`` decode shape when ``decode_seq == 2``;
+* longer proposals (prefill chunks) run one ``[1, n]`` call each.
+
+Direct-write proposals write through the step's sink; staged ones (a verify chain) stage every
+row and :meth:`commit_staged` copies the accepted prefix's rows into the pools all-or-nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
-from ratchetlm.models.deepseek_v4.cache import DeepseekV4PagedCache
-from ratchetlm.models.deepseek_v4.decode import decode_step
+from ratchetlm.decoding.base import Proposal
+from ratchetlm.engine.model_runner import StepResult
+from ratchetlm.engine.sequence import Sequence
+from ratchetlm.kv.pool_staging import PoolSink, PoolStaging
+from ratchetlm.kv.staging import StagingCommitError
+from ratchetlm.models.deepseek_v4.decode import forward_step, step_slots
+from ratchetlm.models.deepseek_v4.layout import DeepseekV4Layout
 from ratchetlm.models.deepseek_v4.model import DeepseekV4ForCausalLM
-from ratchetlm.models.deepseek_v4.paging import DecodeCapacity, DecodeMetadata, lower_decode_step
-from ratchetlm.models.deepseek_v4.reference import LayerTrace, reference_forward
-
-Sampler = Callable[[torch.Tensor], int]  # logits [vocab] -> token id
+from ratchetlm.models.deepseek_v4.paging import DecodeMetadata, lower_decode_step
 
 
-def greedy(logits: torch.Tensor) -> int:
-    return int(logits.argmax())
+def check_strategy(decoding: str, options: Mapping[str, Any], span: int) -> None:
+    """V4 verifies chains of consecutive tokens (its ring and compressors are positional); a
+    strategy that needs trees, non-causal windows or a llama-shaped paged K/V cache is refused
+    up front with the reason, not mid-generation."""
+    if decoding == "speculative":
+        method = options.get("method", "ngram")
+        if method not in ("ngram", "mtp"):
+            raise ValueError(f"speculative method={method!r} is not supported for DeepSeek-V4 models "
+                             "(it drafts from a llama-style paged K/V cache); use 'mtp' or 'ngram'")
+        if int(options.get("num_candidates", 1)) != 1:
+            raise ValueError("DeepSeek-V4 verifies draft chains only: speculative num_candidates must be 1")
+        depth = options.get("depth") or (1 if method == "mtp" else 4)
+        if isinstance(depth, int) and depth + 1 > span:
+            raise ValueError(f"a DeepSeek-V4 verify step holds at most {span} tokens: speculative depth must be "
+                             f"<= {span - 1}, got {depth}")
+    elif decoding == "wedlm":
+        raise ValueError("decoding='wedlm' is not supported for DeepSeek-V4 models (its windows are not causal "
+                         "chains); supported: 'autoregressive', 'speculative' with method 'mtp' or 'ngram'")
 
 
-class DeepseekV4Runner:
-    """Owns the paged cache of up to ``max_seqs`` sequences of one model."""
-
-    def __init__(self, model: DeepseekV4ForCausalLM, max_seqs: int = 4, cap: DecodeCapacity | None = None,
-                 shuffle_seed: int | None = None) -> None:
+class DeepseekV4ModelRunner:
+    def __init__(self, model: DeepseekV4ForCausalLM, layout: DeepseekV4Layout, device: torch.device,
+                 staging_capacity: int = 1024) -> None:
         self.model = model
-        self.cap = cap or DecodeCapacity.for_model(model.config)
-        if self.cap.max_seq_len + self.cap.decode_seq - 1 > model.main_rope.max_positions:
-            raise ValueError("decode capacity (plus the placeholder row) exceeds the model's RoPE table")
-        dtype = model.model.embed_tokens.weight.dtype
-        self.cache = DeepseekV4PagedCache(model.config, self.cap, max_seqs, dtype, shuffle_seed=shuffle_seed)
-        self.lengths: dict[int, int] = {}  # committed tokens per sequence
+        self.layout = layout
+        self.cap = layout.cap
+        self.blocks = layout.allocator
+        self.cache = layout.pools
+        self.device = device
+        self.max_model_len = layout.max_model_len
+        self.staging = PoolStaging(layout.pools, staging_capacity)
+        self.num_forwards = 0
         self.last_meta: DecodeMetadata | None = None
+        self.last_ring_writes: dict[int, int] = {}  # seq_id -> token rows with a ring slot in the last step
+        # Final residual streams of the last forward, per sequence ``[len(proposal), hc, hidden]``:
+        # the features the MTP module reads (``Proposer.observe``).
+        self.last_hidden: list[torch.Tensor] = []
 
-    def prefill(self, seq: int, prompt_ids: list[int] | torch.Tensor) -> torch.Tensor:
-        """Caches the prompt and returns the logits ``[vocab]`` of its last token."""
-        ids = torch.as_tensor(prompt_ids, dtype=torch.long)
-        if ids.numel() == 0 or ids.numel() >= self.cap.max_seq_len:
-            raise ValueError(f"prompt length {ids.numel()} outside [1, {self.cap.max_seq_len})")
-        logits, traces = reference_forward(self.model, ids, logits_for=slice(-1, None))
-        self.restore(seq, traces)
-        return logits[0]
+    def fits(self, num_tokens: int) -> str | None:
+        """Why a sequence of ``num_tokens`` tokens can never fit this cache, or None."""
+        plan = self.layout.plan
+        for pool, need in self.layout.growing_blocks(num_tokens).items():
+            if self.layout.pool_layers[pool] and need > plan.blocks[pool]:
+                return f"needs {need} {pool} blocks but the cache has only {plan.blocks[pool]}"
+        return None
 
-    def restore(self, seq: int, traces: list[LayerTrace]) -> None:
-        """Admits ``seq`` with the cache state a prompt with these traces leaves behind
-        (``traces`` may be :func:`prefix_traces` of a longer prompt's)."""
-        self.cache.admit(seq)
-        self.cache.write_prefill(seq, traces)
-        self.lengths[seq] = traces[0].kv.shape[0]
+    def check_room(self, seq: Sequence, num_tokens: int) -> None:
+        assert num_tokens <= self.cap.max_seq_len and self.blocks.mapped(seq.seq_id), "proposal beyond its blocks"
 
-    def decode(self, tokens: dict[int, int]) -> dict[int, torch.Tensor]:
-        """Runs one decode call committing ``tokens[seq]`` at each sequence's next position.
+    @torch.inference_mode()
+    def execute(self, seqs: list[Sequence], proposals: list[Proposal], num_layers: int | None = None) -> StepResult:
+        assert num_layers is None, "DeepSeek-V4 has no layer-skip draft forward"
+        assert len(seqs) == len(proposals) and seqs
+        for s, p in zip(seqs, proposals, strict=True):
+            n = len(p.token_ids)
+            if p.positions != list(range(s.num_cached, s.num_cached + n)) or not _causal(p.mask):
+                raise ValueError("DeepSeek-V4 steps are chains of consecutive tokens after the cached context")
+            if not p.direct_write and n > self.cap.state_span:
+                raise ValueError(f"a DeepSeek-V4 verify step holds at most {self.cap.state_span} tokens, got {n}")
+        self.last_ring_writes = {}
+        span = self.cap.state_span
+        short = [i for i, p in enumerate(proposals) if len(p.token_ids) <= span]
+        groups = ([short] if short else []) + [[i] for i, p in enumerate(proposals) if len(p.token_ids) > span]
+        streams: list[torch.Tensor | None] = [None] * len(seqs)
+        stage_base = [-1] * len(seqs)
+        for group in groups:
+            out, bases = self._forward([seqs[i] for i in group], [proposals[i] for i in group])
+            for i, st, base in zip(group, out, bases, strict=True):
+                streams[i], stage_base[i] = st, base
+        hidden = [s for s in streams if s is not None]
+        assert len(hidden) == len(seqs)
+        rows = torch.cat([h[p.logit_rows] for h, p in zip(hidden, proposals, strict=True)])
+        all_logits = self.model.head(rows).cpu()
+        self.last_hidden = hidden
+        self.num_forwards += 1
+        logits, o = [], 0
+        for p in proposals:
+            logits.append(all_logits[o : o + len(p.logit_rows)])
+            o += len(p.logit_rows)
+        return StepResult(logits=logits, stage_base=stage_base)
 
-        Returns next-token logits ``[vocab]`` per sequence."""
-        seqs = list(tokens)
-        for s in seqs:
-            self.cache.ensure(s, self.lengths[s])
-        committed = torch.tensor([self.lengths[s] for s in seqs], dtype=torch.long)
-        meta = lower_decode_step(committed, self.cache.tables(seqs), self.cap)
-        ids = torch.tensor([[tokens[s]] * self.cap.decode_seq for s in seqs], dtype=torch.long)
-        logits = decode_step(self.model, self.cache, meta, ids)
-        for s in seqs:
-            self.lengths[s] += 1
+    def _forward(self, seqs: list[Sequence], props: list[Proposal]) -> tuple[list[torch.Tensor], list[int]]:
+        """One ``[B, S]`` call -> per sequence its streams ``[n, hc, hidden]`` and staging row base."""
+        lens = torch.tensor([len(p.token_ids) for p in props])
+        tables = self.layout.tables([s.seq_id for s in seqs])
+        meta = lower_decode_step(torch.tensor([s.num_cached for s in seqs]), tables, self.cap, num_tokens=lens)
+        B, S = meta.position_ids.shape
+        ids = torch.zeros(B, S, dtype=torch.long)
+        stage_index = torch.full((B, S), -1, dtype=torch.long)
+        bases: list[int] = []
+        staged, overflow = 0, False
+        slots = step_slots(meta)
+        for b, p in enumerate(props):
+            n = len(p.token_ids)
+            ids[b, :n] = torch.tensor(p.token_ids)
+            ids[b, n:] = p.token_ids[-1]  # placeholder rows: any id; nothing of theirs is kept
+            if p.direct_write:
+                bases.append(-1)
+            elif staged + n <= self.staging.capacity:
+                stage_index[b, :n] = torch.arange(staged, staged + n)
+                bases.append(staged)
+                staged += n
+            else:  # overflow fallback: computed without writes, recomputed by the next catch-up
+                overflow = True
+                bases.append(-1)
+                for mapping in slots.values():
+                    mapping.view(B, S)[b] = -1
+        if overflow:
+            self.staging.metrics.fallback_overflow += 1
+        sink = PoolSink(self.layout.pools, slots, self.staging if staged else None,
+                        stage_index.flatten() if staged else None)
+        out = forward_step(self.model, self.layout.pools, meta, ids.to(self.device), sink, self.cap)
         self.last_meta = meta
-        return {s: logits[i, 0] for i, s in enumerate(seqs)}
+        for seq, k in zip(seqs, (meta.ori_slot_mapping >= 0).sum(1).tolist(), strict=True):
+            self.last_ring_writes[seq.seq_id] = int(k)
+        return [out[b, : len(p.token_ids)] for b, p in enumerate(props)], bases
 
-    def release(self, seq: int) -> None:
-        self.cache.release(seq)
-        del self.lengths[seq]
-
-
-@dataclass
-class DriverLog:
-    tokens: dict[int, list[int]] = field(default_factory=dict)
-    logits: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    # seq -> number of its tokens whose ring slot mapping was >= 0 (i.e. committed) per call
-    commits_per_call: list[dict[int, int]] = field(default_factory=list)
-
-
-def run_decode_steps(runner: DeepseekV4Runner, first_tokens: dict[int, int], steps: int = 512,
-                     sampler: Sampler = greedy, forced: dict[int, list[int]] | None = None,
-                     keep_logits_at: set[int] | None = None) -> DriverLog:
-    """The host loop of the seed: ``steps`` separate decode calls carrying the cache across
-    calls. Each call feeds one token per sequence; the next input is sampled from the
-    logits, or taken from ``forced[seq][step]`` (teacher forcing, used by oracle tests)."""
-    log = DriverLog(tokens={s: [] for s in first_tokens}, logits={s: [] for s in first_tokens})
-    current = dict(first_tokens)
-    for step in range(steps):
-        out = runner.decode(current)
-        meta = runner.last_meta
-        assert meta is not None
-        log.commits_per_call.append({s: int((meta.ori_slot_mapping[i] >= 0).sum()) for i, s in enumerate(current)})
-        for s, lg in out.items():
-            if keep_logits_at is None or step in keep_logits_at:
-                log.logits[s].append(lg)
-            nxt = forced[s][step] if forced is not None else sampler(lg)
-            log.tokens[s].append(nxt)
-            current[s] = nxt
-    return log
+    def commit_staged(self, seq: Sequence, stage_base: int, kv_rows: list[int], num_rows: int) -> bool:
+        """Copy the accepted rows (a prefix of the chain of ``num_rows``) into the pools, every
+        pool and layer at once. Returns False when the proposal was not staged (overflow, abandoned
+        staging) or the all-or-nothing commit failed (the pools are then untouched): the caller
+        commits no KV and the next step recomputes it."""
+        if stage_base < 0 or not self.staging.usable:
+            return False
+        assert kv_rows == list(range(len(kv_rows))), "a chain commits a prefix of its rows"
+        try:
+            self.staging.commit(torch.tensor([stage_base + r for r in kv_rows], dtype=torch.long))
+        except StagingCommitError:
+            return False
+        self.staging.reject(torch.arange(stage_base + len(kv_rows), stage_base + num_rows))
+        return True
 
 
-def generate(runner: DeepseekV4Runner, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler = greedy,
-             eos_ids: tuple[int, ...] = (), seq: int = 0) -> Iterator[int]:
-    """Closed-loop generation: prefill, then final norm -> lm_head -> sample -> next input,
-    one committed token per decode call. Yields tokens as they are produced."""
-    logits = runner.prefill(seq, prompt_ids)
-    try:
-        for i in range(max_new_tokens):
-            token = sampler(logits)
-            yield token
-            if token in eos_ids or i == max_new_tokens - 1:
-                return
-            if runner.lengths[seq] >= runner.cap.max_seq_len:
-                return  # out of position capacity
-            logits = runner.decode({seq: token})[seq]
-    finally:
-        runner.release(seq)
+def _causal(mask: torch.Tensor | None) -> bool:
+    if mask is None:
+        return True
+    n = mask.shape[0]
+    return bool(torch.equal(mask.bool(), torch.ones(n, n, dtype=torch.bool).tril()))
+
