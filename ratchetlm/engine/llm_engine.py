@@ -179,6 +179,7 @@ class LLMEngine:
                 return [self._fail(seqs[0], e)]
             for gen, state in rng.values():
                 gen.set_state(state)
+            self.runner.discard_step()  # the cache layout's undo (V4: ring rows the step's tokens read)
             for s in seqs:
                 self.strategy.on_step_discarded(s)
             mid = len(seqs) // 2
@@ -192,6 +193,7 @@ class LLMEngine:
         return outs
 
     def _compute(self, seqs: list[Sequence], budgets: list[int]) -> tuple[list[Commit], list[Proposal], list[int]]:
+        self.runner.begin_step()  # (before propose: a fault there leaves the last step's rows as they are)
         proposals = self.strategy.propose(seqs, budgets)
         for s, p, b in zip(seqs, proposals, budgets, strict=True):
             assert len(p.token_ids) <= b, f"strategy proposed {len(p.token_ids)} tokens over budget {b}"

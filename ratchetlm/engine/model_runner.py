@@ -75,6 +75,16 @@ class ModelRunner:
     def check_room(self, seq: Sequence, num_tokens: int) -> None:
         assert num_tokens <= len(seq.block_table) * self.blocks.block_size, "proposal beyond its blocks"
 
+    def begin_step(self) -> None:
+        """A new engine step starts (see :meth:`discard_step`)."""
+        return None
+
+    def discard_step(self) -> None:
+        """The step raised and will be re-run: nothing to undo here (direct rows sit at
+        slots past ``num_cached``, which the re-run rewrites with the same values; staged rows
+        are dropped by the next forward)."""
+        return None
+
     def context_slots(self, seq: Sequence) -> torch.Tensor:  # [num_cached] int64
         return self.blocks.slots(seq, 0, seq.num_cached)
 

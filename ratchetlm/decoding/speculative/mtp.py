@@ -134,8 +134,9 @@ class MTPProposer(Proposer):
             firsts.append(first)
             tokens.append(s.token_ids[lo + 1 : t + 1])  # x_{j+1} for j = lo .. T-1
             prev.append(run.feats[lo - run.start : t - run.start])
-            s.strategy_state[_RING] = (first, t)
         g = self._forward(starts, tokens, prev, [len(t) for t in tokens], [s.seq_id for s in rs], firsts)
+        for s, (_, (first, _lo, t)) in zip(rs, ready, strict=True):  # the rows exist once the forward ran
+            s.strategy_state[_RING] = (first, t)
         want = [depths[i] for i, _ in ready]
         drafted: list[list[int]] = [[] for _ in rs]
         scores: list[list[float]] = [[] for _ in rs]

@@ -14,6 +14,11 @@ with the one lowering function and runs :func:`~ratchetlm.models.deepseek_v4.dec
 
 Direct-write proposals write through the step's sink; staged ones (a verify chain) stage every
 row and :meth:`commit_staged` copies the accepted prefix's rows into the pools all-or-nothing.
+
+A ring slot is shared by positions ``W`` apart, so a direct step of ``n > 1`` tokens overwrites
+ring rows its own first tokens read. When the engine discards a step that raised (fault
+isolation re-runs it), :meth:`discard_step` puts those rows back, so the re-run reads what the
+first run read; every other row a step writes is a function of committed tokens alone.
 """
 
 from __future__ import annotations
@@ -68,6 +73,8 @@ class DeepseekV4ModelRunner:
         self.num_forwards = 0
         self.last_meta: DecodeMetadata | None = None
         self.last_ring_writes: dict[int, int] = {}  # seq_id -> token rows with a ring slot in the last step
+        # (pool key, slots, old rows) of ring rows the last step overwrote that its tokens read
+        self._undo: list[tuple[tuple[str, Any], torch.Tensor, torch.Tensor]] = []
         # Final residual streams of the last forward, per sequence ``[len(proposal), hc, hidden]``:
         # the features the MTP module reads (``Proposer.observe``).
         self.last_hidden: list[torch.Tensor] = []
@@ -143,6 +150,7 @@ class DeepseekV4ModelRunner:
                     mapping.view(B, S)[b] = -1
         if overflow:
             self.staging.metrics.fallback_overflow += 1
+        self._snapshot_ring(slots["ori"].view(B, S), props)
         sink = PoolSink(self.layout.pools, slots, self.staging if staged else None,
                         stage_index.flatten() if staged else None)
         out = forward_step(self.model, self.layout.pools, meta, ids.to(self.device), sink, self.cap)
@@ -150,6 +158,30 @@ class DeepseekV4ModelRunner:
         for seq, k in zip(seqs, (meta.ori_slot_mapping >= 0).sum(1).tolist(), strict=True):
             self.last_ring_writes[seq.seq_id] = int(k)
         return [out[b, : len(p.token_ids)] for b, p in enumerate(props)], bases
+
+    def _snapshot_ring(self, ori: torch.Tensor, props: list[Proposal]) -> None:
+        """ori: ``[B, S]`` ring slots of the step. Row ``q > start`` of a direct step overwrites
+        position ``q - W``, which the step's tokens before ``q`` read: keep the old rows."""
+        parts = [ori[b, 1 : len(p.token_ids)] for b, p in enumerate(props) if p.direct_write and len(p.token_ids) > 1]
+        if not parts:
+            return
+        slots = torch.cat(parts)
+        slots = slots[slots >= 0].to(self.device)
+        if slots.numel():
+            for key, t in self.layout.pools.tensors.items():
+                if key[0] == "ori":
+                    self._undo.append((key, slots, t.index_select(0, slots)))
+
+    def begin_step(self) -> None:
+        """A new engine step starts: the rows the previous one overwrote are final."""
+        self._undo = []
+
+    def discard_step(self) -> None:
+        """The engine discarded the step (it raised and will be re-run from the same committed
+        state): restore the ring rows its forwards overwrote that its tokens read."""
+        for key, slots, old in reversed(self._undo):
+            self.layout.pools.tensors[key].index_copy_(0, slots, old)
+        self._undo = []
 
     def commit_staged(self, seq: Sequence, stage_base: int, kv_rows: list[int], num_rows: int) -> bool:
         """Copy the accepted rows (a prefix of the chain of ``num_rows``) into the pools, every
