@@ -35,6 +35,10 @@ class EngineConfig:
     # CPU fp32: GGUF weights (every format) and 16-bit HF weights stay in their stored form and every
     # matmul reads them through the block kernels (False: dense fp32 copies multiplied by BLAS)
     gguf_kernels: bool = True
+    # CPU block kernels: "exact" = fp32 activations times the exactly dequantized weights (HF-identical);
+    # "int8" = activations quantized per row in blocks of 32, integer (VNNI) dot products: faster,
+    # within the quality gates of docs/architecture.md, and batch-invariant like the exact mode
+    numerics: str = "exact"
     seed: int = 0  # global RNG seed for unseeded sampling
     # structured outputs: tokens the grammar forces are verified and committed in the same forward as
     # the model's next token (same output, fewer forwards); False = one token per forward
@@ -53,6 +57,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
+        if self.numerics not in ("exact", "int8"):
+            raise ValueError(f"numerics must be 'exact' or 'int8', got {self.numerics!r}")
+        if self.numerics == "int8" and (not self.gguf_kernels or self.device != "cpu"):
+            raise ValueError("numerics='int8' runs on the CPU block kernels: it needs device='cpu' and "
+                             "gguf_kernels=True")
         if self.kv_cache_blocks is not None and self.kv_cache_blocks <= 0:
             raise ValueError(f"kv_cache_blocks must be > 0, got {self.kv_cache_blocks}")
         b = self.kv_cache_bytes

@@ -63,7 +63,7 @@ class LLM:
         self.config = EngineConfig(model=model, **kwargs)
         loaded = load_model(model, _dev(self.config), self.config.torch_dtype(),
                             self.config.progress, mask_token_id=mask_token_id,
-                            gguf_kernels=self.config.gguf_kernels)
+                            gguf_kernels=self.config.gguf_kernels, numerics=self.config.numerics)
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
         self.engine = LLMEngine(self.config, loaded.model, loaded.config, tokenizer=loaded.tokenizer)

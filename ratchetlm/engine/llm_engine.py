@@ -83,7 +83,8 @@ class LLMEngine:
         another numerics mode) adds its part here; one that changes it per request passes
         ``cache_salt`` to :meth:`add_request`."""
         return {"model": str(self.cfg.model or "default"), "architecture": self.model_config.architecture,
-                "dtype": str(self.dtype), "gguf_kernels": str(self.cfg.gguf_kernels)}
+                "dtype": str(self.dtype), "gguf_kernels": str(self.cfg.gguf_kernels),
+                "numerics": self.cfg.numerics}
 
     # ------------------------------------------------------------------ requests
 

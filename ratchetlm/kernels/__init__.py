@@ -26,7 +26,7 @@ import torch  # noqa: F401  (must be loaded before the kernel library: shared Op
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("dequant.c", "matmul.c"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("dequant.c", "matmul.c", "matmul_int8.c", "attention.c"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("ggml_types.h",))
 # -ffp-contract=off: dequantization must round exactly like gguf-py's numpy code (no fused d * q + m).
 _FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
@@ -72,7 +72,7 @@ def compile_library(arch_flags: list[str]) -> ctypes.CDLL | None:
     flags = _FLAGS + arch_flags
     key = hashlib.sha256(
         b"".join(p.read_bytes() for p in SOURCES + HEADERS)
-        + " ".join(flags).encode() + version.encode() + platform.machine().encode()
+        + " ".join(flags).encode() + version.encode() + platform.machine().encode() + _cpu_flags().encode()
     ).hexdigest()[:16]
     fallback = Path(tempfile.gettempdir()) / f"ratchetlm-kernels-{getattr(os, 'getuid', lambda: 0)()}"
     for folder in (cache_dir(), fallback):
@@ -82,6 +82,18 @@ def compile_library(arch_flags: list[str]) -> ctypes.CDLL | None:
             _declare(lib)
             return lib
     return None
+
+
+@functools.cache
+def _cpu_flags() -> str:
+    """This CPU's feature flags (part of the cache key: -march=native code must not run on another CPU)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
 
 
 @functools.cache
@@ -117,9 +129,28 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ratchet_get_rows.restype = None
     lib.ratchet_dequant_rows.argtypes = [p, i, i, i, i, p, i]
     lib.ratchet_dequant_rows.restype = None
+    lib.ratchet_int8_isa.restype = ctypes.c_char_p
+    lib.ratchet_type_has_q8.argtypes, lib.ratchet_type_has_q8.restype = [i], i
+    lib.ratchet_to_q8w.argtypes = [i, p, p, p, p, i64]
+    lib.ratchet_to_q8w.restype = None
+    lib.ratchet_quantize_q8.argtypes = [p, i, i, p, p, p]
+    lib.ratchet_quantize_q8.restype = None
+    lib.ratchet_pack_q8.argtypes = [p, i, i, i, p, p, p, p, i]
+    lib.ratchet_pack_q8.restype = None
+    lib.ratchet_mm_q8.argtypes = [p, i, i, i, p, p, p, p, p, i, i]
+    lib.ratchet_mm_q8.restype = None
+    fl = ctypes.c_float
+    lib.ratchet_attention.argtypes = [p, p, p, p, i, i, i, i, i, i, i, fl, fl, p, i]
+    lib.ratchet_attention.restype = None
 
 
 def isa() -> str | None:
     """Instruction set the kernels were compiled for ('avx512', 'avx2', 'scalar'), None if unavailable."""
     lib = load()
     return None if lib is None else lib.ratchet_kernel_isa().decode()
+
+
+def int8_isa() -> str | None:
+    """Integer dot product the int8 mode uses ('avx512vnni', 'avxvnni', 'scalar'), None if unavailable."""
+    lib = load()
+    return None if lib is None else lib.ratchet_int8_isa().decode()

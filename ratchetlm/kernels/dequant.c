@@ -507,21 +507,21 @@ static void q6_k_avx2(const uint8_t *src, float *dst, int64_t n) {
 #endif
 
 /* ------------------------------------------------------------ the table */
-/* name, GGMLQuantizationType, weights per block, bytes per block, dequantize */
+/* name, GGMLQuantizationType, weights per block, bytes per block, dequantize, int8-mode form, has offsets */
 const ggml_type_t RATCHET_TYPES[] = {
-    {"F32", 0, 1, 4, f32_c},
-    {"F16", 1, 1, 2, F16_FN},
-    {"BF16", 30, 1, 2, BF16_FN},
-    {"Q4_0", 2, QK, 18, Q4_0_FN},
-    {"Q4_1", 3, QK, 20, Q4_1_FN},
-    {"Q5_0", 6, QK, 22, Q5_0_FN},
-    {"Q5_1", 7, QK, 24, Q5_1_FN},
-    {"Q8_0", 8, QK, 34, Q8_0_FN},
-    {"Q2_K", 10, QK_K, 84, q2_k_c}, /* portable C only: rare formats, correct and slower */
-    {"Q3_K", 11, QK_K, 110, q3_k_c},
-    {"Q4_K", 12, QK_K, 144, Q4_K_FN},
-    {"Q5_K", 13, QK_K, 176, Q5_K_FN},
-    {"Q6_K", 14, QK_K, 210, Q6_K_FN},
+    {"F32", 0, 1, 4, f32_c, NULL, 0},
+    {"F16", 1, 1, 2, F16_FN, NULL, 0},
+    {"BF16", 30, 1, 2, BF16_FN, NULL, 0},
+    {"Q4_0", 2, QK, 18, Q4_0_FN, q8w_q4_0, 0},
+    {"Q4_1", 3, QK, 20, Q4_1_FN, q8w_q4_1, 1},
+    {"Q5_0", 6, QK, 22, Q5_0_FN, q8w_q5_0, 0},
+    {"Q5_1", 7, QK, 24, Q5_1_FN, q8w_q5_1, 1},
+    {"Q8_0", 8, QK, 34, Q8_0_FN, q8w_q8_0, 0},
+    {"Q2_K", 10, QK_K, 84, q2_k_c, q8w_q2_k, 1}, /* portable C only: rare formats, correct and slower */
+    {"Q3_K", 11, QK_K, 110, q3_k_c, q8w_q3_k, 0},
+    {"Q4_K", 12, QK_K, 144, Q4_K_FN, q8w_q4_k, 1},
+    {"Q5_K", 13, QK_K, 176, Q5_K_FN, q8w_q5_k, 1},
+    {"Q6_K", 14, QK_K, 210, Q6_K_FN, q8w_q6_k, 0},
 };
 const int RATCHET_NUM_TYPES = sizeof(RATCHET_TYPES) / sizeof(RATCHET_TYPES[0]);
 
@@ -534,3 +534,9 @@ int ratchet_type_bytes(int t) { return RATCHET_TYPES[t].bytes; }
 
 /* n_blocks blocks of type t -> floats (tests compare this with gguf-py) */
 void ratchet_to_float(int t, const uint8_t *src, float *dst, int64_t n_blocks) { RATCHET_TYPES[t].to_float(src, dst, n_blocks); }
+int ratchet_type_has_q8(int t) { return RATCHET_TYPES[t].to_q8w != NULL; }
+
+/* n_blocks blocks of type t -> the int8 mode's (q, s4, m16) form (tests rebuild the weights from it) */
+void ratchet_to_q8w(int t, const uint8_t *src, int8_t *q, float *s4, float *m16, int64_t n_blocks) {
+    RATCHET_TYPES[t].to_q8w(src, q, s4, m16, n_blocks);
+}

@@ -2,8 +2,8 @@
  *
  * A row says how many weights a block holds, how many bytes it takes and how to dequantize it
  * (to_float, bit-identical to gguf-py's numpy `dequantize`). The matmul driver (matmul.c) looks the
- * row up and never names a format; a new format is a new row. Issue 14's integer mode adds columns
- * (activation format, dot product) to the same rows.
+ * row up and never names a format; a new format is a new row. The int8 mode's column (to_q8w) rewrites a
+ * format's blocks as int8 values with per-4 scales and per-16 offsets, in matmul_int8.c.
  */
 #ifndef RATCHET_GGML_TYPES_H
 #define RATCHET_GGML_TYPES_H
@@ -15,6 +15,8 @@
 
 /* n_blocks consecutive blocks at src -> n_blocks * blck floats at dst */
 typedef void (*to_float_fn)(const uint8_t *src, float *dst, int64_t n_blocks);
+/* n_blocks blocks -> the int8 mode's form w[k] = s4[k / 4] * q[k] + m16[k / 16] (matmul_int8.c) */
+typedef void (*to_q8w_fn)(const uint8_t *src, int8_t *q, float *s4, float *m16, int64_t n_blocks);
 
 typedef struct {
     const char *name; /* GGML name, e.g. "Q4_K" (the Python side matches rows by it) */
@@ -22,7 +24,20 @@ typedef struct {
     int blck;         /* weights per block */
     int bytes;        /* bytes per block */
     to_float_fn to_float;
+    to_q8w_fn to_q8w; /* NULL: the int8 mode multiplies this format in fp32 (F32 / F16 / BF16) */
+    int q8_offsets;   /* to_q8w writes m16 (formats with a min / offset term) */
 } ggml_type_t;
+
+void q8w_q4_0(const uint8_t *, int8_t *, float *, float *, int64_t);
+void q8w_q4_1(const uint8_t *, int8_t *, float *, float *, int64_t);
+void q8w_q5_0(const uint8_t *, int8_t *, float *, float *, int64_t);
+void q8w_q5_1(const uint8_t *, int8_t *, float *, float *, int64_t);
+void q8w_q8_0(const uint8_t *, int8_t *, float *, float *, int64_t);
+void q8w_q2_k(const uint8_t *, int8_t *, float *, float *, int64_t);
+void q8w_q3_k(const uint8_t *, int8_t *, float *, float *, int64_t);
+void q8w_q4_k(const uint8_t *, int8_t *, float *, float *, int64_t);
+void q8w_q5_k(const uint8_t *, int8_t *, float *, float *, int64_t);
+void q8w_q6_k(const uint8_t *, int8_t *, float *, float *, int64_t);
 
 extern const ggml_type_t RATCHET_TYPES[];
 extern const int RATCHET_NUM_TYPES;

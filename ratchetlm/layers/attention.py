@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ratchetlm import kernels
 from ratchetlm.kv.cache import KVCache, KVSink
 
 
@@ -182,11 +183,15 @@ def paged_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    fixed_order: bool = False,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Write this layer's new K/V through the sink, then attend context + new tokens.
 
     ``window``: a sliding-window layer (keys ``(p - window, p]``); ``softcap``: scores become
-    ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2)."""
+    ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2). ``fixed_order`` (the int8
+    numerics mode, CPU fp32): each query row is reduced in one fixed order over its visible keys
+    (kernels/attention.c), so its result is bit-identical however many rows and keys share the
+    forward; SDPA's order depends on the shapes."""
     batch.sink.write(layer, k, v)
     batch = batch.windowed(window)
     t, h, d = q.shape
@@ -206,6 +211,9 @@ def paged_attention(
         vc = batch.cache.v[layer].index_select(0, slots).view(b, batch.max_ctx, hkv, d).to(q.dtype)
         kp = torch.cat([kc, kp], dim=1)
         vp = torch.cat([vc, vp], dim=1)
+    if fixed_order and q.dtype == torch.float32 and q.device.type == "cpu" and kernels.load() is not None:
+        out = _fixed_order_attention(qp, kp, vp, batch, scale, softcap).reshape(b * n, h, d)
+        return out if b == 1 else out.index_select(0, batch.unpad_index)
     kp, vp = kp.transpose(1, 2), vp.transpose(1, 2)  # [B, Hkv, L, D]
     g = h // hkv
     if batch.is_causal:
@@ -223,6 +231,28 @@ def paged_attention(
         out = _sdpa(qg, kp, vp, mask, False, scale, softcap)
         out = out.view(b, hkv, g, n, d).permute(0, 3, 1, 2, 4).reshape(b * n, h, d)  # [B * max_new, H, D]
     return out if b == 1 else out.index_select(0, batch.unpad_index)
+
+
+def _fixed_order_attention(
+    q: torch.Tensor,  # [B, n, H, D]
+    k: torch.Tensor,  # [B, L, Hkv, D]
+    v: torch.Tensor,  # [B, L, Hkv, D]
+    batch: AttentionBatch,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:  # [B, n, H, D]
+    lib = kernels.load()
+    assert lib is not None
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    b, n, h, d = q.shape
+    length, hkv = k.shape[1], k.shape[2]
+    mask = None if batch.mask is None else batch.mask.reshape(b, n, length).contiguous()
+    assert mask is None or mask.dtype == torch.float32
+    out = torch.empty_like(q)
+    lib.ratchet_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), None if mask is None else mask.data_ptr(),
+                          int(mask is None and batch.is_causal), b, n, length, h, hkv, d, scale, softcap or 0.0,
+                          out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def _sdpa(

@@ -13,6 +13,12 @@ gguf-py's ``dequantize`` bit for bit, per format and per instruction-set build),
 multiplies the same weights as HF transformers' GGUF loader; each output's fp32 summation order is
 fixed per build and independent of the number of rows in the call (batch-invariant).
 
+Numerics (``numerics`` on a layer, the engine's ``--numerics``): "exact" multiplies fp32
+activations by the exactly dequantized weights; "int8" quantizes each activation row in blocks of
+32 to int8 and takes integer dot products with the weights' own integer values (VNNI where the CPU
+has it, kernels/matmul_int8.c) — faster, not HF-identical, still batch-invariant. Formats without
+integer values (F32/F16/BF16) stay exact in both modes.
+
 The formats are rows of one table (``RATCHET_TYPES`` in ``kernels/dequant.c``); ``SUPPORTED_TYPES``
 lists them by GGUF name in the same order.
 """
@@ -28,6 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ratchetlm import kernels
+
+NUMERICS = ("exact", "int8")
 
 # GGUF tensor types the kernels read, in the order of the C table (kernels/dequant.c).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
@@ -97,6 +105,7 @@ class BlockWeight:
 
     parts: tuple[BlockPart, ...]
     _c: list = field(default_factory=list, repr=False)  # cached ctypes array of the parts
+    _q8: dict = field(default_factory=dict, repr=False)  # int8-mode packing per kernel build (pack_q8)
 
     def __post_init__(self) -> None:
         assert self.parts and all(p.k == self.parts[0].k for p in self.parts), "parts must share K"
@@ -145,6 +154,31 @@ class BlockWeight:
         raw = torch.cat([d[..., None].view(torch.uint8), qs.view(torch.uint8)], dim=-1)  # [N, K/32, 34]
         return BlockWeight.from_gguf("Q8_0", raw.reshape(n, -1).numpy(), k)
 
+    @property
+    def int8_capable(self) -> bool:
+        """Whether the int8 mode can multiply this weight: every part has integer values, K % 32 == 0."""
+        return self.parts[0].k % 32 == 0 and all(p.type_name not in ("F32", "F16", "BF16") for p in self.parts)
+
+    def pack_q8(self, lib: ctypes.CDLL) -> tuple:
+        """The int8 mode's layout (kernels/matmul_int8.c), built on first use and kept: the weights'
+        integer values in panels of 16 rows (1 byte per weight) plus a correction, scale and offset
+        per row and group of G = 32 weights (16 for formats with 16-weight sub-blocks). It trades
+        ~1.4 bytes per weight of memory for dot products that read no block headers."""
+        if id(lib) not in self._q8:
+            n, k = self.shape
+            g = 16 if any(p.type_name in ("Q2_K", "Q3_K", "Q6_K") for p in self.parts) else 32
+            npan, ng = (n + 15) // 16, k // g
+            q = np.empty(npan * ng * g * 16, np.int8)
+            corr = np.empty(npan * ng * 16, np.int32)
+            scale = np.empty(npan * ng * 16, np.float32)
+            offs = (np.empty(npan * ng * 16, np.float32)
+                    if any(p.type_name in ("Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K") for p in self.parts) else None)
+            parts = (kernels.Part * len(self.parts))(*(p.c_part() for p in self.parts))
+            lib.ratchet_pack_q8(parts, len(self.parts), k, g, q.ctypes.data, corr.ctypes.data, scale.ctypes.data,
+                                None if offs is None else offs.ctypes.data, torch.get_num_threads())
+            self._q8[id(lib)] = (g, q, corr, scale, offs)
+        return self._q8[id(lib)]
+
     def dequantize(self) -> torch.Tensor:  # [N, K] fp32: exactly the weights the kernels multiply
         return torch.cat([p.dequantize() for p in self.parts])
 
@@ -160,10 +194,15 @@ def block_matmul(
     threads: int | None = None,
     lib: ctypes.CDLL | None = None,
     path: str = "auto",  # "kernel" | "blas" | "auto" (BLAS from blas_rows() rows on)
+    numerics: str = "exact",  # "exact" | "int8" (int8 activations, integer dot products)
 ) -> torch.Tensor:  # [M, N] fp32
     """``x @ w.T`` through the compiled kernels (``lib``: a specific build, default the best one).
 
-    Many rows (a long prefill chunk) may instead go through BLAS: the weight is dequantized a tile
+    ``numerics="int8"`` (a weight with integer values, :attr:`BlockWeight.int8_capable`): each row
+    of ``x`` quantized to int8 in blocks of 32, integer dot products; never BLAS (its summation
+    order depends on the row count, and the int8 mode must stay batch-invariant).
+
+    Exact mode: many rows (a long prefill chunk) may instead go through BLAS: the weight is dequantized a tile
     at a time into a reused scratch buffer (never the whole matrix) and multiplied by sgemm, where
     this machine measured that faster (:func:`blas_rows`). Both paths multiply the same weights."""
     lib = lib or kernels.load()
@@ -176,6 +215,13 @@ def block_matmul(
     parts = w.c_parts()
     if lib is not kernels.load():  # another build: rebuild the parts (same layout, fresh array)
         parts = (kernels.Part * len(w.parts))(*(p.c_part() for p in w.parts))
+    if numerics == "int8" and w.int8_capable:
+        g, q, corr, scale, offs = w.pack_q8(lib)
+        y = torch.empty(m, n, dtype=torch.float32)
+        lib.ratchet_mm_q8(x.data_ptr(), m, k, g, q.ctypes.data, corr.ctypes.data, scale.ctypes.data,
+                          None if offs is None else offs.ctypes.data, y.data_ptr(), n, nt)
+        return y
+    assert numerics in NUMERICS, numerics
     if path == "blas" or (path == "auto" and m >= blas_rows()):
         return _blas_matmul(x, w, parts, lib, nt)
     y = torch.empty(m, n, dtype=torch.float32)
@@ -276,6 +322,7 @@ class Linear(nn.Linear):
     dense ``weight`` is gone and matmuls read the blocks."""
 
     blocks: BlockWeight | None = None
+    numerics: str = "exact"  # see block_matmul; set for a whole model by set_numerics()
 
     def use_blocks(self, w: BlockWeight) -> None:
         assert w.shape == (self.out_features, self.in_features), (w.shape, self.out_features, self.in_features)
@@ -289,7 +336,7 @@ class Linear(nn.Linear):
         if self.blocks is None:
             return F.linear(x, self.weight, self.bias)
         if usable(x.reshape(-1, x.shape[-1])):
-            y = block_matmul(x.reshape(-1, x.shape[-1]), self.blocks).view(*x.shape[:-1], -1)
+            y = block_matmul(x.reshape(-1, x.shape[-1]), self.blocks, numerics=self.numerics).view(*x.shape[:-1], -1)
             return y if self.bias is None else y + self.bias
         return F.linear(x, _dequantized(self.blocks, x), self.bias)  # slow path: autograd, other dtypes
 
@@ -299,6 +346,7 @@ class Embedding(nn.Embedding):
     ``as_head`` multiplies by the table (a tied LM head)."""
 
     blocks: BlockWeight | None = None
+    numerics: str = "exact"  # of as_head (the gathered rows are always exact)
 
     def use_blocks(self, w: BlockWeight) -> None:
         assert w.shape == (self.num_embeddings, self.embedding_dim), (w.shape, self.num_embeddings)
@@ -329,8 +377,20 @@ class Embedding(nn.Embedding):
         if self.blocks is None:
             return F.linear(hidden, self.weight).float()
         if usable(hidden):
-            return block_matmul(hidden, self.blocks)
+            return block_matmul(hidden, self.blocks, numerics=self.numerics)
         return F.linear(hidden, _dequantized(self.blocks, hidden)).float()
+
+
+def set_numerics(module: nn.Module, numerics: str) -> int:
+    """Set the numerics of every block layer in ``module``; returns how many weights run in int8."""
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
+    n = 0
+    for sub in module.modules():
+        if isinstance(sub, (Linear, Embedding)) and sub.blocks is not None:
+            sub.numerics = numerics
+            n += numerics == "int8" and sub.blocks.int8_capable
+    return n
 
 
 def dense_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ratchetlm.layers.attention import AttentionBatch, paged_attention
-from ratchetlm.layers.block_quant import BlockWeight, Embedding, Linear
+from ratchetlm.layers.block_quant import BlockWeight, Embedding, Linear, set_numerics
 from ratchetlm.layers.norm_rope import RMSNorm, RotaryEmbedding
 from ratchetlm.models.config import ModelConfig
 from ratchetlm.models.families import FAMILIES, FUSED_PARTS
@@ -28,6 +28,8 @@ ACTIVATION = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh
 
 
 class DecoderLayer(nn.Module):
+    fixed_order_attention = False  # set by LlamaModel.set_numerics (the int8 mode)
+
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
         self.index = index
@@ -70,7 +72,8 @@ class DecoderLayer(nn.Module):
         else:  # Q and K heads are adjacent in the fused output: rotate them as one tensor
             qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
             q, k = RotaryEmbedding.rotate_packed(cos_sin, qk).split([self.num_heads, self.num_kv_heads], dim=1)
-        attn = paged_attention(self.index, q, k, v, batch, self.scale, self.window, self.softcap)
+        attn = paged_attention(self.index, q, k, v, batch, self.scale, self.window, self.softcap,
+                               fixed_order=self.fixed_order_attention)
         h = self.o_proj(attn.reshape(t, self.q_size))
         x = x + (h if self.attn_out_norm is None else self.attn_out_norm(h))
         gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
@@ -111,6 +114,16 @@ class LlamaModel(nn.Module):
             assert isinstance(layer, DecoderLayer)
             x = layer(x, local if layer.window is not None else cos_sin, batch)
         return self.norm(x)
+
+    def set_numerics(self, numerics: str) -> int:
+        """The matmul numerics of every block weight ("exact" | "int8", layers/block_quant.py); the
+        int8 mode also attends in a fixed order per row (its contract is batch invariance, and an
+        int8 rounding amplifies SDPA's shape-dependent last bits). Returns the int8 weight count."""
+        n = set_numerics(self, numerics)
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.fixed_order_attention = numerics == "int8"
+        return n
 
     def set_context_len(self, n: int) -> None:
         """The engine's context length: fixes context-dependent RoPE (LongRoPE's factor set)."""

@@ -41,15 +41,20 @@ def load_model(
     progress: bool = True,
     mask_token_id: int | None = None,
     gguf_kernels: bool = True,
+    numerics: str = "exact",
 ) -> LoadedModel:
     """``gguf_kernels``: a run on CPU in fp32 keeps a GGUF's 2-D weights, and an HF folder's 16-bit
     (BF16 / F16) 2-D weights, in their stored form (read in place from the mmapped file) and
     multiplies them through the block kernels; otherwise (or without a C compiler) every tensor is
-    dequantized to a dense copy in ``dtype``."""
+    dequantized to a dense copy in ``dtype``. ``numerics="int8"``: those block weights that have
+    integer values multiply int8 activations (layers/block_quant.py); a model with none is refused."""
     source = resolve(ref)
     if source.kind != "gguf" and is_deepseek_v4_folder(source.path):
         from ratchetlm.models.deepseek_v4.loader import load_deepseek_v4
 
+        if numerics != "exact":
+            raise ModelLoadError(f"numerics={numerics!r} needs GGUF block weights; DeepSeek-V4 folders run in "
+                                 "'exact' only")
         v4 = load_deepseek_v4(source.path, dtype=dtype).to(device)
         return LoadedModel(v4, v4.config, load_tokenizer(source), source)
     reader = None
@@ -87,4 +92,7 @@ def load_model(
     else:
         model.load_hf_weights(iter_hf_weights(source.path, progress, skip=in_blocks))
     model = model.to(device=device).eval()
+    if numerics != "exact" and model.set_numerics(numerics) == 0:
+        raise ModelLoadError(f"numerics={numerics!r} needs quantized GGUF block weights on CPU in fp32 with the "
+                             f"kernels built; {source.path} has none here (use numerics='exact')")
     return LoadedModel(model, cfg, tokenizer, source)

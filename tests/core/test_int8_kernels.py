@@ -1,0 +1,167 @@
+"""The int8 numerics mode's kernels: activations are quantized exactly like a simple torch reference
+(llama.cpp's Q8_0 activation blocks), every integer-valued format multiplies like the reference
+``sum_b dx_b * (xq_b . w_b)`` on gguf-py's dequantized weights, in every instruction-set build, and a
+row's result is bit-identical alone or among any number of rows."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ratchetlm import kernels
+from ratchetlm.layers.block_quant import SUPPORTED_TYPES, BlockWeight, block_matmul
+
+from .test_block_kernels import gguf_py, random_raw, same_bits
+
+INT_TYPES = tuple(t for t in SUPPORTED_TYPES if t not in ("F32", "F16", "BF16"))
+VARIANTS = {"native": ["-march=native"], "avxvnni": ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"], "portable": []}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def lib(request):
+    built = kernels.compile_library(VARIANTS[request.param])
+    if built is None:
+        pytest.skip("no C compiler")
+    return built
+
+
+def quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference activation blocks: x [M, K] -> xq [M, K] int (in [-127, 127]), dx [M, K/32]."""
+    m, k = x.shape
+    xb = x.reshape(m, k // 32, 32)
+    dx = xb.abs().amax(dim=-1) / 127.0  # fp32, like the kernel
+    inv = torch.where(dx > 0, 1.0 / dx, torch.zeros_like(dx))
+    xq = torch.round(xb * inv[..., None]).clamp(-127, 127)
+    return xq.reshape(m, k), dx
+
+
+def int8_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """y [M, N] = sum over blocks b of dx_b * (xq_b . w_b), in fp64 (w: dequantized weights [N, K])."""
+    xq, dx = quantize_ref(x)
+    deq = (xq.double().reshape(x.shape[0], -1, 32) * dx.double()[..., None]).reshape(x.shape)
+    return F.linear(deq, w.double())
+
+
+def c_quantize(lib, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    m, k = x.shape
+    xu = np.empty((m, k), np.uint8)
+    d32 = np.empty((m, k // 32), np.float32)
+    sum16 = np.empty((m, k // 16), np.int32)
+    lib.ratchet_quantize_q8(x.data_ptr(), m, k, xu.ctypes.data, d32.ctypes.data, sum16.ctypes.data)
+    return xu, d32, sum16
+
+
+def test_activation_blocks_match_the_reference_bit_for_bit(lib):
+    torch.manual_seed(0)
+    x = torch.randn(5, 320) * torch.logspace(-3, 2, 320)  # varied scales; one all-zero block below
+    x[2, 64:96] = 0.0
+    x[3, 5] = 1e4  # an outlier: its block's other values round to 0
+    xu, d32, sum16 = c_quantize(lib, x)
+    xq, dx = quantize_ref(x)
+    assert np.array_equal(xu.astype(np.int64) - 128, xq.long().numpy())
+    assert same_bits(d32, dx)
+    assert np.array_equal(sum16, xq.reshape(5, -1, 16).sum(-1).long().numpy())
+
+
+@pytest.mark.parametrize("type_name", INT_TYPES)
+def test_integer_form_rebuilds_gguf_py_weights(lib, type_name):
+    """to_q8w's (q, s, m) are the format's own numbers: s * q + m is gguf-py's weight (to fp32 rounding)."""
+    t = SUPPORTED_TYPES.index(type_name)
+    assert lib.ratchet_type_has_q8(t)
+    k = 512
+    raw = random_raw(type_name, 3, k, seed=1)
+    blck = {"Q2_K": 256, "Q3_K": 256, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}.get(type_name, 32)
+    q = np.zeros((3, k), np.int8)
+    s4 = np.zeros((3, k // 4), np.float32)
+    m16 = np.zeros((3, k // 16), np.float32)
+    for r in range(3):
+        lib.ratchet_to_q8w(t, raw[r].ctypes.data, q[r].ctypes.data, s4[r].ctypes.data, m16[r].ctypes.data, k // blck)
+    rebuilt = np.repeat(s4, 4, axis=1).astype(np.float64) * q + np.repeat(m16, 16, axis=1)
+    ref = gguf_py(type_name, raw).reshape(3, k)
+    np.testing.assert_allclose(rebuilt, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+
+
+def assert_int8_close(got: torch.Tensor, x: torch.Tensor, w: BlockWeight) -> None:
+    """Within fp32 rounding of the fp64 int8 reference: a tiny fraction of sum |dx xq w|."""
+    dense = w.dequantize()
+    ref = int8_ref(x, dense)
+    xq, dx = quantize_ref(x)
+    mag = F.linear((xq.double().reshape(x.shape[0], -1, 32) * dx.double()[..., None]).reshape(x.shape).abs(),
+                   dense.double().abs())
+    err = (got.double() - ref).abs()
+    assert (err <= 2e-5 * mag + 1e-30).all(), float((err / mag).max())
+
+
+@pytest.mark.parametrize("type_name", INT_TYPES)
+def test_matmul_matches_the_int8_reference_and_is_batch_invariant(lib, type_name):
+    k = 96 if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") else 512  # 96: not a multiple of 64
+    n = 13
+    w = BlockWeight.from_gguf(type_name, random_raw(type_name, n, k, seed=2), k)
+    torch.manual_seed(3)
+    x = torch.randn(33, k)
+    x[4] *= 100.0
+    full = block_matmul(x, w, lib=lib, numerics="int8")
+    assert_int8_close(full, x, w)
+    for rows in range(1, 34):  # row 0 alone, then among 1..33 rows: bitwise the same
+        part = block_matmul(x[:rows], w, lib=lib, numerics="int8")
+        assert same_bits(part, full[:rows]), rows
+    for i in (0, 7, 32):  # and any row alone equals itself in the batch
+        assert same_bits(block_matmul(x[i:i + 1], w, lib=lib, numerics="int8"), full[i:i + 1])
+    for threads in (1, 2):
+        assert same_bits(block_matmul(x, w, lib=lib, numerics="int8", threads=threads), full)
+
+
+def test_parts_of_mixed_formats_and_row_maps(lib):
+    k = 256
+    q = BlockWeight.from_gguf("Q4_K", random_raw("Q4_K", 6, k, seed=4), k)
+    v = BlockWeight.from_gguf("Q6_K", random_raw("Q6_K", 5, k, seed=5), k)
+    fused = BlockWeight.cat([q.take_rows(np.array([5, 0, 3, 1, 2, 4])), v])
+    x = torch.randn(9, k)
+    assert_int8_close(block_matmul(x, fused, lib=lib, numerics="int8"), x, fused)
+
+
+def test_float_formats_stay_exact_in_int8_mode():
+    k = 64
+    w = BlockWeight.from_gguf("F16", random_raw("F16", 4, k), k)
+    assert not w.int8_capable
+    x = torch.randn(3, k)
+    assert same_bits(block_matmul(x, w, numerics="int8"), block_matmul(x, w, numerics="exact"))
+
+
+def test_best_build_uses_vnni_where_the_cpu_has_it():
+    flags = kernels._cpu_flags()
+    want = "avx512vnni" if "avx512_vnni" in flags and "avx512bw" in flags else (
+        "avxvnni" if "avx_vnni" in flags else "scalar")
+    assert kernels.int8_isa() == want
+    assert ctypes.sizeof(kernels.Part) == 32
+
+
+def test_fixed_order_attention_matches_sdpa_and_is_shape_invariant():
+    """The int8 mode's attention: SDPA's values (to fp32 rounding), and a query row's bits depend only
+    on its visible keys — not on how many queries share the call nor on masked padding keys."""
+    from ratchetlm.kv.cache import NullSink
+    from ratchetlm.layers.attention import build_attention_batch, paged_attention
+
+    torch.manual_seed(0)
+    h, hkv, d, n = 6, 2, 32, 11
+
+    def attend(q, k, v, fixed, ctx_mask=None):
+        t = q.shape[0]
+        masks = [None] if ctx_mask is None else [ctx_mask]
+        batch = build_attention_batch(torch.arange(t), [t], [torch.empty(0, dtype=torch.long)], masks, NullSink(), None)
+        return paged_attention(0, q, k, v, batch, 0.125, fixed_order=fixed)
+
+    q, k, v = torch.randn(n, h, d), torch.randn(n, hkv, d), torch.randn(n, hkv, d)
+    full = attend(q, k, v, True)
+    torch.testing.assert_close(full, attend(q, k, v, False), rtol=1e-5, atol=1e-6)
+    for rows in (1, 4, 7):  # a causal prefix of the rows: bit for bit
+        assert same_bits(attend(q[:rows], k[:rows], v[:rows], True), full[:rows])
+    tree = torch.ones(n, n, dtype=torch.bool).tril()
+    tree[5, 3:5] = False  # a tree mask: row 5 does not see keys 3, 4
+    got = attend(q, k, v, True, tree)
+    torch.testing.assert_close(got, attend(q, k, v, False, tree), rtol=1e-5, atol=1e-6)
+    assert same_bits(got[:5], full[:5]) and not same_bits(got[5], full[5])
