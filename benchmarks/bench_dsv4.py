@@ -13,11 +13,12 @@ traces, as a prefix-cache hit would) and decodes ``--steps`` greedy tokens throu
 * ``mtp, all accepted``: the same module runs and its chain is replaced by the known greedy
   continuation, every draft accepted (depth 1 and 3): the mechanism's ceiling in tokens per call.
 
-Per row: tokens per engine step (call), median step time, median time per generated token.
+Per row: tokens per engine step (call), median step time over ``--repeats`` interleaved runs,
+time per generated token (median step x calls / tokens).
 Also: HF's single-token step on its DynamicCache, and cache bytes per sequence (ours: every
 mapped block/page; HF: its cache tensors; "full KV": raw K = V for every token at every layer).
 
-    python benchmarks/bench_dsv4.py [--contexts 1024 8192 16384] [--steps 16] [--threads 1]
+    python benchmarks/bench_dsv4.py [--contexts 1024 8192 16384] [--steps 16] [--threads 1] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 16384])
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3, help="runs per configuration (interleaved); medians over all")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     hf = build_hf_model(seed=0)
@@ -114,19 +116,27 @@ def main() -> None:
 
     from transformers import DynamicCache
 
+    configs = [("plain", 0, False), ("mtp (module's own drafts)", 1, False), ("mtp, all accepted, depth 1", 1, True),
+               ("mtp, all accepted, depth 3", 3, True)]
     table = []
     for L in lengths:
-        plain_tokens, plain_t, held = run(v4_engine(model), ids, traces, L, args.steps)
-        rows = [("plain", len(plain_t), plain_t, len(plain_tokens))]
-        for label, depth, steer in (("mtp (module's own drafts)", 1, False), ("mtp, all accepted, depth 1", 1, True),
-                                    ("mtp, all accepted, depth 3", 3, True)):
-            eng = v4_engine(model, "speculative",
-                            decoding_options={"method": "mtp", "depth": depth, "depth_schedule": "constant"})
-            if steer:
-                steer_all_accepted(eng, plain_tokens)
-            toks, t, _ = run(eng, ids, traces, L, args.steps)
-            assert toks == plain_tokens, f"{label}: output differs from plain greedy at L={L}"
-            rows.append((label, len(t), t, len(toks)))
+        plain_tokens, _, held = run(v4_engine(model), ids, traces, L, args.steps)  # warm-up + the reference output
+        timed: dict[str, list[float]] = {label: [] for label, _, _ in configs}
+        calls: dict[str, tuple[int, int]] = {}
+        for _ in range(args.repeats):  # configurations interleaved, so load changes hit them alike
+            for label, depth, steer in configs:
+                if depth == 0:
+                    eng = v4_engine(model)
+                else:
+                    eng = v4_engine(model, "speculative",
+                                    decoding_options={"method": "mtp", "depth": depth, "depth_schedule": "constant"})
+                if steer:
+                    steer_all_accepted(eng, plain_tokens)
+                toks, t, _ = run(eng, ids, traces, L, args.steps)
+                assert toks == plain_tokens, f"{label}: output differs from plain greedy at L={L}"
+                timed[label] += t
+                calls[label] = (len(t), len(toks))
+        rows = [(label, calls[label][0], timed[label], calls[label][1]) for label, _, _ in configs]
         cache = DynamicCache(config=hf.config)
         with torch.no_grad():
             for c0 in range(0, L, 1024):
@@ -154,6 +164,10 @@ def main() -> None:
     for L, rows, hf_ms, ob, hb, fb in table:
         print(f"| {L} | {statistics.median(rows[0][2]) * 1e3:.1f} | {hf_ms * 1e3:.1f} | {ob / 1024:.0f} "
               f"| {hb / 1024:.0f} | {fb / 1024:.0f} |")
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"peak RSS: {rss:.0f} MiB (reference traces and HF included)")
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
 
 

@@ -89,15 +89,32 @@ def _faulty(engine, where: str, after_outputs: int = 2):
         target.attn_in = attn_in  # an instance attribute over the method (popped after the test)
 
 
-@pytest.mark.parametrize("where", ["propose", "after", "inside"])
-@pytest.mark.parametrize("decoding", ["autoregressive", "mtp"])
-def test_a_failing_request_fails_alone_and_the_others_are_unchanged(model, where, decoding):
-    kw = dict(max_num_seqs=4, max_num_batched_tokens=64)
+def _engine_kw(decoding: str) -> dict:
+    kw: dict = dict(max_num_seqs=4, max_num_batched_tokens=64)
     if decoding == "mtp":
         kw.update(decoding="speculative", decoding_options={"method": "mtp"})
+    return kw
+
+
+@pytest.fixture(scope="module")
+def clean_runs(model):
+    """decoding -> the requests' outputs without a fault (computed once per decoding)."""
+    cache: dict[str, list] = {}
+
+    def get(decoding: str) -> list:
+        if decoding not in cache:
+            cache[decoding] = _run(v4_engine(model, **_engine_kw(decoding)), _requests())
+        return cache[decoding]
+
+    return get
+
+
+@pytest.mark.parametrize("where", ["propose", "after", "inside"])
+@pytest.mark.parametrize("decoding", ["autoregressive", "mtp"])
+def test_a_failing_request_fails_alone_and_the_others_are_unchanged(model, clean_runs, where, decoding):
     reqs = _requests()
-    clean = _run(v4_engine(model, **kw), reqs)
-    engine = v4_engine(model, **kw)
+    clean = clean_runs(decoding)
+    engine = v4_engine(model, **_engine_kw(decoding))
     _faulty(engine, where)
     try:
         got = _run(engine, reqs)
