@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ratchetlm.decoding.base import Commit, DecodeStrategy, Proposal, register
-from ratchetlm.decoding.tentative import chain, chain_proposal, forced_chain, observe_forced, verify_tree
+from ratchetlm.decoding.tentative import chain, chain_limit, chain_proposal, forced_chain, observe_forced, verify_tree
 from ratchetlm.engine.sequence import Sequence
 from ratchetlm.layers.sampler import sample, target_logits, top_logprobs
 
@@ -80,13 +80,13 @@ class Autoregressive(DecodeStrategy):
     def tokens_wanted(self, seq: Sequence) -> int:
         pending = len(seq.token_ids) - seq.num_cached
         if pending == 1 and seq.controls is not None:
-            return 1 + len(forced_chain(seq, 1 << 30, room(seq, self.ctx.max_model_len)))
+            return 1 + len(forced_chain(seq, 1 << 30, room(seq, self.ctx.max_model_len), chain_limit(self.ctx.runner)))
         return pending
 
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
         out = []
         for s, b in zip(seqs, budgets, strict=True):
-            forced = forced_chain(s, b, room(s, self.ctx.max_model_len))
+            forced = forced_chain(s, b, room(s, self.ctx.max_model_len), chain_limit(self.ctx.runner))
             out.append(chain_proposal(s, forced, ForcedState(forced)) if forced else catch_up_proposal(s, b))
         return out
 

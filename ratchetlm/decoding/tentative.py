@@ -42,11 +42,18 @@ def chain_proposal(seq: Sequence, tokens: list[int], state: Any) -> Proposal:
                     logit_rows=list(range(n)), mask=None, direct_write=False, state=state)
 
 
-def forced_chain(seq: Sequence, budget: int, room: int) -> list[int]:
-    """Grammar-forced tokens to propose after the root of a decoding sequence (may be empty)."""
+def forced_chain(seq: Sequence, budget: int, room: int, limit: int = 1 << 30) -> list[int]:
+    """Grammar-forced tokens to propose after the root of a decoding sequence (may be empty);
+    root + chain hold at most ``limit`` tokens (:func:`chain_limit`)."""
     if seq.controls is None or len(seq.token_ids) - seq.num_cached != 1:
         return []
-    return seq.controls.forced_tokens()[: max(0, min(budget, room) - 1)]
+    return seq.controls.forced_tokens()[: max(0, min(budget, room, limit) - 1)]
+
+
+def chain_limit(runner: Any) -> int:
+    """Most tokens one staged chain may hold in ``runner``'s cache layout: a DeepSeek-V4 verify step
+    holds at most its state span (``max_chain_tokens``); the paged K/V cache has no such limit."""
+    return getattr(runner, "max_chain_tokens", None) or 1 << 30
 
 
 def verify_tree(seq: Sequence, tree: DraftTree, logits: torch.Tensor, room: int) -> tuple[Commit, list[int]]:

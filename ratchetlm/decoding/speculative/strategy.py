@@ -28,7 +28,7 @@ from ratchetlm.decoding.speculative.proposers import PAD, DraftBeam, create_prop
 from ratchetlm.decoding.speculative.stats import SpecCounters
 from ratchetlm.decoding.speculative.tree_attention import num_nodes, pack, parents, with_root
 from ratchetlm.decoding.speculative.verify import DraftTree
-from ratchetlm.decoding.tentative import forced_chain, observe_forced, verify_tree
+from ratchetlm.decoding.tentative import chain_limit, forced_chain, observe_forced, verify_tree
 from ratchetlm.engine.sequence import Sequence
 
 _PREFIX = "spec_"
@@ -118,7 +118,7 @@ class Speculative(DecodeStrategy):
         pending = len(seq.token_ids) - seq.num_cached
         if pending > 1:
             return pending
-        forced = forced_chain(seq, 1 << 30, self._room(seq))
+        forced = forced_chain(seq, 1 << 30, self._room(seq), chain_limit(self.ctx.runner))
         return 1 + (len(forced) if forced else self.cfg.num_candidates * self._verify_len(seq))
 
     # ------------------------------------------------------------------ propose
@@ -131,7 +131,7 @@ class Speculative(DecodeStrategy):
         todo: list[int] = []
         depths: list[int] = []
         for i, (s, b) in enumerate(zip(seqs, budgets, strict=True)):
-            forced = forced_chain(s, b, self._room(s))
+            forced = forced_chain(s, b, self._room(s), chain_limit(self.ctx.runner))
             if forced:  # the grammar admits one continuation: verify it instead of a draft
                 chain = torch.tensor(forced, dtype=torch.long)[None]
                 props[i] = self._tree_proposal(s, DraftBeam(chain, torch.zeros(chain.shape)), b, forced=True)

@@ -69,6 +69,9 @@ class DeepseekV4ModelRunner:
         self.cache = layout.pools
         self.device = device
         self.max_model_len = layout.max_model_len
+        # a verify step (staged chain) holds at most this many tokens: its state rows cover any
+        # accepted prefix only within the state span (strategies cap grammar-forced chains by it)
+        self.max_chain_tokens = layout.cap.state_span
         self.staging = PoolStaging(layout.pools, staging_capacity)
         self.num_forwards = 0
         self.last_meta: DecodeMetadata | None = None
