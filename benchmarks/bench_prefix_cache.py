@@ -1,5 +1,6 @@
 """Prefix caching through ``ratchet serve``: the same workloads against a server with
-``--enable-prefix-caching true`` and one with ``false`` (started one after the other, same flags).
+``--enable-prefix-caching true`` and one with ``false`` (same flags, both up; each workload runs on
+one, then on the other).
 
 * **chat**: ``concurrency`` conversations of 8 turns each; every conversation starts with the same
   ~300-token system prompt (one app, many users); turn *k* sends the whole history (earlier answers
@@ -163,27 +164,38 @@ def metric(url: str, name: str) -> float:
     return 0.0
 
 
-def measure(server_args: list[str], caching: bool, levels: list[int], turns: int, max_tokens: int) -> dict:
-    proc, url = start_server([*server_args, "--enable-prefix-caching", str(caching).lower()])
-    out = {}
+def workload(url: str, model: str, name: str, c: int, turns: int, max_tokens: int) -> tuple[Run, float]:
+    """One workload on one server; returns the run and the hit rate /metrics saw during it."""
+    tag = f"[{name} c={c}] "  # a fresh prefix per level: one level's cache does not serve the next
+    h0 = metric(url, "ratchet:prefix_cache_hits_total")
+    q0 = metric(url, "ratchet:prefix_cache_queries_total")
+    if name == "chat":
+        r = asyncio.run(chat_workload(url, model, c, turns, max_tokens, tag + SYSTEM))
+    else:
+        r = asyncio.run(few_shot_workload(url, model, c, 4 * c, max_tokens, tag + FEW_SHOT))
+    hits = metric(url, "ratchet:prefix_cache_hits_total") - h0
+    queries = metric(url, "ratchet:prefix_cache_queries_total") - q0
+    return r, (hits / queries if queries else 0.0)
+
+
+def measure(server_args: list[str], levels: list[int], turns: int, max_tokens: int) -> dict:
+    """Both servers stay up (an idle one costs no CPU); each workload runs on the caching server,
+    then on the other, so a change in machine load between workloads hits both sides alike."""
+    servers = {on: start_server([*server_args, "--enable-prefix-caching", str(on).lower()]) for on in (True, False)}
+    out: dict = {}
     try:
-        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-        asyncio.run(few_shot_workload(url, model, 1, 1, 2, "Warm-up.\n"))
+        models = {on: httpx.get(url + "/v1/models").json()["data"][0]["id"] for on, (_, url) in servers.items()}
+        for on, (_, url) in servers.items():
+            asyncio.run(few_shot_workload(url, models[on], 1, 1, 2, "Warm-up.\n"))
         for c in levels:
             for name in ("chat", "few-shot"):
-                tag = f"[{name} c={c}] "  # a fresh prefix per level: one level's cache does not serve the next
-                h0 = metric(url, "ratchet:prefix_cache_hits_total")
-                q0 = metric(url, "ratchet:prefix_cache_queries_total")
-                if name == "chat":
-                    r = asyncio.run(chat_workload(url, model, c, turns, max_tokens, tag + SYSTEM))
-                else:
-                    r = asyncio.run(few_shot_workload(url, model, c, 4 * c, max_tokens, tag + FEW_SHOT))
-                hits = metric(url, "ratchet:prefix_cache_hits_total") - h0
-                queries = metric(url, "ratchet:prefix_cache_queries_total") - q0
-                out[(name, c)] = (r, hits / queries if queries else 0.0)
+                out[(name, c)] = {on: workload(url, models[on], name, c, turns, max_tokens)
+                                  for on, (_, url) in servers.items()}
     finally:
-        proc.terminate()
-        proc.wait(30)
+        for proc, _ in servers.values():
+            proc.terminate()
+        for proc, _ in servers.values():
+            proc.wait(60)
     return out
 
 
@@ -201,23 +213,23 @@ def main() -> None:
     levels = [int(x) for x in args.concurrency.split(",")]
     server_args = shlex.split(args.server_args)
     load0 = os.getloadavg()[0]
-    on = measure(server_args, True, levels, args.turns, args.max_tokens)
-    off = measure(server_args, False, levels, args.turns, args.max_tokens)
+    results = measure(server_args, levels, args.turns, args.max_tokens)
     load1 = os.getloadavg()[0]
     print(f"\nserver_args={args.server_args!r} max_tokens={args.max_tokens} turns={args.turns} "
           f"load average (1 min) before/after: {load0:.1f}/{load1:.1f} on {os.cpu_count()} CPUs")
     print("| workload | concurrency | caching | TTFT turn 1 / all (ms) | TTFT turns >= 2 (ms) | total (s) "
           "| cached / prompt tokens | hit rate (/metrics) | same answers |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for key in on:
-        (r_on, hr_on), (r_off, hr_off) = on[key], off[key]
+    for key, both in results.items():
+        (r_on, hr_on), (r_off, hr_off) = both[True], both[False]
         same = r_on.answers == r_off.answers
         for label, r, hr in (("on", r_on, hr_on), ("off", r_off, hr_off)):
             print(f"| {key[0]} | {key[1]} | {label} | {ms(r.ttft_first)} | {ms(r.ttft_later)} | {r.wall:.1f} | "
                   f"{r.cached_tokens}/{r.prompt_tokens} | {hr:.2f} | {same} |")
-        later = (statistics.median(r_off.ttft_later) / statistics.median(r_on.ttft_later)) if r_on.ttft_later else 0
+        later = (f"{statistics.median(r_off.ttft_later) / statistics.median(r_on.ttft_later):.2f}x"
+                 if r_on.ttft_later else "-")
         first = statistics.median(r_off.ttft_first) / statistics.median(r_on.ttft_first)
-        print(f"| {key[0]} | {key[1]} | off/on | {first:.2f}x | {later:.2f}x | {r_off.wall / r_on.wall:.2f}x | | | |")
+        print(f"| {key[0]} | {key[1]} | off/on | {first:.2f}x | {later} | {r_off.wall / r_on.wall:.2f}x | | | |")
 
 
 if __name__ == "__main__":
