@@ -94,7 +94,7 @@ class ChatPlan:
             calls = calls[:1]
         if calls and finish_reason == "stop":
             finish_reason = "tool_calls"
-        return (content if calls else text), calls, finish_reason
+        return (content if calls or content is not None else text), calls, finish_reason
 
     def response(self, states: list[ChoiceState]) -> dict[str, Any]:
         choices = []

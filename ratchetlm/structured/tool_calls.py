@@ -158,8 +158,10 @@ class _Tagged(ToolFormat):
         if "<tool_call>" not in text:
             return (text or None), []
         calls: list[ToolCall] = []
+        empty = True  # every block an empty list: SmolLM2's way of saying no call is needed
         for body in _BLOCK.findall(text):
             items, complete = _json_values(body)
+            empty = empty and complete and not items
             for item in items:
                 call = _call_from(item, self.args_key)
                 if call is None:  # not a call after all: the whole text is content
@@ -168,7 +170,7 @@ class _Tagged(ToolFormat):
             if not complete:
                 break  # cut short: the calls before the cut stand
         if not calls:
-            return (text or None), []
+            return (_BLOCK.sub("", text).strip() if empty else text or None), []
         content = _BLOCK.sub("", text).strip()
         return (content or None), calls
 

@@ -166,8 +166,9 @@ class StreamingToolParser:
         if self.max_calls is not None:
             calls = calls[: self.max_calls]
         n = len(self.streamed)
-        if not calls and not n:  # no calls after all: the held text is content
-            held = self.text[self.sent:]
+        if not calls and not n:  # no calls after all: the held text is content (minus "no call" blocks)
+            held, _ = self.fmt.parse(self.text[self.sent:])
+            held = self.text[self.sent:] if held is None else held
             self.sent = len(self.text)
             return held, []
         rest = (content or "") if self.sent == 0 and calls else ""

@@ -98,6 +98,16 @@ def test_streaming_keeps_one_call_without_parallel_calls_and_reads_odd_calls_at_
         assert content == "" and not any(per_feed) and _assemble(final) == [("get_time", {"zone": "CET"})]
 
 
+@pytest.mark.parametrize("name", ["smollm2", "hermes"])
+def test_an_empty_call_list_means_no_call(name):
+    fmt = tool_format(name)
+    for text, content in [("<tool_call>[]</tool_call>", ""),
+                          ("No tool fits. <tool_call>[]</tool_call>", "No tool fits.")]:
+        assert fmt.parse(text) == (content, [])
+        streamed, per_feed, final = _stream(StreamingToolParser(fmt), text)
+        assert streamed.strip() == content and not any(per_feed) and not final
+
+
 def test_malformed_calls_stay_content():
     fmt = tool_format("smollm2")
     assert fmt.parse('<tool_call>[{"name": "f", "arguments": ') == ('<tool_call>[{"name": "f", "arguments": ', [])
