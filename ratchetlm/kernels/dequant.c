@@ -211,46 +211,19 @@ static inline void nibbles_avx512(const uint8_t *qs, __m512 tlo, __m512 thi, flo
     _mm512_storeu_ps(dst + hi_off, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), thi));
 }
 
-/* The fp16 scales of up to 16 consecutive blocks (at byte `off` of each `stride`-byte block) as
- * floats, converted by one instruction and stored so that each is later broadcast by a load: per
- * block scalar conversions and register broadcasts would keep the shuffle port busy. */
-static inline void scales16(const uint8_t *src, int stride, int off, int64_t n, float out[16]) {
-    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                           _mm512_set1_epi32(stride));
-    __mmask16 k = n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
-    /* 32-bit loads at each scale (the 2 bytes after it belong to the block), low halves kept */
-    __m512i w = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), k, idx, src + off, 1);
-    _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w)));
-    __asm__ volatile("" ::: "memory");
-}
-
-/* a dequantizer over groups of 16 blocks: BODY sees block pointer `blk`, output `out`, and the
- * group's scales d[i] (offset D) and m[i] (offset M, or d again) */
-#define BLOCKS16(BYTES, D_OFF, M_OFF, ...)                                                         \
-    for (int64_t g = 0; g < n; g += 16) {                                                         \
-        float d[16], m[16];                                                                        \
-        scales16(src + g * BYTES, BYTES, D_OFF, n - g, d);                                         \
-        scales16(src + g * BYTES, BYTES, M_OFF, n - g, m);                                         \
-        for (int64_t i = 0; i < 16 && g + i < n; i++) {                                            \
-            const uint8_t *blk = src + (g + i) * BYTES;                                            \
-            float *out = dst + (g + i) * QK;                                                       \
-            __VA_ARGS__                                                                            \
-        }                                                                                          \
-    }
-
 static void q4_0_avx512(const uint8_t *src, float *dst, int64_t n) {
     const __m512 q = _mm512_sub_ps(IOTA16, _mm512_set1_ps(8.0f)); /* exactly (float)(nib - 8) */
-    BLOCKS16(18, 0, 0, {
-        __m512 t = _mm512_mul_ps(_mm512_set1_ps(d[i]), q);
-        nibbles_avx512(blk + 2, t, t, out, 16);
-    })
+    for (int64_t b = 0; b < n; b++, src += 18, dst += QK) {
+        __m512 t = _mm512_mul_ps(_mm512_set1_ps(load_fp16(src)), q);
+        nibbles_avx512(src + 2, t, t, dst, 16);
+    }
 }
 
 static void q4_1_avx512(const uint8_t *src, float *dst, int64_t n) {
-    BLOCKS16(20, 0, 2, {
-        __m512 t = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(d[i]), IOTA16), _mm512_set1_ps(m[i]));
-        nibbles_avx512(blk + 4, t, t, out, 16);
-    })
+    for (int64_t b = 0; b < n; b++, src += 20, dst += QK) {
+        __m512 t = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(load_fp16(src)), IOTA16), _mm512_set1_ps(load_fp16(src + 2)));
+        nibbles_avx512(src + 4, t, t, dst, 16);
+    }
 }
 
 /* 5-bit: nibble | (bit << 4) indexes a 32-entry table (t0: q < 16, t1: q >= 16) */
@@ -266,55 +239,54 @@ static inline void q5_avx512(const uint8_t *qs, uint32_t qh, __m512 t0, __m512 t
 
 static void q5_0_avx512(const uint8_t *src, float *dst, int64_t n) {
     const __m512 q0 = _mm512_sub_ps(IOTA16, _mm512_set1_ps(16.0f)), q1 = IOTA16;
-    BLOCKS16(22, 0, 0, {
-        __m512 vd = _mm512_set1_ps(d[i]);
-        q5_avx512(blk + 6, load_u32(blk + 2), _mm512_mul_ps(vd, q0), _mm512_mul_ps(vd, q1), out);
-    })
+    for (int64_t b = 0; b < n; b++, src += 22, dst += QK) {
+        __m512 vd = _mm512_set1_ps(load_fp16(src));
+        q5_avx512(src + 6, load_u32(src + 2), _mm512_mul_ps(vd, q0), _mm512_mul_ps(vd, q1), dst);
+    }
 }
 
 static void q5_1_avx512(const uint8_t *src, float *dst, int64_t n) {
     const __m512 q1 = _mm512_add_ps(IOTA16, _mm512_set1_ps(16.0f));
-    BLOCKS16(24, 0, 2, {
-        __m512 vd = _mm512_set1_ps(d[i]), vm = _mm512_set1_ps(m[i]);
-        q5_avx512(blk + 8, load_u32(blk + 4), _mm512_add_ps(_mm512_mul_ps(vd, IOTA16), vm),
-                  _mm512_add_ps(_mm512_mul_ps(vd, q1), vm), out);
-    })
+    for (int64_t b = 0; b < n; b++, src += 24, dst += QK) {
+        __m512 vd = _mm512_set1_ps(load_fp16(src)), vm = _mm512_set1_ps(load_fp16(src + 2));
+        q5_avx512(src + 8, load_u32(src + 4), _mm512_add_ps(_mm512_mul_ps(vd, IOTA16), vm),
+                  _mm512_add_ps(_mm512_mul_ps(vd, q1), vm), dst);
+    }
 }
 
 static void q8_0_avx512(const uint8_t *src, float *dst, int64_t n) {
-    BLOCKS16(34, 0, 0, {
-        __m512 vd = _mm512_set1_ps(d[i]);
+    for (int64_t b = 0; b < n; b++, src += 34, dst += QK) {
+        __m512 vd = _mm512_set1_ps(load_fp16(src));
         for (int h = 0; h < 2; h++) {
-            __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2 + 16 * h)));
-            _mm512_storeu_ps(out + 16 * h, _mm512_mul_ps(_mm512_cvtepi32_ps(q), vd));
+            __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 2 + 16 * h)));
+            _mm512_storeu_ps(dst + 16 * h, _mm512_mul_ps(_mm512_cvtepi32_ps(q), vd));
         }
-    })
+    }
 }
 
-/* Q4_K / Q5_K sub-block factors: ds[j] = d * sc[j], dm[j] = dmin * mn[j] (8 each). The 6-bit
- * fields are unpacked with byte shuffles in one vector, converted and multiplied by vector ops
- * (the same values as the scalar d * (float)sc), then stored so that each is later broadcast by
- * a load rather than by shuffles. */
-static inline void k4_factors_avx512(const uint8_t *blk, float f[16]) {
-    __m128i v = _mm_loadu_si128((const __m128i *)(blk + 4)); /* 12 scale bytes (+4 of qs, unused) */
-    /* P: [s0..3 | s8..11 | s4..7 | s8..11], Q: the bytes whose top 2 bits complete positions 4..7, 12..15 */
-    __m128i P = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
-    __m128i Q = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
-    __m128i lo = _mm_and_si128(P, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
-    __m128i hi4 = _mm_and_si128(_mm_srli_epi16(P, 4), _mm_set1_epi8(0x0F)); /* s8..11 >> 4 for mins 4..7 */
-    lo = _mm_blend_epi32(lo, hi4, 0x8);
-    __m128i top = _mm_and_si128(_mm_srli_epi16(Q, 2), _mm_set1_epi8(0x30));
-    __m128i bytes = _mm_or_si128(lo, top); /* scales 0..7, mins 0..7 */
-    __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
-    __m512 dd = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(load_fp16(blk)), _mm512_set1_ps(load_fp16(blk + 2)));
-    _mm512_storeu_ps(f, _mm512_mul_ps(dd, q));
-    __asm__ volatile("" ::: "memory"); /* read them back as broadcast loads, not lane shuffles */
+/* Q4_K / Q5_K sub-block factors: ds[j] = d * sc[j], dm[j] = dmin * mn[j] (8 each), with the 6-bit
+ * fields unpacked four at a time in 32-bit words, then one vector multiply each (same values as
+ * the scalar d * (float)sc). */
+static inline void k4_factors_avx512(const uint8_t *blk, float ds[8], float dm[8]) {
+    uint32_t u[4];
+    memcpy(u, blk + 4, 12);
+    const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
+    u[3] = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4); /* mins 4..7 */
+    const uint32_t mins_lo = u[1] & m6;                    /* mins 0..3 */
+    u[1] = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);        /* scales 4..7 */
+    u[0] &= m6;                                            /* scales 0..3 */
+    u[2] = mins_lo;
+    __m128i bytes = _mm_loadu_si128((const __m128i *)u); /* scales 0..7, mins 0..7 */
+    __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+    __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
+    _mm256_storeu_ps(ds, _mm256_mul_ps(_mm256_set1_ps(load_fp16(blk)), sc));
+    _mm256_storeu_ps(dm, _mm256_mul_ps(_mm256_set1_ps(load_fp16(blk + 2)), mn));
 }
 
 static void q4_k_avx512(const uint8_t *src, float *dst, int64_t n) {
     for (int64_t b = 0; b < n; b++, src += 144, dst += QK_K) {
-        float f[16], *ds = f, *dm = f + 8;
-        k4_factors_avx512(src, f);
+        float ds[8], dm[8];
+        k4_factors_avx512(src, ds, dm);
         for (int c = 0; c < 4; c++) { /* 32 bytes: sub-block 2c (low nibbles), 2c + 1 (high) */
             __m512 tlo = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(ds[2 * c]), IOTA16), _mm512_set1_ps(dm[2 * c]));
             __m512 thi = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(ds[2 * c + 1]), IOTA16),
@@ -329,8 +301,8 @@ static void q5_k_avx512(const uint8_t *src, float *dst, int64_t n) {
     const __m512 q1 = _mm512_add_ps(IOTA16, _mm512_set1_ps(16.0f));
     const __m512i low4 = _mm512_set1_epi32(0x0F), b4 = _mm512_set1_epi32(0x10);
     for (int64_t b = 0; b < n; b++, src += 176, dst += QK_K) {
-        float f[16], *ds = f, *dm = f + 8;
-        k4_factors_avx512(src, f);
+        float ds[8], dm[8];
+        k4_factors_avx512(src, ds, dm);
         const uint8_t *qh = src + 16, *qs = src + 48;
         __m512i h[2] = {LOAD16B(qh), LOAD16B(qh + 16)}; /* qh bytes for l = 0..15, 16..31 */
         for (int sb = 0; sb < 8; sb++) {
@@ -349,30 +321,28 @@ static void q5_k_avx512(const uint8_t *src, float *dst, int64_t n) {
 }
 
 static void q6_k_avx512(const uint8_t *src, float *dst, int64_t n) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(3), off = _mm512_set1_epi8(32);
+    const __m128i m4 = _mm_set1_epi8(0x0F), m3 = _mm_set1_epi8(3), off = _mm_set1_epi8(32);
     for (int64_t b = 0; b < n; b++, src += 210, dst += QK_K) {
         const uint8_t *ql = src, *qh = src + 128;
         float ds[16]; /* d * scale of each 16-weight sub-block: one vector multiply */
         _mm512_storeu_ps(ds, _mm512_mul_ps(_mm512_set1_ps(load_fp16(src + 208)),
                                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 192))))));
-        int8_t q[QK_K]; /* the 6-bit values minus 32, in weight order */
         for (int h = 0; h < 2; h++) {
-            /* 64 bytes of low bits: weight h*128 + l takes the low nibble of byte l, weight h*128 + 64 + l
-             * the high nibble; the two high bits come from qh byte l % 32, shifted by 2 * (l / 32)
-             * (low nibble) or 4 + 2 * (l / 32) (high nibble) */
-            __m512i L = _mm512_loadu_si512((const void *)(ql + 64 * h));
-            __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qh + 32 * h)));
-            H = _mm512_mask_blend_epi64(0xF0, H, _mm512_srli_epi16(H, 2)); /* bytes 32..63: shifted by 2 */
-            __m512i lo = _mm512_or_si512(_mm512_and_si512(L, m4), _mm512_slli_epi16(_mm512_and_si512(H, m3), 4));
-            __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
-                                         _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(H, 4), m3), 4));
-            _mm512_storeu_si512((void *)(q + 128 * h), _mm512_sub_epi8(lo, off));
-            _mm512_storeu_si512((void *)(q + 128 * h + 64), _mm512_sub_epi8(hi, off));
+            for (int l0 = 0; l0 < 64; l0 += 16) {
+                __m128i lb = _mm_loadu_si128((const __m128i *)(ql + h * 64 + l0));
+                __m128i hb = _mm_loadu_si128((const __m128i *)(qh + h * 32 + l0 % 32));
+                int s = 2 * (l0 / 32);
+                __m128i hlo = _mm_and_si128(_mm_srl_epi16(hb, _mm_cvtsi32_si128(s)), m3);
+                __m128i hhi = _mm_and_si128(_mm_srl_epi16(hb, _mm_cvtsi32_si128(s + 4)), m3);
+                __m128i qlo = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(lb, m4), _mm_slli_epi16(hlo, 4)), off);
+                __m128i qhi = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(lb, 4), m4), _mm_slli_epi16(hhi, 4)), off);
+                int ilo = h * 128 + l0, ihi = h * 128 + 64 + l0;
+                _mm512_storeu_ps(dst + ilo, _mm512_mul_ps(_mm512_set1_ps(ds[ilo / 16]),
+                                                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qlo))));
+                _mm512_storeu_ps(dst + ihi, _mm512_mul_ps(_mm512_set1_ps(ds[ihi / 16]),
+                                                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qhi))));
+            }
         }
-        __asm__ volatile("" ::: "memory");
-        for (int j = 0; j < 16; j++)
-            _mm512_storeu_ps(dst + 16 * j, _mm512_mul_ps(_mm512_set1_ps(ds[j]),
-                             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * j))))));
     }
 }
 #define F16_FN f16_avx512

@@ -5,16 +5,16 @@
  *   three formats), read in place (usually the mmapped GGUF file); an optional row map says which
  *   stored row feeds each output row (undoing llama.cpp's Q/K permutation without a copy).
  *
- * Each thread takes panels of P weight rows. It dequantizes a panel's rows into a per-thread
- * scratch buffer with the format's to_float (ggml_types.h: the only format-specific step), then
- * multiplies the scratch rows with every token of x in R-row x T-token register tiles.
+ * Each thread takes panels of P weight rows. It dequantizes a panel's rows, KC weights at a time,
+ * into a small scratch buffer with the format's to_float (ggml_types.h: the only format-specific
+ * step), then multiplies the scratch rows with every token of x in R-row x T-token register tiles.
  *
  * Reduction order, the numerics contract: the dot product of output row n and token t is one
  * vector accumulator of VLEN lanes; lane l sums x[t, k] * w[n, k] for k = l, l + VLEN, ... in
  * increasing k with fused multiply-adds, and the lanes are summed by one fixed tree at the end. No
- * choice of P, R, T, M or thread count changes that order (tiling only decides which accumulators
- * share registers), so a row's result does not depend on how many rows share the call: decode,
- * verify and prefill agree bit for bit.
+ * choice of P, R, T, KC, M or thread count changes that order (tiling only decides which
+ * accumulators share registers; a K chunk spills and reloads whole vectors), so a row's result does
+ * not depend on how many rows share the call: decode, verify and prefill agree bit for bit.
  */
 #include <stdlib.h>
 
@@ -85,11 +85,14 @@ static inline float VSUM(vec_t a) {
 }
 #endif
 
-#ifndef SCRATCH_FLOATS
-#define SCRATCH_FLOATS (1 << 16) /* a panel's dequantized rows: 256 KB, in L2 */
+#ifndef KC
+#define KC 256 /* weights per K chunk when many tokens share a panel (multiple of every block size) */
 #endif
-#ifndef X_BLOCK_FLOATS
-#define X_BLOCK_FLOATS (1 << 18) /* a block of tokens' activations: 1 MB, in L2 */
+#ifndef KC_FEW
+#define KC_FEW 2048 /* weights per K chunk for few tokens: the panel's scratch stays in L1/L2 */
+#endif
+#ifndef P_MAX
+#define P_MAX 16
 #endif
 
 const char *ratchet_kernel_isa(void) { return KERNEL_ISA; }
@@ -102,13 +105,14 @@ typedef struct {
     const int32_t *rowmap; /* NULL, or [rows]: stored row feeding output row i */
 } part_t;
 
-/* One rr-row x tt-token tile: y[t, r] = dot(x[t, :K], w[r, :K]). w: scratch rows (stride ldw),
- * x: stride K, y: stride N. */
-ALWAYS_INLINE void tile(const float *w, int ldw, const float *x, int K, float *y, int N, const int rr, const int tt) {
-    const int klen = K;
+/* Accumulate an rr-row x tt-token tile over klen weights of K. w: scratch rows (stride ldw),
+ * x: first token at the chunk start (stride K), acc: [rows of the panel][T] vectors (stride T per
+ * row). first: start from zero; last: reduce into y (stride N) instead of storing acc. */
+ALWAYS_INLINE void tile(const float *w, int ldw, const float *x, int K, int klen, vec_t *acc, int first, int last,
+                        float *y, int N, const int rr, const int tt) {
     vec_t a[R * T];
     for (int r = 0; r < rr; r++)
-        for (int t = 0; t < tt; t++) a[r * T + t] = VZERO();
+        for (int t = 0; t < tt; t++) a[r * T + t] = first ? VZERO() : acc[r * T + t];
     int k = 0;
     for (; k + VLEN <= klen; k += VLEN) {
         vec_t wv[R];
@@ -127,11 +131,16 @@ ALWAYS_INLINE void tile(const float *w, int ldw, const float *x, int K, float *y
         }
     }
     for (int r = 0; r < rr; r++)
-        for (int t = 0; t < tt; t++) y[(long)t * N + r] = VSUM(a[r * T + t]);
+        for (int t = 0; t < tt; t++) {
+            if (last)
+                y[(long)t * N + r] = VSUM(a[r * T + t]);
+            else
+                acc[r * T + t] = a[r * T + t];
+        }
 }
 
 /* literal tile sizes so the accumulators live in registers */
-#define TILE_T(RR, TT) tile(w, ldw, x, K, y, N, RR, TT)
+#define TILE_T(RR, TT) tile(w, ldw, x, K, klen, acc, first, last, y, N, RR, TT)
 #define TILES(RR)                                                                                  \
     switch (tt) {                                                                                  \
     case 1: TILE_T(RR, 1); break;                                                                  \
@@ -144,7 +153,8 @@ ALWAYS_INLINE void tile(const float *w, int ldw, const float *x, int K, float *y
     default: TILE_T(RR, T); break;                                                                 \
     }
 
-static void tile_any(const float *w, int ldw, const float *x, int K, float *y, int N, int rr, int tt) {
+static void tile_any(const float *w, int ldw, const float *x, int K, int klen, vec_t *acc, int first, int last,
+                     float *y, int N, int rr, int tt) {
     if (rr == R) {
         TILES(R)
     } else {
@@ -155,6 +165,8 @@ static void tile_any(const float *w, int ldw, const float *x, int K, float *y, i
 /* per-thread scratch, grown on demand and kept (OpenMP reuses its threads) */
 static __thread float *scratch_w;
 static __thread size_t scratch_w_cap;
+static __thread vec_t *scratch_acc;
+static __thread size_t scratch_acc_cap;
 
 static void *grow(void *p, size_t *cap, size_t need) {
     if (need <= *cap) return p;
@@ -170,38 +182,44 @@ typedef struct {
 
 void ratchet_mm(const float *x, int M, int K, const part_t *parts, int nparts, float *y, int N, int threads) {
     if (M <= 0 || N <= 0) return;
-    const int ldw = (K + 15) / 16 * 16;
-    /* Few tokens: R-row panels, the weights streamed once. Many tokens: blocks of MB tokens whose
-     * activations stay in L2, and for each block panels of as many rows as fit the scratch (each
-     * dequantized row serves the whole block; weights are dequantized once per block). */
-    int P = M <= 8 ? R : SCRATCH_FLOATS / ldw / R * R;
-    P = P < R ? R : P > 128 ? 128 : P;
-    int MB = M <= 8 ? M : (X_BLOCK_FLOATS / ldw) / T * T;
-    MB = MB < T ? T : MB;
+    /* Few tokens: the weights are read once and the whole K fits one chunk (no accumulator spills).
+     * Many tokens: short K chunks keep a panel's scratch and a tile's tokens in L1. */
+    const int P = M <= 8 ? R : P_MAX;
+    const int kc = M <= 8 ? KC_FEW : KC;
     int npanels = 0;
     for (int i = 0; i < nparts; i++) npanels += (parts[i].rows + P - 1) / P;
     panel_t *panels = malloc(sizeof(panel_t) * (size_t)npanels);
     for (int i = 0, j = 0, col = 0; i < nparts; col += parts[i].rows, i++)
         for (int r = 0; r < parts[i].rows; r += P, j++) panels[j] = (panel_t){&parts[i], r, MIN(P, parts[i].rows - r), col + r};
+    const int ldw = (MIN(kc, K) + 15) / 16 * 16;
+    const int spill = kc < K; /* accumulators live across K chunks */
+    const int ngroups = (M + T - 1) / T;
 #pragma omp parallel num_threads(threads)
     {
-        float *wbuf = scratch_w = grow(scratch_w, &scratch_w_cap, sizeof(float) * (size_t)P * ldw);
-        for (int m0 = 0; m0 < M; m0 += MB) {
-            const int mb = MIN(MB, M - m0);
+        scratch_w = grow(scratch_w, &scratch_w_cap, sizeof(float) * (size_t)P * ldw);
+        vec_t *accbuf = NULL;
+        if (spill) accbuf = scratch_acc = grow(scratch_acc, &scratch_acc_cap, sizeof(vec_t) * (size_t)ngroups * P * T);
+        float *wbuf = scratch_w;
 #pragma omp for schedule(static, 1)
-            for (int pi = 0; pi < npanels; pi++) {
-                const panel_t pn = panels[pi];
-                const ggml_type_t *ty = &RATCHET_TYPES[pn.part->type];
+        for (int pi = 0; pi < npanels; pi++) {
+            const panel_t pn = panels[pi];
+            const ggml_type_t *ty = &RATCHET_TYPES[pn.part->type];
+            for (int kb = 0; kb < K; kb += kc) {
+                const int klen = MIN(kc, K - kb);
                 for (int r = 0; r < pn.rows; r++) {
                     long row = pn.part->rowmap ? pn.part->rowmap[pn.row0 + r] : pn.row0 + r;
-                    ty->to_float(pn.part->data + row * pn.part->row_bytes, wbuf + (long)r * ldw, K / ty->blck);
+                    ty->to_float(pn.part->data + row * pn.part->row_bytes + (long)(kb / ty->blck) * ty->bytes,
+                                 wbuf + (long)r * ldw, klen / ty->blck);
                 }
-                for (int t0 = m0; t0 < m0 + mb; t0 += T) {
-                    const int tt = MIN(T, m0 + mb - t0);
+                const int first = kb == 0, last = kb + klen == K;
+                for (int g = 0; g < ngroups; g++) {
+                    const int t0 = g * T, tt = MIN(T, M - t0);
                     for (int r0 = 0; r0 < pn.rows;) {
                         const int rr = pn.rows - r0 >= R ? R : 1;
-                        tile_any(wbuf + (long)r0 * ldw, ldw, x + (long)t0 * K, K, y + (long)t0 * N + pn.col0 + r0, N,
-                                 rr, tt);
+                        vec_t local[R * T];
+                        vec_t *acc = accbuf ? accbuf + ((long)g * P + r0) * T : local;
+                        tile_any(wbuf + (long)r0 * ldw, ldw, x + (long)t0 * K + kb, K, klen, acc, first, last,
+                                 y + (long)t0 * N + pn.col0 + r0, N, rr, tt);
                         r0 += rr;
                     }
                 }
