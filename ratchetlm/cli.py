@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from ratchetlm.engine.config import EngineConfig
+from ratchetlm.engine.config import NUMERICS, EngineConfig
 
 _ENGINE_HELP = {
     "model": "local .gguf file or HF model folder (default: bundled SmolLM2-135M-Instruct)",
@@ -26,7 +26,8 @@ _ENGINE_HELP = {
     "decoding": "decoding strategy: autoregressive | speculative | wedlm",
     "decoding_options": "JSON object of strategy options",
     "gguf_kernels": "CPU fp32: GGUF (and 16-bit HF) weights stay in stored form, matmuls read them (true/false)",
-    "numerics": "CPU block kernels: exact (fp32 activations, HF-identical) | int8 (int8 activations, VNNI dots)",
+    "numerics": "CPU block kernels: exact (fp32 activations, HF-identical) | int8 | int16 (integer activations, "
+                "VNNI dot products)",
     "seed": "global RNG seed for unseeded sampling",
     "jump_forward": "structured outputs: commit grammar-forced tokens in the same forward as the next one (true/false)",
     "progress": "show progress bars (true/false)",
@@ -47,7 +48,7 @@ def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> N
         elif f.type in ("int", "int | None"):
             p.add_argument(flag, type=int, default=default, help=_ENGINE_HELP[f.name])
         elif f.name == "numerics":
-            p.add_argument(flag, type=str, default=default, choices=("exact", "int8"), help=_ENGINE_HELP[f.name])
+            p.add_argument(flag, type=str, default=default, choices=NUMERICS, help=_ENGINE_HELP[f.name])
         else:
             p.add_argument(flag, type=str, default=default, help=_ENGINE_HELP[f.name])
     p.add_argument("--speculative", type=json.loads, default=None,

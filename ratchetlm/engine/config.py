@@ -11,6 +11,9 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
+NUMERICS = ("exact", "int8", "int16")  # CPU block kernels' compute modes (layers/block_quant.py)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # local GGUF file / HF folder; None = the bundled SmolLM2-135M-Instruct
@@ -36,8 +39,9 @@ class EngineConfig:
     # matmul reads them through the block kernels (False: dense fp32 copies multiplied by BLAS)
     gguf_kernels: bool = True
     # CPU block kernels: "exact" = fp32 activations times the exactly dequantized weights (HF-identical);
-    # "int8" = activations quantized per row in blocks of 32, integer (VNNI) dot products: faster,
-    # within the quality gates of docs/architecture.md, and batch-invariant like the exact mode
+    # "int8" / "int16" = activations quantized per row in blocks of 32 to 8 / 16 bits, integer (VNNI)
+    # dot products with the weights' int8 values: faster, batch-invariant like the exact mode, not
+    # HF-identical (quality vs exact: docs/architecture.md)
     numerics: str = "exact"
     seed: int = 0  # global RNG seed for unseeded sampling
     # structured outputs: tokens the grammar forces are verified and committed in the same forward as
@@ -57,11 +61,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
-        if self.numerics not in ("exact", "int8"):
-            raise ValueError(f"numerics must be 'exact' or 'int8', got {self.numerics!r}")
-        if self.numerics == "int8" and (not self.gguf_kernels or self.device != "cpu"):
-            raise ValueError("numerics='int8' runs on the CPU block kernels: it needs device='cpu' and "
-                             "gguf_kernels=True")
+        if self.numerics not in NUMERICS:
+            raise ValueError(f"numerics must be 'exact', 'int8' or 'int16', got {self.numerics!r}")
+        if self.numerics != "exact" and (not self.gguf_kernels or self.device != "cpu"):
+            raise ValueError(f"numerics={self.numerics!r} runs on the CPU block kernels: it needs device='cpu' "
+                             "and gguf_kernels=True")
         if self.kv_cache_blocks is not None and self.kv_cache_blocks <= 0:
             raise ValueError(f"kv_cache_blocks must be > 0, got {self.kv_cache_blocks}")
         b = self.kv_cache_bytes

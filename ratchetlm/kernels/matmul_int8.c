@@ -1,8 +1,11 @@
 /* y = x @ w.T with int8 activations and integer dot products (the "int8" numerics mode).
  *
- * Activations: each token's row is quantized in blocks of 32 like llama.cpp's Q8_0 activations:
- *   dx = max|x| / 127, xq = rint(x * (1 / dx)) in [-127, 127] (dx = 0 gives 0),
- * stored as unsigned bytes xu = xq + 128 (vpdpbusd multiplies unsigned by signed bytes).
+ * Activations: each token's row is quantized in blocks of 32, with A = 127 (8 bits, llama.cpp's Q8_0
+ * activations: numerics "int8") or A = 32767 (16 bits: numerics "int16"):
+ *   dx = max|x| / A, xq = rint(x * (1 / dx)) in [-A, A] (dx = 0 gives 0)
+ * 8 bits: stored as unsigned bytes xu = xq + 128 (vpdpbusd multiplies unsigned by signed bytes).
+ * 16 bits: split xq = 256 * hi + lo (lo = xq & 255 unsigned, hi = xq >> 8 in [-128, 127]); the
+ * bytes xu = hi + 128 and lo each go through the same int8 products, I = 256 * I_hi + I_lo.
  *
  * Weights: a format's to_q8w (ggml_types.h, one column of the type table) rewrites a row's blocks as
  *   w[k] = s[g] * q[k] + m[g]        q int8, one scale s and offset m per group g of G = 32 or 16 weights
@@ -42,19 +45,25 @@ const char *ratchet_int8_isa(void) { return INT8_ISA; }
 
 /* ------------------------------------------------------------ activations */
 
-/* One token's row x[K] (K % 32 == 0) -> xu[K] (xq + 128), d32[K / 32] (dx per block),
- * sum16[K / 16] (sum of xq per 16: the offset term's activation side). */
-static void quantize_row(const float *x, int K, uint8_t *xu, float *d32, int32_t *sum16) {
+/* One token's row x[K] (K % 32 == 0) -> xu[K] (xq + 128, or hi + 128), xlo[K] (16 bits: lo),
+ * d32[K / 32] (dx per block), sum16[K / 16] (sum of xq per 16: the offset term's activation side). */
+static void quantize_row(const float *x, int K, int bits, uint8_t *xu, uint8_t *xlo, float *d32, int32_t *sum16) {
+    const float A = bits == 16 ? 32767.0f : 127.0f;
     for (int b = 0; b < K / QA; b++) {
         const float *xb = x + b * QA;
         float amax = 0.0f;
         for (int j = 0; j < QA; j++) amax = fmaxf(amax, fabsf(xb[j]));
-        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        const float d = amax / A, id = d > 0.0f ? 1.0f / d : 0.0f;
         int32_t sum[2] = {0, 0};
         for (int j = 0; j < QA; j++) {
             int v = (int)rintf(xb[j] * id);
-            v = v > 127 ? 127 : v < -127 ? -127 : v;
-            xu[b * QA + j] = (uint8_t)(v + 128);
+            v = v > (int)A ? (int)A : v < -(int)A ? -(int)A : v;
+            if (bits == 16) {
+                xu[b * QA + j] = (uint8_t)((v >> 8) + 128); /* arithmetic shift: floor(v / 256) */
+                xlo[b * QA + j] = (uint8_t)(v & 0xFF);
+            } else {
+                xu[b * QA + j] = (uint8_t)(v + 128);
+            }
             sum[j / 16] += v;
         }
         d32[b] = d;
@@ -63,10 +72,12 @@ static void quantize_row(const float *x, int K, uint8_t *xu, float *d32, int32_t
     }
 }
 
-/* exported for tests: the activation blocks as the kernel sees them */
-void ratchet_quantize_q8(const float *x, int M, int K, uint8_t *xu, float *d32, int32_t *sum16) {
+/* exported for tests: the activation blocks as the kernel sees them (xlo only for 16 bits) */
+void ratchet_quantize_q8(const float *x, int M, int K, int bits, uint8_t *xu, uint8_t *xlo, float *d32,
+                         int32_t *sum16) {
     for (int t = 0; t < M; t++)
-        quantize_row(x + (long)t * K, K, xu + (long)t * K, d32 + (long)t * (K / 32), sum16 + (long)t * (K / 16));
+        quantize_row(x + (long)t * K, K, bits, xu + (long)t * K, bits == 16 ? xlo + (long)t * K : NULL,
+                     d32 + (long)t * (K / 32), sum16 + (long)t * (K / 16));
 }
 
 /* ------------------------------------------------------------ weights: to_q8w per format */
@@ -286,7 +297,8 @@ void ratchet_pack_q8(const part_q8_t *parts, int nparts, int K, int G, int8_t *Q
 /* ------------------------------------------------------------ the matmul */
 
 typedef struct {
-    const uint8_t *xu; /* [K] */
+    const uint8_t *xu;  /* [K] */
+    const uint8_t *xlo; /* [K] (16 bits) or NULL */
     const float *dx;   /* [K / G] */
     const float *xs;   /* [K / G]: dx * sum of the group's xq */
 } xrow_t;
@@ -310,6 +322,15 @@ static inline __attribute__((always_inline)) void panel_tile(const int8_t *Q, co
                 J = _mm512_dpbusd_epi32(J, _mm512_set1_epi32(xw[c + 1]), _mm512_loadu_si512(qv + c + 1));
             }
             I = _mm512_add_epi32(I, J);
+            if (xs[t].xlo) { /* 16 bits: I = 256 * I_hi + I_lo */
+                const int32_t *xl = (const int32_t *)(xs[t].xlo + (long)g * G);
+                __m512i L0 = _mm512_setzero_si512(), L1 = _mm512_setzero_si512();
+                for (int c = 0; c < C; c += 2) {
+                    L0 = _mm512_dpbusd_epi32(L0, _mm512_set1_epi32(xl[c]), _mm512_loadu_si512(qv + c));
+                    L1 = _mm512_dpbusd_epi32(L1, _mm512_set1_epi32(xl[c + 1]), _mm512_loadu_si512(qv + c + 1));
+                }
+                I = _mm512_add_epi32(_mm512_slli_epi32(I, 8), _mm512_add_epi32(L0, L1));
+            }
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(sv, _mm512_set1_ps(xs[t].dx[g])), acc[t]);
             if (Mo) acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(Mo + g * PN), _mm512_set1_ps(xs[t].xs[g]), acc[t]);
         }
@@ -334,6 +355,15 @@ static inline void panel_tile(const int8_t *Q, const int32_t *CORR, const float 
             for (int c = 0; c < C; c++)
                 for (int l = 0; l < PN; l++)
                     for (int j = 0; j < 4; j++) I[l] += (int32_t)xw[4 * c + j] * (int32_t)qg[(c * PN + l) * 4 + j];
+            if (xs[t].xlo) { /* 16 bits: I = 256 * I_hi + I_lo */
+                const uint8_t *xl = xs[t].xlo + (long)g * G;
+                for (int l = 0; l < PN; l++) {
+                    int32_t lo = 0;
+                    for (int c = 0; c < C; c++)
+                        for (int j = 0; j < 4; j++) lo += (int32_t)xl[4 * c + j] * (int32_t)qg[(c * PN + l) * 4 + j];
+                    I[l] = I[l] * 256 + lo;
+                }
+            }
             const float dx = xs[t].dx[g];
             for (int l = 0; l < PN; l++) {
                 acc[t][l] = fmaf((float)I[l], S[g * PN + l] * dx, acc[t][l]);
@@ -360,12 +390,13 @@ static void panel_any(const int8_t *Q, const int32_t *CORR, const float *S, cons
     }
 }
 
-/* y [M, N] = x [M, K] @ w.T, w packed by ratchet_pack_q8 with group size G (16 or 32) */
-void ratchet_mm_q8(const float *x, int M, int K, int G, const int8_t *Q, const int32_t *CORR, const float *S,
+/* y [M, N] = x [M, K] @ w.T, activations of `bits` (8 or 16), w packed by ratchet_pack_q8 with
+ * group size G (16 or 32) */
+void ratchet_mm_q8(const float *x, int M, int K, int bits, int G, const int8_t *Q, const int32_t *CORR, const float *S,
                    const float *Mo, float *y, int N, int threads) {
     if (M <= 0 || N <= 0) return;
     const int NG = K / G, NPAN = (N + PN - 1) / PN;
-    uint8_t *xu = malloc((size_t)M * K);
+    uint8_t *xu = malloc((size_t)M * K), *xlo = bits == 16 ? malloc((size_t)M * K) : NULL;
     float *d32 = malloc(sizeof(float) * (size_t)M * (K / 32)), *dxg = malloc(sizeof(float) * (size_t)M * NG);
     float *xsg = malloc(sizeof(float) * (size_t)M * NG);
     int32_t *sum16 = malloc(sizeof(int32_t) * (size_t)M * (K / 16));
@@ -376,12 +407,13 @@ void ratchet_mm_q8(const float *x, int M, int K, int G, const int8_t *Q, const i
         for (int t = 0; t < M; t++) { /* each token quantized on its own: nothing depends on M */
             float *d = d32 + (long)t * (K / 32), *dg = dxg + (long)t * NG, *sg = xsg + (long)t * NG;
             int32_t *s16 = sum16 + (long)t * (K / 16);
-            quantize_row(x + (long)t * K, K, xu + (long)t * K, d, s16);
+            uint8_t *lo = xlo ? xlo + (long)t * K : NULL;
+            quantize_row(x + (long)t * K, K, bits, xu + (long)t * K, lo, d, s16);
             for (int g = 0; g < NG; g++) {
                 dg[g] = d[g * G / 32];
                 sg[g] = dg[g] * (float)(G == 32 ? s16[2 * g] + s16[2 * g + 1] : s16[g]);
             }
-            xr[t] = (xrow_t){xu + (long)t * K, dg, sg};
+            xr[t] = (xrow_t){xu + (long)t * K, lo, dg, sg};
         }
 #pragma omp for schedule(static)
         for (int p = 0; p < NPAN; p++) {
@@ -393,6 +425,7 @@ void ratchet_mm_q8(const float *x, int M, int K, int G, const int8_t *Q, const i
         }
     }
     free(xu);
+    free(xlo);
     free(d32);
     free(dxg);
     free(xsg);

@@ -14,9 +14,9 @@ multiplies the same weights as HF transformers' GGUF loader; each output's fp32 
 fixed per build and independent of the number of rows in the call (batch-invariant).
 
 Numerics (``numerics`` on a layer, the engine's ``--numerics``): "exact" multiplies fp32
-activations by the exactly dequantized weights; "int8" quantizes each activation row in blocks of
-32 to int8 and takes integer dot products with the weights' own integer values (VNNI where the CPU
-has it, kernels/matmul_int8.c) — faster, not HF-identical, still batch-invariant. Formats without
+activations by the exactly dequantized weights; "int8" / "int16" quantize each activation row in
+blocks of 32 to 8 / 16 bits and take integer dot products with the weights' own integer values
+(VNNI where the CPU has it, kernels/matmul_int8.c) — faster, not HF-identical, still batch-invariant. Formats without
 integer values (F32/F16/BF16) stay exact in both modes.
 
 The formats are rows of one table (``RATCHET_TYPES`` in ``kernels/dequant.c``); ``SUPPORTED_TYPES``
@@ -35,7 +35,8 @@ from torch import nn
 
 from ratchetlm import kernels
 
-NUMERICS = ("exact", "int8")
+NUMERICS = ("exact", "int8", "int16")
+ACTIVATION_BITS = {"int8": 8, "int16": 16}  # integer modes: activation precision (weights stay int8)
 
 # GGUF tensor types the kernels read, in the order of the C table (kernels/dequant.c).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
@@ -194,13 +195,14 @@ def block_matmul(
     threads: int | None = None,
     lib: ctypes.CDLL | None = None,
     path: str = "auto",  # "kernel" | "blas" | "auto" (BLAS from blas_rows() rows on)
-    numerics: str = "exact",  # "exact" | "int8" (int8 activations, integer dot products)
+    numerics: str = "exact",  # "exact" | "int8" | "int16" (integer activations, integer dot products)
 ) -> torch.Tensor:  # [M, N] fp32
     """``x @ w.T`` through the compiled kernels (``lib``: a specific build, default the best one).
 
-    ``numerics="int8"`` (a weight with integer values, :attr:`BlockWeight.int8_capable`): each row
-    of ``x`` quantized to int8 in blocks of 32, integer dot products; never BLAS (its summation
-    order depends on the row count, and the int8 mode must stay batch-invariant).
+    ``numerics="int8"`` / ``"int16"`` (a weight with integer values, :attr:`BlockWeight.int8_capable`):
+    each row of ``x`` quantized to 8 / 16 bits in blocks of 32, integer dot products with the
+    weights' int8 values (16 bits as two int8 passes); never BLAS (its summation order depends on
+    the row count, and the integer modes must stay batch-invariant).
 
     Exact mode: many rows (a long prefill chunk) may instead go through BLAS: the weight is dequantized a tile
     at a time into a reused scratch buffer (never the whole matrix) and multiplied by sgemm, where
@@ -215,11 +217,11 @@ def block_matmul(
     parts = w.c_parts()
     if lib is not kernels.load():  # another build: rebuild the parts (same layout, fresh array)
         parts = (kernels.Part * len(w.parts))(*(p.c_part() for p in w.parts))
-    if numerics == "int8" and w.int8_capable:
+    if numerics in ACTIVATION_BITS and w.int8_capable:
         g, q, corr, scale, offs = w.pack_q8(lib)
         y = torch.empty(m, n, dtype=torch.float32)
-        lib.ratchet_mm_q8(x.data_ptr(), m, k, g, q.ctypes.data, corr.ctypes.data, scale.ctypes.data,
-                          None if offs is None else offs.ctypes.data, y.data_ptr(), n, nt)
+        lib.ratchet_mm_q8(x.data_ptr(), m, k, ACTIVATION_BITS[numerics], g, q.ctypes.data, corr.ctypes.data,
+                          scale.ctypes.data, None if offs is None else offs.ctypes.data, y.data_ptr(), n, nt)
         return y
     assert numerics in NUMERICS, numerics
     if path == "blas" or (path == "auto" and m >= blas_rows()):
@@ -382,14 +384,14 @@ class Embedding(nn.Embedding):
 
 
 def set_numerics(module: nn.Module, numerics: str) -> int:
-    """Set the numerics of every block layer in ``module``; returns how many weights run in int8."""
+    """Set the numerics of every block layer in ``module``; returns how many weights run in integers."""
     if numerics not in NUMERICS:
         raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
     n = 0
     for sub in module.modules():
         if isinstance(sub, (Linear, Embedding)) and sub.blocks is not None:
             sub.numerics = numerics
-            n += numerics == "int8" and sub.blocks.int8_capable
+            n += numerics in ACTIVATION_BITS and sub.blocks.int8_capable
     return n
 
 

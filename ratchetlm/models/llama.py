@@ -116,13 +116,13 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
     def set_numerics(self, numerics: str) -> int:
-        """The matmul numerics of every block weight ("exact" | "int8", layers/block_quant.py); the
-        int8 mode also attends in a fixed order per row (its contract is batch invariance, and an
+        """The matmul numerics of every block weight ("exact" | "int8" | "int16", layers/block_quant.py);
+        the integer modes also attend in a fixed order per row (its contract is batch invariance, and an
         int8 rounding amplifies SDPA's shape-dependent last bits). Returns the int8 weight count."""
         n = set_numerics(self, numerics)
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
-            layer.fixed_order_attention = numerics == "int8"
+            layer.fixed_order_attention = numerics != "exact"
         return n
 
     def set_context_len(self, n: int) -> None:

@@ -29,40 +29,49 @@ def lib(request):
     return built
 
 
-def quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference activation blocks: x [M, K] -> xq [M, K] int (in [-127, 127]), dx [M, K/32]."""
+BITS = {"int8": 8, "int16": 16}
+
+
+def quantize_ref(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference activation blocks: x [M, K] -> xq [M, K] int (in [-A, A], A = 127 or 32767), dx [M, K/32]."""
     m, k = x.shape
+    a = 127.0 if bits == 8 else 32767.0
     xb = x.reshape(m, k // 32, 32)
-    dx = xb.abs().amax(dim=-1) / 127.0  # fp32, like the kernel
+    dx = xb.abs().amax(dim=-1) / a  # fp32, like the kernel
     inv = torch.where(dx > 0, 1.0 / dx, torch.zeros_like(dx))
-    xq = torch.round(xb * inv[..., None]).clamp(-127, 127)
+    xq = torch.round(xb * inv[..., None]).clamp(-a, a)
     return xq.reshape(m, k), dx
 
 
-def int8_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def int8_ref(x: torch.Tensor, w: torch.Tensor, bits: int = 8) -> torch.Tensor:
     """y [M, N] = sum over blocks b of dx_b * (xq_b . w_b), in fp64 (w: dequantized weights [N, K])."""
-    xq, dx = quantize_ref(x)
+    xq, dx = quantize_ref(x, bits)
     deq = (xq.double().reshape(x.shape[0], -1, 32) * dx.double()[..., None]).reshape(x.shape)
     return F.linear(deq, w.double())
 
 
-def c_quantize(lib, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def c_quantize(lib, x: torch.Tensor, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     m, k = x.shape
-    xu = np.empty((m, k), np.uint8)
+    xu, xlo = np.empty((m, k), np.uint8), np.zeros((m, k), np.uint8)
     d32 = np.empty((m, k // 32), np.float32)
     sum16 = np.empty((m, k // 16), np.int32)
-    lib.ratchet_quantize_q8(x.data_ptr(), m, k, xu.ctypes.data, d32.ctypes.data, sum16.ctypes.data)
-    return xu, d32, sum16
+    lib.ratchet_quantize_q8(x.data_ptr(), m, k, bits, xu.ctypes.data, xlo.ctypes.data, d32.ctypes.data,
+                            sum16.ctypes.data)
+    return xu, xlo, d32, sum16
 
 
-def test_activation_blocks_match_the_reference_bit_for_bit(lib):
+@pytest.mark.parametrize("bits", [8, 16])
+def test_activation_blocks_match_the_reference_bit_for_bit(lib, bits):
     torch.manual_seed(0)
     x = torch.randn(5, 320) * torch.logspace(-3, 2, 320)  # varied scales; one all-zero block below
     x[2, 64:96] = 0.0
     x[3, 5] = 1e4  # an outlier: its block's other values round to 0
-    xu, d32, sum16 = c_quantize(lib, x)
-    xq, dx = quantize_ref(x)
-    assert np.array_equal(xu.astype(np.int64) - 128, xq.long().numpy())
+    xu, xlo, d32, sum16 = c_quantize(lib, x, bits)
+    xq, dx = quantize_ref(x, bits)
+    xq_c = xu.astype(np.int64) - 128
+    if bits == 16:  # xq = 256 * hi + lo
+        xq_c = xq_c * 256 + xlo
+    assert np.array_equal(xq_c, xq.long().numpy())
     assert same_bits(d32, dx)
     assert np.array_equal(sum16, xq.reshape(5, -1, 16).sum(-1).long().numpy())
 
@@ -85,34 +94,46 @@ def test_integer_form_rebuilds_gguf_py_weights(lib, type_name):
     np.testing.assert_allclose(rebuilt, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
 
 
-def assert_int8_close(got: torch.Tensor, x: torch.Tensor, w: BlockWeight) -> None:
-    """Within fp32 rounding of the fp64 int8 reference: a tiny fraction of sum |dx xq w|."""
+def assert_int8_close(got: torch.Tensor, x: torch.Tensor, w: BlockWeight, bits: int = 8) -> None:
+    """Within fp32 rounding of the fp64 integer reference: a tiny fraction of sum |dx xq w|."""
     dense = w.dequantize()
-    ref = int8_ref(x, dense)
-    xq, dx = quantize_ref(x)
+    ref = int8_ref(x, dense, bits)
+    xq, dx = quantize_ref(x, bits)
     mag = F.linear((xq.double().reshape(x.shape[0], -1, 32) * dx.double()[..., None]).reshape(x.shape).abs(),
                    dense.double().abs())
     err = (got.double() - ref).abs()
     assert (err <= 2e-5 * mag + 1e-30).all(), float((err / mag).max())
 
 
+@pytest.mark.parametrize("mode", list(BITS))
 @pytest.mark.parametrize("type_name", INT_TYPES)
-def test_matmul_matches_the_int8_reference_and_is_batch_invariant(lib, type_name):
+def test_matmul_matches_the_integer_reference_and_is_batch_invariant(lib, type_name, mode):
     k = 96 if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") else 512  # 96: not a multiple of 64
     n = 13
     w = BlockWeight.from_gguf(type_name, random_raw(type_name, n, k, seed=2), k)
     torch.manual_seed(3)
     x = torch.randn(33, k)
     x[4] *= 100.0
-    full = block_matmul(x, w, lib=lib, numerics="int8")
-    assert_int8_close(full, x, w)
+    full = block_matmul(x, w, lib=lib, numerics=mode)
+    assert_int8_close(full, x, w, BITS[mode])
     for rows in range(1, 34):  # row 0 alone, then among 1..33 rows: bitwise the same
-        part = block_matmul(x[:rows], w, lib=lib, numerics="int8")
+        part = block_matmul(x[:rows], w, lib=lib, numerics=mode)
         assert same_bits(part, full[:rows]), rows
     for i in (0, 7, 32):  # and any row alone equals itself in the batch
-        assert same_bits(block_matmul(x[i:i + 1], w, lib=lib, numerics="int8"), full[i:i + 1])
+        assert same_bits(block_matmul(x[i:i + 1], w, lib=lib, numerics=mode), full[i:i + 1])
     for threads in (1, 2):
-        assert same_bits(block_matmul(x, w, lib=lib, numerics="int8", threads=threads), full)
+        assert same_bits(block_matmul(x, w, lib=lib, numerics=mode, threads=threads), full)
+
+
+def test_sixteen_bit_activations_are_near_exact():
+    """int16: the error against the exact product is ~256x smaller than int8's."""
+    k = 512
+    w = BlockWeight.from_gguf("Q4_K", random_raw("Q4_K", 16, k, seed=6), k)
+    x = torch.randn(8, k)
+    exact = F.linear(x.double(), w.dequantize().double())
+    err8 = (block_matmul(x, w, numerics="int8").double() - exact).abs().max()
+    err16 = (block_matmul(x, w, numerics="int16").double() - exact).abs().max()
+    assert err16 < err8 / 50
 
 
 def test_parts_of_mixed_formats_and_row_maps(lib):

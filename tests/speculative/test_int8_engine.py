@@ -1,8 +1,9 @@
-"""The int8 numerics mode at engine level. The mode is not HF-identical (activations are rounded to
-int8), so its oracle is itself: because every row's result is independent of the rows beside it,
-speculative decoding (n-gram chain and tree, EAGLE head) must equal plain greedy decoding in the same
-mode token for token, a request alone must equal the same request in a batch of 8, preemption must
-not change outputs, and WeDLM must equal its no-cache reference run on the same int8 model."""
+"""The integer numerics modes (int8, int16) at engine level. They are not HF-identical (activations
+are rounded to integers), so their oracle is themselves: because every row's result is independent
+of the rows beside it, speculative decoding (n-gram chain and tree, EAGLE head) must equal plain
+greedy decoding in the same mode token for token, a request alone must equal the same request in a
+batch of 8, preemption must not change outputs, and WeDLM must equal its no-cache reference run on
+the same integer-mode model."""
 
 from __future__ import annotations
 
@@ -23,15 +24,15 @@ from .conftest import GREEDY, run_engine
 from .prompts import PROMPTS
 
 
-@pytest.fixture(scope="module")
-def llm_int8():
-    return LLM(progress=False, numerics="int8", kv_cache_blocks=64)
+@pytest.fixture(scope="module", params=["int8", "int16"])
+def llm_int8(request):
+    return LLM(progress=False, numerics=request.param, kv_cache_blocks=64)
 
 
 def int8_engine(llm, decoding: str = "autoregressive", kv_cache_blocks: int = 192, **options) -> LLMEngine:
     if decoding == "speculative":
         options.setdefault("depth_schedule", "constant")
-    cfg = EngineConfig(dtype="float32", decoding=decoding, decoding_options=options, numerics="int8",
+    cfg = EngineConfig(dtype="float32", decoding=decoding, decoding_options=options, numerics=llm.config.numerics,
                        kv_cache_blocks=kv_cache_blocks, progress=False)
     return LLMEngine(cfg, llm.engine.model, llm.model_config, tokenizer=llm.tokenizer)
 
@@ -62,7 +63,7 @@ def test_config_and_cli_validate_numerics():
 
 def test_int8_model_runs_its_matmuls_in_int8_and_names_its_cache_apart(llm_int8, llm_fp32):
     mods = [m for m in llm_int8.engine.model.modules() if isinstance(m, Linear) and m.blocks is not None]
-    assert mods and all(m.numerics == "int8" for m in mods)
+    assert mods and all(m.numerics == llm_int8.config.numerics for m in mods)
     assert llm_int8.engine.kv_identity() != llm_fp32.engine.kv_identity()
     ids = torch.tensor(llm_int8.encode(PROMPTS[3]))
     # not the exact mode's logits (a stub that ignored the mode would pass the equality tests), but close
@@ -110,7 +111,8 @@ def test_alone_equals_in_a_batch_of_8_and_preemption_changes_nothing(llm_int8, e
     assert tight.scheduler.num_preemptions > 0
 
 
-def test_wedlm_equals_its_no_cache_reference_in_int8(tmp_path):
+@pytest.mark.parametrize("numerics", ["int8", "int16"])
+def test_wedlm_equals_its_no_cache_reference_in_int8(tmp_path, numerics):
     """A tiny WeDLM model whose linear weights are Q8_0 blocks, in int8 mode: the paged engine (window
     forwards over cached K/V) equals the reference decoder recomputing the whole sequence each step
     through the same int8 model without a cache."""
@@ -127,7 +129,7 @@ def test_wedlm_equals_its_no_cache_reference_in_int8(tmp_path):
     for m in model.modules():
         if isinstance(m, Linear) and m.blocks is None:
             m.use_blocks(BlockWeight.quantize_q8_0(m.weight))
-    assert model.set_numerics("int8") > 0
+    assert model.set_numerics(numerics) > 0
 
     @torch.inference_mode()
     def no_cache_logits(ids: list[int], pos: list[int]) -> torch.Tensor:
@@ -138,7 +140,7 @@ def test_wedlm_equals_its_no_cache_reference_in_int8(tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [100, 7]]
     opts = dict(window_size=8, entropy_threshold=0.4)
-    cfg = EngineConfig(dtype="float32", decoding="wedlm", decoding_options=opts, numerics="int8",
+    cfg = EngineConfig(dtype="float32", decoding="wedlm", decoding_options=opts, numerics=numerics,
                        kv_cache_blocks=64, max_model_len=256, progress=False)
     eng = LLMEngine(cfg, model, llm.model_config)
     got = run_engine(eng, prompts, params)
