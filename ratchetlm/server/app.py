@@ -36,7 +36,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ratchetlm.engine.llm_engine import PromptTooLongError, QueueFullError
-from ratchetlm.server.async_engine import AsyncEngine
+from ratchetlm.server.async_engine import AsyncEngine, EngineError
 from ratchetlm.server.common import Runner, ServingContext, TokenText
 from ratchetlm.server.config import ServerConfig
 from ratchetlm.server.errors import APIError, from_validation, from_value_error
@@ -97,8 +97,10 @@ class ServerState:
             loop.call_later(self.cfg.shutdown_timeout, engine.fail_all,
                             "the server is shutting down (shutdown timeout reached)")
 
-    def ready(self, llm: Any) -> None:
-        eng = AsyncEngine(llm.engine, llm.tokenizer)
+    def ready(self, llm: Any, engine: Any = None) -> None:
+        """``engine``: a :class:`~ratchetlm.server.replicas.ReplicaPool` (data parallelism), else
+        one :class:`AsyncEngine` on ``llm``'s engine."""
+        eng = engine if engine is not None else AsyncEngine(llm.engine, llm.tokenizer)
         eng.start()
         self.ctx = ServingContext(llm, self.model_name, self.metrics, TokenText(llm.tokenizer),
                                   tool_call_parser=self.cfg.tool_call_parser)
@@ -106,7 +108,15 @@ class ServerState:
 
     def load(self, loader: Callable[[], Any]) -> None:
         try:
-            self.ready(loader())
+            llm = loader()
+            pool = None
+            if self.cfg.data_parallel_size > 1:
+                from ratchetlm.server.replicas import ReplicaPool
+
+                # this process keeps the tokenizer and template (requests are prepared here); the
+                # replicas load the model again, each with its own engine and KV cache
+                pool = ReplicaPool(loader, self.cfg.data_parallel_size)
+            self.ready(llm, pool)
         except Exception as e:  # reported by /health (no paths); the full message goes to the log
             self.load_error = "the model failed to load: " + public_error(e, self.hide)
             print(f"ratchet serve: failed to load the model: {type(e).__name__}: {e}", file=sys.stderr)
@@ -163,9 +173,13 @@ def build_app(llm_or_loader: Any, served_model_name: str | list[str], config: Se
                                        "the server is shutting down" if state.draining else "engine thread stopped")
             return JSONResponse(APIError(msg, 503).body(), status_code=503)
         s = state.engine.snapshot
-        return JSONResponse({"status": "ok", "requests_running": s.running, "requests_waiting": s.waiting,
-                             "kv_blocks_free": s.kv_blocks_free, "kv_blocks_total": s.kv_blocks_total,
-                             "http_requests_active": state.active})
+        body = {"status": "ok", "requests_running": s.running, "requests_waiting": s.waiting,
+                "kv_blocks_free": s.kv_blocks_free, "kv_blocks_total": s.kv_blocks_total,
+                "http_requests_active": state.active}
+        status = getattr(state.engine, "status", None)
+        if status is not None:  # data parallelism: each replica, alive or not
+            body["replicas"] = status()
+        return JSONResponse(body)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -325,6 +339,8 @@ async def _serve(state: ServerState, request: Request, model: type[CommonRequest
         raise APIError(str(e), 400, prompt_param) from None
     except ValueError as e:
         raise from_value_error(e) from None
+    except EngineError as e:  # no replica left to take it
+        raise APIError(str(e), e.status) from None
     m = state.metrics
     m.prompt_tokens.labels(m.model_name).inc(sum(len(s.prompt_ids) for s in plan.subs))
     state.active += 1

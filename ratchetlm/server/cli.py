@@ -20,6 +20,8 @@ _SERVER_HELP = {
     "max_stop_string_length": "longest stop string, in characters",
     "allowed_origins": "CORS: origins browsers may call from, as a JSON list or comma-separated ('*' = any); "
                        "default: none (no CORS headers)",
+    "data_parallel_size": "engine replicas (processes, each with the model and its own KV cache) behind this "
+                          "server; requests go to the least loaded",
     "tool_call_parser": "tool-call format of the model family: auto (from the chat template) | smollm2 | "
                         "hermes (qwen) | llama3_json (llama3)",
 }
@@ -62,6 +64,23 @@ def read_chat_template(arg: str) -> str:
     return text
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelLoader:
+    """Loads the served model; picklable, so data-parallel replica processes load the same."""
+
+    model: str | None
+    kwargs: dict
+    chat_template: str | None = None
+
+    def __call__(self):
+        from ratchetlm import LLM
+
+        llm = LLM(self.model, **self.kwargs)
+        if self.chat_template is not None:
+            llm.tokenizer.chat_template = self.chat_template
+        return llm
+
+
 def default_model_name(model: str | None) -> str:
     if model is None:
         from ratchetlm.models.loader import default_model_path
@@ -96,13 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ratchet serve: error: --chat-template: {e}", file=sys.stderr)
             return 2
 
-    def load():
-        from ratchetlm import LLM
-
-        llm = LLM(model, **kw)
-        if template is not None:
-            llm.tokenizer.chat_template = template
-        return llm
+    load = ModelLoader(model, kw, template)
 
     if "decoding_options" in kw and not isinstance(kw["decoding_options"], dict):
         print("ratchet serve: error: --decoding-options must be a JSON object", file=sys.stderr)

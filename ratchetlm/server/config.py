@@ -26,13 +26,15 @@ class ServerConfig:
     # CORS: origins a browser page may call from ("*" = any); empty = no CORS headers (browsers refuse)
     allowed_origins: tuple[str, ...] = ()
     tool_call_parser: str = "auto"  # structured/tool_calls.py: auto | smollm2 | hermes (qwen) | llama3_json
+    data_parallel_size: int = 1  # engine replicas (processes) behind this front (server/replicas.py)
 
     def __post_init__(self) -> None:
         for name in ("shutdown_timeout", "idle_timeout"):
             v = getattr(self, name)
             if not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
-        for name in ("max_body_bytes", "max_choices", "max_stop_strings", "max_stop_string_length"):
+        for name in ("max_body_bytes", "max_choices", "max_stop_strings", "max_stop_string_length",
+                     "data_parallel_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
