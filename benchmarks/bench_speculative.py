@@ -1,10 +1,10 @@
 """Speculative decoding on the default model (CPU): tokens/s, mean acceptance length, KV bytes
 written per committed token, greedy-text identity vs plain AR, and HF transformers' prompt
 lookup / early-exit assisted generation on the same prompts. Also measures speculative chunk
-verify (SCV) on vs off at batch 1 and 8. Prints medians and ratios vs a peer from the same run.
+verify (SCV) by chunk size at batch 1 and 16. Prints medians and ratios vs a peer from the same run.
 
     python benchmarks/bench_speculative.py [--max-tokens 128] [--ignore-eos] [--threads 1] [--skip-hf] [--skip-scv]
-    python benchmarks/bench_speculative.py --scv-only [--scv-batches 1,16] [--repeats 3] [--max-tokens 24]
+    python benchmarks/bench_speculative.py --scv-only [--scv-batches 1,16] [--scv-depths 6,12] [--scv-chunks 0,2,4,8]
 """
 
 from __future__ import annotations
@@ -136,38 +136,45 @@ def bench_hf(llm: LLM, params: SamplingParams, ref: dict) -> dict:
     return rows
 
 
-def bench_scv(llm: LLM, batches: list[int], repeats: int, max_tokens: int, depth: int = 6) -> None:
-    """Speculative chunk verify: n-gram chain of ``depth`` verified whole (chunk off) or in chunks
-    of 2 / 3. Each cell is the median tokens/s over ``repeats`` runs (configs interleaved so
-    load drift on a shared machine hits them alike); ratios are vs chunk off in the same run."""
+def bench_scv(llm: LLM, batches: list[int], repeats: int, max_tokens: int, depths: list[int],
+              chunks: list[int]) -> None:
+    """Speculative chunk verify: an n-gram chain of each depth verified whole (chunk off) or in
+    chunks, every chunk of a step's draft inside that step (SCV). Each cell is the median tokens/s
+    over ``repeats`` runs (configs interleaved so load drift on a shared machine hits them alike);
+    ratios are vs chunk off in the same run; plain AR runs alongside for reference."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     prompts = [llm.encode(p) for ps in CATEGORIES.values() for p in ps]
-    chunks = (0, 2, 3)
-    print(f"\nSCV (n-gram chain depth {depth}, {max_tokens} new tokens): "
-          f"median tok/s over {repeats} runs by chunk_size")
-    for batch in batches:
-        # batch 1: every prompt alone in turn (total tokens / total time); batch b > 1: b prompts at once
-        groups = [[p] for p in prompts] if batch == 1 else [(prompts * -(-batch // len(prompts)))[:batch]]
-        tps: dict[int, list[float]] = {c: [] for c in chunks}
-        mals: dict[int, float] = {}
-        outs: dict[int, list[list[int]]] = {}
-        for _ in range(repeats):
-            for chunk in chunks:
-                eng = engine(llm, dict(method="ngram", depth=depth, chunk_size=chunk, depth_schedule="constant"))
-                toks, secs, outs[chunk] = 0, 0.0, []
-                for g in groups:
-                    out, dt = run(eng, g, params)
-                    toks, secs = toks + sum(map(len, out)), secs + dt
-                    outs[chunk] += out
-                tps[chunk].append(toks / secs)
-                mals[chunk] = mal(eng)
-        base = statistics.median(tps[0])
-        cells = []
-        for c in chunks:
-            med = statistics.median(tps[c])
-            same = "" if outs[c] == outs[0] else " TEXT DIFFERS"
-            cells.append(f"chunk={c or 'off'}: {med:6.2f} tok/s ({med / base:.2f}x, mal {mals[c]:.2f}){same}")
-        print(f"  batch {batch:2d}: " + "  ".join(cells), flush=True)
+    print(f"\nSCV (n-gram chain, {max_tokens} new tokens): median tok/s over {repeats} runs by chunk_size; "
+          "fwd/step = target forwards per engine step, tok/chunk = tokens committed per chunk")
+    for depth in depths:
+        for batch in batches:
+            # batch 1: every prompt alone in turn (total tokens / total time); batch b > 1: b prompts at once
+            groups = [[p] for p in prompts] if batch == 1 else [(prompts * -(-batch // len(prompts)))[:batch]]
+            cfgs = {"AR": None} | {f"chunk={c or 'off'}": dict(method="ngram", depth=depth, chunk_size=c,
+                                                                depth_schedule="constant") for c in chunks}
+            tps: dict[str, list[float]] = {k: [] for k in cfgs}
+            info: dict[str, str] = {}
+            outs: dict[str, list[list[int]]] = {}
+            for _ in range(repeats):
+                for name, opts in cfgs.items():
+                    eng = engine(llm, opts)
+                    toks, secs, outs[name] = 0, 0.0, []
+                    for g in groups:
+                        out, dt = run(eng, g, params)
+                        toks, secs = toks + sum(map(len, out)), secs + dt
+                        outs[name] += out
+                    tps[name].append(toks / secs)
+                    m = eng.strategy.metrics()
+                    per_chunk = m.get("spec_decode_scv_mean_committed_per_chunk")
+                    info[name] = (f"mal {mal(eng):.2f}, fwd/step {eng.runner.num_forwards / eng.stats.steps:.2f}"
+                                  + (f", tok/chunk {per_chunk:.2f}" if per_chunk else ""))
+            base = statistics.median(tps["chunk=off"])
+            print(f"  depth {depth}, batch {batch}:", flush=True)
+            for name in cfgs:
+                med = statistics.median(tps[name])
+                same = "" if outs[name] == outs["chunk=off"] else "  TEXT DIFFERS"
+                print(f"    {name:10s} {med:7.2f} tok/s ({med / base:.2f}x){'' if name == 'AR' else ', ' + info[name]}"
+                      f"{same}", flush=True)
 
 
 def main() -> None:
@@ -181,7 +188,8 @@ def main() -> None:
     ap.add_argument("--scv-only", action="store_true", help="only the chunked-verify comparison")
     ap.add_argument("--scv-batches", default="1,16", help="comma-separated batch sizes for the SCV comparison")
     ap.add_argument("--repeats", type=int, default=3, help="rounds per cell, configs interleaved (median reported)")
-    ap.add_argument("--scv-depth", type=int, default=6, help="n-gram chain depth for the SCV comparison")
+    ap.add_argument("--scv-depths", default="6,12", help="comma-separated n-gram chain depths for the SCV comparison")
+    ap.add_argument("--scv-chunks", default="0,2,4,8", help="comma-separated chunk sizes (0 = off) for SCV")
     ap.add_argument("--configs", default=None,
                     help=f"';'-separated subset of our configs (plain AR is always run); known: {'; '.join(CONFIGS)}")
     a = ap.parse_args()
@@ -198,9 +206,10 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=a.ignore_eos)
     print(f"default model, CPU, {a.threads} thread(s), greedy, up to {a.max_tokens} new tokens"
           f"{' (EOS ignored)' if a.ignore_eos else ', stop at EOS'}")
-    scv_batches = [int(b) for b in a.scv_batches.split(",")]
+    scv = ([int(b) for b in a.scv_batches.split(",")], a.repeats, a.max_tokens,
+           [int(d) for d in a.scv_depths.split(",")], [int(c) for c in a.scv_chunks.split(",")])
     if a.scv_only:
-        bench_scv(llm, scv_batches, a.repeats, a.max_tokens, a.scv_depth)
+        bench_scv(llm, *scv)
         return
     rows, ref = bench_ours(llm, params, a.repeats)
     if not a.skip_hf:
@@ -213,7 +222,7 @@ def main() -> None:
         print(f"| {name} | {cat} | {b} | {r['tps']:.2f} | {r['tps'] / base:.2f}x | {r['mal']:.2f} | {r['kv']:.2f} |"
               f" {'yes' if r['same'] else 'NO'} |")
     if not a.skip_scv:
-        bench_scv(llm, scv_batches, a.repeats, a.max_tokens, a.scv_depth)
+        bench_scv(llm, *scv)
 
 
 if __name__ == "__main__":

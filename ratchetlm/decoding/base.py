@@ -94,6 +94,13 @@ class DecodeStrategy(ABC):
         SamplingParams) exactly; called before a request is queued."""
         return None
 
+    def continue_step(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal | None]:
+        """After this step's commits: another proposal for some sequences in the same step, on top
+        of what was just committed (speculative chunk verify), within ``budgets[i]`` more tokens;
+        None = the sequence is done for this step. The engine repeats forward → commit until
+        every entry is None."""
+        return [None] * len(seqs)
+
     def on_preempt(self, seq: Sequence) -> None:
         """The sequence lost its KV and will be recomputed; drop private state."""
         seq.strategy_state.clear()

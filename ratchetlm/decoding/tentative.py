@@ -9,6 +9,7 @@ would have produced, because every row is judged on ``target_logits`` with that 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,12 +57,23 @@ def chain_limit(runner: Any) -> int:
     return getattr(runner, "max_chain_tokens", None) or 1 << 30
 
 
-def verify_tree(seq: Sequence, tree: DraftTree, logits: torch.Tensor, room: int) -> tuple[Commit, list[int]]:
+# greedy verification: (tree, target logits [1 + L, V]) -> (accepted node path, next token)
+GreedyRule = Callable[[DraftTree, torch.Tensor], tuple[list[int], int]]
+
+
+def argmax_walk(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
+    return greedy_accept(tree, logits.argmax(dim=-1).tolist())
+
+
+def verify_tree(seq: Sequence, tree: DraftTree, logits: torch.Tensor, room: int,
+                greedy: GreedyRule = argmax_walk) -> tuple[Commit, list[int]]:
     """``logits``: ``[1 + L, V]`` raw rows (root, then one per node). Returns the commit (accepted
-    path + correction/bonus token, cut at a stop token and at ``room``) and the accepted node path."""
+    path + correction/bonus token, cut at a stop token and at ``room``) and the accepted node path.
+    ``greedy`` picks the path of a greedy request (the speculative strategy reads the seed's
+    verified beam; every rule returns the argmax walk's result)."""
     x = target_logits(logits, seq.controls, row_paths(tree) if seq.controls is not None else None)
     if seq.params.greedy:
-        path, nxt = greedy_accept(tree, x.argmax(dim=-1).tolist())
+        path, nxt = greedy(tree, x)
     else:
         path, nxt = sample_accept(tree, filtered_probs(x, seq.params), seq.generator)
     tokens = [tree.tokens[n] for n in path] + [nxt]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,8 @@ from ratchetlm.engine.scheduler import Scheduler
 from ratchetlm.engine.sequence import SeqStatus, Sequence
 from ratchetlm.layers.logits_processors import ControlsFactory
 from ratchetlm.sampling_params import SamplingParams
+
+ProposeFn = Callable[[list[Sequence], list[int]], list[Proposal]]  # (seqs, budgets) -> a proposal per seq
 
 
 class PromptTooLongError(ValueError):
@@ -43,6 +46,22 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _handing_out(proposals: dict[int, Proposal]) -> ProposeFn:
+    """Proposes what was already decided per seq_id (a continuation; fault isolation may re-run it)."""
+    return lambda seqs, _budgets: [proposals[s.seq_id] for s in seqs]
+
+
+def _merge(outs: dict[int, StepOutput], o: StepOutput) -> None:
+    """Fold a sequence's output of a later forward in the same step into its first one."""
+    prev = outs.setdefault(o.seq_id, o)
+    if prev is o:
+        return
+    prev.new_token_ids += o.new_token_ids
+    prev.finished, prev.finish_reason, prev.error = o.finished, o.finish_reason, o.error
+    if o.new_logprobs is not None:
+        prev.new_logprobs = (prev.new_logprobs or []) + o.new_logprobs
 
 
 class LLMEngine:
@@ -157,12 +176,25 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        outs = self._step_isolated([s for s, _ in scheduled], [b for _, b in scheduled])
+        seqs, budgets = [s for s, _ in scheduled], [b for _, b in scheduled]
+        outs: dict[int, StepOutput] = {}
+        propose: ProposeFn = self.strategy.propose
+        while seqs:  # one forward; the strategy may continue some sequences in the same step (SCV)
+            used: dict[int, int] = {}  # seq_id -> tokens its proposal used of the step budget
+            for o in self._step_isolated(seqs, budgets, propose, used):
+                _merge(outs, o)
+            left = [(s, b - used[s.seq_id]) for s, b in zip(seqs, budgets, strict=True)
+                    if s.seq_id in used and not s.is_finished and b > used[s.seq_id]]
+            more = self.strategy.continue_step([s for s, _ in left], [b for _, b in left]) if left else []
+            cont = {s.seq_id: p for (s, _), p in zip(left, more, strict=True) if p is not None}
+            seqs, budgets = [s for s, _ in left if s.seq_id in cont], [b for s, b in left if s.seq_id in cont]
+            propose = _handing_out(cont)
         self.stats.steps += 1
-        return outs
+        return list(outs.values())
 
-    def _step_isolated(self, seqs: list[Sequence], budgets: list[int]) -> list[StepOutput]:
-        """Run one step for ``seqs``; if it raises, find the request(s) responsible and fail only those.
+    def _step_isolated(self, seqs: list[Sequence], budgets: list[int], propose: ProposeFn,
+                       used: dict[int, int]) -> list[StepOutput]:
+        """Run one forward for ``seqs``; if it raises, find the request(s) responsible and fail only those.
 
         Fault isolation: propose, forward and commit change nothing the engine keeps (committed
         tokens, ``num_cached``) until :meth:`_apply`, so a step that raised is discarded (the
@@ -170,11 +202,12 @@ class LLMEngine:
         each half of the batch, recursively: the request(s) that fail alone get an error output,
         the others commit exactly what they would have (rows are batch-invariant; a seeded
         request draws from its rewound generator). A fault costs ~2·log2(batch) extra forwards.
+        ``used`` receives each applied proposal's token count.
         """
         rng = {id(s.generator): (s.generator, s.generator.get_state()) for s in seqs
                if s.generator is not None and not s.params.greedy}
         try:
-            commits, proposals, stage_base = self._compute(seqs, budgets)
+            commits, proposals, stage_base = self._compute(seqs, budgets, propose)
         except Exception as e:  # noqa: BLE001 - any failure of the step is isolated below
             if len(seqs) == 1:
                 return [self._fail(seqs[0], e)]
@@ -184,18 +217,21 @@ class LLMEngine:
             for s in seqs:
                 self.strategy.on_step_discarded(s)
             mid = len(seqs) // 2
-            return self._step_isolated(seqs[:mid], budgets[:mid]) + self._step_isolated(seqs[mid:], budgets[mid:])
+            return (self._step_isolated(seqs[:mid], budgets[:mid], propose, used)
+                    + self._step_isolated(seqs[mid:], budgets[mid:], propose, used))
         outs = []
         for s, p, c, base in zip(seqs, proposals, commits, stage_base, strict=True):
             try:
                 outs.append(self._apply(s, p, c, base))
+                used[s.seq_id] = len(p.token_ids)
             except Exception as e:  # noqa: BLE001 - only this request's state is touched
                 outs.append(self._fail(s, e))
         return outs
 
-    def _compute(self, seqs: list[Sequence], budgets: list[int]) -> tuple[list[Commit], list[Proposal], list[int]]:
+    def _compute(self, seqs: list[Sequence], budgets: list[int],
+                 propose: ProposeFn) -> tuple[list[Commit], list[Proposal], list[int]]:
         self.runner.begin_step()  # (before propose: a fault there leaves the last step's rows as they are)
-        proposals = self.strategy.propose(seqs, budgets)
+        proposals = propose(seqs, budgets)
         for s, p, b in zip(seqs, proposals, budgets, strict=True):
             assert len(p.token_ids) <= b, f"strategy proposed {len(p.token_ids)} tokens over budget {b}"
             self.runner.check_room(s, s.num_cached + len(p.token_ids))

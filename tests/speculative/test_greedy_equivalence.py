@@ -16,12 +16,14 @@ CONFIGS = {
     "self_draft_chain": dict(method="draft", draft_layers=4, depth=3),
     "self_draft_beam": dict(method="draft", draft_layers=4, depth=3, num_candidates=2),
     "ngram_chunked": dict(method="ngram", depth=6, chunk_size=2, min_n=2),
+    "ngram_tree_chunked": dict(method="ngram", num_candidates=3, depth=6, chunk_size=2),
     "ngram_adaptive": dict(method="ngram", num_candidates=2, depth=6, depth_schedule="adaptive"),
 }
 
 
 # every prompt for each proposer / tree shape; chunking is orthogonal to prompt variety
 BATCHED = {name: list(range(len(PROMPTS))) for name in CONFIGS} | {"ngram_chunked": [0, 1, 3, 9],
+                                                                    "ngram_tree_chunked": [0, 1, 3, 8],
                                                                     "ngram_adaptive": [0, 1, 3, 5, 9]}
 
 
@@ -55,7 +57,7 @@ def assert_ngram_accepts_on_copy_heavy_prompts(eng) -> None:
 
 # one request alone per config, alternating code editing / summarization (self-draft is slow on CPU)
 ALONE = {"ngram_chain": 0, "ngram_tree": 3, "self_draft_chain": 3, "self_draft_beam": 0, "ngram_chunked": 0,
-         "ngram_adaptive": 3}
+         "ngram_tree_chunked": 1, "ngram_adaptive": 3}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -101,7 +103,7 @@ def test_mixed_with_prefill_and_preemption(spec_llm, encoded, reference):
 
 def test_bad_options_raise_value_error_naming_the_field(spec_llm):
     for opts, field in ((dict(method="medusa"), "method"), (dict(depth=0), "depth"),
-                        (dict(num_candidates=2, chunk_size=2), "chunk_size"), (dict(min_n=3, max_n=2), "min_n"),
+                        (dict(chunk_size=-1), "chunk_size"), (dict(min_n=3, max_n=2), "min_n"),
                         (dict(depht=3), "depht"), (dict(method="draft", draft_layers=30), "draft_layers")):
         with pytest.raises(ValueError, match=field):
             make_engine(spec_llm, "speculative", **opts)
@@ -179,3 +181,27 @@ def test_gain_schedule_drafts_what_pays(spec_llm, encoded, reference):
                         (dict(verify_token_cost=float("nan")), "verify_token_cost")):
         with pytest.raises(ValueError, match=field):
             make_engine(spec_llm, "speculative", **opts)
+
+
+def test_trees_of_a_batch_are_packed_and_verified_in_one_forward(spec_llm, encoded, reference, monkeypatch):
+    """Production runs the seed's tree API with B > 1: the drafting sequences' beams go through one
+    pack() call and their trees through one forward; each output equals running it alone."""
+    from ratchetlm.decoding.speculative import draft_tree
+
+    packed_batches, trees_per_forward = [], []
+    real_pack = draft_tree.pack
+    monkeypatch.setattr(draft_tree, "pack", lambda beam: packed_batches.append(beam.shape[0]) or real_pack(beam))
+    subset = [0, 1, 3]
+    opts = dict(method="ngram", num_candidates=3, depth=4)
+    eng = make_engine(spec_llm, "speculative", **opts)
+    execute = eng.runner.execute
+
+    def spy(seqs, props, **kw):
+        trees_per_forward.append(sum(not p.direct_write for p in props))
+        return execute(seqs, props, **kw)
+
+    eng.runner.execute = spy
+    together = run_engine(eng, [encoded[i] for i in subset], GREEDY)
+    assert max(packed_batches) == len(subset) and max(trees_per_forward) == len(subset)
+    alone = [run_engine(make_engine(spec_llm, "speculative", **opts), [encoded[i]], GREEDY)[0] for i in subset]
+    assert together == alone == [reference[i] for i in subset]

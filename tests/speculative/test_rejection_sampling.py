@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from ratchetlm.decoding.speculative.strategy import tree_from_beam
+from ratchetlm.decoding.speculative.draft_tree import trees_from_beams
 from ratchetlm.decoding.speculative.verify import residual_rule, sample_accept
 from ratchetlm.layers.sampler import filtered_probs
 from ratchetlm.sampling_params import SamplingParams
@@ -48,7 +48,7 @@ def drafter_beam(lm: TinyLM, ctx: list[int], depth: int) -> torch.Tensor:
 
 def step_inputs(lm: TinyLM, ctx: list[int]):
     """(tree, target probs per row) for a context; row 1 + n = context + path to node n."""
-    tree = tree_from_beam(drafter_beam(lm, ctx, 2), max_nodes=8)
+    tree = trees_from_beams([drafter_beam(lm, ctx, 2)])[0]
     rows = [lm.logits(ctx)]
     for n in range(len(tree)):
         path, p = [], n

@@ -31,9 +31,9 @@ class TreeFeed:
 def tree_feed(root: int, beams: torch.Tensor) -> TreeFeed:  # beams [M, k] int64, k >= 0
     if beams.shape[1] == 0:
         return TreeFeed([root], [0], torch.ones(1, 1, dtype=torch.bool), [0])
-    packed, mask, offsets, umap = pack(beams[None])
-    return TreeFeed([root] + packed[0].tolist(), [0] + (offsets[0] + 1).tolist(), with_root(mask[0]),
-                    (umap[0, :, -1] + 1).tolist())
+    p = pack(beams[None])
+    return TreeFeed([root] + p.tokens[0].tolist(), [0] + (p.position_offsets[0] + 1).tolist(), with_root(p.mask[0]),
+                    (p.unpack_map[0, :, -1] + 1).tolist())
 
 
 # step(k, live, beams) -> per live sequence [M_i, V] logits of each beam's next token, where

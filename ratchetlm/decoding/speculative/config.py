@@ -19,10 +19,12 @@ class SpecConfig:
     ``depth`` C: draft tokens per candidate (default: 1 for "mtp" — DeepSeek-V4's MTP module, verified
     in the static ``S = 2`` decode shape — else 4). ``min_n``/``max_n``: n-gram match lengths.
     ``draft_layers``: layers of the self-draft (target's first N + final norm + head).
-    ``chunk_size``: speculative chunk verify for chains — verify at most this many draft tokens
-    per step and keep the rest of the chain for the next step while everything is accepted
-    (0 = verify the whole chain at once; the default, from docs/speculative.md's measurement:
-    chunks of 2 pay only for long chains at batch >= 8).
+    ``chunk_size``: speculative chunk verify (SCV, the NWOR/SCV design) — a forward verifies at most
+    this many levels of the draft; when they are all accepted and the target's next token is the
+    draft's own, the engine verifies the next levels in another forward of the same step, committing
+    chunk by chunk and stopping at the first rejection (0 = the whole draft in one forward). Default
+    8, the design's: drafts of up to 8 levels (the default depth is 4) verify in one forward, longer
+    ones in chunks of 8 (docs/speculative.md has the measurement).
     ``draft_model``: local path (GGUF file or HF folder) of the draft for ``method="draft_model"``;
     it must share the target's tokenizer (same vocab size). For ``method="eagle"``: the folder of a
     trained EAGLE head (eagle.py; ``ratchet train-eagle`` makes one for a target); by default the
@@ -51,7 +53,7 @@ class SpecConfig:
     min_n: int = 1
     max_n: int = 4
     draft_layers: int = 8
-    chunk_size: int = 0
+    chunk_size: int = 8
     draft_model: str | None = None
     draft_kv_blocks: int = 0
     depth_schedule: str = "auto"
@@ -84,8 +86,6 @@ class SpecConfig:
             raise ValueError(f"speculative verify_token_cost must be a finite number >= 0, got {c!r}")
         if self.min_n > self.max_n:
             raise ValueError(f"speculative min_n ({self.min_n}) must be <= max_n ({self.max_n})")
-        if self.chunk_size and self.num_candidates != 1:
-            raise ValueError("speculative chunk_size applies to chains only (num_candidates == 1)")
         if isinstance(self.draft_model, os.PathLike):
             object.__setattr__(self, "draft_model", os.fspath(self.draft_model))
         if self.method == "draft_model" or (self.method == "eagle" and self.draft_model is not None):

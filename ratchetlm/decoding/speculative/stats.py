@@ -19,13 +19,16 @@ class SpecCounters:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # [depth] drafts accepting >= pos+1 tokens
 
-    def observe(self, draft_tokens: int, accepted: int) -> None:
-        self.num_drafts += 1
+    def observe(self, draft_tokens: int, accepted: int, new_draft: bool = True, offset: int = 0) -> None:
+        """One verification. SCV verifies one draft in several chunks: every chunk after the first
+        (``new_draft=False``) adds to the same draft, its positions starting at ``offset``."""
+        self.num_drafts += new_draft
         self.num_draft_tokens += draft_tokens
         self.num_accepted_tokens += accepted
-        if len(self.accepted_per_pos) < accepted:
-            self.accepted_per_pos += [0] * (accepted - len(self.accepted_per_pos))
-        for i in range(accepted):
+        end = offset + accepted
+        if len(self.accepted_per_pos) < end:
+            self.accepted_per_pos += [0] * (end - len(self.accepted_per_pos))
+        for i in range(offset, end):
             self.accepted_per_pos[i] += 1
 
     @property
@@ -50,3 +53,41 @@ class SpecCounters:
     def from_stats(cls, stats: dict[str, Any], prefix: str) -> SpecCounters:
         return cls(stats.get(f"{prefix}num_drafts", 0), stats.get(f"{prefix}num_draft_tokens", 0),
                    stats.get(f"{prefix}num_accepted_tokens", 0), list(stats.get(f"{prefix}accepted_per_pos", [])))
+
+
+@dataclass
+class ChunkCounters:
+    """Speculative chunk verify: one entry per chunk verification. ``accepted`` is the chunk's
+    accepted draft prefix (plus the next draft node when the target's own token matched it),
+    ``committed`` the tokens the chunk's commit appended (accepted prefix + the target's token)."""
+
+    chunks: int = 0
+    continued: int = 0  # chunks verified after an earlier chunk of the same draft, in the same step
+    accepted: int = 0
+    committed: int = 0
+    by_accepted: list[int] = field(default_factory=list)  # [n] chunks whose accepted prefix was n
+
+    def observe(self, accepted: int, committed: int, continued: bool) -> None:
+        self.chunks += 1
+        self.continued += continued
+        self.accepted += accepted
+        self.committed += committed
+        if len(self.by_accepted) <= accepted:
+            self.by_accepted += [0] * (accepted + 1 - len(self.by_accepted))
+        self.by_accepted[accepted] += 1
+
+    def as_dict(self, prefix: str) -> dict[str, Any]:
+        return {f"{prefix}scv_chunks": self.chunks, f"{prefix}scv_continued_chunks": self.continued,
+                f"{prefix}scv_accepted_tokens": self.accepted, f"{prefix}scv_committed_tokens": self.committed}
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        out: dict[str, float] = dict(self.as_dict(prefix))
+        out[f"{prefix}scv_mean_committed_per_chunk"] = self.committed / self.chunks if self.chunks else 0.0
+        for n, k in enumerate(self.by_accepted):
+            out[f"{prefix}scv_chunks_accepting_{n}"] = k
+        return out
+
+    @classmethod
+    def from_stats(cls, stats: dict[str, Any], prefix: str) -> ChunkCounters:
+        return cls(stats.get(f"{prefix}scv_chunks", 0), stats.get(f"{prefix}scv_continued_chunks", 0),
+                   stats.get(f"{prefix}scv_accepted_tokens", 0), stats.get(f"{prefix}scv_committed_tokens", 0))

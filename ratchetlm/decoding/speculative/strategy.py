@@ -1,4 +1,4 @@
-"""The ``speculative`` strategy: draft a tree, verify it in one staged forward, commit the accepted path.
+"""The ``speculative`` strategy: draft a tree, verify it staged, commit the accepted path.
 
 Per decoding sequence (exactly one uncached token, the *root*) a step proposes
 ``[root] + packed tree nodes`` with ``direct_write=False``: the tree mask extended with the
@@ -8,8 +8,22 @@ contiguous range) and appends the accepted tokens + the correction/bonus token. 
 prefill (more than one uncached token) and sequences without a draft use the plain
 catch-up path (direct writes), so speculative and plain rows mix freely in one batch.
 
+All drafting sequences' beams are packed by one ``pack`` call (draft_tree.py). Greedy verification
+reads the seed's verified beam (``tree_attention.unpack_verified``); sampling walks the tree.
+
+Speculative chunk verify (SCV, ``chunk_size = k > 0``): a forward verifies only the next k levels
+of a draft. When the verifier's next token is a draft node that forward did not carry (the chunk's
+path was accepted to its end), the engine runs another forward *in the same step* for the draft
+below that node, on top of what was just committed (:meth:`continue_step`) — chunk by chunk until
+a rejection, the end of the draft or the step's token budget.
+
+Grammar-constrained requests: every draft candidate is cut at the first token the grammar
+rejects, and rows are verified on the grammar-masked target (decoding/tentative.py); when the
+grammar forces a continuation, that chain is verified instead of a draft (jump-forward, never
+chunked, whatever the depth schedule or ``disable_by_batch_size``).
+
 Depth is capped so that no proposal emits more tokens than ``max_tokens``/``max_model_len``
-allow, and ``tokens_wanted`` reports the largest proposal so the scheduler reserves its KV.
+allow, and ``tokens_wanted`` reports the largest step so the scheduler reserves its KV.
 """
 
 from __future__ import annotations
@@ -24,39 +38,36 @@ from ratchetlm.decoding.autoregressive import catch_up_commit, catch_up_proposal
 from ratchetlm.decoding.base import Commit, DecodeStrategy, Proposal, StrategyContext, register
 from ratchetlm.decoding.speculative import draft_model, eagle, mtp, self_draft  # noqa: F401  (register the proposers)
 from ratchetlm.decoding.speculative.config import SpecConfig
-from ratchetlm.decoding.speculative.proposers import PAD, DraftBeam, create_proposer
-from ratchetlm.decoding.speculative.stats import SpecCounters
-from ratchetlm.decoding.speculative.tree_attention import num_nodes, pack, parents, with_root
+from ratchetlm.decoding.speculative.draft_tree import continuation, cut, greedy_verify, restrict, trees_from_beams
+from ratchetlm.decoding.speculative.proposers import PAD, create_proposer
+from ratchetlm.decoding.speculative.stats import ChunkCounters, SpecCounters
+from ratchetlm.decoding.speculative.tree_attention import with_root
 from ratchetlm.decoding.speculative.verify import DraftTree
-from ratchetlm.decoding.tentative import chain_limit, forced_chain, observe_forced, verify_tree
+from ratchetlm.decoding.tentative import chain, chain_limit, forced_chain, observe_forced, verify_tree
 from ratchetlm.engine.sequence import Sequence
 
 _PREFIX = "spec_"
-_LEFTOVER = "spec_leftover"  # strategy_state key: (anchor length, remaining chain) for chunked verify
+_CONTINUE = "spec_continue"  # strategy_state key: SCV work left for this step (_Continue)
 _DEPTH = "spec_depth"  # strategy_state key: the adaptive schedule's current draft depth
 
 
 @dataclass(frozen=True)
 class TreeState:
-    tree: DraftTree
-    leftover: list[int] | None  # chunked verify: draft tokens after this chunk (chains only)
+    tree: DraftTree  # the nodes this forward verifies
+    draft: DraftTree  # the (rest of the) step's draft they were cut from
+    nodes: list[int]  # draft node of each tree node
+    first: bool  # the step's first forward for this draft (SCV continuations are not)
+    depth: int  # levels of the step's whole draft
+    accepted: int  # draft tokens accepted by this step's earlier forwards
     forced: bool = False  # the chain is grammar-forced tokens (jump-forward), not a draft
 
 
-def tree_from_beam(beam: torch.Tensor, max_nodes: int) -> DraftTree:  # beam [M, C] with PAD
-    """Pack one beam, drop padding nodes, keep at most ``max_nodes`` (a topological prefix)."""
-    if beam.shape[0] == 1:  # one candidate is its own prefix tree: a chain, no dedup to do
-        chain = [t for t in beam[0, :max_nodes].tolist() if t != PAD]
-        return DraftTree(chain, list(range(-1, len(chain) - 1)), list(range(len(chain))))
-    packed, mask, off, umap = pack(beam[None])
-    n = int(num_nodes(umap)[0])
-    keep = packed[0, :n] != PAD
-    keep &= keep.long().cumsum(0) <= max_nodes
-    idx = keep.nonzero().squeeze(1)
-    sub_mask = mask[0][idx][:, idx]
-    sub_off = off[0][idx]
-    par = parents(sub_mask[None], sub_off[None])[0]
-    return DraftTree(packed[0][idx].tolist(), par.tolist(), sub_off.tolist())
+@dataclass(frozen=True)
+class _Continue:
+    length: int  # the sequence's committed length it applies to
+    draft: DraftTree  # what is left of the draft below the accepted node
+    depth: int
+    accepted: int
 
 
 def tree_mask(tree: DraftTree) -> torch.Tensor:  # [L, L] bool ancestor-or-self
@@ -71,11 +82,13 @@ def tree_mask(tree: DraftTree) -> torch.Tensor:  # [L, L] bool ancestor-or-self
 @register("speculative")
 class Speculative(DecodeStrategy):
     stages = True
+
     def __init__(self, ctx: StrategyContext, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(ctx, options)
         self.cfg = SpecConfig.from_options(self.options)
         self.proposer = create_proposer(self.cfg.method, self.cfg, ctx)
         self.totals = SpecCounters()
+        self.chunks = ChunkCounters()
         self.disabled_steps = 0  # steps decoded plainly because of disable_by_batch_size
 
     # ------------------------------------------------------------------ lifecycle
@@ -110,20 +123,19 @@ class Speculative(DecodeStrategy):
         depth = depth + 2 if accepted >= drafted else depth - 1
         seq.strategy_state[_DEPTH] = max(1, min(self.cfg.depth, depth))
 
-    def _verify_len(self, seq: Sequence) -> int:
-        d = self._depth(seq)
-        return min(d, self.cfg.chunk_size) if self.cfg.chunk_size else d
-
     def tokens_wanted(self, seq: Sequence) -> int:
         pending = len(seq.token_ids) - seq.num_cached
         if pending > 1:
             return pending
         forced = forced_chain(seq, 1 << 30, self._room(seq), chain_limit(self.ctx.runner))
-        return 1 + (len(forced) if forced else self.cfg.num_candidates * self._verify_len(seq))
+        # all chunks of a draft run in one step
+        return 1 + (len(forced) if forced else self.cfg.num_candidates * self._depth(seq))
 
     # ------------------------------------------------------------------ propose
 
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
+        for s in seqs:
+            s.strategy_state.pop(_CONTINUE, None)  # SCV work never outlives its step
         limit = self.cfg.disable_by_batch_size
         disabled = bool(limit and len(seqs) >= limit)  # a big batch: no drafts (they cost more than they save)
         self.disabled_steps += disabled
@@ -133,39 +145,52 @@ class Speculative(DecodeStrategy):
         for i, (s, b) in enumerate(zip(seqs, budgets, strict=True)):
             forced = forced_chain(s, b, self._room(s), chain_limit(self.ctx.runner))
             if forced:  # the grammar admits one continuation: verify it instead of a draft
-                chain = torch.tensor(forced, dtype=torch.long)[None]
-                props[i] = self._tree_proposal(s, DraftBeam(chain, torch.zeros(chain.shape)), b, forced=True)
+                props[i] = self._tree_proposal(s, chain(forced), b, True, len(forced), 0, forced=True)
                 continue
             d = min(self._depth(s), b - 1)
-            if disabled or len(s.token_ids) - s.num_cached > 1 or d <= 0:
-                props[i] = catch_up_proposal(s, b)
-                continue
-            left = s.strategy_state.pop(_LEFTOVER, None)
-            if left is not None and left[0] == len(s.token_ids) and left[1]:
-                chain = torch.tensor(left[1][:d], dtype=torch.long)[None]
-                props[i] = self._tree_proposal(s, DraftBeam(chain, torch.zeros(chain.shape)), b)
-                continue
-            todo.append(i)
-            depths.append(d)
+            if not disabled and len(s.token_ids) - s.num_cached == 1 and d > 0:
+                todo.append(i)
+                depths.append(d)
         beams = self.proposer.propose([seqs[i] for i in todo], depths) if todo else []
-        for i, beam in zip(todo, beams, strict=True):
-            props[i] = catch_up_proposal(seqs[i], budgets[i]) if beam is None else \
-                self._tree_proposal(seqs[i], beam, budgets[i])
-        return props  # type: ignore[return-value]
+        drafted = [(i, self._grammar_cut(seqs[i], beam.tokens)) for i, beam in zip(todo, beams, strict=True)
+                   if beam is not None]
+        trees = trees_from_beams([tokens for _, tokens in drafted]) if drafted else []
+        for (i, _), tree in zip(drafted, trees, strict=True):
+            props[i] = self._tree_proposal(seqs[i], tree, budgets[i], True, max(tree.depth, default=-1) + 1, 0)
+        return [p if p is not None else catch_up_proposal(s, b) for p, s, b in zip(props, seqs, budgets, strict=True)]
 
-    def _tree_proposal(self, seq: Sequence, beam: DraftBeam, budget: int, forced: bool = False) -> Proposal:
-        tokens, leftover = beam.tokens, None
-        if seq.controls is not None and seq.controls.grammar is not None and not forced:
-            tokens = tokens.clone()  # drop each candidate's draft tokens from the first one the grammar rejects
-            for row in tokens:
-                ok = seq.controls.valid_prefix([t for t in row.tolist() if t != PAD])
-                row[ok:] = PAD
-        if self.cfg.chunk_size and not forced and tokens.shape[1] > self.cfg.chunk_size:
-            leftover = [t for t in tokens[0, self.cfg.chunk_size :].tolist() if t != PAD]
-            tokens = tokens[:, : self.cfg.chunk_size]
-        tree = tree_from_beam(tokens, budget - 1)
-        if len(tree) == 0:
-            return catch_up_proposal(seq, budget)
+    @staticmethod
+    def _grammar_cut(seq: Sequence, tokens: torch.Tensor) -> torch.Tensor:  # [M, C] with PAD
+        """Each candidate's draft tokens up to the first one the request's grammar rejects."""
+        if seq.controls is None or seq.controls.grammar is None:
+            return tokens
+        tokens = tokens.clone()
+        for row in tokens:
+            ok = seq.controls.valid_prefix([t for t in row.tolist() if t != PAD])
+            row[ok:] = PAD
+        return tokens
+
+    def continue_step(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal | None]:
+        """SCV: the next chunk of a draft whose previous chunk was accepted, in the same step."""
+        out: list[Proposal | None] = []
+        for s, b in zip(seqs, budgets, strict=True):
+            c: _Continue | None = s.strategy_state.pop(_CONTINUE, None)
+            # the commit's K/V must have landed (a staging fallback leaves several tokens uncached)
+            ok = c is not None and c.length == len(s.token_ids) == s.num_cached + 1
+            out.append(self._tree_proposal(s, c.draft, b, False, c.depth, c.accepted) if c is not None and ok
+                       else None)
+        return out
+
+    def _tree_proposal(self, seq: Sequence, draft: DraftTree, budget: int, first: bool, depth: int,
+                       accepted: int, forced: bool = False) -> Proposal | None:
+        """The chunk of ``draft`` this forward verifies, under the step budget and the room left;
+        None when nothing of it fits."""
+        room = self._room(seq) - 1  # draft levels whose tokens may still be appended
+        chunk = 0 if forced else self.cfg.chunk_size
+        nodes = [k for k in cut(draft, chunk, budget - 1) if draft.depth[k] < room]
+        if not nodes:
+            return None
+        tree = restrict(draft, nodes)
         base = seq.num_cached
         return Proposal(
             token_ids=[seq.token_ids[-1]] + tree.tokens,
@@ -173,7 +198,7 @@ class Speculative(DecodeStrategy):
             logit_rows=list(range(1 + len(tree))),
             mask=with_root(tree_mask(tree)),
             direct_write=False,
-            state=TreeState(tree, leftover, forced),
+            state=TreeState(tree, draft, nodes, first, depth, accepted, forced),
         )
 
     # ------------------------------------------------------------------ commit
@@ -191,25 +216,38 @@ class Speculative(DecodeStrategy):
     def _commit_tree(self, seq: Sequence, prop: Proposal, logits: torch.Tensor) -> Commit:
         st: TreeState = prop.state
         tree = st.tree
-        commit, path = verify_tree(seq, tree, logits, self._room(seq))
-        tokens = commit.token_ids
+        commit, path = verify_tree(seq, tree, logits, self._room(seq), greedy=greedy_verify)
         if st.forced:
             observe_forced(seq, len(tree), len(path))
             return commit
-        self._observe(seq, len(tree), len(path))
-        self._adapt_depth(seq, max(tree.depth) + 1, len(path))
-        if st.leftover and len(path) == len(tree) and st.leftover[0] == tokens[-1] and len(tokens) == len(path) + 1:
-            # the whole chunk and the next draft token were accepted: keep the rest of the chain
-            seq.strategy_state[_LEFTOVER] = (len(seq.token_ids) + len(tokens), st.leftover[1:])
+        tokens = commit.token_ids
+        rest = None
+        if self.cfg.chunk_size and len(tokens) == len(path) + 1:
+            rest = continuation(st.draft, st.nodes, st.nodes[path[-1]] if path else -1, tokens[-1])
+        # the next token is the draft's own next node (beyond this chunk): an accepted draft token too
+        matched = int(rest is not None)
+        accepted = len(path) + matched
+        self._observe(seq, st, len(tree) + matched, accepted, len(tokens))
+        if rest is not None and len(rest):  # verify the draft below that node now, in this step
+            seq.strategy_state[_CONTINUE] = _Continue(len(seq.token_ids) + len(tokens), rest, st.depth,
+                                                      st.accepted + accepted)
+        else:
+            self._adapt_depth(seq, st.depth, st.accepted + accepted)
         return commit
 
     # ------------------------------------------------------------------ metrics
 
-    def _observe(self, seq: Sequence, draft_tokens: int, accepted: int) -> None:
+    def _observe(self, seq: Sequence, st: TreeState, drafted: int, accepted: int, committed: int) -> None:
+        """vLLM's counters count a step's draft once (its chunks add tokens to it); SCV's count chunks."""
         c = SpecCounters.from_stats(seq.stats, _PREFIX)
-        c.observe(draft_tokens, accepted)
+        c.observe(drafted, accepted, new_draft=st.first, offset=st.accepted)
         seq.stats.update(c.as_dict(_PREFIX))
-        self.totals.observe(draft_tokens, accepted)
+        self.totals.observe(drafted, accepted, new_draft=st.first, offset=st.accepted)
+        if self.cfg.chunk_size:
+            ch = ChunkCounters.from_stats(seq.stats, _PREFIX)
+            ch.observe(accepted, committed, continued=not st.first)
+            seq.stats.update(ch.as_dict(_PREFIX))
+            self.chunks.observe(accepted, committed, continued=not st.first)
 
     def metrics(self) -> dict[str, float]:
         t = self.totals
@@ -223,5 +261,7 @@ class Speculative(DecodeStrategy):
         }
         for i, n in enumerate(t.accepted_per_pos):
             out[f"spec_decode_num_accepted_tokens_per_pos_{i}"] = n
+        if self.cfg.chunk_size:
+            out.update(self.chunks.metrics("spec_decode_"))
         out.update(self.proposer.metrics())
         return out

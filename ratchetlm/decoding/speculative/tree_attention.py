@@ -7,23 +7,41 @@ prefix tree; packing lists the nodes of each row in the order they first appear 
 beam candidate-major, depth-minor. That order is topological (every node's ancestors come
 before it), so any prefix of the packed order is itself a valid, smaller tree.
 
-API (shapes per the seed design)::
+API (the seed design, tree_attention.md)::
 
-    packed, mask, offsets, unpack_map = pack(beam)    # (B,L) (B,L,L) (B,L) (B,M,C)
-    per_candidate = unpack(per_node_out, unpack_map)  # (B,L,...) -> (B,M,C,...)
+    packed = pack(beam)             # PackedBeams: tokens (B,L), mask (B,L,L), position_offsets (B,L),
+                                    #   unpack_map (B,M,C), packed_token_indices (B,L)
+    logits = LLM(root + packed ...) # (B, 1+L, V): row 0 the root (last committed token), row 1+n node n
+    verified_beam, verified_scores = unpack_verified(logits, packed.unpack_map, beam)   # (B,M,C) each
+    per_candidate = unpack(per_node_out, unpack_map)   # any (B,L,...) -> (B,M,C,...)
 
-* ``packed[b][unpack_map[b]] == beam[b]``;
+* ``tokens[b][unpack_map[b]] == beam[b]``;
 * ``mask[b, i, j]`` is True iff node j is an ancestor-or-self of node i;
-* ``offsets[b, i]`` is node i's depth (0 for a first token) — its RoPE offset from the end of
-  the committed context;
+* ``position_offsets[b, i]`` is node i's depth (0 for a first token) — its RoPE offset from the
+  end of the committed context (the root sits at offset 0 before it, so the engine feeds depth + 1);
+* ``packed_token_indices[b, i]``: where node i was taken from in the flattened beam, ``m * C + c``
+  of the first candidate holding it (the seed's ``[0, 1, 2, 3, 6, 7, 10, 11]``);
 * rows with fewer than L nodes are padded: padding tokens repeat the row's first token, have
-  offset 0 and a mask that only sees themselves; no real node ever sees a padding node.
+  offset 0, index -1 and a mask that only sees themselves; no real node ever sees a padding node.
   :func:`num_nodes` gives each row's real node count.
+* ``verified_beam[b, m, c]``: the target's greedy token at that beam position, read from the row
+  of its parent (the root for c = 0); ``verified_scores``: the target's log-probability of the
+  beam's own token there. A candidate is accepted as far as it agrees with ``verified_beam``.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+
+class PackedBeams(NamedTuple):
+    tokens: torch.Tensor  # [B, L] int64 packed beam
+    mask: torch.Tensor  # [B, L, L] bool ancestor-or-self
+    position_offsets: torch.Tensor  # [B, L] int64 depth
+    unpack_map: torch.Tensor  # [B, M, C] int64 node of each beam entry
+    packed_token_indices: torch.Tensor  # [B, L] int64 flat beam index m * C + c of each node, -1 padding
 
 
 def _owner(beam: torch.Tensor) -> torch.Tensor:  # [B, M, C] int64
@@ -35,11 +53,8 @@ def _owner(beam: torch.Tensor) -> torch.Tensor:  # [B, M, C] int64
     return prefix_eq.long().argmax(dim=2)  # first True along j (i itself is always True)
 
 
-def pack(
-    beam: torch.Tensor,  # [B, M, C] int64 candidate token ids
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Dedup shared prefixes and pack. Returns ``(packed [B,L], mask [B,L,L] bool,
-    position_offsets [B,L] int64, unpack_map [B,M,C] int64)`` with ``L = max_b nodes(b) <= M*C``."""
+def pack(beam: torch.Tensor) -> PackedBeams:  # beam [B, M, C] int64 candidate token ids
+    """Dedup shared prefixes and pack; ``L = max_b nodes(b) <= M*C``."""
     if beam.dim() != 3 or beam.numel() == 0:
         raise ValueError(f"beam must be a non-empty [B, M, C] tensor, got shape {tuple(beam.shape)}")
     b, m, c = beam.shape
@@ -54,14 +69,16 @@ def pack(
     owner_flat = owner * c + torch.arange(c, device=dev)[None, None, :]  # [B, M, C]
     unpack_map = node_of_flat.gather(1, owner_flat.reshape(b, m * c)).reshape(b, m, c)
 
-    # scatter owned tokens / depths to their packed slot; non-owned entries go to a dump column
+    # scatter owned tokens / depths / flat indices to their packed slot; non-owned go to a dump column
     dest = torch.where(owned_flat, node_of_flat, torch.full_like(node_of_flat, n_max))
     depth_flat = torch.arange(c, device=dev).repeat(m)[None, :].expand(b, -1)
     packed = beam[:, 0, :1].expand(b, n_max + 1).clone()  # padding filler: the row's first token
     packed.scatter_(1, dest, beam.reshape(b, m * c))
     offsets = torch.zeros(b, n_max + 1, dtype=torch.long, device=dev)
     offsets.scatter_(1, dest, depth_flat)
-    packed, offsets = packed[:, :n_max], offsets[:, :n_max]
+    indices = torch.full((b, n_max + 1), -1, dtype=torch.long, device=dev)
+    indices.scatter_(1, dest, torch.arange(m * c, device=dev)[None, :].expand(b, -1))
+    packed, offsets, indices = packed[:, :n_max], offsets[:, :n_max], indices[:, :n_max]
     is_real = torch.arange(n_max, device=dev)[None, :] < counts[:, None]  # [B, L]
     offsets = offsets * is_real
 
@@ -73,7 +90,7 @@ def pack(
     mask.scatter_(1, unpack_map.reshape(b, m * c, 1).expand(b, m * c, n_max), anc.reshape(b, m * c, n_max))
     eye = torch.eye(n_max, dtype=torch.bool, device=dev)[None]
     mask = mask | (eye & ~is_real[:, :, None])  # padding rows see only themselves
-    return packed, mask, offsets, unpack_map
+    return PackedBeams(packed, mask, offsets, unpack_map, indices)
 
 
 def unpack(
@@ -84,6 +101,28 @@ def unpack(
     b = out.shape[0]
     rows = torch.arange(b, device=out.device)[:, None, None]
     return out[rows, unpack_map]
+
+
+def unpack_verified(
+    logits: torch.Tensor,  # [B, 1 + L, V] target logits: row 0 the root, row 1 + n packed node n
+    unpack_map: torch.Tensor,  # [B, M, C] int64 node of each beam entry, -1 = not verified (absent)
+    beam: torch.Tensor,  # [B, M, C] int64
+) -> tuple[torch.Tensor, torch.Tensor]:  # verified_beam [B, M, C] int64, verified_scores [B, M, C] fp32
+    """The seed's ``unpack`` of a verify forward. Position (m, c) is predicted by the row of its
+    parent — the root for c = 0, node ``unpack_map[m, c - 1]`` otherwise. Where that parent was
+    not verified, the verified token is -1 and the score -inf."""
+    b, m, c = unpack_map.shape
+    dev = unpack_map.device
+    parent = torch.cat([torch.full((b, m, 1), -1, dtype=torch.long, device=dev), unpack_map[:, :, :-1]], dim=2)
+    ok = (parent >= 0) | (torch.arange(c, device=dev) == 0)  # [B, M, C] the parent row was verified
+    rows = torch.where(ok, parent + 1, torch.zeros_like(parent))  # [B, M, C] logits row of the parent
+    greedy = logits.argmax(dim=-1)  # [B, 1 + L]
+    verified_beam = torch.where(ok, unpack(greedy, rows), torch.full_like(rows, -1))
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [B, 1 + L, V]
+    bi = torch.arange(b, device=dev)[:, None, None]
+    own = logp[bi, rows, beam.clamp(min=0)]  # [B, M, C]
+    verified_scores = torch.where(ok & (beam >= 0), own, torch.full_like(own, float("-inf")))
+    return verified_beam, verified_scores
 
 
 def num_nodes(unpack_map: torch.Tensor) -> torch.Tensor:  # [B, M, C] -> [B] int64

@@ -1,0 +1,103 @@
+"""A step's draft trees: every sequence's beam packed in one ``pack`` call, cut to what one verify
+forward carries (chunks, token budget), continued within the step (SCV), and turned back into
+candidates for the seed's verified-beam check.
+
+Trees are :class:`~ratchetlm.decoding.speculative.verify.DraftTree` (nodes in topological order,
+parent -1 = a child of the root). Every cut keeps a subset of nodes closed under ancestors, in the
+same order, so the result is again a valid tree.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ratchetlm.decoding.speculative.proposers import PAD
+from ratchetlm.decoding.speculative.tree_attention import num_nodes, pack, parents, unpack_verified
+from ratchetlm.decoding.speculative.verify import DraftTree
+
+
+def _chain(tokens: list[int]) -> DraftTree:
+    return DraftTree(tokens, list(range(-1, len(tokens) - 1)), list(range(len(tokens))))
+
+
+def trees_from_beams(beams: list[torch.Tensor]) -> list[DraftTree]:  # beams[i]: [M_i, C_i] with PAD
+    """All sequences' beams in one :func:`pack` over ``[B, max M, max C]`` (PAD-filled), each row's
+    real, non-PAD nodes as a tree. A batch of chains skips ``pack``: a single candidate has no
+    prefix to share, and packing it costs more than the whole rest of a chain step (0.15 ms)."""
+    if all(bm.shape[0] == 1 for bm in beams):
+        return [_chain([t for t in bm[0].tolist() if t != PAD]) for bm in beams]
+    b, m, c = len(beams), max(bm.shape[0] for bm in beams), max(bm.shape[1] for bm in beams)
+    batch = torch.full((b, m, c), PAD, dtype=torch.long)
+    for i, bm in enumerate(beams):
+        batch[i, : bm.shape[0], : bm.shape[1]] = bm
+    packed = pack(batch)
+    n = num_nodes(packed.unpack_map).tolist()
+    par = parents(packed.mask, packed.position_offsets)  # [B, L]
+    out = []
+    for i in range(b):
+        # PAD nodes (short candidates, padding rows) only ever have PAD descendants: drop them all
+        keep = (packed.tokens[i, : n[i]] != PAD).nonzero().flatten()
+        out.append(restrict(DraftTree(packed.tokens[i, : n[i]].tolist(), par[i, : n[i]].tolist(),
+                                      packed.position_offsets[i, : n[i]].tolist()), keep.tolist()))
+    return out
+
+
+def restrict(tree: DraftTree, keep: list[int]) -> DraftTree:
+    """The nodes ``keep`` (ascending, closed under ancestors) as a tree of their own."""
+    new = {old: j for j, old in enumerate(keep)}
+    return DraftTree([tree.tokens[k] for k in keep], [new[tree.parent[k]] if tree.parent[k] >= 0 else -1 for k in keep],
+                     [tree.depth[k] for k in keep])
+
+
+def cut(tree: DraftTree, chunk: int, max_nodes: int) -> list[int]:
+    """Nodes one verify forward carries: the first ``chunk`` levels (0 = all), then the first
+    ``max_nodes`` of those in topological order (the step's token budget)."""
+    keep = [k for k, d in enumerate(tree.depth) if not chunk or d < chunk]
+    return keep[:max_nodes]
+
+
+def continuation(tree: DraftTree, verified: list[int], last: int, token: int) -> DraftTree | None:
+    """SCV: the verifier accepted ``last`` (-1 = the root) and then chose ``token``. If ``token`` is a
+    child of ``last`` that this forward did not verify (``verified``: the nodes it carried), the
+    draft continues from it: that child becomes the next root, its descendants the next tree."""
+    seen = set(verified)
+    child = next((k for k in tree.children[last + 1] if tree.tokens[k] == token and k not in seen), None)
+    if child is None:
+        return None
+    inside = [False] * len(tree)
+    for k in range(child + 1, len(tree)):
+        p = tree.parent[k]
+        inside[k] = p == child or (p >= 0 and inside[p])
+    keep = [k for k in range(len(tree)) if inside[k]]
+    new = {old: j for j, old in enumerate(keep)}
+    base = tree.depth[child] + 1
+    return DraftTree([tree.tokens[k] for k in keep], [new.get(tree.parent[k], -1) for k in keep],
+                     [tree.depth[k] - base for k in keep])
+
+
+def candidates(tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, C] tokens with PAD, [M, C] nodes, -1)
+    """The tree as a beam again: one candidate per leaf (its root-to-leaf path), with the node of
+    every entry — the ``(beam, unpack_map)`` pair :func:`tree_attention.unpack_verified` reads."""
+    leaves = [k for k in range(len(tree)) if not tree.children[k + 1]]
+    width = max((tree.depth[k] + 1 for k in leaves), default=0)
+    beam = torch.full((max(1, len(leaves)), max(1, width)), PAD, dtype=torch.long)
+    umap = torch.full_like(beam, -1)
+    for i, leaf in enumerate(leaves):
+        k = leaf
+        while k >= 0:
+            beam[i, tree.depth[k]], umap[i, tree.depth[k]] = tree.tokens[k], k
+            k = tree.parent[k]
+    return beam, umap
+
+
+def greedy_verify(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:  # logits [1 + L, V]
+    """Greedy verification through the seed's verified beam: every root-to-leaf candidate is
+    accepted as far as it agrees with ``unpack_verified``'s target tokens and the longest wins
+    (candidates agreeing that far share those nodes, since siblings differ). Returns the accepted
+    node path and the target's next token — exactly :func:`verify.greedy_accept`'s result."""
+    beam, umap = candidates(tree)  # [M, C] each
+    verified, _ = unpack_verified(logits[None], umap[None], beam[None])
+    agree = ((beam == verified[0]) & (umap >= 0)).long().cumprod(dim=1).sum(dim=1)  # [M] accepted length
+    m = int(agree.argmax())
+    path = umap[m, : int(agree[m])].tolist()
+    return path, int(logits[1 + path[-1] if path else 0].argmax())
