@@ -93,6 +93,8 @@ def test_constrained_output_validates(spec_llm, extraction):
     ("speculative", dict(SPECS["ngram_chain"], depth_schedule="gain"), True),  # forced tokens whatever the depth
     ("speculative", dict(SPECS["ngram_chain"], disable_by_batch_size=2), True),  # ... and with drafting off
     ("speculative", SPECS["self_draft"], False),
+    # SCV: a draft's later chunks are verified on the grammar state its earlier chunks committed
+    ("speculative", dict(method="ngram", depth=6, chunk_size=2, depth_schedule="constant"), True),
 ])
 def test_constrained_is_identical_across_strategies(spec_llm, extraction, decoding, opts, jf):
     prompts, params, ref, ref_eng = extraction
@@ -109,3 +111,5 @@ def test_constrained_is_identical_across_strategies(spec_llm, extraction, decodi
         m = eng.strategy.metrics()  # drafts were verified under the grammar (n-gram ones copy the prompt: accepted)
         assert m["spec_decode_num_drafts"] > 0
         assert m["spec_decode_num_accepted_tokens"] > 0 or opts["method"] != "ngram"
+        if opts.get("chunk_size") == 2:
+            assert m["spec_decode_scv_continued_chunks"] > 0, "no chunk was verified on top of another"
