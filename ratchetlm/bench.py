@@ -6,6 +6,8 @@ the same number of threads and the same KV budget:
 * ``ratchetlm``: fp32 activations, weights in block form (the default);
 * ``ratchetlm-dense``: ``gguf_kernels=False``, a dense fp32 copy multiplied by BLAS (the path
   before the block kernels took every row count: a baseline for prefill);
+* ``ratchetlm-int8`` / ``ratchetlm-int16``: the integer numerics modes (``--numerics``: int8 / 16-bit
+  activations, VNNI dot products; batch-invariant, not HF-identical);
 * ``llama.cpp``: llama-cpp-python's C API (greedy argmax, sequences batched in one ``llama_decode``);
 * ``hf``: HF transformers' own GGUF loader, fp32, ``generate`` with left padding.
 
@@ -40,7 +42,7 @@ PROMPTS = [
     "Once upon a time, a robot",
     "Summarize the plot of Romeo and Juliet.",
 ]
-ENGINES = ("ratchetlm", "ratchetlm-dense", "llama.cpp", "hf")
+ENGINES = ("ratchetlm", "ratchetlm-dense", "ratchetlm-int8", "ratchetlm-int16", "llama.cpp", "hf")
 
 
 def _median(f: Callable[[], float], repeats: int) -> float:
@@ -64,10 +66,11 @@ class Runner:
 
 
 class RatchetRunner(Runner):
-    def __init__(self, model: str | None, dense: bool, ctx: int, max_batch: int) -> None:
+    def __init__(self, model: str | None, dense: bool, ctx: int, max_batch: int, numerics: str = "exact") -> None:
         from ratchetlm import LLM
 
         self.llm = LLM(model, progress=False, dtype="float32", gguf_kernels=not dense, max_model_len=ctx,
+                       numerics=numerics,
                        kv_cache_blocks=ctx // 16 + max_batch, max_num_batched_tokens=max(ctx, 1024))
         self.kv_bytes = sum(t.numel() * t.element_size() for t in _tensors(self.llm.engine.cache))
 
@@ -178,8 +181,9 @@ def worker(a: argparse.Namespace, job: dict[str, Any]) -> dict[str, Any]:
     ctx = max(a.prompt_tokens + 8, max(map(len, job["prompts"])) + a.max_tokens + 8)
     t = time.perf_counter()
     runner: Runner
-    if a.worker in ("ratchetlm", "ratchetlm-dense"):
-        runner = RatchetRunner(job["model"], a.worker == "ratchetlm-dense", ctx, max(sizes))
+    if a.worker.startswith("ratchetlm"):
+        numerics = a.worker.split("-")[1] if a.worker.startswith("ratchetlm-int") else "exact"
+        runner = RatchetRunner(job["model"], a.worker == "ratchetlm-dense", ctx, max(sizes), numerics)
     elif a.worker == "llama.cpp":
         runner = LlamaCppRunner(job["model"], a.threads, ctx, max(sizes))
     else:
