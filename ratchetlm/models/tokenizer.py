@@ -2,7 +2,7 @@
 
 GGUF files carry their vocabulary, merges and chat template as metadata; transformers'
 GGUF converter turns that into a fast tokenizer. Conversion takes ~15 s, so the converted
-tokenizer is cached on disk, keyed by the GGUF file's path, size and mtime.
+tokenizer is cached on disk, keyed by the GGUF file's path, size and mtime and the transformers version.
 """
 
 from __future__ import annotations
@@ -22,6 +22,17 @@ def cache_root() -> Path:
     return Path(base)
 
 
+def converted_path(gguf: Path) -> Path:
+    """Where the tokenizer converted from ``gguf`` is kept. The converter's version is part of the
+    key: transformers releases convert GGUF vocabularies differently (5.16 and 5.17 read SmolLM2's
+    eos as <|im_start|>), and a converted copy must not outlive the release that made it."""
+    import transformers
+
+    st = gguf.stat()
+    ident = f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}:{transformers.__version__}"
+    return cache_root() / "tokenizers" / hashlib.sha1(ident.encode()).hexdigest()[:16]
+
+
 def load_tokenizer(source: ModelSource) -> Any:
     """Return a HF fast tokenizer (``encode``/``decode``/``apply_chat_template``)."""
     import transformers
@@ -33,9 +44,7 @@ def load_tokenizer(source: ModelSource) -> Any:
         if not (source.path / "tokenizer.json").is_file() and not (source.path / "tokenizer_config.json").is_file():
             raise ModelLoadError(f"model folder {source.path} has no tokenizer.json")
         return AutoTokenizer.from_pretrained(str(source.path))
-    st = source.path.stat()
-    key = hashlib.sha1(f"{source.path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    cached = cache_root() / "tokenizers" / key
+    cached = converted_path(source.path)
     if (cached / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(str(cached))
     tok = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
