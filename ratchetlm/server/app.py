@@ -43,6 +43,7 @@ from ratchetlm.server.errors import APIError, from_validation, from_value_error
 from ratchetlm.server.guard import Guard
 from ratchetlm.server.metrics import ServerMetrics
 from ratchetlm.server.protocol import (
+    IGNORED_FIELDS,
     ChatCompletionRequest,
     CommonRequest,
     CompletionRequest,
@@ -233,6 +234,11 @@ def build_app(llm_or_loader: Any, served_model_name: str | list[str], config: Se
             for m in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest):
                 js = m.model_json_schema(ref_template="#/components/schemas/{model}")
                 comps.update(js.pop("$defs", {}))
+                # unknown fields are a 400 (check_unsupported): say so, and declare the harmless
+                # OpenAI fields that are accepted and ignored
+                for name in sorted(IGNORED_FIELDS):
+                    js.setdefault("properties", {}).setdefault(name, {"description": "accepted and ignored"})
+                js["additionalProperties"] = False
                 comps[m.__name__] = js
             if state.cfg.api_key:
                 schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
