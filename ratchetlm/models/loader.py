@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import struct
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
@@ -21,8 +20,8 @@ from tqdm import tqdm
 
 from ratchetlm import kernels
 from ratchetlm.layers.block_quant import SUPPORTED_TYPES, BlockWeight
-from ratchetlm.layers.rope_scaling import RopeScaling
 from ratchetlm.models.config import ModelConfig
+from ratchetlm.models.gguf_arch import gguf_target, stored_norm_offset
 from ratchetlm.models.gguf_file import GGUFFile, GGUFTensor
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -135,101 +134,7 @@ def hf_block_weights(path: Path) -> dict[str, BlockWeight]:
     return out
 
 
-# ---------------------------------------------------------------- GGUF
-
-
-@dataclass(frozen=True)
-class GGUFArch:
-    """How one GGUF ``general.architecture`` maps onto this engine's models (one row per family)."""
-
-    hf_architecture: str  # ModelConfig.architecture
-    permuted_qk: bool  # llama.cpp's converter permuted Q/K rows for its interleaved RoPE: undo it
-
-
-GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
-    "llama": GGUFArch("LlamaForCausalLM", permuted_qk=True),  # Llama 2/3, Mistral, SmolLM
-    "qwen2": GGUFArch("Qwen2ForCausalLM", permuted_qk=False),  # q/k/v bias
-    "qwen3": GGUFArch("Qwen3ForCausalLM", permuted_qk=False),  # per-head q/k RMSNorm
-}
-
-# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
-_GGUF_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-}
-
-
-def gguf_arch(reader: GGUFFile) -> tuple[str, GGUFArch]:
-    arch = reader.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ModelLoadError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
-    return arch, GGUF_ARCHITECTURES[arch]
-
-
-def gguf_config(reader: GGUFFile) -> ModelConfig:
-    arch, info = gguf_arch(reader)
-    p = arch + "."
-
-    def need(key: str) -> Any:
-        if p + key not in reader.meta:
-            raise ModelLoadError(f"GGUF file {reader.path} lacks metadata {p + key!r}")
-        return reader.meta[p + key]
-
-    heads = int(need("attention.head_count"))
-    hidden = int(need("embedding_length"))
-    names = set(reader.tensors)
-    if "token_embd.weight" not in reader.tensors:
-        raise ModelLoadError(f"GGUF file {reader.path} has no token_embd.weight tensor")
-    vocab = reader.tensors["token_embd.weight"].shape[0]  # the table's rows define the vocabulary
-    eos = reader.get("tokenizer.ggml.eos_token_id")
-    head_dim = reader.get(p + "attention.key_length") or reader.get(p + "rope.dimension_count")
-    return ModelConfig(
-        architecture=info.hf_architecture,
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
-        num_heads=heads,
-        num_kv_heads=int(reader.get(p + "attention.head_count_kv", heads)),
-        head_dim=int(head_dim or hidden // heads),
-        rope_theta=float(reader.get(p + "rope.freq_base", 10000.0)),
-        rope_scaling=gguf_rope_scaling(reader, p),
-        rms_norm_eps=float(reader.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(reader.get(p + "context_length", 2048)),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-        qk_norm="blk.0.attn_q_norm.weight" in names,
-        bos_token_id=reader.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (int(eos),),
-    )
-
-
-def gguf_rope_scaling(reader: GGUFFile, p: str) -> RopeScaling | None:
-    """RoPE scaling from GGUF metadata (``{arch}.rope.scaling.*``) and llama.cpp's ``rope_freqs``
-    tensor, per-frequency divisors: how Llama 3.x files carry their ``llama3`` scaling."""
-    tensors = reader.tensors
-    kind = reader.get(p + "rope.scaling.type", "none")
-    factor = float(reader.get(p + "rope.scaling.factor", 1.0) or 1.0)
-    orig = int(reader.get(p + "rope.scaling.original_context_length", 0) or 0)
-    if "rope_freqs.weight" in tensors:
-        if kind not in ("none", "linear") or factor != 1.0:
-            raise ModelLoadError(f"GGUF has both rope_freqs and rope scaling {kind!r} x{factor}: not supported")
-        freqs = tensors["rope_freqs.weight"].dense().reshape(-1)
-        return RopeScaling("freq_factors", freq_factors=tuple(float(x) for x in freqs))
-    if kind == "none" or (kind == "linear" and factor == 1.0):
-        return None
-    if kind == "linear":
-        return RopeScaling("linear", factor=factor)
-    if kind == "yarn":
-        # llama.cpp's attn_factor multiplies YaRN's own 0.1 ln(factor) + 1
-        attn = float(reader.get(p + "rope.scaling.attn_factor", 1.0)) * (0.1 * math.log(factor) + 1.0)
-        return RopeScaling("yarn", factor=factor, original_max_position_embeddings=orig,
-                           beta_fast=float(reader.get(p + "rope.scaling.yarn_beta_fast", 32.0)),
-                           beta_slow=float(reader.get(p + "rope.scaling.yarn_beta_slow", 1.0)),
-                           attention_factor=attn)
-    raise ModelLoadError(f"unsupported GGUF rope scaling type {kind!r}; supported: none, linear, yarn")
+# ---------------------------------------------------------------- GGUF (architectures: models/gguf_arch.py)
 
 
 def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -239,24 +144,6 @@ def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     """
     rows = w.shape[0]
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _gguf_target(name: str, cfg: ModelConfig, permuted_qk: bool) -> tuple[str | None, int | None]:
-    """HF tensor name for a GGUF tensor (None = not a weight we load) and, for permuted Q/K, the
-    head count whose RoPE row permutation must be undone."""
-    if name == "token_embd.weight":
-        return "model.embed_tokens.weight", None
-    if name == "output_norm.weight":
-        return "model.norm.weight", None
-    if name == "output.weight":
-        return "lm_head.weight", None
-    if not name.startswith("blk."):
-        return None, None
-    _, idx, kind, suffix = name.split(".", 3)
-    if kind not in _GGUF_LAYER_NAMES:
-        raise ModelLoadError(f"unexpected GGUF tensor {name!r}")
-    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(kind) if permuted_qk else None
-    return f"model.layers.{idx}.{_GGUF_LAYER_NAMES[kind]}.{suffix}", heads
 
 
 def _is_block_weight(t: GGUFTensor) -> bool:
@@ -269,10 +156,9 @@ def gguf_block_weights(reader: GGUFFile, cfg: ModelConfig) -> dict[str, BlockWei
     """Every 2-D weight of the model as a :class:`BlockWeight` over the mmapped file (no copy), by
     HF name; permuted Q/K rows are undone by a row map. An unsupported format raises, naming the
     tensor, its type and the supported list."""
-    _, info = gguf_arch(reader)
     out: dict[str, BlockWeight] = {}
     for t in reader.tensors.values():
-        name, heads = _gguf_target(t.name, cfg, info.permuted_qk)
+        name, heads = gguf_target(t.name, cfg)
         if name is None or not _is_block_weight(t):
             continue
         if t.type_name not in SUPPORTED_TYPES:
@@ -292,17 +178,19 @@ def _block_weight(t: GGUFTensor, heads: int | None) -> BlockWeight:
 
 def iter_gguf_weights(reader: GGUFFile, cfg: ModelConfig, progress: bool = True,
                       skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's tensors as dense fp32 (exactly gguf-py's dequantization, Q/K un-permuted), except
-    the HF names in ``skip`` (those the model holds as blocks)."""
-    _, info = gguf_arch(reader)
+    """The model's tensors as dense fp32 (exactly gguf-py's dequantization, Q/K un-permuted, Gemma's
+    stored ``1 + w`` norms undone), except the HF names in ``skip`` (those the model holds as blocks)."""
     for t in tqdm(list(reader.tensors.values()), desc="loading weights", disable=not progress, leave=False):
-        name, heads = _gguf_target(t.name, cfg, info.permuted_qk)
+        name, heads = gguf_target(t.name, cfg)
         if name is None or name in skip:
             continue
-        if t.type_name in SUPPORTED_TYPES and _is_block_weight(t) and kernels.load() is not None:
+        offset = stored_norm_offset(name, cfg)  # norms are 1-D: never block weights
+        if t.type_name in SUPPORTED_TYPES and _is_block_weight(t) and kernels.load() is not None and not offset:
             yield name, _block_weight(t, heads).dequantize()  # the kernels' dequantizers: same values, faster
             continue
         arr = t.dense()
         if heads is not None:
             arr = _unpermute_qk(arr, heads)
+        if offset:
+            arr -= offset
         yield name, torch.from_numpy(arr)

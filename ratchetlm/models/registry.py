@@ -10,13 +10,13 @@ import torch
 from ratchetlm import kernels
 from ratchetlm.models.config import ModelConfig
 from ratchetlm.models.deepseek_v4.loader import is_deepseek_v4_folder
+from ratchetlm.models.gguf_arch import gguf_config
 from ratchetlm.models.gguf_file import GGUFFile, GGUFFormatError
 from ratchetlm.models.llama import LlamaModel
 from ratchetlm.models.loader import (
     ModelLoadError,
     ModelSource,
     gguf_block_weights,
-    gguf_config,
     hf_block_weights,
     iter_gguf_weights,
     iter_hf_weights,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ratchetlm import LLM, SamplingParams
-from tests.models.tiny import engine_logits, hf_logits, hf_model, save_hf
+from tests.models.tiny import engine_logits, engine_on, hf_logits, hf_model, run, save_hf
 
 WINDOW = 24
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
@@ -106,16 +106,16 @@ def _greedy(n: int) -> SamplingParams:
 
 
 def test_batched_preempted_and_speculative_equal_alone(family):
-    name, _, path, llm = family
+    name, _, _, llm = family
     prompts = [_ids(p) for p in PROMPTS]
-    alone = [llm.generate([p], _greedy(40))[0].token_ids for p in prompts]
-    batched = [o.token_ids for o in llm.generate(prompts, _greedy(40))]
+    alone = [llm.generate([p], _greedy(32))[0].token_ids for p in prompts]
+    batched = [o.token_ids for o in llm.generate(prompts, _greedy(32))]
     assert batched == alone, name
-    tight = LLM(str(path), progress=False, dtype="float32", kv_cache_blocks=24, block_size=8, max_model_len=160)
-    assert [o.token_ids for o in tight.generate(prompts, _greedy(40))] == alone, name
-    assert tight.engine.scheduler.num_preemptions > 0
-    spec = LLM(str(path), progress=False, dtype="float32", kv_cache_blocks=64, block_size=8,
-               speculative={"method": "ngram", "depth": 4, "num_candidates": 2, "depth_schedule": "constant"})
-    assert [o.token_ids for o in spec.generate(prompts, _greedy(40))] == alone, name
-    m = spec.engine.strategy.metrics()
+    tight = engine_on(llm, kv_cache_blocks=24, block_size=8, max_model_len=160)
+    assert run(tight, prompts, 32) == alone, name
+    assert tight.scheduler.num_preemptions > 0
+    ngram = {"method": "ngram", "depth": 4, "num_candidates": 2, "depth_schedule": "constant"}
+    spec = engine_on(llm, kv_cache_blocks=64, block_size=8, decoding="speculative", decoding_options=ngram)
+    assert run(spec, prompts, 32) == alone, name
+    m = spec.strategy.metrics()
     assert m["spec_decode_num_drafts"] > 0 and m["spec_decode_num_accepted_tokens"] > 0

@@ -18,6 +18,8 @@ import torch
 
 from ratchetlm import LLM
 from ratchetlm.decoding.base import Proposal
+from ratchetlm.engine.config import EngineConfig
+from ratchetlm.engine.llm_engine import LLMEngine
 
 VOCAB = 258  # 256 byte tokens + <s> + </s>
 BOS, EOS = 256, 257
@@ -103,6 +105,23 @@ def engine_logits(llm: LLM, ids: list[int], rows: list[int], n_decode: int = 0) 
     return out
 
 
+def engine_on(llm: LLM, **kwargs) -> LLMEngine:
+    """A fresh engine (own KV cache, own strategy) on ``llm``'s already loaded model."""
+    cfg = EngineConfig(**{"device": "cpu", "dtype": "float32", "progress": False, **kwargs})
+    return LLMEngine(cfg, llm.engine.model, llm.model_config)
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy to completion (EOS ignored): output ids per prompt, in order."""
+    from ratchetlm import SamplingParams
+
+    sids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+            for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    return [engine.release(s).output_ids for s in sids]  # type: ignore[union-attr]
+
+
 def _params(n: int):
     from ratchetlm import SamplingParams
 
@@ -169,8 +188,16 @@ def write_gguf(path: Path, model, quant: str = "F32") -> Path:
         w.add_attn_logit_softcapping(c.attn_logit_softcapping)
     if getattr(c, "final_logit_softcapping", None):
         w.add_final_logit_softcapping(c.final_logit_softcapping)
-    if hasattr(c, "query_pre_attn_scalar") and arch == "gemma2":
-        pass  # llama.cpp derives Gemma 2's attention scale from the head size
+    if arch.startswith("gemma"):  # llama.cpp derives the attention scale from key_length: keep them equal
+        assert c.query_pre_attn_scalar == head_dim, "GGUF cannot carry query_pre_attn_scalar != head_dim"
+        local = c.rope_parameters.get("sliding_attention") or {}
+        if arch == "gemma3" and local.get("rope_theta", 10000.0) != 10000.0:
+            w.add_rope_freq_base_swa(local["rope_theta"])
+    if rope.get("rope_type") in ("linear", "yarn"):
+        w.add_rope_scaling_type(gguf.RopeScalingType(rope["rope_type"]))
+        w.add_rope_scaling_factor(rope["factor"])
+        if rope["rope_type"] == "yarn":
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     tensors: dict[str, np.ndarray] = {}
     if rope.get("rope_type") == "llama3":
         tensors["rope_freqs.weight"] = llama3_rope_freqs(rope, head_dim)
@@ -209,6 +236,7 @@ def write_gguf(path: Path, model, quant: str = "F32") -> Path:
     w.add_token_merges([])
     w.add_bos_token_id(BOS)
     w.add_eos_token_id(EOS)
+    w.add_pad_token_id(0)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -11,8 +11,9 @@ from typing import Any
 
 from ratchetlm.models.families import LLAMA_LAYER_NAMES, Family
 
+_SEPARATE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 PHI3_LAYER_NAMES = {
-    **LLAMA_LAYER_NAMES,
+    **{k: v for k, v in LLAMA_LAYER_NAMES.items() if k not in _SEPARATE},
     "self_attn.qkv_proj": ("qkv", None),
     "mlp.gate_up_proj": ("gate_up", None),
 }
