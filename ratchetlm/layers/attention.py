@@ -74,11 +74,20 @@ class AttentionBatch:
 @dataclass
 class _KeyInputs:
     new_lens: list[int]
+    starts: list[int]  # per seq index of its first token in the packed order
+    positions: torch.Tensor  # [num_tokens]
     context_slots: list[torch.Tensor]  # per seq [context_len] slots of positions ctx_start .. ctx_start + len - 1
     ctx_starts: list[int]
     new_masks: list[torch.Tensor | None]
-    new_positions: list[torch.Tensor]  # per seq [n_new] int64 on CPU
     dtype: torch.dtype
+    _new_positions: list[torch.Tensor] | None = None
+
+    @property
+    def new_positions(self) -> list[torch.Tensor]:  # per seq [n_new] int64 on CPU (windowed views only)
+        if self._new_positions is None:
+            pos = self.positions.cpu()
+            self._new_positions = [pos[s : s + n] for s, n in zip(self.starts, self.new_lens, strict=True)]
+        return self._new_positions
 
 
 def build_attention_batch(
@@ -103,9 +112,7 @@ def build_attention_batch(
     for i, (s, n) in enumerate(zip(starts, new_lens, strict=True)):
         pad_index[i, :n] = torch.arange(s, s + n)
         unpad.append(torch.arange(i * max_new, i * max_new + n))
-    pos_cpu = positions.cpu()
-    keys = _KeyInputs(new_lens, [s.cpu() for s in context_slots], ctx_starts or [0] * b, new_masks,
-                      [pos_cpu[s : s + n] for s, n in zip(starts, new_lens, strict=True)], dtype)
+    keys = _KeyInputs(new_lens, starts, positions, context_slots, ctx_starts or [0] * b, new_masks, dtype)
     batch = _build(keys, None, positions, sink, cache, pad_index.to(device), torch.cat(unpad).to(device))
     batch._keys = keys
     return batch
@@ -134,8 +141,9 @@ def _build(
     max_ctx = max(ctx_lens)
     # B == 1 needs no mask when nothing is hidden: plain causal prefill (within the window), or one
     # query seeing everything left after the cut.
-    span = int(keys.new_positions[0].max() - keys.new_positions[0].min()) if b == 1 else 0
-    causal = b == 1 and max_ctx == 0 and keys.new_masks[0] is None and (window is None or span < window)
+    causal = b == 1 and max_ctx == 0 and keys.new_masks[0] is None
+    if causal and window is not None:  # ... and no key is window or more positions behind its query
+        causal = int(keys.new_positions[0].max() - keys.new_positions[0].min()) < window
     see_all = b == 1 and max_new == 1
     mask = None
     if not (causal or see_all):
@@ -157,7 +165,7 @@ def _build(
     if max_ctx > 0:
         ctx = torch.zeros(b, max_ctx, dtype=torch.long)
         for i, cs in enumerate(ctx_slots):
-            ctx[i, : cs.numel()] = cs
+            ctx[i, : cs.numel()] = cs.cpu()
         ctx = ctx.to(device)
     return AttentionBatch(
         positions=positions,

@@ -70,3 +70,49 @@ def test_single_sequence_fast_paths_match_naive():
     out = paged_attention(0, q1, k1, v1, b, d**-0.5)
     ks, vs = torch.cat([k, k1]), torch.cat([v, v1])
     assert torch.allclose(out[0], _naive(q1[0], ks, vs, torch.ones(6, dtype=torch.bool), 3, d**-0.5), atol=1e-5)
+
+
+@pytest.mark.parametrize("softcap", [None, 0.5])
+def test_sliding_window_view_and_softcap_match_naive(softcap):
+    """A sliding layer sees keys at positions (p - window, p]: committed context (cut to what any
+    query can reach, possibly starting past position 0) and new tokens under a tree mask, judged
+    by position; soft-capped scores cap * tanh(s / cap) before the mask."""
+    torch.manual_seed(2)
+    h, hkv, d, bs, window = 4, 2, 8, 4, 5
+    cache = KVCache(1, 32, bs, hkv, d, torch.float32, "cpu")
+    cache.k.normal_()
+    cache.v.normal_()
+    # seq 0: context positions 0..9, a 3-token tree at positions 10, 11, 11; seq 1: its blocks below
+    # position 8 were released, context rows are positions 8..12, one decode token at 13;
+    # seq 2: no context, a 7-token prefill (longer than the window)
+    ctx = [torch.arange(40, 50), torch.arange(60, 65), torch.tensor([], dtype=torch.long)]
+    starts = [0, 8, 0]
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    new_pos = [[10, 11, 11], [13], list(range(7))]
+    masks = [tree, None, None]
+    t = 11
+    q, k, v = torch.randn(t, h, d) * 3, torch.randn(t, hkv, d) * 3, torch.randn(t, hkv, d)
+    pos = torch.tensor([p for pp in new_pos for p in pp])
+    batch = build_attention_batch(pos, [3, 1, 7], ctx, masks, DirectSink(cache, torch.full((t,), -1)), cache,
+                                  ctx_starts=starts)
+    out = paged_attention(0, q, k, v, batch, d**-0.5, window=window, softcap=softcap)
+    assert batch.windowed(window).max_ctx < 10  # seq 0's rows below position 10 - 5 + 1 are not gathered
+
+    def naive(qi, ks, vs, visible):
+        kk, vv = ks.repeat_interleave(h // hkv, 1), vs.repeat_interleave(h // hkv, 1)
+        s = torch.einsum("hd,lhd->hl", qi, kk) * d**-0.5
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        return torch.einsum("hl,lhd->hd", s.masked_fill(~visible[None], float("-inf")).softmax(-1), vv)
+
+    off, expected = 0, []
+    for c, c0, pp, m in zip(ctx, starts, new_pos, masks, strict=True):
+        n = len(pp)
+        m = torch.ones(n, n, dtype=torch.bool).tril() if m is None else m
+        ks, vs = torch.cat([cache.k[0][c], k[off : off + n]]), torch.cat([cache.v[0][c], v[off : off + n]])
+        kpos = torch.tensor(list(range(c0, c0 + len(c))) + pp)
+        for i in range(n):
+            vis = torch.cat([torch.ones(len(c), dtype=torch.bool), m[i]]) & (kpos > pp[i] - window)
+            expected.append(naive(q[off + i], ks, vs, vis))
+        off += n
+    assert torch.allclose(out, torch.stack(expected), atol=1e-5)
