@@ -1,0 +1,37 @@
+"""HF transformers' GGUF loader on the real Gemma 3 270M file: reference logits and greedy text,
+run as its own process (``python -m tests.models.gemma3_hf_reference GGUF OUT``) so that the
+~3 GB it takes while loading is returned before the engine's model loads in the test process."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+TEXT = "The history of the ratchet begins with simple pawls and toothed wheels. " * 50  # ~750 tokens
+GREEDY_PROMPT, GREEDY_TOKENS = 600, 24
+
+
+def main(gguf: str, out: str) -> None:
+    from pathlib import Path
+
+    import transformers
+    from transformers import AutoTokenizer
+
+    transformers.logging.set_verbosity_error()
+    p = Path(gguf)
+    tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    ids = [tok.bos_token_id] + tok.encode(TEXT, add_special_tokens=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name,
+                                                           dtype=torch.float32).eval()
+    rows = list(range(0, len(ids) - 5, 37)) + list(range(len(ids) - 5, len(ids)))
+    with torch.no_grad():
+        hidden = hf.model(torch.tensor([ids])).last_hidden_state[0]
+        logits = hf.lm_head(hidden[rows]).float()
+        gen = hf.generate(torch.tensor([ids[:GREEDY_PROMPT]]), max_new_tokens=GREEDY_TOKENS, do_sample=False)
+    torch.save({"ids": ids, "rows": rows, "logits": logits, "greedy": gen[0, GREEDY_PROMPT:].tolist(),
+                "sliding_window": hf.config.sliding_window}, out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
