@@ -18,6 +18,12 @@ With caching on, :meth:`cache_full_blocks` names each newly committed full block
 (:mod:`ratchetlm.engine.block_hash`); :meth:`match_prefix` gives a new sequence the longest run of
 named blocks its tokens start with; when the free list is empty, :meth:`grow` evicts the cached
 block released longest ago. Nothing referenced is ever evicted.
+
+With ``window`` set (a model whose every layer has a sliding window of at most that many
+positions), a sequence also drops its references to blocks no later query can reach
+(:meth:`release_out_of_window`): the table entry becomes ``-1``, so ``block_table[p // block_size]``
+still indexes by position, and the blocks a sequence holds stay bounded by its window however long
+it grows.
 """
 
 from __future__ import annotations
@@ -66,10 +72,11 @@ class BlockManager:
     cache layout cannot share blocks): every released block goes straight back to the free list."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
-                 cache_key: Mapping[str, str] | None = None) -> None:
-        assert num_blocks > 0 and block_size > 0
+                 cache_key: Mapping[str, str] | None = None, window: int | None = None) -> None:
+        assert num_blocks > 0 and block_size > 0 and (window is None or window > 0)
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.window = window  # every layer slides, at most this far back: blocks behind it are released
         self.enable_caching = enable_caching
         self.cache_key = dict(cache_key or {})  # engine-wide inputs that change K/V (block_hash.root_hash)
         self._root = root_hash(self.cache_key)
@@ -126,14 +133,36 @@ class BlockManager:
         named blocks nobody holds become cached, tail first so that eviction takes a prompt's
         private end before the prefix others are likelier to share."""
         for b in reversed(seq.block_table):
-            assert self.ref_count[b] > 0, f"block {b} released more often than referenced"
-            self.ref_count[b] -= 1
-            if self.ref_count[b] == 0:
-                if self.block_hash[b] is not None:
-                    self.evictable[b] = None
-                else:
-                    self.free_blocks.append(b)
+            if b >= 0:  # -1: already released out of the window
+                self._unref(b)
         seq.block_table = []
+
+    def _unref(self, b: int) -> None:
+        assert self.ref_count[b] > 0, f"block {b} released more often than referenced"
+        self.ref_count[b] -= 1
+        if self.ref_count[b] == 0:
+            if self.block_hash[b] is not None:
+                self.evictable[b] = None
+            else:
+                self.free_blocks.append(b)
+
+    def context_start(self, seq: Sequence) -> int:
+        """First position whose K/V ``seq`` still holds (0 unless blocks were released out of the window)."""
+        n = 0
+        while n < len(seq.block_table) and seq.block_table[n] < 0:
+            n += 1
+        return n * self.block_size
+
+    def release_out_of_window(self, seq: Sequence) -> None:
+        """Drop ``seq``'s blocks that no later query reaches (no-op without ``window``): a query at
+        ``p >= num_cached`` sees keys ``> p - window``, so blocks wholly below
+        ``num_cached - window + 1`` are dead. Named ones stay cached for later prefix hits."""
+        if self.window is None:
+            return
+        end = min(max(seq.num_cached - self.window + 1, 0) // self.block_size, len(seq.block_table))
+        for j in range(self.context_start(seq) // self.block_size, end):
+            self._unref(seq.block_table[j])
+            seq.block_table[j] = -1
 
     # ------------------------------------------------------------------ the prefix cache
 
@@ -165,23 +194,23 @@ class BlockManager:
             self.ref_count[b] += 1
             seq.block_table.append(b)
         seq.num_cached = len(seq.block_table) * self.block_size
+        self.release_out_of_window(seq)  # a long cached prefix is not held past its window
         return seq.num_cached
 
     def cache_full_blocks(self, seq: Sequence, num_cached_before: int) -> None:
-        """Name the blocks that became full and committed since ``seq.num_cached`` was
-        ``num_cached_before``. If another sequence committed the same tokens first, that block keeps
-        the name and this one stays private (freed, not cached, when released)."""
-        if not self.enable_caching:
-            return
+        """After a commit: name the blocks that became full and committed since ``seq.num_cached``
+        was ``num_cached_before`` (if another sequence committed the same tokens first, that block
+        keeps the name and this one stays private: freed, not cached, when released); then, with
+        ``window``, release what the window left behind (named first, so it stays cached)."""
         first, last = num_cached_before // self.block_size, seq.num_cached // self.block_size
-        if last <= first:
-            return
-        hashes = self._hashes(seq, last)
-        for i in range(first, last):
-            b = seq.block_table[i]
-            if self.block_hash[b] is None and hashes[i] not in self.cached:
-                self.block_hash[b] = hashes[i]
-                self.cached[hashes[i]] = b
+        if self.enable_caching and last > first:
+            hashes = self._hashes(seq, last)
+            for i in range(first, last):
+                b = seq.block_table[i]
+                if self.block_hash[b] is None and hashes[i] not in self.cached:
+                    self.block_hash[b] = hashes[i]
+                    self.cached[hashes[i]] = b
+        self.release_out_of_window(seq)
 
     def metrics(self) -> dict[str, float]:
         """Prefix-cache counters for /metrics (empty when caching is off)."""
@@ -213,6 +242,7 @@ class BlockManager:
     def slots(self, seq: Sequence, start: int, end: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Slots of positions ``[start, end)``: ``block_table[p // bs] * bs + p % bs``."""
         assert end <= len(seq.block_table) * self.block_size, "positions beyond the block table"
+        assert start >= end or seq.block_table[start // self.block_size] >= 0, "positions in released blocks"
         pos = torch.arange(start, end)
         table = torch.tensor(seq.block_table, dtype=torch.long)
         return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(device)

@@ -44,16 +44,21 @@ def build_runner(cfg: EngineConfig, model: Any, model_config: Any, dtype: torch.
         raise ValueError(f"kv_cache_bytes={cfg.kv_cache_bytes} is less than one KV block ({block_bytes} bytes)")
     cache = KVCache(model_config.num_layers, num_blocks, cfg.block_size, model_config.num_kv_heads,
                     model_config.head_dim, dtype, device)
-    blocks = BlockManager(num_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching, cache_key=cache_key)
-    return ModelRunner(model, cache, blocks, device, cfg.staging_capacity, max_model_len)
+    # every layer slides (Mistral, Phi-3): blocks behind the widest window are released as a sequence
+    # moves on, so it holds ~window + one step of tokens however long it grows
+    blocks = BlockManager(num_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching, cache_key=cache_key,
+                          window=model_config.max_window)
+    return ModelRunner(model, cache, blocks, device, cfg.staging_capacity, max_model_len,
+                       step_tokens=cfg.max_num_batched_tokens)
 
 
 class ModelRunner:
     """The llama family's runner: paged per-token K/V (:class:`KVCache` + :class:`BlockManager`)."""
 
     def __init__(self, model: LlamaModel, cache: KVCache, blocks: BlockManager, device: torch.device,
-                 staging_capacity: int = 1024, max_model_len: int | None = None) -> None:
+                 staging_capacity: int = 1024, max_model_len: int | None = None, step_tokens: int = 2048) -> None:
         self.model = model
+        self.step_tokens = step_tokens  # most tokens one step feeds a sequence (max_num_batched_tokens)
         self.cache = cache
         self.blocks = blocks
         self.device = device
@@ -67,6 +72,8 @@ class ModelRunner:
     def fits(self, num_tokens: int) -> str | None:
         """Why a sequence of ``num_tokens`` tokens can never fit this cache, or None."""
         need = self.blocks.blocks_needed(num_tokens)
+        if self.blocks.window is not None:  # held at once: the window, one step's tokens, a partial block
+            need = min(need, self.blocks.blocks_needed(self.blocks.window - 1 + self.step_tokens) + 1)
         if need > self.blocks.num_blocks:
             return (f"needs {need} KV blocks but the cache has only {self.blocks.num_blocks} blocks of "
                     f"{self.blocks.block_size} tokens")
@@ -85,8 +92,14 @@ class ModelRunner:
         are dropped by the next forward)."""
         return None
 
-    def context_slots(self, seq: Sequence) -> torch.Tensor:  # [num_cached] int64
-        return self.blocks.slots(seq, 0, seq.num_cached)
+    def context_slots(self, seq: Sequence) -> torch.Tensor:  # [num_cached - context_start] int64
+        """Slots of the committed context ``seq`` still holds: positions ``[context_start, num_cached)``."""
+        return self.blocks.slots(seq, self.blocks.context_start(seq), seq.num_cached)
+
+    def context_starts(self, seqs: list[Sequence]) -> list[int]:
+        """Per sequence, the position of its first held context row (> 0 once a sliding-window
+        model released blocks no query can reach)."""
+        return [self.blocks.context_start(s) for s in seqs]
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], proposals: list[Proposal], num_layers: int | None = None) -> StepResult:
@@ -134,6 +147,7 @@ class ModelRunner:
             sink,
             self.cache,
             dtype=self.cache.k.dtype,
+            ctx_starts=self.context_starts(seqs),
         )
         hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev), batch, num_layers=num_layers)
         rows: list[int] = []

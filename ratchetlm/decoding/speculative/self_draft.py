@@ -42,7 +42,8 @@ class SelfDraftProposer(Proposer):
             self.num_forwards += 1
             return draft_forward(runner.model, runner.cache, [runner.context_slots(seqs[i]) for i in live],
                                  [f.tokens for f in feeds], positions, [f.mask for f in feeds],
-                                 [f.rows for f in feeds], NullSink(), self.num_layers)
+                                 [f.rows for f in feeds], NullSink(), self.num_layers,
+                                 runner.context_starts([seqs[i] for i in live]))
 
         return list(beam_search(step, depths, self.cfg.num_candidates))
 
