@@ -111,7 +111,9 @@ def test_batched_preempted_and_speculative_equal_alone(family):
     alone = [llm.generate([p], _greedy(32))[0].token_ids for p in prompts]
     batched = [o.token_ids for o in llm.generate(prompts, _greedy(32))]
     assert batched == alone, name
-    tight = engine_on(llm, kv_cache_blocks=24, block_size=8, max_model_len=160)
+    # every layer sliding, a sequence holds only its window's blocks (test_window_memory.py): tighter still
+    small = {} if llm.engine.kv_window is None else {"kv_cache_blocks": 10, "max_num_batched_tokens": 16}
+    tight = engine_on(llm, **{"kv_cache_blocks": 24, "block_size": 8, "max_model_len": 160, **small})
     assert run(tight, prompts, 32) == alone, name
     assert tight.scheduler.num_preemptions > 0
     ngram = {"method": "ngram", "depth": 4, "num_candidates": 2, "depth_schedule": "constant"}
