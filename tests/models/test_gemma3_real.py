@@ -1,6 +1,8 @@
 """The real Gemma 3 270M (Q4_K_M GGUF made by llama.cpp) equals HF transformers' GGUF loader on the
 same file: logits at positions before and past the 512-token sliding window, from prefill and from
-paged decode steps, and greedy text; n-gram speculative decoding gives the same text. The HF side
+paged decode steps, and greedy text; n-gram speculative decoding gives the same text; and its
+llama.cpp-made Q4_K / Q5_0 / Q6_K / Q8_0 tensors are the real-weights fixture of the block kernels
+(dequantized bit for bit like gguf-py, matmul close to fp64 and batch-invariant). The HF side
 runs in its own process (tests/models/gemma3_hf_reference.py) to keep the test process's peak memory
 to one model."""
 
@@ -61,3 +63,34 @@ def test_greedy_and_ngram_speculative_match_hf(gemma, reference):
                      decoding_options={"method": "ngram", "depth": 4, "depth_schedule": "constant"})
     assert run(spec, [prompt], GREEDY_TOKENS) == [gen]
     assert spec.strategy.metrics()["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_block_kernels_on_the_files_own_tensors(gemma3_270m_path):
+    """Every 2-D format of the file, on each of its tensors of that format (the embedding: its first
+    4096 rows), read in place through the light GGUF reader."""
+    import numpy as np
+    import torch.nn.functional as F
+    from gguf.quants import dequantize
+
+    from ratchetlm.layers.block_quant import BlockWeight, block_matmul
+    from ratchetlm.models.gguf_file import GGUFFile
+
+    f = GGUFFile(gemma3_270m_path)
+    seen: dict[str, int] = {}
+    for t in f.tensors.values():
+        if len(t.shape) != 2:
+            continue
+        seen[t.type_name] = seen.get(t.type_name, 0) + 1
+        raw = t.data[:4096]
+        w = BlockWeight.from_gguf(t.type_name, raw, t.shape[1])
+        dense = w.dequantize()
+        ref = np.asarray(dequantize(np.asarray(raw), t.ggml_type), dtype=np.float32)
+        assert np.array_equal(dense.numpy().view(np.uint32), ref.view(np.uint32)), t.name
+        if seen[t.type_name] > 2:  # the matmul on the first two tensors of each format
+            continue
+        x = torch.randn(33, t.shape[1], generator=torch.Generator().manual_seed(len(seen)))
+        got = block_matmul(x, w)
+        err = (got.double() - F.linear(x.double(), dense.double())).abs()
+        assert (err <= 1e-5 * F.linear(x.double().abs(), dense.double().abs())).all(), t.name
+        assert torch.equal(block_matmul(x[3:4], w), got[3:4]), t.name  # a row alone == among 33
+    assert set(seen) == {"Q4_K", "Q5_0", "Q6_K", "Q8_0"}
