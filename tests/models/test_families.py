@@ -112,7 +112,7 @@ def test_batched_preempted_and_speculative_equal_alone(family):
     batched = [o.token_ids for o in llm.generate(prompts, _greedy(32))]
     assert batched == alone, name
     # every layer sliding, a sequence holds only its window's blocks (test_window_memory.py): tighter still
-    small = {} if llm.engine.kv_window is None else {"kv_cache_blocks": 10, "max_num_batched_tokens": 16}
+    small = {} if llm.engine.blocks.window is None else {"kv_cache_blocks": 10, "max_num_batched_tokens": 16}
     tight = engine_on(llm, **{"kv_cache_blocks": 24, "block_size": 8, "max_model_len": 160, **small})
     assert run(tight, prompts, 32) == alone, name
     assert tight.scheduler.num_preemptions > 0
