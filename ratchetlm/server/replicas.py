@@ -26,11 +26,15 @@ from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
-from ratchetlm.server.async_engine import AsyncEngine, EngineError, Snapshot, Submission
-
-_ACCEPTED = object()
-_CLOSED = object()
-
+from ratchetlm.server.async_engine import (
+    _ACCEPTED,
+    _CLOSED,
+    AsyncEngine,
+    EngineError,
+    RequestGroup,
+    Snapshot,
+    Submission,
+)
 
 # ---------------------------------------------------------------------- the replica process
 
@@ -109,18 +113,16 @@ async def _serve_pipe(eng: AsyncEngine, conn: Any) -> None:
 # ---------------------------------------------------------------------- the front
 
 
-class RemoteGroup:
-    """:class:`~ratchetlm.server.async_engine.RequestGroup`'s surface for a request on a replica."""
+class RemoteGroup(RequestGroup):
+    """A :class:`RequestGroup` whose choices run on a replica: ``deltas`` and ``_post`` are the
+    parent's; submitting and aborting go over the replica's pipe."""
 
     def __init__(self, pool: ReplicaPool, subs: list[Submission]) -> None:
-        self.pool, self.subs = pool, subs
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
-        self.closed = False
+        super().__init__(pool, subs)  # type: ignore[arg-type]  # the pool stands in for the engine
         self.gid = next(pool._gids)
+        self.pool = pool
         self.replica: Replica | None = None
-        self.unfinished = len(subs)  # choices not finished yet, as the handler has consumed them
-        self.pending = len(subs)  # the same, as the replica has reported them (reader thread)
+        self.pending = len(subs)  # choices not finished yet, as the replica has reported them (reader thread)
 
     async def start(self) -> None:
         self.replica = self.pool._route(self)
@@ -129,17 +131,6 @@ class RemoteGroup:
             self.replica.release(self)
             raise first
 
-    async def deltas(self):
-        while self.unfinished:
-            item = await self.queue.get()
-            if item is _CLOSED:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            for d in item:
-                self.unfinished -= d.finished
-                yield d
-
     def abort(self) -> None:
         if not self.closed:
             self.closed = True
@@ -147,9 +138,6 @@ class RemoteGroup:
                 self.replica.send(("abort", self.gid))
                 self.replica.release(self)
             self.queue.put_nowait(_CLOSED)
-
-    def _post(self, item: Any) -> None:  # reader thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 class Replica:
