@@ -22,14 +22,19 @@ def cache_root() -> Path:
     return Path(base)
 
 
+def converter_version() -> str:
+    """The installed transformers release (the GGUF vocabulary converter), from its package metadata."""
+    from importlib.metadata import version
+
+    return version("transformers")
+
+
 def converted_path(gguf: Path) -> Path:
     """Where the tokenizer converted from ``gguf`` is kept. The converter's version is part of the
     key: transformers releases convert GGUF vocabularies differently (5.16 and 5.17 read SmolLM2's
     eos as <|im_start|>), and a converted copy must not outlive the release that made it."""
-    import transformers
-
     st = gguf.stat()
-    ident = f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}:{transformers.__version__}"
+    ident = f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}:{converter_version()}"
     return cache_root() / "tokenizers" / hashlib.sha1(ident.encode()).hexdigest()[:16]
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import transformers
 
+from ratchetlm.models import tokenizer
 from ratchetlm.models.loader import default_model_path
-from ratchetlm.models.tokenizer import converted_path
 
 
 def test_bundled_gguf_tokenizer_ends_turns_with_im_end(hf_tokenizer):
@@ -16,7 +16,10 @@ def test_bundled_gguf_tokenizer_ends_turns_with_im_end(hf_tokenizer):
 
 def test_a_converted_copy_is_kept_per_transformers_release(monkeypatch, tmp_path):
     monkeypatch.setenv("RATCHETLM_CACHE", str(tmp_path))
-    here = converted_path(default_model_path())
-    assert here.parent == tmp_path / "tokenizers" and here == converted_path(default_model_path())
-    monkeypatch.setattr(transformers, "__version__", "0.0.1")
-    assert converted_path(default_model_path()) != here
+    assert tokenizer.converter_version() == transformers.__version__
+    here = tokenizer.converted_path(default_model_path())
+    assert here.parent == tmp_path / "tokenizers" and here == tokenizer.converted_path(default_model_path())
+    # The module attribute, not `transformers.__version__`: the suite's CI run once saw a second
+    # transformers module object, so patching the one imported here did not reach the key.
+    monkeypatch.setattr(tokenizer, "converter_version", lambda: "0.0.1")
+    assert tokenizer.converted_path(default_model_path()) != here
