@@ -117,9 +117,29 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[li
 
     sids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
             for p in prompts]
-    while engine.has_unfinished():
-        engine.step()
+    drain(engine)
     return [engine.release(s).output_ids for s in sids]  # type: ignore[union-attr]
+
+
+def drain(engine: LLMEngine, stall_steps: int = 20) -> int:
+    """Step until every request finished; returns the step count. Fails (instead of looping forever)
+    when ``stall_steps`` steps in a row change no sequence's committed tokens or K/V — what an engine
+    whose blocks never come back does (a request admitted for a cache it cannot run in waits
+    forever) — or after more steps than one per token of every request, ten times over."""
+    seqs = [s for s in engine.seqs.values() if not s.is_finished]
+    limit = 10 * sum(s.num_prompt_tokens + s.params.max_tokens for s in seqs) + 100
+    steps = stalled = 0
+    while engine.has_unfinished():
+        before = [(len(s.token_ids), s.num_cached) for s in seqs]
+        engine.step()
+        steps += 1
+        stalled = stalled + 1 if [(len(s.token_ids), s.num_cached) for s in seqs] == before else 0
+        free = engine.blocks.num_free
+        assert stalled < stall_steps, (
+            f"engine made no progress for {stalled} steps (step {steps}): {len(engine.scheduler.waiting)} "
+            f"waiting, {len(engine.scheduler.running)} running, {free} of {engine.blocks.num_blocks} KV blocks free")
+        assert steps <= limit, f"requests not finished after {steps} steps (limit {limit}): the engine is livelocked"
+    return steps
 
 
 def _params(n: int):
