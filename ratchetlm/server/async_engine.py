@@ -13,6 +13,7 @@ exactly as ``LLM.stream`` does. The scheduler itself never sees text.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -21,6 +22,9 @@ from typing import Any
 from ratchetlm.engine.llm_engine import StepOutput
 from ratchetlm.sampling_params import SamplingParams
 from ratchetlm.text.stream import TextStream
+
+_log = logging.getLogger("ratchetlm.server")
+MAX_RECOVERIES = 8  # consecutive loop faults before the engine thread gives up (then every request is a 503)
 
 
 @dataclass(frozen=True)
@@ -88,7 +92,10 @@ class RequestGroup:
         self.closed = False
 
     async def start(self) -> None:
-        """Queue the choices in the engine; raises the engine's ValueError/QueueFullError."""
+        """Queue the choices in the engine; raises the engine's ValueError/QueueFullError, or
+        :class:`EngineError` (503) when the engine thread has stopped."""
+        if self.owner.dead is not None:
+            raise EngineError(self.owner.dead, 503)
         self.owner._commands.put(("add", self))
         first = await self.queue.get()
         if first is not _ACCEPTED:
@@ -117,7 +124,10 @@ class RequestGroup:
             self.queue.put_nowait(_CLOSED)
 
     def _post(self, item: Any) -> None:  # engine thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the handler's event loop is closed: nobody is waiting any more
+            pass
 
 
 @dataclass
@@ -138,6 +148,7 @@ class AsyncEngine:
         self._live: dict[int, _Live] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self.dead: str | None = None  # why the engine thread stopped for good (then every request is a 503)
         self.snapshot = Snapshot()
         self._publish()
 
@@ -165,23 +176,76 @@ class AsyncEngine:
     # ------------------------------------------------------------------ engine thread
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            busy = self.engine.has_unfinished()
-            try:
-                cmd = self._commands.get(block=not busy, timeout=None if busy else 0.5)
-                self._handle(*cmd)
-                while True:  # drain everything queued before stepping: aborts free KV before the next step
-                    self._handle(*self._commands.get_nowait())
-            except queue.Empty:
-                pass
-            if self.engine.has_unfinished():
+        """The engine loop. Nothing a request does may end it: a step that raises fails the requests
+        in flight; a fault outside the step (delivering, aborting, publishing) is contained by
+        :meth:`_recover`. Only an engine that keeps failing with nothing left to fail ends the
+        thread, and then every waiting and later request gets a 503 instead of hanging."""
+        failures = 0  # consecutive iterations that needed a recovery
+        try:
+            while not self._stop.is_set():
                 try:
-                    outs = self.engine.step()
-                except Exception as e:  # fail the requests in flight, keep serving
-                    self._fail_all(e)
-                    outs = []
-                self._deliver(outs)
-            self._publish()
+                    self._iterate()
+                    failures = 0
+                except Exception as e:
+                    failures += 1
+                    if failures > MAX_RECOVERIES:
+                        raise
+                    self._recover(e)
+        except BaseException as e:
+            self.dead = f"the engine stopped after repeated internal errors: {type(e).__name__}: {e}"
+            _log.exception("engine thread stopped")
+        finally:
+            self._end_thread()
+
+    def _iterate(self) -> None:
+        busy = self.engine.has_unfinished()
+        try:
+            cmd = self._commands.get(block=not busy, timeout=None if busy else 0.5)
+            self._handle(*cmd)
+            while True:  # drain everything queued before stepping: aborts free KV before the next step
+                self._handle(*self._commands.get_nowait())
+        except queue.Empty:
+            pass
+        if self.engine.has_unfinished():
+            try:
+                outs = self.engine.step()
+            except Exception as e:  # fail the requests in flight, keep serving
+                if not self._live:
+                    raise  # nobody to fail: a step that keeps raising is a loop fault (see _run)
+                self._fail_all(e)
+                outs = []
+            self._deliver(outs)
+        self._publish()
+
+    def _recover(self, e: Exception) -> None:
+        """A fault outside ``engine.step`` (a bug in delivery, abort or publishing): end every
+        request in flight with the error, without trusting the bookkeeping that just failed, and
+        give the engine back its blocks."""
+        _log.exception("engine loop fault; failing the requests in flight")
+        err = EngineError(f"internal server error: {type(e).__name__}: {e}")
+        groups = {id(l.group): l.group for l in self._live.values()}
+        for sid in list(self._live):
+            self._drop(sid, "abort")
+        for g in groups.values():
+            g.seq_ids.clear()
+            g._post(err)
+
+    def _end_thread(self) -> None:
+        """The thread is ending (shutdown or dead): nobody may wait for it any more."""
+        if self.dead is None:
+            self.dead = "the server is shutting down"
+        err = EngineError(self.dead, 503)
+        groups = {id(l.group): l.group for l in self._live.values()}
+        self._live.clear()
+        while True:  # requests queued but never taken
+            try:
+                kind, g = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                groups[id(g)] = g
+        for g in groups.values():
+            g._post(err)
 
     def _handle(self, kind: str, g: Any) -> None:
         if kind == "add":
@@ -209,11 +273,14 @@ class AsyncEngine:
         g._post(_ACCEPTED)
 
     def _drop(self, sid: int, reason: str) -> None:
-        self.engine.abort(sid, reason)
-        self.engine.release(sid)
-        live = self._live.pop(sid, None)
+        live = self._live.pop(sid, None)  # forgotten first: a failing abort must not leave it half-live
         if live is not None:
             live.group.seq_ids.pop(sid, None)
+        try:
+            self.engine.abort(sid, reason)
+            self.engine.release(sid)
+        except Exception:  # the caller still answers the request; the engine ends it at max_tokens at worst
+            _log.exception("aborting request %d failed", sid)
 
     def _deliver(self, outs: list[StepOutput]) -> None:
         by_group: dict[int, tuple[RequestGroup, list[Delta]]] = {}
@@ -226,14 +293,21 @@ class AsyncEngine:
                 self._drop(out.seq_id, "error")
                 failed.setdefault(id(live.group), (live.group, out.error))
                 continue
-            d = self._delta(out, live)
+            try:  # text, stop strings, logprobs: a fault here is this request's alone
+                d = self._delta(out, live)
+            except Exception as e:
+                _log.exception("delivering request %d failed", out.seq_id)
+                self._drop(out.seq_id, "error")
+                failed.setdefault(id(live.group), (live.group, f"{type(e).__name__}: {e}"))
+                continue
             by_group.setdefault(id(live.group), (live.group, []))[1].append(d)
-        for g, ds in by_group.values():
-            g._post(ds)
         for g, err in failed.values():
+            by_group.pop(id(g), None)
             for sid in list(g.seq_ids):
                 self._drop(sid, "abort")
             g._post(EngineError(f"the request failed while decoding: {err}"))
+        for g, ds in by_group.values():
+            g._post(ds)
 
     def _delta(self, out: StepOutput, live: _Live) -> Delta:
         visible = out.new_token_ids
