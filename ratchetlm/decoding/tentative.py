@@ -9,13 +9,13 @@ would have produced, because every row is judged on ``target_logits`` with that 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ratchetlm.decoding.base import Commit, Proposal
-from ratchetlm.decoding.speculative.verify import DraftTree, greedy_accept, sample_accept
+from ratchetlm.decoding.speculative.draft_tree import greedy_verify, sample_verify
+from ratchetlm.decoding.speculative.verify import DraftTree
 from ratchetlm.engine.sequence import Sequence
 from ratchetlm.layers.sampler import filtered_probs, target_logits, top_logprobs
 
@@ -57,25 +57,16 @@ def chain_limit(runner: Any) -> int:
     return getattr(runner, "max_chain_tokens", None) or 1 << 30
 
 
-# greedy verification: (tree, target logits [1 + L, V]) -> (accepted node path, next token)
-GreedyRule = Callable[[DraftTree, torch.Tensor], tuple[list[int], int]]
-
-
-def argmax_walk(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
-    return greedy_accept(tree, logits.argmax(dim=-1).tolist())
-
-
-def verify_tree(seq: Sequence, tree: DraftTree, logits: torch.Tensor, room: int,
-                greedy: GreedyRule = argmax_walk) -> tuple[Commit, list[int]]:
+def verify_tree(seq: Sequence, tree: DraftTree, logits: torch.Tensor, room: int) -> tuple[Commit, list[int]]:
     """``logits``: ``[1 + L, V]`` raw rows (root, then one per node). Returns the commit (accepted
     path + correction/bonus token, cut at a stop token and at ``room``) and the accepted node path.
-    ``greedy`` picks the path of a greedy request (the speculative strategy reads the seed's
-    verified beam; every rule returns the argmax walk's result)."""
+    Both rules go through the seed's tree API (draft_tree.py): greedy reads the verified beam,
+    sampling judges each candidate entry on its parent row's distribution."""
     x = target_logits(logits, seq.controls, row_paths(tree) if seq.controls is not None else None)
     if seq.params.greedy:
-        path, nxt = greedy(tree, x)
+        path, nxt = greedy_verify(tree, x)
     else:
-        path, nxt = sample_accept(tree, filtered_probs(x, seq.params), seq.generator)
+        path, nxt = sample_verify(tree, filtered_probs(x, seq.params), seq.generator)
     tokens = [tree.tokens[n] for n in path] + [nxt]
     cut = room
     for j, t in enumerate(tokens):

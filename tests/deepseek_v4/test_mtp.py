@@ -332,7 +332,7 @@ def _sample_counts(model, hf_probs):
 @pytest.mark.slow
 def test_mtp_sampling_matches_the_target_distribution(model, hf_probs, exact, monkeypatch):
     from ratchetlm.decoding import tentative
-    from ratchetlm.decoding.speculative.verify import sample_accept
+    from ratchetlm.decoding.speculative.draft_tree import sample_verify
     from tests.speculative.test_rejection_sampling import chi_square_pvalue, wrong_full_resample
 
     counts, m = _sample_counts(model, hf_probs)
@@ -343,7 +343,7 @@ def test_mtp_sampling_matches_the_target_distribution(model, hf_probs, exact, mo
     import functools
 
     # the verify step speculative decoding uses
-    monkeypatch.setattr(tentative, "sample_accept", functools.partial(sample_accept, rule=wrong_full_resample))
+    monkeypatch.setattr(tentative, "sample_verify", functools.partial(sample_verify, rule=wrong_full_resample))
     counts, _ = _sample_counts(model, hf_probs)
     p = chi_square_pvalue(counts, exact, N_REQ)
     assert p < 1e-6, f"the chi-square test missed a wrong acceptance rule (p={p:.2e})"

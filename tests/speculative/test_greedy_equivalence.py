@@ -183,25 +183,33 @@ def test_gain_schedule_drafts_what_pays(spec_llm, encoded, reference):
             make_engine(spec_llm, "speculative", **opts)
 
 
-def test_trees_of_a_batch_are_packed_and_verified_in_one_forward(spec_llm, encoded, reference, monkeypatch):
-    """Production runs the seed's tree API with B > 1: the drafting sequences' beams go through one
-    pack() call and their trees through one forward; each output equals running it alone."""
+@pytest.mark.parametrize("num_candidates", [1, 3])
+def test_trees_of_a_batch_are_packed_and_verified_in_one_forward(spec_llm, encoded, reference, monkeypatch,
+                                                                  num_candidates):
+    """Production runs the seed's tree API with B > 1: every step hands all its drafting sequences'
+    beams — chains too — to exactly one pack() call and verifies their trees in one forward; each
+    output equals running it alone."""
     from ratchetlm.decoding.speculative import draft_tree
 
-    packed_batches, trees_per_forward = [], []
+    packs: list[int] = []  # batch size of each pack() call
+    steps = []  # per step: (pack batch sizes during propose, staged proposals)
     real_pack = draft_tree.pack
-    monkeypatch.setattr(draft_tree, "pack", lambda beam: packed_batches.append(beam.shape[0]) or real_pack(beam))
+    monkeypatch.setattr(draft_tree, "pack", lambda beam: packs.append(beam.shape[0]) or real_pack(beam))
     subset = [0, 1, 3]
-    opts = dict(method="ngram", num_candidates=3, depth=4)
+    opts = dict(method="ngram", num_candidates=num_candidates, depth=4, depth_schedule="constant")
     eng = make_engine(spec_llm, "speculative", **opts)
-    execute = eng.runner.execute
+    propose = eng.strategy.propose
 
-    def spy(seqs, props, **kw):
-        trees_per_forward.append(sum(not p.direct_write for p in props))
-        return execute(seqs, props, **kw)
+    def spy(seqs, budgets):
+        packs.clear()
+        props = propose(seqs, budgets)
+        steps.append((list(packs), sum(not p.direct_write for p in props)))
+        return props
 
-    eng.runner.execute = spy
+    eng.strategy.propose = spy
     together = run_engine(eng, [encoded[i] for i in subset], GREEDY)
-    assert max(packed_batches) == len(subset) and max(trees_per_forward) == len(subset)
+    for calls, staged in steps:
+        assert calls == ([] if not staged else [calls[0]]) and (not staged or calls[0] >= staged), steps
+    assert max(staged for _, staged in steps) == len(subset)
     alone = [run_engine(make_engine(spec_llm, "speculative", **opts), [encoded[i]], GREEDY)[0] for i in subset]
     assert together == alone == [reference[i] for i in subset]

@@ -1,5 +1,8 @@
 """Speculative sampling reproduces the target distribution exactly (chi-square), and a wrong
-acceptance rule is caught by the same test."""
+acceptance rule — or a wrong beam-to-row mapping in the tree API — is caught by the same test.
+
+Verification runs what the engine runs: ``draft_tree.sample_verify`` (the seed's candidates +
+``unpack_map`` + ``parent_rows``); ``verify.sample_accept`` (the tree walk) is its reference."""
 
 from __future__ import annotations
 
@@ -9,8 +12,9 @@ import math
 import pytest
 import torch
 
-from ratchetlm.decoding.speculative.draft_tree import trees_from_beams
-from ratchetlm.decoding.speculative.verify import residual_rule, sample_accept
+from ratchetlm.decoding.speculative import draft_tree
+from ratchetlm.decoding.speculative.draft_tree import sample_verify, trees_from_beams
+from ratchetlm.decoding.speculative.verify import residual_rule
 from ratchetlm.layers.sampler import filtered_probs
 from ratchetlm.sampling_params import SamplingParams
 
@@ -66,7 +70,7 @@ def generate(lm: TinyLM, gen: torch.Generator, rule, memo: dict) -> tuple[int, .
         if key not in memo:
             memo[key] = step_inputs(lm, ctx)
         tree, probs = memo[key]
-        path, nxt = sample_accept(tree, probs, gen, rule)
+        path, nxt = sample_verify(tree, probs, gen, rule)
         ctx += [tree.tokens[n] for n in path] + [nxt]
     return tuple(ctx[2 : 2 + N_OUT])
 
@@ -83,13 +87,17 @@ def exact_distribution(lm: TinyLM) -> dict[tuple[int, ...], float]:
 
 
 def chi_square_pvalue(counts: dict, expected_p: dict, n: int) -> float:
-    """Pearson chi-square with cells of expected count < 5 pooled; p-value by Wilson–Hilferty."""
+    """Pearson chi-square with cells of expected count < 5 pooled; p-value by Wilson–Hilferty.
+    A sample the target gives probability 0 makes the p-value 0."""
+    if any(cell not in expected_p for cell in counts):
+        return 0.0
     stat, dof, pool_o, pool_e = 0.0, -1, 0.0, 0.0
     for cell, p in expected_p.items():
         e = n * p
         o = counts.get(cell, 0)
         if p == 0.0:
-            assert o == 0, f"sampled an impossible sequence {cell}"
+            if o:
+                return 0.0
             continue
         if e < 5:
             pool_o, pool_e = pool_o + o, pool_e + e
@@ -149,6 +157,18 @@ def test_wrong_rule_is_detected(rule):
     lm = TinyLM()
     pval = chi_square_pvalue(_counts(rule, seed=7), exact_distribution(lm), N_SAMPLES)
     assert pval < 1e-6, f"the chi-square test failed to catch {rule.__name__} (p={pval:.2e})"
+
+
+def own_rows(unpack_map: torch.Tensor) -> torch.Tensor:
+    """A wrong beam-to-row mapping: each entry judged on its own node's row (one level too deep)."""
+    return torch.where(unpack_map >= 0, unpack_map + 1, unpack_map)
+
+
+def test_a_wrong_beam_to_row_mapping_is_detected(monkeypatch):
+    monkeypatch.setattr(draft_tree, "parent_rows", own_rows)
+    lm = TinyLM()
+    pval = chi_square_pvalue(_counts(residual_rule, seed=7), exact_distribution(lm), N_SAMPLES)
+    assert pval < 1e-6, f"the chi-square test missed a wrong beam-to-row mapping (p={pval:.2e})"
 
 
 def test_seeded_sampling_is_reproducible():

@@ -20,13 +20,14 @@ import torch
 
 from ratchetlm import LLM
 from ratchetlm.decoding import tentative
-from ratchetlm.decoding.speculative.verify import sample_accept
+from ratchetlm.decoding.speculative import draft_tree
+from ratchetlm.decoding.speculative.draft_tree import sample_verify
 from ratchetlm.layers.sampler import filtered_probs
 from ratchetlm.sampling_params import SamplingParams
 from tests.conftest import make_tiny_hf_folder
 
 from .conftest import make_engine
-from .test_rejection_sampling import chi_square_pvalue, wrong_full_resample
+from .test_rejection_sampling import chi_square_pvalue, own_rows, wrong_full_resample
 
 N_REQ = 300  # a wrong rule scores p < 1e-20 at 400; the vocab-wide multinomial dominates the time
 N_OUT = 3
@@ -91,11 +92,27 @@ def test_plain_sampling_passes_and_a_wrong_rule_fails(tiny, exact, monkeypatch):
     path, llm, _ = tiny
     counts, _ = sample_counts(llm, "autoregressive")
     assert chi_square_pvalue(counts, exact, N_REQ) > 1e-3, "the oracle disagrees with plain sampling"
-    wrong = functools.partial(sample_accept, rule=wrong_full_resample)
-    monkeypatch.setattr(tentative, "sample_accept", wrong)  # the verify step speculative decoding uses
+    wrong = functools.partial(sample_verify, rule=wrong_full_resample)
+    monkeypatch.setattr(tentative, "sample_verify", wrong)  # the verify step speculative decoding uses
     counts, _ = sample_counts(llm, "speculative", draft_model=path, **SPEC)
     p = chi_square_pvalue(counts, exact, N_REQ)
     assert p < 1e-6, f"the engine-level chi-square test missed a wrong acceptance rule (p={p:.2e})"
+
+
+def test_the_engine_samples_through_the_tree_api(tiny, exact, monkeypatch):
+    """Sampled verification reads the target rows through the seed's beam-to-row mapping
+    (``parent_rows``): the engine calls it for every sampled verify, and the same engine with that
+    mapping shifted by one level (each entry judged on its own row) fails the chi-square."""
+    path, llm, _ = tiny
+    calls = []
+    real = draft_tree.parent_rows
+    monkeypatch.setattr(draft_tree, "parent_rows", lambda umap: calls.append(umap.shape) or real(umap))
+    counts, m = sample_counts(llm, "speculative", draft_model=path, **SPEC)
+    assert len(calls) >= m["spec_decode_num_drafts"] >= N_REQ
+    monkeypatch.setattr(draft_tree, "parent_rows", own_rows)
+    counts, _ = sample_counts(llm, "speculative", draft_model=path, **SPEC)
+    p = chi_square_pvalue(counts, exact, N_REQ)
+    assert p < 1e-6, f"the engine-level chi-square test missed a wrong beam-to-row mapping (p={p:.2e})"
 
 
 def test_exact_distribution_has_enough_cells(exact):

@@ -178,15 +178,17 @@ def test_greedy_verification_through_the_verified_beam_equals_the_tree_walk(data
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 4), st.integers(1, 5), st.integers(0, 10_000)), min_size=1, max_size=5))
-def test_batched_pack_of_many_sequences_equals_one_at_a_time(shapes):
-    """trees_from_beams packs B sequences' beams (different M, C, PAD tails) in one pack() call;
-    each sequence's tree equals packing it alone."""
+@given(st.lists(st.tuples(st.integers(1, 4), st.integers(1, 5), st.integers(0, 10_000)), min_size=1, max_size=5),
+       st.booleans())
+def test_batched_pack_of_many_sequences_equals_one_at_a_time(shapes, chains):
+    """trees_from_beams packs B sequences' beams (different M, C, PAD tails; all chains or mixed)
+    in one pack() call; each sequence's tree equals packing it alone and the brute-force trie."""
     from ratchetlm.decoding.speculative.draft_tree import trees_from_beams
     from ratchetlm.decoding.speculative.proposers import PAD
 
     beams = []
     for m, c, seed in shapes:
+        m = 1 if chains else m
         g = torch.Generator().manual_seed(seed)
         b = torch.randint(0, 3, (m, c), generator=g)
         cut = torch.randint(1, c + 1, (m,), generator=g)
@@ -194,8 +196,37 @@ def test_batched_pack_of_many_sequences_equals_one_at_a_time(shapes):
             b[i, cut[i]:] = PAD
         beams.append(b)
     together = trees_from_beams(beams)
-    alone = [trees_from_beams([b, torch.full((2, 1), PAD)])[0] for b in beams]  # B = 2 forces pack
+    alone = [trees_from_beams([b])[0] for b in beams]
     for t, a, b in zip(together, alone, beams, strict=True):
         assert (t.tokens, t.parent, t.depth) == (a.tokens, a.parent, a.depth)
         brute = brute_force_tree([[x for x in row if x != PAD] for row in b.tolist()])
         assert (t.tokens, t.parent, t.depth) == tuple(brute[:3])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_sampled_verification_through_the_tree_api_equals_the_tree_walk(data):
+    """The engine's sampled verify (candidates + unpack_map + parent_rows) draws exactly what the
+    tree walk draws with the same generator: same rows, same children in the same order."""
+    from ratchetlm.decoding.speculative.draft_tree import sample_verify
+    from ratchetlm.decoding.speculative.verify import sample_accept
+
+    _, tree, logits = _random_tree_and_logits(data)
+    probs = torch.softmax(logits.double() / data.draw(st.sampled_from([0.05, 1.0, 3.0])), dim=-1)
+    seed = data.draw(st.integers(0, 10_000))
+    for _ in range(3):
+        got = sample_verify(tree, probs, torch.Generator().manual_seed(seed))
+        assert got == sample_accept(tree, probs, torch.Generator().manual_seed(seed))
+        seed += 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(beams())
+def test_a_chain_packs_like_a_beam_of_copies(beam):
+    """pack's single-candidate path returns what the general path returns for the same chain
+    (a beam of two identical candidates shares everything)."""
+    chain = beam[:, :1]
+    fast, general = pack(chain), pack(chain.expand(-1, 2, -1).contiguous())
+    for name in ("tokens", "mask", "position_offsets", "packed_token_indices"):
+        assert torch.equal(getattr(fast, name), getattr(general, name)), name
+    assert torch.equal(fast.unpack_map, general.unpack_map[:, :1])

@@ -12,33 +12,33 @@ from __future__ import annotations
 import torch
 
 from ratchetlm.decoding.speculative.proposers import PAD
-from ratchetlm.decoding.speculative.tree_attention import num_nodes, pack, parents, unpack_verified
-from ratchetlm.decoding.speculative.verify import DraftTree
-
-
-def _chain(tokens: list[int]) -> DraftTree:
-    return DraftTree(tokens, list(range(-1, len(tokens) - 1)), list(range(len(tokens))))
+from ratchetlm.decoding.speculative.tree_attention import pack, parent_rows, unpack_verified
+from ratchetlm.decoding.speculative.verify import DraftTree, NodeRule, residual_rule
 
 
 def trees_from_beams(beams: list[torch.Tensor]) -> list[DraftTree]:  # beams[i]: [M_i, C_i] with PAD
     """All sequences' beams in one :func:`pack` over ``[B, max M, max C]`` (PAD-filled), each row's
-    real, non-PAD nodes as a tree. A batch of chains skips ``pack``: a single candidate has no
-    prefix to share, and packing it costs more than the whole rest of a chain step (0.15 ms)."""
-    if all(bm.shape[0] == 1 for bm in beams):
-        return [_chain([t for t in bm[0].tolist() if t != PAD]) for bm in beams]
-    b, m, c = len(beams), max(bm.shape[0] for bm in beams), max(bm.shape[1] for bm in beams)
-    batch = torch.full((b, m, c), PAD, dtype=torch.long)
-    for i, bm in enumerate(beams):
-        batch[i, : bm.shape[0], : bm.shape[1]] = bm
+    real, non-PAD nodes as a tree (parents read off ``unpack_map``: the entry before a node in any
+    candidate holding it). Chains take ``pack``'s cheap single-candidate path."""
+    m, c = max(bm.shape[0] for bm in beams), max(bm.shape[1] for bm in beams)
+    batch = torch.stack([torch.nn.functional.pad(bm, (0, c - bm.shape[1], 0, m - bm.shape[0]), value=PAD)
+                         for bm in beams])  # [B, M, C]
     packed = pack(batch)
-    n = num_nodes(packed.unpack_map).tolist()
-    par = parents(packed.mask, packed.position_offsets)  # [B, L]
+    tokens, depth = packed.tokens.tolist(), packed.position_offsets.tolist()
     out = []
-    for i in range(b):
+    for i, umap in enumerate(packed.unpack_map.tolist()):
+        if m == 1:  # a chain
+            n, parent = c, list(range(-1, c - 1))
+        else:
+            n = 1 + max(max(row) for row in umap)
+            parent = [-1] * n
+            for row in umap:
+                for k in range(1, c):
+                    parent[row[k]] = row[k - 1]
         # PAD nodes (short candidates, padding rows) only ever have PAD descendants: drop them all
-        keep = (packed.tokens[i, : n[i]] != PAD).nonzero().flatten()
-        out.append(restrict(DraftTree(packed.tokens[i, : n[i]].tolist(), par[i, : n[i]].tolist(),
-                                      packed.position_offsets[i, : n[i]].tolist()), keep.tolist()))
+        keep = [j for j in range(n) if tokens[i][j] != PAD]
+        tree = DraftTree(tokens[i][:n], parent, depth[i][:n]) if len(keep) == n else None
+        out.append(tree or restrict(DraftTree(tokens[i][:n], parent, depth[i][:n]), keep))
     return out
 
 
@@ -101,3 +101,35 @@ def greedy_verify(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int
     m = int(agree.argmax())
     path = umap[m, : int(agree[m])].tolist()
     return path, int(logits[1 + path[-1] if path else 0].argmax())
+
+
+def sample_verify(tree: DraftTree, probs: torch.Tensor, gen: torch.Generator | None,
+                  rule: NodeRule = residual_rule) -> tuple[list[int], int]:  # probs [1 + L, V]
+    """Sampled verification through the seed's API: the tree as candidates ``(beam, unpack_map)``,
+    each beam entry judged on the distribution of its parent's row (:func:`parent_rows`, the
+    mapping ``unpack_verified`` reads). Candidate by candidate, the entries at depth ``c`` of the
+    candidates still alive are the children of the last accepted node (in node order); ``rule``
+    accepts one of them or emits a token of its own. A leaf's bonus token comes from the leaf's
+    own row. Returns (accepted node path, next token) — the tree walk :func:`verify.sample_accept`
+    draws the same with the same generator."""
+    beam, umap = candidates(tree)  # [M, C] each
+    rows = parent_rows(umap[None])[0].tolist()  # [M][C]
+    toks, nodes = beam.tolist(), umap.tolist()
+    probs = probs.double()
+    alive = list(range(len(toks)))
+    path: list[int] = []
+    for c in range(len(toks[0]) + 1):
+        kids: dict[int, tuple[int, int]] = {}  # node -> (token, candidate)
+        for m in alive:
+            if c < len(toks[m]) and nodes[m][c] >= 0:
+                kids.setdefault(nodes[m][c], (toks[m][c], m))
+        if not kids:  # a leaf (or an empty tree): the target's own token from the last accepted row
+            return path, int(torch.multinomial(probs[1 + path[-1] if path else 0], 1, generator=gen))
+        order = sorted(kids)
+        row = rows[kids[order[0]][1]][c]  # every alive candidate has the same parent here
+        idx, tok = rule(probs[row], [kids[k][0] for k in order], gen)
+        if idx is None:
+            return path, tok
+        path.append(order[idx])
+        alive = [m for m in alive if c < len(toks[m]) and nodes[m][c] == order[idx]]
+    raise AssertionError("unreachable: a candidate ends at its leaf")

@@ -9,7 +9,8 @@ prefill (more than one uncached token) and sequences without a draft use the pla
 catch-up path (direct writes), so speculative and plain rows mix freely in one batch.
 
 All drafting sequences' beams are packed by one ``pack`` call (draft_tree.py). Greedy verification
-reads the seed's verified beam (``tree_attention.unpack_verified``); sampling walks the tree.
+reads the seed's verified beam (``tree_attention.unpack_verified``); sampling judges each candidate
+entry on its parent row (``tree_attention.parent_rows``, the same mapping).
 
 Speculative chunk verify (SCV, ``chunk_size = k > 0``): a forward verifies only the next k levels
 of a draft. When the verifier's next token is a draft node that forward did not carry (the chunk's
@@ -38,12 +39,12 @@ from ratchetlm.decoding.autoregressive import catch_up_commit, catch_up_proposal
 from ratchetlm.decoding.base import Commit, DecodeStrategy, Proposal, StrategyContext, register
 from ratchetlm.decoding.speculative import draft_model, eagle, mtp, self_draft  # noqa: F401  (register the proposers)
 from ratchetlm.decoding.speculative.config import SpecConfig
-from ratchetlm.decoding.speculative.draft_tree import continuation, cut, greedy_verify, restrict, trees_from_beams
+from ratchetlm.decoding.speculative.draft_tree import continuation, cut, restrict, trees_from_beams
 from ratchetlm.decoding.speculative.proposers import PAD, create_proposer
 from ratchetlm.decoding.speculative.stats import ChunkCounters, SpecCounters
 from ratchetlm.decoding.speculative.tree_attention import with_root
 from ratchetlm.decoding.speculative.verify import DraftTree
-from ratchetlm.decoding.tentative import chain, chain_limit, forced_chain, observe_forced, verify_tree
+from ratchetlm.decoding.tentative import chain_limit, forced_chain, observe_forced, verify_tree
 from ratchetlm.engine.sequence import Sequence
 
 _PREFIX = "spec_"
@@ -142,10 +143,11 @@ class Speculative(DecodeStrategy):
         props: list[Proposal | None] = [None] * len(seqs)
         todo: list[int] = []
         depths: list[int] = []
+        forced: dict[int, list[int]] = {}
         for i, (s, b) in enumerate(zip(seqs, budgets, strict=True)):
-            forced = forced_chain(s, b, self._room(s), chain_limit(self.ctx.runner))
-            if forced:  # the grammar admits one continuation: verify it instead of a draft
-                props[i] = self._tree_proposal(s, chain(forced), b, True, len(forced), 0, forced=True)
+            chain_ = forced_chain(s, b, self._room(s), chain_limit(self.ctx.runner))
+            if chain_:  # the grammar admits one continuation: verify it instead of a draft
+                forced[i] = chain_
                 continue
             d = min(self._depth(s), b - 1)
             if not disabled and len(s.token_ids) - s.num_cached == 1 and d > 0:
@@ -154,9 +156,12 @@ class Speculative(DecodeStrategy):
         beams = self.proposer.propose([seqs[i] for i in todo], depths) if todo else []
         drafted = [(i, self._grammar_cut(seqs[i], beam.tokens)) for i, beam in zip(todo, beams, strict=True)
                    if beam is not None]
+        drafted += [(i, torch.tensor([tokens])) for i, tokens in forced.items()]
+        # every tentative tree of the step (drafts and forced chains) through one pack() call
         trees = trees_from_beams([tokens for _, tokens in drafted]) if drafted else []
         for (i, _), tree in zip(drafted, trees, strict=True):
-            props[i] = self._tree_proposal(seqs[i], tree, budgets[i], True, max(tree.depth, default=-1) + 1, 0)
+            props[i] = self._tree_proposal(seqs[i], tree, budgets[i], True, max(tree.depth, default=-1) + 1, 0,
+                                           forced=i in forced)
         return [p if p is not None else catch_up_proposal(s, b) for p, s, b in zip(props, seqs, budgets, strict=True)]
 
     @staticmethod
@@ -216,7 +221,7 @@ class Speculative(DecodeStrategy):
     def _commit_tree(self, seq: Sequence, prop: Proposal, logits: torch.Tensor) -> Commit:
         st: TreeState = prop.state
         tree = st.tree
-        commit, path = verify_tree(seq, tree, logits, self._room(seq), greedy=greedy_verify)
+        commit, path = verify_tree(seq, tree, logits, self._room(seq))
         if st.forced:
             observe_forced(seq, len(tree), len(path))
             return commit

@@ -59,6 +59,11 @@ def pack(beam: torch.Tensor) -> PackedBeams:  # beam [B, M, C] int64 candidate t
         raise ValueError(f"beam must be a non-empty [B, M, C] tensor, got shape {tuple(beam.shape)}")
     b, m, c = beam.shape
     dev = beam.device
+    if m == 1:  # a chain per row: nothing to share, so the same structures without the pairwise work
+        idx = torch.arange(c, device=dev)  # [C]
+        mask = torch.ones(c, c, dtype=torch.bool, device=dev).tril()
+        return PackedBeams(beam[:, 0].clone(), mask.expand(b, c, c), idx.expand(b, c), idx.expand(b, 1, c),
+                           idx.expand(b, c))
     owner = _owner(beam)  # [B, M, C]
     owned = owner == torch.arange(m, device=dev)[None, :, None]  # node first seen in this candidate
     owned_flat = owned.reshape(b, m * c)
@@ -111,18 +116,30 @@ def unpack_verified(
     """The seed's ``unpack`` of a verify forward. Position (m, c) is predicted by the row of its
     parent — the root for c = 0, node ``unpack_map[m, c - 1]`` otherwise. Where that parent was
     not verified, the verified token is -1 and the score -inf."""
-    b, m, c = unpack_map.shape
+    b = unpack_map.shape[0]
     dev = unpack_map.device
-    parent = torch.cat([torch.full((b, m, 1), -1, dtype=torch.long, device=dev), unpack_map[:, :, :-1]], dim=2)
-    ok = (parent >= 0) | (torch.arange(c, device=dev) == 0)  # [B, M, C] the parent row was verified
-    rows = torch.where(ok, parent + 1, torch.zeros_like(parent))  # [B, M, C] logits row of the parent
+    rows = parent_rows(unpack_map)  # [B, M, C]
+    ok = rows >= 0
+    rows = rows.clamp(min=0)
     greedy = logits.argmax(dim=-1)  # [B, 1 + L]
     verified_beam = torch.where(ok, unpack(greedy, rows), torch.full_like(rows, -1))
-    logp = torch.log_softmax(logits.float(), dim=-1)  # [B, 1 + L, V]
+    x = logits.float()
+    top = x.amax(dim=-1, keepdim=True)  # [B, 1 + L, 1]; log p = (x - top) - log sum exp(x - top), as log_softmax
+    lse = torch.log(torch.exp(x - top).sum(dim=-1))  # [B, 1 + L]
     bi = torch.arange(b, device=dev)[:, None, None]
-    own = logp[bi, rows, beam.clamp(min=0)]  # [B, M, C]
+    own = (x - top)[bi, rows, beam.clamp(min=0)] - unpack(lse, rows)  # [B, M, C] log p of the beam's token
     verified_scores = torch.where(ok & (beam >= 0), own, torch.full_like(own, float("-inf")))
     return verified_beam, verified_scores
+
+
+def parent_rows(unpack_map: torch.Tensor) -> torch.Tensor:  # [B, M, C] int64 -> [B, M, C] int64
+    """The row of a verify forward's output (row 0 the root, ``1 + n`` node n) whose distribution
+    each beam entry is drawn from: its parent's — the root for c = 0, node ``unpack_map[m, c - 1]``
+    otherwise; -1 where that parent was not verified (``unpack_map`` -1)."""
+    b, m, _ = unpack_map.shape
+    root = torch.zeros((b, m, 1), dtype=torch.long, device=unpack_map.device)
+    parent = unpack_map[:, :, :-1]
+    return torch.cat([root, torch.where(parent >= 0, parent + 1, parent)], dim=2)
 
 
 def num_nodes(unpack_map: torch.Tensor) -> torch.Tensor:  # [B, M, C] -> [B] int64
