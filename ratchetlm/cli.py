@@ -31,6 +31,7 @@ _ENGINE_HELP = {
     "seed": "global RNG seed for unseeded sampling",
     "jump_forward": "structured outputs: commit grammar-forced tokens in the same forward as the next one (true/false)",
     "progress": "show progress bars (true/false)",
+    "tensor_parallel_size": "split the model over N ranks (processes; one GPU each on CUDA) started by this one",
 }
 
 
@@ -82,15 +83,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.seed is not None:
         kw["seed"] = args.seed
     llm = LLM(kw.pop("model"), **kw)
-    prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
-    if not args.chat:
-        sys.stdout.write(prompt)
-    for ev in llm.stream(prompt, params):
-        sys.stdout.write(ev.text)
-        sys.stdout.flush()
-        if ev.finished:
-            sys.stdout.write("\n")
-            print(f"[finish_reason={ev.finish_reason}]", file=sys.stderr)
+    try:
+        prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+        if not args.chat:
+            sys.stdout.write(prompt)
+        for ev in llm.stream(prompt, params):
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+            if ev.finished:
+                sys.stdout.write("\n")
+                print(f"[finish_reason={ev.finish_reason}]", file=sys.stderr)
+    finally:
+        llm.close()  # tensor-parallel workers, if any
     return 0
 
 

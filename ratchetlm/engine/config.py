@@ -47,6 +47,9 @@ class EngineConfig:
     # structured outputs: tokens the grammar forces are verified and committed in the same forward as
     # the model's next token (same output, fewer forwards); False = one token per forward
     jump_forward: bool = True
+    # ranks one model is split over (Megatron tensor parallelism, docs/parallel.md): this process is rank 0
+    # and starts the others (gloo on CPU, NCCL on CUDA: one GPU per rank)
+    tensor_parallel_size: int = 1
     progress: bool = True  # tqdm bars for loading and batch generation
 
     def __post_init__(self) -> None:
@@ -66,6 +69,14 @@ class EngineConfig:
         if self.numerics != "exact" and (not self.gguf_kernels or self.device != "cpu"):
             raise ValueError(f"numerics={self.numerics!r} runs on the CPU block kernels: it needs device='cpu' "
                              "and gguf_kernels=True")
+        n = self.tensor_parallel_size
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {n!r}")
+        if n > 1 and self.device.startswith("cuda"):
+            first = int(self.device.split(":")[1]) if ":" in self.device else 0
+            if first + n > torch.cuda.device_count():
+                raise ValueError(f"tensor_parallel_size={n} needs GPUs {first}..{first + n - 1}, but "
+                                 f"{torch.cuda.device_count()} are visible")
         if self.kv_cache_blocks is not None and self.kv_cache_blocks <= 0:
             raise ValueError(f"kv_cache_blocks must be > 0, got {self.kv_cache_blocks}")
         b = self.kv_cache_bytes

@@ -12,6 +12,7 @@ from tqdm import tqdm
 from ratchetlm.engine.config import EngineConfig
 from ratchetlm.engine.llm_engine import LLMEngine
 from ratchetlm.models.registry import load_model
+from ratchetlm.parallel.launch import start_tensor_parallel
 from ratchetlm.sampling_params import SamplingParams
 from ratchetlm.text.stream import TextStream
 
@@ -61,12 +62,29 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown LLM argument(s): {', '.join(sorted(unknown))}")
         self.config = EngineConfig(model=model, **kwargs)
-        loaded = load_model(model, _dev(self.config), self.config.torch_dtype(),
-                            self.config.progress, mask_token_id=mask_token_id,
-                            gguf_kernels=self.config.gguf_kernels, numerics=self.config.numerics)
-        self.tokenizer = loaded.tokenizer
-        self.model_config = loaded.config
-        self.engine = LLMEngine(self.config, loaded.model, loaded.config, tokenizer=loaded.tokenizer)
+        # tensor parallelism: this process is rank 0; the other ranks load their shards meanwhile
+        parallel = start_tensor_parallel(self.config, mask_token_id)
+        try:
+            loaded = load_model(model, _dev(self.config), self.config.torch_dtype(),
+                                self.config.progress, mask_token_id=mask_token_id,
+                                gguf_kernels=self.config.gguf_kernels, numerics=self.config.numerics,
+                                **({} if parallel is None else parallel.load_args()))
+            if parallel is not None:
+                parallel.wait_ready()
+            self.tokenizer = loaded.tokenizer
+            self.model_config = loaded.config
+            self.engine = LLMEngine(self.config, loaded.model, loaded.config, tokenizer=loaded.tokenizer,
+                                    parallel=parallel)
+        except BaseException:
+            if parallel is not None:
+                parallel.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done when this object is collected or at exit)."""
+        close = getattr(self.engine.runner, "close", None)
+        if close is not None:
+            close()
 
     # ------------------------------------------------------------------ prompts
 

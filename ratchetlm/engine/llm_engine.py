@@ -28,6 +28,11 @@ class QueueFullError(RuntimeError):
     """More waiting requests than ``max_waiting``; retry later."""
 
 
+class EngineDeadError(RuntimeError):
+    """The engine cannot step any more (a tensor-parallel rank died): not one request's fault, so
+    fault isolation does not apply; every later step raises it too."""
+
+
 @dataclass
 class StepOutput:
     """Tokens one request committed in one step (possibly several, possibly none)."""
@@ -68,7 +73,14 @@ class LLMEngine:
     """Owns model, KV cache, scheduler and the decoding strategy. Not thread-safe: one thread
     calls ``add_request``/``step``/``abort`` (the server funnels requests through a queue)."""
 
-    def __init__(self, cfg: EngineConfig, model: Any, model_config: Any, tokenizer: Any = None) -> None:
+    def __init__(self, cfg: EngineConfig, model: Any, model_config: Any, tokenizer: Any = None,
+                 parallel: Any = None) -> None:
+        """``parallel``: rank 0's :class:`~ratchetlm.parallel.group.TPGroup` when ``model`` is rank 0's
+        shard of a tensor-parallel model (``LLM(tensor_parallel_size=N)`` builds both)."""
+        tp = getattr(model, "tp", None)
+        if tp is not None and tp.size > 1 and parallel is None:
+            raise ValueError("this model is one rank of a tensor-parallel group: only the engine that started "
+                             "its workers (LLM(tensor_parallel_size=N)) can run it")
         self.cfg = cfg
         self.model_config = model_config
         self.device = torch.device(cfg.device)
@@ -79,7 +91,7 @@ class LLMEngine:
         # The model's cache layout decides the runner: the llama family's paged per-token K/V,
         # DeepSeek-V4's ring + compressed KV + compressor state. Everything else is shared.
         self.runner = build_runner(cfg, model, model_config, self.dtype, self.device, self.max_model_len,
-                                   cache_key=self.kv_identity())
+                                   cache_key=self.kv_identity(), parallel=parallel)
         self.max_model_len = self.runner.max_model_len
         self.cache = self.runner.cache
         self.blocks = self.runner.blocks
@@ -208,6 +220,8 @@ class LLMEngine:
                if s.generator is not None and not s.params.greedy}
         try:
             commits, proposals, stage_base = self._compute(seqs, budgets, propose)
+        except EngineDeadError:
+            raise
         except Exception as e:  # noqa: BLE001 - any failure of the step is isolated below
             if len(seqs) == 1:
                 return [self._fail(seqs[0], e)]

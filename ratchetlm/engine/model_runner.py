@@ -12,10 +12,28 @@ from ratchetlm.decoding.base import Proposal
 from ratchetlm.engine.block_manager import BlockManager
 from ratchetlm.engine.config import EngineConfig
 from ratchetlm.engine.sequence import Sequence
-from ratchetlm.kv.cache import KVCache
+from ratchetlm.kv.cache import KVCache, KVSink, NullSink
 from ratchetlm.kv.staging import StagingBuffer, StagingCommitError, StepSink
 from ratchetlm.layers.attention import build_attention_batch
 from ratchetlm.models.llama import LlamaModel
+
+
+@dataclass
+class ForwardPlan:
+    """One forward's inputs as decided from the block tables and proposals (CPU tensors): all that
+    a tensor-parallel worker needs to run the same forward on its shard (parallel/runner.py)."""
+
+    ids: torch.Tensor  # [T] int64 token ids, packed over sequences
+    positions: torch.Tensor  # [T] int64
+    new_lens: list[int]  # tokens per sequence
+    context_slots: list[torch.Tensor]  # per sequence [context] int64 slots of its committed context
+    ctx_starts: list[int]  # per sequence position of its first context row
+    masks: list[torch.Tensor | None]  # per sequence [n, n] bool, None = causal
+    slot_mapping: torch.Tensor  # [T] int64 direct-write slots, -1 = not written directly
+    stage_index: torch.Tensor | None  # [T] int64 staging rows, -1 = not staged; None = nothing staged
+    logit_rows: list[int]  # packed rows whose logits are wanted
+    num_layers: int | None = None  # fewer than all: layer-skip self-draft
+    write: bool = True  # False: write nothing (draft forwards)
 
 
 @dataclass
@@ -25,31 +43,38 @@ class StepResult:
 
 
 def build_runner(cfg: EngineConfig, model: Any, model_config: Any, dtype: torch.dtype, device: torch.device,
-                 max_model_len: int, cache_key: Mapping[str, str] | None = None) -> Any:
+                 max_model_len: int, cache_key: Mapping[str, str] | None = None, parallel: Any = None) -> Any:
     """The runner of ``model``'s cache layout. A model family with its own layout provides
     ``model.make_runner(cfg, dtype, device, max_model_len)`` (DeepSeek-V4, which opts out of
     prefix caching); the default is the llama family's paged per-token K/V: ``kv_cache_bytes``
     (or ``kv_cache_blocks``, default ~1 GiB, at least one ``max_model_len`` sequence) of
-    ``block_size``-token blocks, prefix-cached under ``cache_key`` when ``enable_prefix_caching``."""
+    ``block_size``-token blocks, prefix-cached under ``cache_key`` when ``enable_prefix_caching``.
+    Under tensor parallelism (``parallel``: rank 0's :class:`~ratchetlm.parallel.group.TPGroup`) the
+    budget is per rank and holds this rank's KV heads; the runner mirrors itself on the workers."""
     make = getattr(model, "make_runner", None)
     if make is not None:
         return make(cfg, dtype, device, max_model_len)
     model.set_context_len(max_model_len)
-    bytes_per_token = (2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim
+    kv_heads = model.tp.nkv  # this rank's KV heads (all of them without tensor parallelism)
+    bytes_per_token = (2 * model_config.num_layers * kv_heads * model_config.head_dim
                        * torch.tensor([], dtype=dtype).element_size())
     block_bytes = bytes_per_token * cfg.block_size
     num_blocks = cfg.kv_cache_blocks or max(-(-max_model_len // cfg.block_size) + 1,
                                             (cfg.kv_cache_bytes or 1 << 30) // block_bytes)
     if cfg.kv_cache_bytes is not None and cfg.kv_cache_bytes < block_bytes:
         raise ValueError(f"kv_cache_bytes={cfg.kv_cache_bytes} is less than one KV block ({block_bytes} bytes)")
-    cache = KVCache(model_config.num_layers, num_blocks, cfg.block_size, model_config.num_kv_heads,
-                    model_config.head_dim, dtype, device)
+    cache = KVCache(model_config.num_layers, num_blocks, cfg.block_size, kv_heads, model_config.head_dim, dtype,
+                    device)
     # every layer slides (Mistral, Phi-3): blocks behind the widest window are released as a sequence
     # moves on, so it holds ~window + one step of tokens however long it grows
     blocks = BlockManager(num_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching, cache_key=cache_key,
                           window=model_config.max_window)
-    return ModelRunner(model, cache, blocks, device, cfg.staging_capacity, max_model_len,
-                       step_tokens=cfg.max_num_batched_tokens)
+    args = (model, cache, blocks, device, cfg.staging_capacity, max_model_len)
+    if parallel is not None:
+        from ratchetlm.parallel.runner import TPModelRunner
+
+        return TPModelRunner(*args, step_tokens=cfg.max_num_batched_tokens, group=parallel)
+    return ModelRunner(*args, step_tokens=cfg.max_num_batched_tokens)
 
 
 class ModelRunner:
@@ -101,7 +126,6 @@ class ModelRunner:
         model released blocks no query can reach)."""
         return [self.blocks.context_start(s) for s in seqs]
 
-    @torch.inference_mode()
     def execute(self, seqs: list[Sequence], proposals: list[Proposal], num_layers: int | None = None) -> StepResult:
         """One forward over all proposals. Direct rows are written to slots ``num_cached + i``;
         staged rows go to the staging buffer at ``stage_base[i] + row``. A staged proposal that
@@ -113,10 +137,12 @@ class ModelRunner:
         slot_parts: list[torch.Tensor] = []
         stage_parts: list[torch.Tensor] = []
         stage_base: list[int] = []
+        rows: list[int] = []
         n_staged = 0
         overflow = False
         for seq, p in zip(seqs, proposals, strict=True):
             n = len(p.token_ids)
+            rows += [len(ids) + r for r in p.logit_rows]
             ids += p.token_ids
             pos += p.positions
             if p.direct_write:
@@ -130,39 +156,46 @@ class ModelRunner:
                 stage_parts.append(torch.arange(n_staged, n_staged + n) if fits else torch.full((n,), -1))
                 stage_base.append(n_staged if fits else -1)
                 n_staged += n if fits else 0
-        dev = self.device
-        slot_mapping = torch.cat(slot_parts).to(dev)
-        stage_index = None
-        if n_staged or overflow:
-            stage_index = torch.cat(stage_parts).to(dev)
-        sink = StepSink(self.cache, slot_mapping, self.staging, stage_index)
         if overflow:
             self.staging.metrics.fallback_overflow += 1
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        batch = build_attention_batch(
-            positions,
-            [len(p.token_ids) for p in proposals],
-            [self.context_slots(s) for s in seqs],
-            [p.mask for p in proposals],
-            sink,
-            self.cache,
-            dtype=self.cache.k.dtype,
-            ctx_starts=self.context_starts(seqs),
-        )
-        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev), batch, num_layers=num_layers)
-        rows: list[int] = []
-        offset = 0
-        for p in proposals:
-            rows += [offset + r for r in p.logit_rows]
-            offset += len(p.token_ids)
-        all_logits = self.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)]).cpu()
+        plan = ForwardPlan(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
+                           [len(p.token_ids) for p in proposals], [self.context_slots(s) for s in seqs],
+                           self.context_starts(seqs), [p.mask for p in proposals], torch.cat(slot_parts),
+                           torch.cat(stage_parts) if n_staged or overflow else None, rows, num_layers)
+        hidden, all_logits = self.forward(plan)
         self.num_forwards += 1
-        self.last_hidden = list(hidden.split([len(p.token_ids) for p in proposals]))
-        out, o = [], 0
-        for p in proposals:
-            out.append(all_logits[o : o + len(p.logit_rows)])
-            o += len(p.logit_rows)
-        return StepResult(logits=out, stage_base=stage_base)
+        self.last_hidden = list(hidden.split(plan.new_lens))
+        return StepResult(logits=list(all_logits.split([len(p.logit_rows) for p in proposals])), stage_base=stage_base)
+
+    def draft_forward(self, seqs: list[Sequence], tokens: list[list[int]], positions: list[list[int]],
+                      masks: list[torch.Tensor | None], rows: list[list[int]], num_layers: int) -> list[torch.Tensor]:
+        """A write-free forward of the first ``num_layers`` layers on top of each sequence's committed
+        context (the layer-skip self-draft): per sequence the logits ``[len(rows_i), vocab]``."""
+        packed, o = [], 0
+        for tt, rr in zip(tokens, rows, strict=True):
+            packed += [o + r for r in rr]
+            o += len(tt)
+        plan = ForwardPlan(torch.tensor([t for tt in tokens for t in tt], dtype=torch.long),
+                           torch.tensor([p for pp in positions for p in pp], dtype=torch.long),
+                           [len(t) for t in tokens], [self.context_slots(s) for s in seqs], self.context_starts(seqs),
+                           masks, torch.full((o,), -1, dtype=torch.long), None, packed, num_layers, write=False)
+        _, logits = self.forward(plan)
+        return list(logits.split([len(r) for r in rows]))
+
+    @torch.inference_mode()
+    def forward(self, plan: ForwardPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run ``plan``: final hidden states ``[T, hidden]`` and the wanted rows' logits ``[R, vocab]`` (CPU)."""
+        dev = self.device
+        sink: KVSink = NullSink()
+        if plan.write:
+            stage = None if plan.stage_index is None else plan.stage_index.to(dev)
+            sink = StepSink(self.cache, plan.slot_mapping.to(dev), self.staging, stage)
+        positions = plan.positions.to(dev)
+        batch = build_attention_batch(positions, plan.new_lens, plan.context_slots, plan.masks, sink, self.cache,
+                                      dtype=self.cache.k.dtype, ctx_starts=plan.ctx_starts)
+        hidden = self.model(plan.ids.to(dev), batch, num_layers=plan.num_layers)
+        rows = torch.tensor(plan.logit_rows, dtype=torch.long, device=dev)
+        return hidden, self.model.logits(hidden[rows]).cpu()
 
     def commit_staged(self, seq: Sequence, stage_base: int, kv_rows: list[int], num_rows: int) -> bool:
         """Copy the accepted staged rows (of a proposal of ``num_rows`` rows) to ``seq``'s next
@@ -171,11 +204,18 @@ class ModelRunner:
         the caller then commits no K/V and the next step recomputes it."""
         if stage_base < 0 or not self.staging.usable:
             return False
-        rows = torch.tensor([stage_base + r for r in kv_rows], dtype=torch.long, device=self.device)
-        slots = self.blocks.slots(seq, seq.num_cached, seq.num_cached + len(kv_rows), self.device)
-        try:
-            self.staging.commit(rows, slots)
-        except StagingCommitError:
+        rows = torch.tensor([stage_base + r for r in kv_rows], dtype=torch.long)
+        slots = self.blocks.slots(seq, seq.num_cached, seq.num_cached + len(kv_rows))
+        if not self.commit_rows(rows, slots):
             return False
         self.staging.reject(num_rows - len(kv_rows))
+        return True
+
+    def commit_rows(self, rows: torch.Tensor, slots: torch.Tensor) -> bool:
+        """Copy staging ``rows`` ([n] int64) to cache ``slots`` ([n]), all layers; False if it failed
+        (the cache is then untouched)."""
+        try:
+            self.staging.commit(rows.to(self.device), slots.to(self.device))
+        except StagingCommitError:
+            return False
         return True

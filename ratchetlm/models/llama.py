@@ -23,6 +23,7 @@ from ratchetlm.layers.block_quant import BlockWeight, Embedding, Linear, set_num
 from ratchetlm.layers.norm_rope import RMSNorm, RotaryEmbedding
 from ratchetlm.models.config import ModelConfig
 from ratchetlm.models.families import FAMILIES, FUSED_PARTS
+from ratchetlm.parallel.shard import COLUMN, TPShard
 
 ACTIVATION = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -30,12 +31,13 @@ ACTIVATION = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh
 class DecoderLayer(nn.Module):
     fixed_order_attention = False  # set by LlamaModel.set_numerics (the int8 mode)
 
-    def __init__(self, cfg: ModelConfig, index: int) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, tp: TPShard | None = None) -> None:
         super().__init__()
         self.index = index
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.tp = tp = tp or TPShard.of(cfg)  # this rank's heads and MLP rows (all of them without tensor parallelism)
+        self.num_heads, self.num_kv_heads, self.head_dim = tp.nq, tp.nkv, cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.scale = cfg.query_scale or cfg.head_dim**-0.5
         self.window = cfg.layer_window(index)
         self.softcap = cfg.attn_logit_softcap
@@ -51,8 +53,8 @@ class DecoderLayer(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.attn_out_norm = norm(cfg.hidden_size) if cfg.sandwich_norms else None
         self.post_norm = norm(cfg.hidden_size)  # before the MLP
-        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up = Linear(cfg.hidden_size, 2 * tp.ni, bias=False)
+        self.down = Linear(tp.ni, cfg.hidden_size, bias=False)
         self.mlp_out_norm = norm(cfg.hidden_size) if cfg.sandwich_norms else None
 
     def forward(
@@ -74,21 +76,23 @@ class DecoderLayer(nn.Module):
             q, k = RotaryEmbedding.rotate_packed(cos_sin, qk).split([self.num_heads, self.num_kv_heads], dim=1)
         attn = paged_attention(self.index, q, k, v, batch, self.scale, self.window, self.softcap,
                                fixed_order=self.fixed_order_attention)
-        h = self.o_proj(attn.reshape(t, self.q_size))
+        h = self.tp.all_reduce(self.o_proj(attn.reshape(t, self.q_size)))  # row-parallel: sum the ranks' parts
         x = x + (h if self.attn_out_norm is None else self.attn_out_norm(h))
         gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
-        h = self.down(self.act(gate) * up)
+        h = self.tp.all_reduce(self.down(self.act(gate) * up))
         return x + (h if self.mlp_out_norm is None else self.mlp_out_norm(h))
 
 
 class LlamaModel(nn.Module):
-    """Decoder stack + head. ``forward`` returns final hidden states; ``logits`` applies the head."""
+    """Decoder stack + head. ``forward`` returns final hidden states; ``logits`` applies the head.
+    ``tp``: the slice of a tensor-parallel rank (parallel/shard.py); default the whole model."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPShard | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.embed = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.tp = tp = tp or TPShard.of(cfg)
+        self.embed = Embedding(tp.nv, cfg.hidden_size)  # vocab-parallel: this rank's rows
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         rotary = cfg.rotary_dim or cfg.head_dim
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling,
@@ -96,7 +100,7 @@ class LlamaModel(nn.Module):
         # Gemma 3: sliding layers rotate with their own base, unscaled
         self.local_rope = None if cfg.rope_local_theta is None else RotaryEmbedding(
             cfg.head_dim, cfg.rope_local_theta, cfg.max_position_embeddings, None, rotary)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, tp.nv, bias=False)
 
     def forward(
         self,
@@ -105,7 +109,7 @@ class LlamaModel(nn.Module):
         num_layers: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, hidden] after the final norm
         """Run the first ``num_layers`` layers (all by default; fewer = layer-skip self-draft)."""
-        x = self.embed(input_ids)
+        x = self.tp.embed(self.embed, input_ids)
         if self.config.embed_scale != 1.0:  # Gemma; the scale in the activations' dtype, as HF
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         cos_sin = self.rope.cos_sin(batch.positions)
@@ -132,10 +136,12 @@ class LlamaModel(nn.Module):
                 rope.set_context_len(n)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
+        """Under tensor parallelism every rank calls this with the same rows; rank 0 gets the logits."""
         if self.lm_head is not None:
             out = self.lm_head(hidden).float()
         else:
             out = self.embed.as_head(hidden)
+        out = self.tp.gather_logits(out)
         cap = self.config.final_logit_softcap
         return out if cap is None else torch.tanh(out / cap) * cap
 
@@ -148,9 +154,9 @@ class LlamaModel(nn.Module):
         for hf, (target, part) in FAMILIES[self.config.architecture].layer_names.items():
             if target in ("qkv", "o_proj", "gate_up", "down"):
                 sources.setdefault(target, {})[part] = hf
-        groups: list[tuple[Linear | Embedding, list[str]]] = [(self.embed, ["model.embed_tokens.weight"])]
+        groups: list[tuple[Linear | Embedding, str, list[str]]] = [(self.embed, "embed", ["model.embed_tokens.weight"])]
         if self.lm_head is not None:
-            groups.append((self.lm_head, ["lm_head.weight"]))
+            groups.append((self.lm_head, "lm_head", ["lm_head.weight"]))
         for i, layer in enumerate(self.layers):
             for target, parts in sources.items():
                 pre = f"model.layers.{i}."
@@ -159,11 +165,14 @@ class LlamaModel(nn.Module):
                     names = [f"{pre}{whole}.weight"]
                 else:
                     names = [f"{pre}{parts[p]}.weight" for p in sorted(k for k in parts if k is not None)]
-                groups.append((getattr(layer, target), names))
+                groups.append((getattr(layer, target), target, names))
         used: set[str] = set()
-        for module, names in groups:
+        for module, kind, names in groups:
             if names and all(n in blocks for n in names):
-                module.use_blocks(BlockWeight.cat([blocks[n] for n in names]))
+                w = BlockWeight.cat([blocks[n] for n in names])
+                if self.tp.size > 1:  # this rank's rows / columns, still views of the same blocks
+                    w = self.tp.split_blocks(kind, w, names[-1])
+                module.use_blocks(w)
                 used.update(names)
         return used
 
@@ -191,10 +200,13 @@ class LlamaModel(nn.Module):
             if target not in params:
                 raise ValueError(f"weight {name!r} maps to {target!r}, which this config does not have")
             p = params[target]
-            dst = p if rows is None else p[rows[0] : rows[0] + rows[1]]
-            if dst.shape != w.shape:
-                raise ValueError(f"weight {name!r} has shape {tuple(w.shape)}, expected {tuple(dst.shape)}")
-            dst.copy_(w.to(dst.dtype))
+            if self.tp.size > 1:
+                self._copy_shard(name, target, rows, w, p)
+            else:
+                dst = p if rows is None else p[rows[0] : rows[0] + rows[1]]
+                if dst.shape != w.shape:
+                    raise ValueError(f"weight {name!r} has shape {tuple(w.shape)}, expected {tuple(dst.shape)}")
+                dst.copy_(w.to(dst.dtype))
             seen.add(f"{target}:{rows}")
         # every part of every parameter: q/k/v and gate/up pieces may come separately or fused
         complete = {f"{n}:{None}" for n in params}
@@ -208,6 +220,22 @@ class LlamaModel(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing weights: {', '.join(m.split(':')[0] for m in missing[:5])}"
                              f"{' ...' if len(missing) > 5 else ''} ({len(missing)} tensors)")
+
+    def _copy_shard(self, name: str, target: str, rows: tuple[int, int] | None, w: torch.Tensor,
+                    p: torch.Tensor) -> None:
+        """Copy this rank's slices of the full tensor ``w`` (full rows ``rows`` of a fused ``target``, or
+        all of it) into its local parameter ``p``."""
+        kind = target.split(".")[-2] if target.startswith("layers.") else target.split(".")[0]
+        expect = rows[1] if rows is not None else self.tp.full_rows(kind) if kind in COLUMN else None
+        if expect is not None and w.shape[0] != expect:
+            raise ValueError(f"weight {name!r} has shape {tuple(w.shape)}, expected {expect} rows")
+        for start, piece in self.tp.split(kind, w, rows[0] if rows is not None else 0):
+            dst = p if start is None else p[start : start + piece.shape[0]]
+            if dst.shape != piece.shape:
+                raise ValueError(f"weight {name!r} has shape {tuple(w.shape)}: its slice on tensor-parallel rank "
+                                 f"{self.tp.rank} of {self.tp.size} is {tuple(piece.shape)}, "
+                                 f"expected {tuple(dst.shape)}")
+            dst.copy_(piece.to(dst.dtype))
 
     @staticmethod
     def _map_name(

@@ -24,6 +24,7 @@ from ratchetlm.models.loader import (
     resolve,
 )
 from ratchetlm.models.tokenizer import load_tokenizer
+from ratchetlm.parallel.shard import TPShard, check_divisible
 
 
 @dataclass
@@ -42,14 +43,21 @@ def load_model(
     mask_token_id: int | None = None,
     gguf_kernels: bool = True,
     numerics: str = "exact",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    tp_group: Any = None,
 ) -> LoadedModel:
     """``gguf_kernels``: a run on CPU in fp32 keeps a GGUF's 2-D weights, and an HF folder's 16-bit
     (BF16 / F16) 2-D weights, in their stored form (read in place from the mmapped file) and
     multiplies them through the block kernels; otherwise (or without a C compiler) every tensor is
     dequantized to a dense copy in ``dtype``. ``numerics="int8"``: those block weights that have
-    integer values multiply int8 activations (layers/block_quant.py); a model with none is refused."""
+    integer values multiply int8 activations (layers/block_quant.py); a model with none is refused.
+    ``tp_rank`` of ``tp_size``: load only that tensor-parallel rank's slice (parallel/shard.py); its
+    collectives run over ``tp_group``."""
     source = resolve(ref)
     if source.kind != "gguf" and is_deepseek_v4_folder(source.path):
+        if tp_size > 1:
+            raise ModelLoadError(_V4_TP)
         from ratchetlm.models.deepseek_v4.loader import load_deepseek_v4
 
         if numerics != "exact":
@@ -57,29 +65,19 @@ def load_model(
                                  "'exact' only")
         v4 = load_deepseek_v4(source.path, dtype=dtype).to(device)
         return LoadedModel(v4, v4.config, load_tokenizer(source), source)
-    reader = None
-    if source.kind == "gguf":
-        try:
-            reader = GGUFFile(source.path)
-        except GGUFFormatError as e:
-            raise ModelLoadError(str(e)) from None
-        cfg = gguf_config(reader)
-    else:
-        d = read_hf_config(source.path)
-        try:
-            cfg = ModelConfig.from_hf_dict(d)
-        except KeyError as e:
-            raise ModelLoadError(f"config.json in {source.path} lacks field {e}") from None
-        except ValueError as e:
-            raise ModelLoadError(f"{source.path / 'config.json'}: {e}") from None
+    reader, cfg = _read_config(source)
     tokenizer = load_tokenizer(source)
     mask_id = mask_token_id if mask_token_id is not None else cfg.mask_token_id
     if mask_id is None and getattr(tokenizer, "mask_token_id", None) is not None:
         mask_id = tokenizer.mask_token_id
     if mask_id != cfg.mask_token_id:
         cfg = replace(cfg, mask_token_id=mask_id)
+    try:
+        shard = TPShard.of(cfg, tp_rank, tp_size, tp_group)
+    except ValueError as e:
+        raise ModelLoadError(f"{source.path.name}: {e}") from None
     with torch.device("meta"):
-        model = LlamaModel(cfg)
+        model = LlamaModel(cfg, shard)
     in_blocks: set[str] = set()
     if gguf_kernels and device.type == "cpu" and dtype == torch.float32 and kernels.load():
         # before any dense allocation: a bf16 checkpoint run in fp32 is never expanded to an fp32 copy
@@ -96,3 +94,39 @@ def load_model(
         raise ModelLoadError(f"numerics={numerics!r} needs quantized GGUF block weights on CPU in fp32 with the "
                              f"kernels built; {source.path} has none here (use numerics='exact')")
     return LoadedModel(model, cfg, tokenizer, source)
+
+
+def _read_config(source: ModelSource) -> tuple[GGUFFile | None, ModelConfig]:
+    """The GGUF reader (None for an HF folder) and the model's config."""
+    reader = None
+    if source.kind == "gguf":
+        try:
+            reader = GGUFFile(source.path)
+        except GGUFFormatError as e:
+            raise ModelLoadError(str(e)) from None
+        cfg = gguf_config(reader)
+    else:
+        d = read_hf_config(source.path)
+        try:
+            cfg = ModelConfig.from_hf_dict(d)
+        except KeyError as e:
+            raise ModelLoadError(f"config.json in {source.path} lacks field {e}") from None
+        except ValueError as e:
+            raise ModelLoadError(f"{source.path / 'config.json'}: {e}") from None
+    return reader, cfg
+
+
+def check_tensor_parallel(ref: str | None, n: int) -> None:
+    """Refuse, before any rank starts, a model that cannot be split over ``n`` ranks (naming why)."""
+    source = resolve(ref)
+    if source.kind != "gguf" and is_deepseek_v4_folder(source.path):
+        raise ModelLoadError(_V4_TP)
+    _, cfg = _read_config(source)
+    try:
+        check_divisible(cfg, n)
+    except ValueError as e:
+        raise ModelLoadError(f"{source.path.name}: {e}") from None
+
+
+_V4_TP = ("DeepSeek-V4 does not run with tensor_parallel_size > 1 (its compressed KV pools, indexer and MTP "
+          "module are not sharded); use tensor_parallel_size=1")

@@ -171,7 +171,8 @@ def build_app(llm_or_loader: Any, served_model_name: str | list[str], config: Se
     async def health() -> JSONResponse:
         if state.engine is None or not state.engine.alive or state.draining:
             msg = state.load_error or ("Loading model" if state.engine is None else
-                                       "the server is shutting down" if state.draining else "engine thread stopped")
+                                       "the server is shutting down" if state.draining else
+                                       getattr(state.engine, "dead", None) or "engine thread stopped")
             return JSONResponse(APIError(msg, 503).body(), status_code=503)
         s = state.engine.snapshot
         body = {"status": "ok", "requests_running": s.running, "requests_waiting": s.waiting,

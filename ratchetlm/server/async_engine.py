@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from ratchetlm.engine.llm_engine import StepOutput
+from ratchetlm.engine.llm_engine import EngineDeadError, StepOutput
 from ratchetlm.sampling_params import SamplingParams
 from ratchetlm.text.stream import TextStream
 
@@ -149,6 +149,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.dead: str | None = None  # why the engine thread stopped for good (then every request is a 503)
+        self.on_dead: Any = None  # called once the thread stopped for good (a data-parallel replica exits)
         self.snapshot = Snapshot()
         self._publish()
 
@@ -186,16 +187,23 @@ class AsyncEngine:
                 try:
                     self._iterate()
                     failures = 0
+                except EngineDeadError:
+                    raise
                 except Exception as e:
                     failures += 1
                     if failures > MAX_RECOVERIES:
                         raise
                     self._recover(e)
+        except EngineDeadError as e:  # a tensor-parallel rank died: every later step would fail too
+            self.dead = f"the engine stopped: {e}"
+            _log.error("engine stopped: %s", e)
         except BaseException as e:
             self.dead = f"the engine stopped after repeated internal errors: {type(e).__name__}: {e}"
             _log.exception("engine thread stopped")
         finally:
             self._end_thread()
+            if self.dead is not None and not self._stop.is_set() and self.on_dead is not None:
+                self.on_dead()
 
     def _iterate(self) -> None:
         busy = self.engine.has_unfinished()
@@ -209,6 +217,8 @@ class AsyncEngine:
         if self.engine.has_unfinished():
             try:
                 outs = self.engine.step()
+            except EngineDeadError:
+                raise  # ends the thread (_run)
             except Exception as e:  # fail the requests in flight, keep serving
                 if not self._live:
                     raise  # nobody to fail: a step that keeps raising is a loop fault (see _run)

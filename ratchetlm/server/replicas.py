@@ -47,6 +47,9 @@ def replica_main(loader: Callable[[], Any], conn: Any) -> None:
         conn.send(("load_failed", f"{type(e).__name__}: {e}"))
         return
     eng = AsyncEngine(llm.engine, llm.tokenizer)
+    # an engine that cannot step any more (a tensor-parallel rank died) ends this replica: the front
+    # then reports it in /health and routes to the others; the delay lets its errors reach the front
+    eng.on_dead = lambda: threading.Timer(1.0, os._exit, args=(3,)).start()
     eng.start()
     conn.send(("ready", os.getpid()))
     asyncio.run(_serve_pipe(eng, conn))

@@ -157,6 +157,9 @@ class EagleProposer(Proposer):
             raise ValueError("speculative method='eagle' drafts chains only: num_candidates must be 1")
         runner = ctx.runner
         target: LlamaModel = runner.model
+        if target.tp.size > 1:  # it reads the target's embedding and head rows, which are split over the ranks
+            raise ValueError("speculative method='eagle' does not run with tensor_parallel_size > 1; use 'ngram', "
+                             "'draft' (layer-skip) or 'draft_model'")
         dtype, dev = runner.cache.k.dtype, runner.device
         path = cfg.draft_model or BUNDLED_HEAD
         head = EagleHead.load(path)

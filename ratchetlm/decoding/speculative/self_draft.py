@@ -2,8 +2,8 @@
 
 Because the draft's layers *are* the target's first N layers, the target's committed K/V for
 layers ``< N`` are exactly the draft's K/V for the committed tokens: the draft attends the
-engine's own paged cache and needs no KV of its own. Draft forwards write nothing (a
-:class:`~ratchetlm.kv.cache.NullSink`): attention only sees committed cache + the forward's
+engine's own paged cache and needs no KV of its own. Draft forwards (``runner.draft_forward``,
+which tensor parallelism mirrors on every rank) write nothing: attention only sees committed cache + the forward's
 own tokens, so every draft step re-feeds the root and the current beams, packed as a prefix
 tree (for a chain of depth C that is 1 + 2 + ... + C token rows over C forwards — cheap next
 to the weight reads a CPU forward is bound by, and it avoids a draft-KV side cache).
@@ -15,10 +15,8 @@ from __future__ import annotations
 import torch
 
 from ratchetlm.decoding.speculative.beam_search import beam_search, tree_feed
-from ratchetlm.decoding.speculative.draft_forward import draft_forward
 from ratchetlm.decoding.speculative.proposers import DraftBeam, Proposer, register_proposer
 from ratchetlm.engine.sequence import Sequence
-from ratchetlm.kv.cache import NullSink
 
 
 @register_proposer("draft")
@@ -40,10 +38,8 @@ class SelfDraftProposer(Proposer):
             feeds = [tree_feed(seqs[i].token_ids[-1], b) for i, b in zip(live, beams, strict=True)]
             positions = [[seqs[i].num_cached + o for o in f.offsets] for i, f in zip(live, feeds, strict=True)]
             self.num_forwards += 1
-            return draft_forward(runner.model, runner.cache, [runner.context_slots(seqs[i]) for i in live],
-                                 [f.tokens for f in feeds], positions, [f.mask for f in feeds],
-                                 [f.rows for f in feeds], NullSink(), self.num_layers,
-                                 runner.context_starts([seqs[i] for i in live]))
+            return runner.draft_forward([seqs[i] for i in live], [f.tokens for f in feeds], positions,
+                                        [f.mask for f in feeds], [f.rows for f in feeds], self.num_layers)
 
         return list(beam_search(step, depths, self.cfg.num_candidates))
 
