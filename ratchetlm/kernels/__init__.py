@@ -135,9 +135,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ratchet_to_q8w.restype = None
     lib.ratchet_quantize_q8.argtypes = [p, i, i, i, p, p, p, p]
     lib.ratchet_quantize_q8.restype = None
-    lib.ratchet_pack_q8.argtypes = [p, i, i, i, p, p, p, p, i]
+    lib.ratchet_q8_plan.argtypes = [p, i, i, p, p, i]
+    lib.ratchet_q8_plan.restype = None
+    lib.ratchet_pack_q8.argtypes = [p, i, i, p, p, p, i]
     lib.ratchet_pack_q8.restype = None
-    lib.ratchet_mm_q8.argtypes = [p, i, i, i, i, p, p, p, p, p, i, i]
+    lib.ratchet_mm_q8.argtypes = [p, i, i, i, i, p, p, p, p, i, i]
     lib.ratchet_mm_q8.restype = None
     fl = ctypes.c_float
     lib.ratchet_attention.argtypes = [p, p, p, p, i, i, i, i, i, i, i, fl, fl, p, i]

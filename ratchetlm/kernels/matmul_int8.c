@@ -1,27 +1,33 @@
-/* y = x @ w.T with int8 activations and integer dot products (the "int8" numerics mode).
+/* y = x @ w.T with integer activations and integer dot products (the "int8" / "int16" numerics modes).
  *
- * Activations: each token's row is quantized in blocks of 32, with A = 127 (8 bits, llama.cpp's Q8_0
- * activations: numerics "int8") or A = 32767 (16 bits: numerics "int16"):
+ * Activations: each token's row is quantized on its own, in blocks of 32, with A = 127 (8 bits,
+ * llama.cpp's Q8_0 activations: numerics "int8") or A = 32639 (16 bits: numerics "int16"):
  *   dx = max|x| / A, xq = rint(x * (1 / dx)) in [-A, A] (dx = 0 gives 0)
- * 8 bits: stored as unsigned bytes xu = xq + 128 (vpdpbusd multiplies unsigned by signed bytes).
- * 16 bits: split xq = 256 * hi + lo (lo = xq & 255 unsigned, hi = xq >> 8 in [-128, 127]); the
- * bytes xu = hi + 128 and lo each go through the same int8 products, I = 256 * I_hi + I_lo.
+ * 8 bits: the signed bytes xq. 16 bits: xq = 256 * hi + lo with both halves signed bytes
+ * (lo = xq's low byte read as int8, hi = (xq - lo) / 256 in [-127, 127]: why A is 32639, not
+ * 32767); each half goes through the same int8 products, I = 256 * I_hi + I_lo.
  *
  * Weights: a format's to_q8w (ggml_types.h, one column of the type table) rewrites a row's blocks as
  *   w[k] = s[g] * q[k] + m[g]        q int8, one scale s and offset m per group g of G = 32 or 16 weights
  * which is the format's own dequantization formula regrouped (Q4_0: q = nibble - 8, s = d; Q4_K:
- * q = nibble, s = d * sc, m = -dmin * mn; ...): no weight is re-quantized. ratchet_pack_q8 lays a
- * weight out once (at its first int8 use) in panels of 16 output rows, the 16 rows' 4-byte runs
- * side by side (the VNNI layout: one 64-byte vector = 4 weights of 16 rows), with per row and group
- * the correction -128 * sum(q), s and m.
+ * q = nibble, s = d * sc, m = -dmin * mn; ...): no weight is re-quantized. At its first integer-mode
+ * use a weight is packed once (ratchet_q8_plan, ratchet_pack_q8) in panels of 16 output rows: per
+ * group the values are made unsigned, u = q + z with z = 0 or the power of two >= -min(q) (so
+ * w = s * u + (m - z * s), the offset exact), and laid out in the VNNI order (one 64-byte vector =
+ * 4 consecutive weights of each of the 16 rows). A panel whose u all fit 4 bits (Q4_0, Q4_1, Q4_K,
+ * Q2_K, Q3_K) keeps two weights per byte (0.5 byte per weight; the kernel splits the nibbles in
+ * registers), others one byte; G is 32 unless a row of the panel changes scale or offset within 32
+ * weights (Q6_K, Q3_K, Q2_K: G = 16). Both choices are read from the values, per panel, never from
+ * the format's name. Per group and row: the scale s and the offset M = m - z * s (fp32).
  *
- * Output row n, token t, per group g (I exact in int32, starting from the correction):
- *   I = sum_{k in g} xu[k] q[n, k] - 128 sum_{k in g} q[n, k] = sum_{k in g} xq[k] q[n, k]
- *   acc = fma(float(I), s[n, g] * dx[t, g], acc);  acc = fma(m[n, g], dx[t, g] * sum_{k in g} xq[k], acc)
- * in increasing g: one scalar sequence per output (16 outputs are the 16 lanes of a vector; nothing
- * is reduced across lanes). The sequence does not depend on how many tokens share the call, the
- * tiling or the thread count, so a row's result is bit-identical alone or among any number of rows
- * (batch-invariant), per build.
+ * Output row n, token t, per group g (I exact in int32; unsigned weight bytes times signed
+ * activation bytes is exactly what vpdpbusd multiplies, so no correction term is needed):
+ *   I = sum_{k in g} u[n, k] xq[k];  acc = fma(float(I), s[n, g] * dx[t, g], acc);  acc = fma(M[n, g], dx[t, g] * sum_{k in g} xq[k], acc)
+ * in increasing g: one scalar sequence per output (16 outputs are the 16 lanes of a vector;
+ * nothing is reduced across lanes). Register tiles: a group's weight vectors are loaded (and
+ * unpacked) once and used for up to TT tokens, each with its own accumulator. The sequence per
+ * output does not depend on how many tokens share the call, the tiling or the thread count, so a
+ * row's result is bit-identical alone or among any number of rows (batch-invariant), per build.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -32,6 +38,8 @@
 #define QA 32 /* activation block */
 #define PN 16 /* output rows per panel (vector lanes) */
 #define TT 8  /* tokens per register tile */
+#define A8 127
+#define A16 32639
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define INT8_ISA "avx512vnni"
@@ -45,38 +53,57 @@ const char *ratchet_int8_isa(void) { return INT8_ISA; }
 
 /* ------------------------------------------------------------ activations */
 
-/* One token's row x[K] (K % 32 == 0) -> xu[K] (xq + 128, or hi + 128), xlo[K] (16 bits: lo),
+/* One token's row x[K] (K % 32 == 0) -> xh[K] (8 bits: xq; 16 bits: hi), xl[K] (16 bits: lo),
  * d32[K / 32] (dx per block), sum16[K / 16] (sum of xq per 16: the offset term's activation side). */
-static void quantize_row(const float *x, int K, int bits, uint8_t *xu, uint8_t *xlo, float *d32, int32_t *sum16) {
-    const float A = bits == 16 ? 32767.0f : 127.0f;
+static void quantize_row(const float *x, int K, int bits, int8_t *xh, int8_t *xl, float *d32, int32_t *sum16) {
+    const int A = bits == 16 ? A16 : A8;
     for (int b = 0; b < K / QA; b++) {
         const float *xb = x + b * QA;
         float amax = 0.0f;
+#if defined(__AVX512F__)
+        amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xb)),
+                                                  _mm512_abs_ps(_mm512_loadu_ps(xb + 16))));
+#else
         for (int j = 0; j < QA; j++) amax = fmaxf(amax, fabsf(xb[j]));
-        const float d = amax / A, id = d > 0.0f ? 1.0f / d : 0.0f;
+#endif
+        const float d = amax / (float)A, id = d > 0.0f ? 1.0f / d : 0.0f;
+        d32[b] = d;
+#if defined(__AVX512F__) /* cvtps_epi32 rounds to nearest even, as rintf in the default mode */
+        for (int h = 0; h < 2; h++) {
+            __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * h), _mm512_set1_ps(id)));
+            v = _mm512_min_epi32(_mm512_max_epi32(v, _mm512_set1_epi32(-A)), _mm512_set1_epi32(A));
+            sum16[2 * b + h] = _mm512_reduce_add_epi32(v);
+            if (bits == 16) {
+                const __m512i lo = _mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24);
+                _mm_storeu_si128((__m128i *)(xl + b * QA + 16 * h), _mm512_cvtepi32_epi8(lo));
+                v = _mm512_srai_epi32(_mm512_sub_epi32(v, lo), 8);
+            }
+            _mm_storeu_si128((__m128i *)(xh + b * QA + 16 * h), _mm512_cvtepi32_epi8(v));
+        }
+#else
         int32_t sum[2] = {0, 0};
         for (int j = 0; j < QA; j++) {
             int v = (int)rintf(xb[j] * id);
-            v = v > (int)A ? (int)A : v < -(int)A ? -(int)A : v;
-            if (bits == 16) {
-                xu[b * QA + j] = (uint8_t)((v >> 8) + 128); /* arithmetic shift: floor(v / 256) */
-                xlo[b * QA + j] = (uint8_t)(v & 0xFF);
-            } else {
-                xu[b * QA + j] = (uint8_t)(v + 128);
-            }
+            v = v > A ? A : v < -A ? -A : v;
             sum[j / 16] += v;
+            if (bits == 16) {
+                const int lo = (int)(int8_t)(uint8_t)(v & 0xFF);
+                xl[b * QA + j] = (int8_t)lo;
+                v = (v - lo) / 256;
+            }
+            xh[b * QA + j] = (int8_t)v;
         }
-        d32[b] = d;
         sum16[2 * b] = sum[0];
         sum16[2 * b + 1] = sum[1];
+#endif
     }
 }
 
-/* exported for tests: the activation blocks as the kernel sees them (xlo only for 16 bits) */
-void ratchet_quantize_q8(const float *x, int M, int K, int bits, uint8_t *xu, uint8_t *xlo, float *d32,
+/* exported for tests: the activation blocks as the kernel sees them (xl only for 16 bits) */
+void ratchet_quantize_q8(const float *x, int M, int K, int bits, int8_t *xh, int8_t *xl, float *d32,
                          int32_t *sum16) {
     for (int t = 0; t < M; t++)
-        quantize_row(x + (long)t * K, K, bits, xu + (long)t * K, bits == 16 ? xlo + (long)t * K : NULL,
+        quantize_row(x + (long)t * K, K, bits, xh + (long)t * K, bits == 16 ? xl + (long)t * K : NULL,
                      d32 + (long)t * (K / 32), sum16 + (long)t * (K / 16));
 }
 
@@ -246,45 +273,118 @@ typedef struct {
     const int32_t *rowmap;
 } part_q8_t; /* same layout as part_t in matmul.c */
 
-/* Weight rows of parts (N = sum of rows) -> panels of 16 rows (the last padded with zero rows):
- *   Q    [NP/16][K/G][G/4][16][4] int8     CORR, S, M [NP/16][K/G][16] (M only if Mo != NULL) */
-void ratchet_pack_q8(const part_q8_t *parts, int nparts, int K, int G, int8_t *Q, int32_t *CORR, float *S,
-                     float *Mo, int threads) {
+typedef struct {
+    int32_t nib;   /* 1: two weights per byte */
+    int32_t G;     /* weights per group: 32 or 16 */
+    int32_t z;     /* zero point: 0 or a power of two (u = q + z for every weight of the panel) */
+    int32_t has_m; /* 1: the groups have offsets M (a row of SM after the scales) */
+    int64_t qoff;  /* byte offset of the panel's weights in Q */
+    int64_t soff;  /* float offset of its scales (and offsets) in SM: [K / G][1 + has_m][16] */
+} q8panel_t;
+
+/* to_q8w of output row `row` (N rows over the parts; beyond N a zero row) */
+static void row_q8w(const part_q8_t *parts, int N, int row, int K, int8_t *q, float *s4, float *m16) {
+    for (int g = 0; g < K / 16; g++) m16[g] = 0.0f;
+    if (row >= N) {
+        memset(q, 0, (size_t)K);
+        for (int l = 0; l < K / 4; l++) s4[l] = 0.0f;
+        return;
+    }
+    int pi = 0;
+    while (row >= parts[pi].rows) row -= parts[pi++].rows;
+    const part_q8_t *pt = &parts[pi];
+    const ggml_type_t *ty = &RATCHET_TYPES[pt->type];
+    const long stored = pt->rowmap ? pt->rowmap[row] : row;
+    ty->to_q8w(pt->data + stored * pt->row_bytes, q, s4, m16, K / ty->blck);
+}
+
+/* Decide each panel's layout from its values: G (32 unless a row changes scale or offset within
+ * 32 weights), z (0, or the smallest power of two >= -min q: u = q + z <= 255 as q <= 127),
+ * nibbles (every u <= 15), offsets (any m != 0); and its offsets in Q and SM. Returns the sizes of
+ * Q (bytes) and SM (floats) in sizes[0], sizes[1], and the weight's zero point in sizes[2]. */
+void ratchet_q8_plan(const part_q8_t *parts, int nparts, int K, q8panel_t *panels, int64_t *sizes, int threads) {
     int N = 0;
     for (int i = 0; i < nparts; i++) N += parts[i].rows;
-    const int NPAN = (N + PN - 1) / PN, NG = K / G;
+    const int NPAN = (N + PN - 1) / PN;
 #pragma omp parallel num_threads(threads)
     {
         int8_t *q = malloc((size_t)K);
-        float *s4 = malloc(sizeof(float) * (size_t)(K / 4)), *m16 = calloc((size_t)(K / 16), sizeof(float));
+        float *s4 = malloc(sizeof(float) * (size_t)(K / 4)), *m16 = malloc(sizeof(float) * (size_t)(K / 16));
 #pragma omp for schedule(static)
         for (int p = 0; p < NPAN; p++) {
+            int g32 = 1, lo = 0, hi = 0, has_m = 0;
             for (int r = 0; r < PN; r++) {
-                int row = p * PN + r, pi = 0;
-                if (row < N) {
-                    while (row >= parts[pi].rows) row -= parts[pi++].rows;
-                    const part_q8_t *pt = &parts[pi];
-                    const ggml_type_t *ty = &RATCHET_TYPES[pt->type];
-                    long stored = pt->rowmap ? pt->rowmap[row] : row;
-                    for (int g = 0; g < K / 16; g++) m16[g] = 0.0f;
-                    ty->to_q8w(pt->data + stored * pt->row_bytes, q, s4, m16, K / ty->blck);
-                } else {
-                    memset(q, 0, (size_t)K);
-                    for (int l = 0; l < K / 4; l++) s4[l] = 0.0f;
-                    for (int g = 0; g < K / 16; g++) m16[g] = 0.0f;
+                row_q8w(parts, N, p * PN + r, K, q, s4, m16);
+                for (int g = 0; g < K / 32 && g32; g++) {
+                    for (int l = 1; l < 8; l++) g32 &= s4[8 * g + l] == s4[8 * g];
+                    g32 &= m16[2 * g + 1] == m16[2 * g];
                 }
+                for (int k = 0; k < K; k++) {
+                    lo = q[k] < lo ? q[k] : lo;
+                    hi = q[k] > hi ? q[k] : hi;
+                }
+                for (int g = 0; g < K / 16; g++) has_m |= m16[g] != 0.0f;
+            }
+            panels[p] = (q8panel_t){hi, g32 ? 32 : 16, lo, has_m, 0, 0}; /* nib, z: the range for now */
+        }
+        free(q);
+        free(s4);
+        free(m16);
+    }
+    /* one zero point for the weight (the kernel subtracts z * sum xq, precomputed per call): the
+     * smallest power of two >= -min q; panels without negative values keep z = 0 */
+    int lo = 0;
+    for (int p = 0; p < NPAN; p++) lo = panels[p].z < lo ? panels[p].z : lo;
+    int zw = 0;
+    if (lo < 0)
+        for (zw = 1; zw < -lo; zw *= 2) {
+        }
+    for (int p = 0; p < NPAN; p++) {
+        const int z = panels[p].z < 0 ? zw : 0;
+        panels[p].nib = panels[p].nib + z <= 15;
+        panels[p].z = z;
+    }
+    int64_t qo = 0, so = 0;
+    for (int p = 0; p < NPAN; p++) {
+        panels[p].qoff = qo;
+        panels[p].soff = so;
+        qo += (int64_t)K * PN / (panels[p].nib ? 2 : 1);
+        so += (int64_t)(K / panels[p].G) * (1 + panels[p].has_m) * PN;
+    }
+    sizes[0] = qo;
+    sizes[1] = so;
+    sizes[2] = zw;
+}
+
+/* Write each panel as planned: Q (u = q + z in the VNNI order, nibbles or bytes) and SM (per
+ * group: s[16], then M[16] if the panel has offsets). */
+void ratchet_pack_q8(const part_q8_t *parts, int nparts, int K, const q8panel_t *panels, uint8_t *Q, float *SM,
+                     int threads) {
+    int N = 0;
+    for (int i = 0; i < nparts; i++) N += parts[i].rows;
+    const int NPAN = (N + PN - 1) / PN;
+#pragma omp parallel num_threads(threads)
+    {
+        int8_t *q = malloc((size_t)K);
+        float *s4 = malloc(sizeof(float) * (size_t)(K / 4)), *m16 = malloc(sizeof(float) * (size_t)(K / 16));
+#pragma omp for schedule(static)
+        for (int p = 0; p < NPAN; p++) {
+            const q8panel_t *pn = &panels[p];
+            const int G = pn->G, NG = K / G, C = G / 4, nib = pn->nib, z = pn->z, SG = (1 + pn->has_m) * PN;
+            uint8_t *qp = Q + pn->qoff;
+            float *sp = SM + pn->soff;
+            for (int r = 0; r < PN; r++) {
+                row_q8w(parts, N, p * PN + r, K, q, s4, m16);
                 for (int g = 0; g < NG; g++) {
-                    const long pg = (long)p * NG + g;
-                    int32_t sum = 0;
-                    for (int c = 0; c < G / 4; c++)
+                    sp[g * SG + r] = s4[g * G / 4];
+                    if (pn->has_m) sp[g * SG + PN + r] = m16[g * G / 16];
+                    const int8_t *qg = q + g * G;
+                    uint8_t *dst = qp + (long)g * G * PN / (nib ? 2 : 1);
+                    for (int c = 0; c < (nib ? C / 2 : C); c++)
                         for (int j = 0; j < 4; j++) {
-                            const int8_t v = q[g * G + 4 * c + j];
-                            Q[((pg * (G / 4) + c) * PN + r) * 4 + j] = v;
-                            sum += v;
+                            const int v = qg[4 * c + j] + z;
+                            dst[(c * PN + r) * 4 + j] = (uint8_t)(nib ? v | ((qg[4 * (c + C / 2) + j] + z) << 4) : v);
                         }
-                    CORR[pg * PN + r] = -128 * sum;
-                    S[pg * PN + r] = s4[g * G / 4];
-                    if (Mo) Mo[pg * PN + r] = m16[g * G / 16];
                 }
             }
         }
@@ -296,78 +396,129 @@ void ratchet_pack_q8(const part_q8_t *parts, int nparts, int K, int G, int8_t *Q
 
 /* ------------------------------------------------------------ the matmul */
 
+/* A tile of tt tokens' activations, token-interleaved so that one pointer and constant offsets
+ * reach every token: word [i][t] is token t's i-th item. */
 typedef struct {
-    const uint8_t *xu;  /* [K] */
-    const uint8_t *xlo; /* [K] (16 bits) or NULL */
-    const float *dx;   /* [K / G] */
-    const float *xs;   /* [K / G]: dx * sum of the group's xq */
-} xrow_t;
+    const int32_t *xh;  /* [K / 4][tt] 4 bytes of xq (8 bits) or hi (16 bits) */
+    const int32_t *xl;  /* [K / 4][tt] 4 bytes of lo (16 bits) or NULL */
+    const float *d32;   /* [K / 32][tt] dx */
+    const int32_t *zq32; /* [K / 32][tt] -z * the block's sum of xq (z: the weight's zero point) */
+    const int32_t *zq16; /* [K / 16][tt] -z * the half block's sum of xq */
+    const float *sx32;  /* [K / 32][tt] dx * q32 */
+    const float *sx16;  /* [K / 16][tt] dx * q16 */
+} xtile_t;
 
+/* Per group: I = sum u xq (- z sum xq, exact in int32), then acc = fma(float(I), s * dx, acc) and with
+ * offsets acc = fma(M, dx * sum xq, acc). On AVX-512 the dot products and the float multiplies share
+ * the multiply pipes (per group and token: 8 or 16 vpdpbusd against 2 or 3 multiplies), while the
+ * nibble split, the zero-point correction (a shift and a subtract: z is a power of two) and the
+ * int-to-float conversion run on the other pipes. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-static inline __attribute__((always_inline)) void panel_tile(const int8_t *Q, const int32_t *CORR, const float *S,
-                                                             const float *Mo, const xrow_t *xs, int NG, int G,
-                                                             float *y, int N, int nvalid, const int tt) {
+/* acc += w (unsigned bytes) . x (4 signed bytes broadcast from memory into every lane): the broadcast is
+ * part of the instruction's load (compilers emit a separate vpbroadcastd, which costs a vector op) */
+static inline __attribute__((always_inline)) __m512i dpbusd_bcast(__m512i acc, __m512i w, const int32_t *x) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+    return acc;
+}
+
+/* G, nib, b16, has_m and tt are literals at every call (panel_any), so each combination compiles to
+ * its own fully unrolled loop with the accumulators in registers */
+static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, const float *SM, int z,
+                                                             const xtile_t *xs, int K, const int G, const int nib,
+                                                             const int b16, const int has_m, float *y, int N,
+                                                             int nvalid, const int tt) {
     __m512 acc[TT];
+    #pragma GCC unroll 8
     for (int t = 0; t < tt; t++) acc[t] = _mm512_setzero_ps();
-    const int C = G / 4;
+    const int C = G / 4, NG = K / G, SG = (1 + has_m) * PN;
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
     for (int g = 0; g < NG; g++) {
-        const __m512i *qv = (const __m512i *)(Q + (long)g * C * 64);
-        const __m512i corr = _mm512_loadu_si512(CORR + g * PN);
-        const __m512 sv = _mm512_loadu_ps(S + g * PN);
+        __m512i W[8];
+        if (nib) {
+            const __m512i *qv = (const __m512i *)(Q + (long)g * G * 8);
+            #pragma GCC unroll 8
+            for (int v = 0; v < C / 2; v++) {
+                const __m512i b = _mm512_loadu_si512(qv + v);
+                W[v] = _mm512_and_si512(b, m4);
+                W[v + C / 2] = _mm512_and_si512(_mm512_srli_epi16(b, 4), m4);
+            }
+        } else {
+            const __m512i *qv = (const __m512i *)(Q + (long)g * G * 16);
+            #pragma GCC unroll 8
+            for (int c = 0; c < C; c++) W[c] = _mm512_loadu_si512(qv + c);
+        }
+        const __m512 sv = _mm512_loadu_ps(SM + g * SG);
+        /* one integer chain per token, the tokens interleaved (tt independent chains in flight),
+         * starting from -z * sum xq (16 bits: added after the high bytes' products are scaled) */
+        __m512i I[TT];
+#pragma GCC unroll 8
+        for (int t = 0; t < tt; t++)
+            I[t] = z && !b16 ? _mm512_set1_epi32(G == 32 ? xs->zq32[g * tt + t] : xs->zq16[g * tt + t])
+                             : _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++)
+#pragma GCC unroll 8
+            for (int t = 0; t < tt; t++) I[t] = dpbusd_bcast(I[t], W[c], xs->xh + ((long)g * C + c) * tt + t);
+        if (b16) { /* I = 256 * I_hi - z * sum xq + I_lo: the lo products continue the same chain */
+#pragma GCC unroll 8
+            for (int t = 0; t < tt; t++) {
+                I[t] = _mm512_slli_epi32(I[t], 8);
+                if (z) I[t] = _mm512_add_epi32(I[t], _mm512_set1_epi32(G == 32 ? xs->zq32[g * tt + t] : xs->zq16[g * tt + t]));
+            }
+#pragma GCC unroll 8
+            for (int c = 0; c < C; c++)
+#pragma GCC unroll 8
+                for (int t = 0; t < tt; t++) I[t] = dpbusd_bcast(I[t], W[c], xs->xl + ((long)g * C + c) * tt + t);
+        }
+#pragma GCC unroll 8
         for (int t = 0; t < tt; t++) {
-            const int32_t *xw = (const int32_t *)(xs[t].xu + (long)g * G);
-            __m512i I = corr, J = _mm512_setzero_si512(); /* two chains (integer sums: order-free) */
-            for (int c = 0; c < C; c += 2) {
-                I = _mm512_dpbusd_epi32(I, _mm512_set1_epi32(xw[c]), _mm512_loadu_si512(qv + c));
-                J = _mm512_dpbusd_epi32(J, _mm512_set1_epi32(xw[c + 1]), _mm512_loadu_si512(qv + c + 1));
-            }
-            I = _mm512_add_epi32(I, J);
-            if (xs[t].xlo) { /* 16 bits: I = 256 * I_hi + I_lo */
-                const int32_t *xl = (const int32_t *)(xs[t].xlo + (long)g * G);
-                __m512i L0 = _mm512_setzero_si512(), L1 = _mm512_setzero_si512();
-                for (int c = 0; c < C; c += 2) {
-                    L0 = _mm512_dpbusd_epi32(L0, _mm512_set1_epi32(xl[c]), _mm512_loadu_si512(qv + c));
-                    L1 = _mm512_dpbusd_epi32(L1, _mm512_set1_epi32(xl[c + 1]), _mm512_loadu_si512(qv + c + 1));
-                }
-                I = _mm512_add_epi32(_mm512_slli_epi32(I, 8), _mm512_add_epi32(L0, L1));
-            }
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(sv, _mm512_set1_ps(xs[t].dx[g])), acc[t]);
-            if (Mo) acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(Mo + g * PN), _mm512_set1_ps(xs[t].xs[g]), acc[t]);
+            const float dx = G == 32 ? xs->d32[g * tt + t] : xs->d32[g / 2 * tt + t];
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I[t]), _mm512_mul_ps(sv, _mm512_set1_ps(dx)), acc[t]);
+            if (has_m)
+                acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(SM + g * SG + PN),
+                                         _mm512_set1_ps(G == 32 ? xs->sx32[g * tt + t] : xs->sx16[g * tt + t]), acc[t]);
         }
     }
     const __mmask16 mask = (__mmask16)((1u << nvalid) - 1);
+    #pragma GCC unroll 8
     for (int t = 0; t < tt; t++) _mm512_mask_storeu_ps(y + (long)t * N, mask, acc[t]);
 }
 #else
 /* portable C (and the AVX-VNNI build, which the compiler vectorizes): the same sequence per lane */
-static inline void panel_tile(const int8_t *Q, const int32_t *CORR, const float *S, const float *Mo,
-                              const xrow_t *xs, int NG, int G, float *y, int N, int nvalid, const int tt) {
+static inline void panel_tile(const uint8_t *Q, const float *SM, int z, const xtile_t *xs, int K, const int G,
+                              const int nib, const int b16, const int has_m, float *y, int N, int nvalid, const int tt) {
     float acc[TT][PN];
     for (int t = 0; t < tt; t++)
         for (int l = 0; l < PN; l++) acc[t][l] = 0.0f;
-    const int C = G / 4;
+    const int C = G / 4, NG = K / G, SG = (1 + has_m) * PN;
     for (int g = 0; g < NG; g++) {
-        const int8_t *qg = Q + (long)g * C * 64;
-        for (int t = 0; t < tt; t++) {
-            const uint8_t *xw = xs[t].xu + (long)g * G;
-            int32_t I[PN];
-            for (int l = 0; l < PN; l++) I[l] = CORR[g * PN + l];
-            for (int c = 0; c < C; c++)
-                for (int l = 0; l < PN; l++)
-                    for (int j = 0; j < 4; j++) I[l] += (int32_t)xw[4 * c + j] * (int32_t)qg[(c * PN + l) * 4 + j];
-            if (xs[t].xlo) { /* 16 bits: I = 256 * I_hi + I_lo */
-                const uint8_t *xl = xs[t].xlo + (long)g * G;
-                for (int l = 0; l < PN; l++) {
-                    int32_t lo = 0;
-                    for (int c = 0; c < C; c++)
-                        for (int j = 0; j < 4; j++) lo += (int32_t)xl[4 * c + j] * (int32_t)qg[(c * PN + l) * 4 + j];
-                    I[l] = I[l] * 256 + lo;
-                }
+        uint8_t w[32 * PN]; /* [C][PN][4] unsigned weights of the group */
+        if (nib) {
+            const uint8_t *qg = Q + (long)g * G * 8;
+            for (int i = 0; i < C / 2 * PN * 4; i++) {
+                w[i] = qg[i] & 0x0F;
+                w[i + C / 2 * PN * 4] = qg[i] >> 4;
             }
-            const float dx = xs[t].dx[g];
+        } else {
+            memcpy(w, Q + (long)g * G * 16, (size_t)G * PN);
+        }
+        const float *sv = SM + g * SG, *mv = SM + g * SG + PN;
+        for (int t = 0; t < tt; t++) {
+            const int32_t zq = z ? (G == 32 ? xs->zq32[g * tt + t] : xs->zq16[g * tt + t]) : 0;
+            const float dx = G == 32 ? xs->d32[g * tt + t] : xs->d32[g / 2 * tt + t];
+            const float sx = has_m ? (G == 32 ? xs->sx32[g * tt + t] : xs->sx16[g * tt + t]) : 0.0f;
             for (int l = 0; l < PN; l++) {
-                acc[t][l] = fmaf((float)I[l], S[g * PN + l] * dx, acc[t][l]);
-                if (Mo) acc[t][l] = fmaf(Mo[g * PN + l], xs[t].xs[g], acc[t][l]);
+                int32_t hi = 0, lo = 0;
+                for (int c = 0; c < C; c++) {
+                    const int32_t wh = xs->xh[((long)g * C + c) * tt + t], wl = b16 ? xs->xl[((long)g * C + c) * tt + t] : 0;
+                    for (int j = 0; j < 4; j++) {
+                        hi += (int32_t)w[(c * PN + l) * 4 + j] * (int8_t)(wh >> (8 * j));
+                        if (b16) lo += (int32_t)w[(c * PN + l) * 4 + j] * (int8_t)(wl >> (8 * j));
+                    }
+                }
+                const int32_t I = (b16 ? hi * 256 + lo : hi) + zq;
+                acc[t][l] = fmaf((float)I, sv[l] * dx, acc[t][l]);
+                if (has_m) acc[t][l] = fmaf(mv[l], sx, acc[t][l]);
             }
         }
     }
@@ -376,59 +527,94 @@ static inline void panel_tile(const int8_t *Q, const int32_t *CORR, const float 
 }
 #endif
 
-static void panel_any(const int8_t *Q, const int32_t *CORR, const float *S, const float *Mo, const xrow_t *xs,
-                      int NG, int G, float *y, int N, int nvalid, int tt) {
-    switch (tt) { /* literal tile sizes: the accumulators live in registers */
-    case 1: panel_tile(Q, CORR, S, Mo, xs, NG, G, y, N, nvalid, 1); break;
-    case 2: panel_tile(Q, CORR, S, Mo, xs, NG, G, y, N, nvalid, 2); break;
-    case 3: panel_tile(Q, CORR, S, Mo, xs, NG, G, y, N, nvalid, 3); break;
-    case 4: panel_tile(Q, CORR, S, Mo, xs, NG, G, y, N, nvalid, 4); break;
-    case 5: panel_tile(Q, CORR, S, Mo, xs, NG, G, y, N, nvalid, 5); break;
-    case 6: panel_tile(Q, CORR, S, Mo, xs, NG, G, y, N, nvalid, 6); break;
-    case 7: panel_tile(Q, CORR, S, Mo, xs, NG, G, y, N, nvalid, 7); break;
-    default: panel_tile(Q, CORR, S, Mo, xs, NG, G, y, N, nvalid, TT); break;
+#define TILE_CASES(G, NIB, B16, HM)                                                                                  \
+    switch (tt) { /* literal tile sizes: the accumulators live in registers */                                    \
+    case 1: panel_tile(Q, SM, z, xs, K, G, NIB, B16, HM, y, N, nvalid, 1); break;                                 \
+    case 2: panel_tile(Q, SM, z, xs, K, G, NIB, B16, HM, y, N, nvalid, 2); break;                                 \
+    case 3: panel_tile(Q, SM, z, xs, K, G, NIB, B16, HM, y, N, nvalid, 3); break;                                 \
+    case 4: panel_tile(Q, SM, z, xs, K, G, NIB, B16, HM, y, N, nvalid, 4); break;                                 \
+    case 5: panel_tile(Q, SM, z, xs, K, G, NIB, B16, HM, y, N, nvalid, 5); break;                                 \
+    case 6: panel_tile(Q, SM, z, xs, K, G, NIB, B16, HM, y, N, nvalid, 6); break;                                 \
+    case 7: panel_tile(Q, SM, z, xs, K, G, NIB, B16, HM, y, N, nvalid, 7); break;                                 \
+    default: panel_tile(Q, SM, z, xs, K, G, NIB, B16, HM, y, N, nvalid, TT); break;                               \
+    }
+#define HM_CASES(G, NIB, B16)                                                                                        \
+    if (has_m) {                                                                                                   \
+        TILE_CASES(G, NIB, B16, 1)                                                                                 \
+    } else {                                                                                                       \
+        TILE_CASES(G, NIB, B16, 0)                                                                                 \
+    }
+
+static void panel_any(const uint8_t *Q, const float *SM, int z, const xtile_t *xs, int K, int G, int nib, int b16,
+                      int has_m, float *y, int N, int nvalid, int tt) {
+    if (G == 32) {
+        if (nib) {
+            if (b16) HM_CASES(32, 1, 1) else HM_CASES(32, 1, 0)
+        } else {
+            if (b16) HM_CASES(32, 0, 1) else HM_CASES(32, 0, 0)
+        }
+    } else {
+        if (nib) {
+            if (b16) HM_CASES(16, 1, 1) else HM_CASES(16, 1, 0)
+        } else {
+            if (b16) HM_CASES(16, 0, 1) else HM_CASES(16, 0, 0)
+        }
     }
 }
 
-/* y [M, N] = x [M, K] @ w.T, activations of `bits` (8 or 16), w packed by ratchet_pack_q8 with
- * group size G (16 or 32) */
-void ratchet_mm_q8(const float *x, int M, int K, int bits, int G, const int8_t *Q, const int32_t *CORR, const float *S,
-                   const float *Mo, float *y, int N, int threads) {
+/* y [M, N] = x [M, K] @ w.T, activations of `bits` (8 or 16), w packed by ratchet_pack_q8 with zero
+ * point zw (ratchet_q8_plan's sizes[2]) */
+void ratchet_mm_q8(const float *x, int M, int K, int bits, int zw, const q8panel_t *panels, const uint8_t *Q,
+                   const float *SM, float *y, int N, int threads) {
     if (M <= 0 || N <= 0) return;
-    const int NG = K / G, NPAN = (N + PN - 1) / PN;
-    uint8_t *xu = malloc((size_t)M * K), *xlo = bits == 16 ? malloc((size_t)M * K) : NULL;
-    float *d32 = malloc(sizeof(float) * (size_t)M * (K / 32)), *dxg = malloc(sizeof(float) * (size_t)M * NG);
-    float *xsg = malloc(sizeof(float) * (size_t)M * NG);
-    int32_t *sum16 = malloc(sizeof(int32_t) * (size_t)M * (K / 16));
-    xrow_t *xr = malloc(sizeof(xrow_t) * (size_t)M);
+    const int NPAN = (N + PN - 1) / PN, NB = K / 32, NT = (M + TT - 1) / TT;
+    /* per token, then token-interleaved per tile of TT: x bytes (hi, lo), d32, sx32, zq16, zq32, sx16 */
+    const long per = (long)K / 4 * (bits == 16 ? 2 : 1) + (long)NB * 7;
+    int32_t *raw = malloc(sizeof(int32_t) * (size_t)M * per), *til = malloc(sizeof(int32_t) * (size_t)M * per);
+    xtile_t *tiles = malloc(sizeof(xtile_t) * (size_t)NT);
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
         for (int t = 0; t < M; t++) { /* each token quantized on its own: nothing depends on M */
-            float *d = d32 + (long)t * (K / 32), *dg = dxg + (long)t * NG, *sg = xsg + (long)t * NG;
-            int32_t *s16 = sum16 + (long)t * (K / 16);
-            uint8_t *lo = xlo ? xlo + (long)t * K : NULL;
-            quantize_row(x + (long)t * K, K, bits, xu + (long)t * K, lo, d, s16);
-            for (int g = 0; g < NG; g++) {
-                dg[g] = d[g * G / 32];
-                sg[g] = dg[g] * (float)(G == 32 ? s16[2 * g] + s16[2 * g + 1] : s16[g]);
+            int32_t *r = raw + (long)t * per, *xh = r, *xl = bits == 16 ? r + K / 4 : NULL;
+            /* after the bytes: d [NB], sx32 [NB], zq16 [2 NB], zq32 [NB], sx16 [2 NB] */
+            int32_t *rest = r + (long)K / 4 * (bits == 16 ? 2 : 1), *q16 = rest + 2 * NB, *q32 = rest + 4 * NB;
+            float *d = (float *)rest, *sx32 = (float *)(rest + NB), *sx16 = (float *)(rest + 5 * NB);
+            quantize_row(x + (long)t * K, K, bits, (int8_t *)xh, (int8_t *)xl, d, q16);
+            for (int b = 0; b < NB; b++) {
+                const int32_t s0 = q16[2 * b], s1 = q16[2 * b + 1];
+                sx32[b] = d[b] * (float)(s0 + s1);
+                sx16[2 * b] = d[b] * (float)s0;
+                sx16[2 * b + 1] = d[b] * (float)s1;
+                q32[b] = -zw * (s0 + s1); /* |sum xq| <= 32 * 32639: exact in int32 for zw <= 128 */
+                q16[2 * b] = -zw * s0;
+                q16[2 * b + 1] = -zw * s1;
             }
-            xr[t] = (xrow_t){xu + (long)t * K, lo, dg, sg};
+        }
+#pragma omp for schedule(static)
+        for (int ti = 0; ti < NT; ti++) { /* interleave: item i of token t0 + t at [i][tt] */
+            const int t0 = ti * TT, tt = MIN(TT, M - t0);
+            int32_t *dst = til + (long)t0 * per;
+            for (int t = 0; t < tt; t++) {
+                const int32_t *src = raw + (long)(t0 + t) * per;
+                for (long i = 0; i < per; i++) dst[i * tt + t] = src[i];
+            }
+            const long xw = (long)K / 4 * (bits == 16 ? 2 : 1);
+            int32_t *rest = dst + xw * tt;
+            tiles[ti] = (xtile_t){dst, bits == 16 ? dst + (long)K / 4 * tt : NULL, (const float *)rest,
+                                  rest + 4 * NB * tt, rest + 2 * NB * tt, (const float *)(rest + NB * tt),
+                                  (const float *)(rest + 5 * NB * tt)};
         }
 #pragma omp for schedule(static)
         for (int p = 0; p < NPAN; p++) {
-            const long pg = (long)p * NG;
+            const q8panel_t *pn = &panels[p];
             const int nvalid = MIN(PN, N - p * PN);
-            for (int t0 = 0; t0 < M; t0 += TT)
-                panel_any(Q + pg * G * PN, CORR + pg * PN, S + pg * PN, Mo ? Mo + pg * PN : NULL, xr + t0, NG, G,
-                          y + (long)t0 * N + p * PN, N, nvalid, MIN(TT, M - t0));
+            for (int ti = 0; ti < NT; ti++)
+                panel_any(Q + pn->qoff, SM + pn->soff, pn->z, &tiles[ti], K, pn->G, pn->nib, bits == 16, pn->has_m,
+                          y + (long)ti * TT * N + p * PN, N, nvalid, MIN(TT, M - ti * TT));
         }
     }
-    free(xu);
-    free(xlo);
-    free(d32);
-    free(dxg);
-    free(xsg);
-    free(sum16);
-    free(xr);
+    free(raw);
+    free(til);
+    free(tiles);
 }

@@ -160,24 +160,26 @@ class BlockWeight:
         """Whether the int8 mode can multiply this weight: every part has integer values, K % 32 == 0."""
         return self.parts[0].k % 32 == 0 and all(p.type_name not in ("F32", "F16", "BF16") for p in self.parts)
 
-    def pack_q8(self, lib: ctypes.CDLL) -> tuple:
-        """The int8 mode's layout (kernels/matmul_int8.c), built on first use and kept: the weights'
-        integer values in panels of 16 rows (1 byte per weight) plus a correction, scale and offset
-        per row and group of G = 32 weights (16 for formats with 16-weight sub-blocks). It trades
-        ~1.4 bytes per weight of memory for dot products that read no block headers."""
+    def pack_q8(self, lib: ctypes.CDLL) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """The integer modes' layout (kernels/matmul_int8.c), built on first use and kept: per panel
+        of 16 output rows its weights' integer values made unsigned (two per byte where they fit 4
+        bits: the 4-bit formats), in the VNNI order, and a scale and an offset per row and group of
+        G = 32 weights (16 where the format changes scale within 32). Returns (panels [P, 4] int64:
+        the kernel's q8panel_t; Q uint8; SM fp32; the weight's zero point). Memory beside the mmapped file: ~0.75
+        byte per weight for 4-bit formats, ~1.25 for the others."""
         if id(lib) not in self._q8:
             n, k = self.shape
-            g = 16 if any(p.type_name in ("Q2_K", "Q3_K", "Q6_K") for p in self.parts) else 32
-            npan, ng = (n + 15) // 16, k // g
-            q = np.empty(npan * ng * g * 16, np.int8)
-            corr = np.empty(npan * ng * 16, np.int32)
-            scale = np.empty(npan * ng * 16, np.float32)
-            offs = (np.empty(npan * ng * 16, np.float32)
-                    if any(p.type_name in ("Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K") for p in self.parts) else None)
+            npan = (n + 15) // 16
             parts = (kernels.Part * len(self.parts))(*(p.c_part() for p in self.parts))
-            lib.ratchet_pack_q8(parts, len(self.parts), k, g, q.ctypes.data, corr.ctypes.data, scale.ctypes.data,
-                                None if offs is None else offs.ctypes.data, torch.get_num_threads())
-            self._q8[id(lib)] = (g, q, corr, scale, offs)
+            panels = np.zeros((npan, 4), np.int64)  # q8panel_t: int32 nib, G, z, has_m; int64 qoff, soff
+            sizes = np.zeros(3, np.int64)
+            lib.ratchet_q8_plan(parts, len(self.parts), k, panels.ctypes.data, sizes.ctypes.data,
+                                torch.get_num_threads())
+            q = np.empty(int(sizes[0]), np.uint8)
+            sm = np.empty(int(sizes[1]), np.float32)
+            lib.ratchet_pack_q8(parts, len(self.parts), k, panels.ctypes.data, q.ctypes.data, sm.ctypes.data,
+                                torch.get_num_threads())
+            self._q8[id(lib)] = (panels, q, sm, int(sizes[2]))
         return self._q8[id(lib)]
 
     def dequantize(self) -> torch.Tensor:  # [N, K] fp32: exactly the weights the kernels multiply
@@ -218,10 +220,10 @@ def block_matmul(
     if lib is not kernels.load():  # another build: rebuild the parts (same layout, fresh array)
         parts = (kernels.Part * len(w.parts))(*(p.c_part() for p in w.parts))
     if numerics in ACTIVATION_BITS and w.int8_capable:
-        g, q, corr, scale, offs = w.pack_q8(lib)
+        panels, q, sm, zw = w.pack_q8(lib)
         y = torch.empty(m, n, dtype=torch.float32)
-        lib.ratchet_mm_q8(x.data_ptr(), m, k, ACTIVATION_BITS[numerics], g, q.ctypes.data, corr.ctypes.data,
-                          scale.ctypes.data, None if offs is None else offs.ctypes.data, y.data_ptr(), n, nt)
+        lib.ratchet_mm_q8(x.data_ptr(), m, k, ACTIVATION_BITS[numerics], zw, panels.ctypes.data, q.ctypes.data,
+                          sm.ctypes.data, y.data_ptr(), n, nt)
         return y
     assert numerics in NUMERICS, numerics
     if path == "blas" or (path == "auto" and m >= blas_rows()):

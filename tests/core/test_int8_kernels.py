@@ -33,9 +33,9 @@ BITS = {"int8": 8, "int16": 16}
 
 
 def quantize_ref(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference activation blocks: x [M, K] -> xq [M, K] int (in [-A, A], A = 127 or 32767), dx [M, K/32]."""
+    """Reference activation blocks: x [M, K] -> xq [M, K] int (in [-A, A], A = 127 or 32639), dx [M, K/32]."""
     m, k = x.shape
-    a = 127.0 if bits == 8 else 32767.0
+    a = 127.0 if bits == 8 else 32639.0
     xb = x.reshape(m, k // 32, 32)
     dx = xb.abs().amax(dim=-1) / a  # fp32, like the kernel
     inv = torch.where(dx > 0, 1.0 / dx, torch.zeros_like(dx))
@@ -52,12 +52,12 @@ def int8_ref(x: torch.Tensor, w: torch.Tensor, bits: int = 8) -> torch.Tensor:
 
 def c_quantize(lib, x: torch.Tensor, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     m, k = x.shape
-    xu, xlo = np.empty((m, k), np.uint8), np.zeros((m, k), np.uint8)
+    xh, xl = np.empty((m, k), np.int8), np.zeros((m, k), np.int8)
     d32 = np.empty((m, k // 32), np.float32)
     sum16 = np.empty((m, k // 16), np.int32)
-    lib.ratchet_quantize_q8(x.data_ptr(), m, k, bits, xu.ctypes.data, xlo.ctypes.data, d32.ctypes.data,
+    lib.ratchet_quantize_q8(x.data_ptr(), m, k, bits, xh.ctypes.data, xl.ctypes.data, d32.ctypes.data,
                             sum16.ctypes.data)
-    return xu, xlo, d32, sum16
+    return xh, xl, d32, sum16
 
 
 @pytest.mark.parametrize("bits", [8, 16])
@@ -66,11 +66,12 @@ def test_activation_blocks_match_the_reference_bit_for_bit(lib, bits):
     x = torch.randn(5, 320) * torch.logspace(-3, 2, 320)  # varied scales; one all-zero block below
     x[2, 64:96] = 0.0
     x[3, 5] = 1e4  # an outlier: its block's other values round to 0
-    xu, xlo, d32, sum16 = c_quantize(lib, x, bits)
+    x[4, 256:288] = torch.linspace(-1, 1, 32)  # the block's extremes: +-A exactly
+    xh, xl, d32, sum16 = c_quantize(lib, x, bits)
     xq, dx = quantize_ref(x, bits)
-    xq_c = xu.astype(np.int64) - 128
-    if bits == 16:  # xq = 256 * hi + lo
-        xq_c = xq_c * 256 + xlo
+    xq_c = xh.astype(np.int64)
+    if bits == 16:  # xq = 256 * hi + lo, both signed bytes
+        xq_c = xq_c * 256 + xl
     assert np.array_equal(xq_c, xq.long().numpy())
     assert same_bits(d32, dx)
     assert np.array_equal(sum16, xq.reshape(5, -1, 16).sum(-1).long().numpy())
@@ -109,7 +110,7 @@ def assert_int8_close(got: torch.Tensor, x: torch.Tensor, w: BlockWeight, bits: 
 @pytest.mark.parametrize("type_name", INT_TYPES)
 def test_matmul_matches_the_integer_reference_and_is_batch_invariant(lib, type_name, mode):
     k = 96 if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") else 512  # 96: not a multiple of 64
-    n = 13
+    n = 37  # two full panels of 16 output rows and a partial one
     w = BlockWeight.from_gguf(type_name, random_raw(type_name, n, k, seed=2), k)
     torch.manual_seed(3)
     x = torch.randn(33, k)
@@ -123,6 +124,46 @@ def test_matmul_matches_the_integer_reference_and_is_batch_invariant(lib, type_n
         assert same_bits(block_matmul(x[i:i + 1], w, lib=lib, numerics=mode), full[i:i + 1])
     for threads in (1, 2):
         assert same_bits(block_matmul(x, w, lib=lib, numerics=mode, threads=threads), full)
+
+
+# per format: (two weights per byte, G, zero point) that the packer must read off the values
+LAYOUT = {"Q4_0": (1, 32, 8), "Q4_1": (1, 32, 0), "Q5_0": (0, 32, 16), "Q5_1": (0, 32, 0), "Q8_0": (0, 32, 128),
+          "Q2_K": (1, 16, 0), "Q3_K": (1, 16, 4), "Q4_K": (1, 32, 0), "Q5_K": (0, 32, 0), "Q6_K": (0, 16, 32)}
+
+
+@pytest.mark.parametrize("type_name", INT_TYPES)
+def test_packing_reads_each_panels_layout_from_its_values(type_name):
+    """4-bit values are kept two per byte (the weight bytes are half of N * K), scales that change
+    within 32 weights give groups of 16, negative values a power-of-two zero point, offsets a row
+    of M; the integer form still rebuilds the weights (the matmul tests)."""
+    k, n = 512, 40
+    w = BlockWeight.from_gguf(type_name, random_raw(type_name, n, k, seed=7), k)
+    panels, q, sm, zw = w.pack_q8(kernels.load())
+    nib, g, z = LAYOUT[type_name]
+    assert panels.shape == (3, 4)
+    flags = panels[:, :2].view(np.int32)  # [nib, G, z, has_m] per panel
+    assert (flags[:, 0] == nib).all() and (flags[:, 1] == g).all() and zw == z
+    assert (flags[:, 2] == z).all()
+    assert (flags[:, 3] == (type_name in ("Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K"))).all()
+    assert q.nbytes == 3 * 16 * k // (2 if nib else 1)
+    assert sm.size == 3 * (k // g) * 16 * (1 + int(flags[0, 3]))
+
+
+def test_panels_of_one_weight_choose_their_own_layout(lib):
+    """A fused weight of 4-bit rows (Q4_K) and 6-bit rows (Q6_K): the Q4_K panels stay nibbles with
+    G = 32, the Q6_K panels bytes with G = 16; the result still matches the reference and a row's bits
+    do not depend on the rows beside it."""
+    k = 256
+    fused = BlockWeight.cat([BlockWeight.from_gguf("Q4_K", random_raw("Q4_K", 32, k, seed=8), k),
+                             BlockWeight.from_gguf("Q6_K", random_raw("Q6_K", 20, k, seed=9), k)])
+    panels = fused.pack_q8(lib)[0][:, :2].view(np.int32)
+    assert panels[:, 0].tolist() == [1, 1, 0, 0] and panels[:, 1].tolist() == [32, 32, 16, 16]
+    torch.manual_seed(4)
+    x = torch.randn(11, k)
+    for mode in BITS:
+        full = block_matmul(x, fused, lib=lib, numerics=mode)
+        assert_int8_close(full, x, fused, BITS[mode])
+        assert same_bits(block_matmul(x[3:4], fused, lib=lib, numerics=mode), full[3:4])
 
 
 def test_sixteen_bit_activations_are_near_exact():

@@ -1,0 +1,71 @@
+"""Kernel micro-benchmark of the numerics modes (issue 14): one ``x @ w.T`` over k rows per mode, on
+random GGUF blocks of a real shape, with the ratio to one row and the integer rate (G MAC/s; one
+AMD EPYC Zen 4 core does 236 G int8 MAC/s with 512-bit vpdpbusd, half that for int16's two passes).
+
+Best of many short runs (a shared machine preempts long ones), the compute bound shows at 8+ rows.
+
+    python benchmarks/bench_int8_kernel.py [--shape 2048x2048] [--types Q4_0 Q4_1 Q8_0 Q4_K Q6_K] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+import torch
+
+from ratchetlm.layers.block_quant import BlockWeight, block_matmul, set_blas_rows
+
+ROWS = (1, 2, 4, 8, 16, 32)
+SCALE_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2),
+            "Q6_K": (208,)}
+BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
+         "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+
+
+def random_weight(type_name: str, n: int, k: int) -> BlockWeight:
+    rng = np.random.default_rng(0)
+    blck, nbytes = BLOCK[type_name]
+    raw = rng.integers(0, 256, (n, k // blck, nbytes), dtype=np.uint8)
+    for off in SCALE_AT[type_name]:
+        raw[..., off:off + 2] = rng.uniform(1e-4, 1e-3, (n, k // blck, 1)).astype(np.float16).view(np.uint8)
+    return BlockWeight.from_gguf(type_name, raw.reshape(n, -1), k)
+
+
+def best_ms(f, budget_s: float = 0.3) -> float:
+    f()
+    best, t0 = float("inf"), time.perf_counter()
+    while time.perf_counter() - t0 < budget_s:
+        t = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - t)
+    return 1e3 * best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="2048x2048", help="N x K of the weight")
+    ap.add_argument("--types", nargs="+", default=["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+    ap.add_argument("--modes", nargs="+", default=["exact", "int8", "int16"])
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    set_blas_rows(0)  # the block kernels at every row count
+    n, k = map(int, args.shape.split("x"))
+    print(f"load {os.getloadavg()[0]:.1f}; {n}x{k}, {args.threads} thread(s); ms per matmul (best) / ratio to 1 row "
+          f"/ G MAC/s")
+    with torch.inference_mode():
+        for type_name in args.types:
+            w = random_weight(type_name, n, k)
+            for mode in args.modes:
+                xs = [torch.randn(r, k) for r in ROWS]
+                ms = [best_ms(lambda x=x, w=w, mode=mode: block_matmul(x, w, numerics=mode)) for x in xs]
+                cells = " ".join(f"{m:7.3f} {m / ms[0]:5.2f}x {r * n * k / m / 1e6:5.0f}" for r, m in zip(ROWS, ms,
+                                                                                                      strict=True))
+                print(f"{type_name:5} {mode:6} {cells}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
