@@ -71,10 +71,15 @@ class ModelLoader:
     model: str | None
     kwargs: dict
     chat_template: str | None = None
+    torch_threads: int | None = None  # --torch-threads, applied in every process that loads (replicas too)
 
     def __call__(self):
         from ratchetlm import LLM
 
+        if self.torch_threads is not None:
+            import torch
+
+            torch.set_num_threads(max(1, self.torch_threads))
         llm = LLM(self.model, **self.kwargs)
         if self.chat_template is not None:
             llm.tokenizer.chat_template = self.chat_template
@@ -115,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ratchet serve: error: --chat-template: {e}", file=sys.stderr)
             return 2
 
-    load = ModelLoader(model, kw, template)
+    load = ModelLoader(model, kw, template, args.torch_threads)
 
     if "decoding_options" in kw and not isinstance(kw["decoding_options"], dict):
         print("ratchet serve: error: --decoding-options must be a JSON object", file=sys.stderr)
