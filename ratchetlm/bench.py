@@ -70,7 +70,7 @@ class RatchetRunner(Runner):
         from ratchetlm import LLM
 
         self.llm = LLM(model, progress=False, dtype="float32", gguf_kernels=not dense, max_model_len=ctx,
-                       numerics=numerics,
+                       numerics=numerics, enable_prefix_caching=False,  # llama.cpp's runner clears its cache too
                        kv_cache_blocks=ctx // 16 + max_batch, max_num_batched_tokens=max(ctx, 1024))
         self.kv_bytes = sum(t.numel() * t.element_size() for t in _tensors(self.llm.engine.cache))
 

@@ -3,9 +3,10 @@
  * Each format has a portable C version that transcribes gguf-py's numpy `dequantize_blocks` float
  * operation by float operation (same operands, same order, no fused multiply-add: the library is
  * built with -ffp-contract=off), so its output is bit-identical to gguf-py. The AVX2 / AVX-512
- * versions of the common formats do the same operations on vectors; the 4/5-bit formats on AVX-512
- * compute the block's 16 or 32 possible weights once (the same operations on q = 0..15 / 0..31) and
- * pick each weight from that table with a permute.
+ * versions of the common formats do the same operations on vectors; on AVX-512 they are built from
+ * the register-level units of units_avx512.h (which the few-token matmul also uses): the 4/5-bit
+ * formats compute the block's 16 or 32 possible weights once (the same operations on q = 0..15 /
+ * 0..31) and pick each weight from that table with a permute.
  *
  * Block layouts (bytes, little-endian; fp16 scales):
  *   Q4_0 d, qs[16]           w[j] = d * (nib - 8)          nib: low nibble of qs[j] for j < 16,
@@ -186,8 +187,7 @@ static void q6_k_c(const uint8_t *src, float *dst, int64_t n) {
 
 /* ------------------------------------------------------------ AVX-512 */
 #if defined(__AVX512F__)
-#define IOTA16 _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
-#define LOAD16B(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#include "units_avx512.h"
 
 static void f16_avx512(const uint8_t *src, float *dst, int64_t n) {
     int64_t i = 0;
@@ -204,147 +204,28 @@ static void bf16_avx512(const uint8_t *src, float *dst, int64_t n) {
     bf16_c(src + 2 * i, dst + i, n - i);
 }
 
-/* 16 bytes of nibbles with a 16-entry table: low nibbles -> dst[0..15], high -> dst[hi_off..+15] */
-static inline void nibbles_avx512(const uint8_t *qs, __m512 tlo, __m512 thi, float *dst, int hi_off) {
-    __m512i v = LOAD16B(qs);
-    _mm512_storeu_ps(dst, _mm512_permutexvar_ps(v, tlo)); /* permutexvar reads index bits 0..3 */
-    _mm512_storeu_ps(dst + hi_off, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), thi));
-}
-
-static void q4_0_avx512(const uint8_t *src, float *dst, int64_t n) {
-    const __m512 q = _mm512_sub_ps(IOTA16, _mm512_set1_ps(8.0f)); /* exactly (float)(nib - 8) */
-    for (int64_t b = 0; b < n; b++, src += 18, dst += QK) {
-        __m512 t = _mm512_mul_ps(_mm512_set1_ps(load_fp16(src)), q);
-        nibbles_avx512(src + 2, t, t, dst, 16);
+/* the quantized formats: each block's units (units_avx512.h), stored */
+#define UNITS_TO_FLOAT(NAME, BLCK, BYTES, STATE)                                                   \
+    static void NAME##_avx512(const uint8_t *src, float *dst, int64_t n) {                         \
+        for (int64_t b = 0; b < n; b++, src += BYTES, dst += BLCK) {                               \
+            STATE st;                                                                              \
+            NAME##_prep(src, &st);                                                                 \
+            for (int j = 0; j < BLCK / 32; j++) {                                                  \
+                __m512 v0, v1;                                                                     \
+                NAME##_unit(src, &st, j, &v0, &v1);                                                \
+                _mm512_storeu_ps(dst + 32 * j, v0);                                                \
+                _mm512_storeu_ps(dst + 32 * j + 16, v1);                                           \
+            }                                                                                      \
+        }                                                                                          \
     }
-}
-
-static void q4_1_avx512(const uint8_t *src, float *dst, int64_t n) {
-    for (int64_t b = 0; b < n; b++, src += 20, dst += QK) {
-        __m512 t = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(load_fp16(src)), IOTA16), _mm512_set1_ps(load_fp16(src + 2)));
-        nibbles_avx512(src + 4, t, t, dst, 16);
-    }
-}
-
-/* 5-bit: nibble | (bit << 4) indexes a 32-entry table (t0: q < 16, t1: q >= 16) */
-static inline void q5_avx512(const uint8_t *qs, uint32_t qh, __m512 t0, __m512 t1, float *dst) {
-    const __m512i low4 = _mm512_set1_epi32(0x0F), b4 = _mm512_set1_epi32(0x10);
-    __m512i v = LOAD16B(qs);
-    __m512i lo = _mm512_mask_or_epi32(_mm512_and_si512(v, low4), (__mmask16)(qh & 0xFFFF), _mm512_and_si512(v, low4), b4);
-    __m512i sh = _mm512_srli_epi32(v, 4);
-    __m512i hi = _mm512_mask_or_epi32(sh, (__mmask16)(qh >> 16), sh, b4);
-    _mm512_storeu_ps(dst, _mm512_permutex2var_ps(t0, lo, t1));
-    _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(t0, hi, t1));
-}
-
-static void q5_0_avx512(const uint8_t *src, float *dst, int64_t n) {
-    const __m512 q0 = _mm512_sub_ps(IOTA16, _mm512_set1_ps(16.0f)), q1 = IOTA16;
-    for (int64_t b = 0; b < n; b++, src += 22, dst += QK) {
-        __m512 vd = _mm512_set1_ps(load_fp16(src));
-        q5_avx512(src + 6, load_u32(src + 2), _mm512_mul_ps(vd, q0), _mm512_mul_ps(vd, q1), dst);
-    }
-}
-
-static void q5_1_avx512(const uint8_t *src, float *dst, int64_t n) {
-    const __m512 q1 = _mm512_add_ps(IOTA16, _mm512_set1_ps(16.0f));
-    for (int64_t b = 0; b < n; b++, src += 24, dst += QK) {
-        __m512 vd = _mm512_set1_ps(load_fp16(src)), vm = _mm512_set1_ps(load_fp16(src + 2));
-        q5_avx512(src + 8, load_u32(src + 4), _mm512_add_ps(_mm512_mul_ps(vd, IOTA16), vm),
-                  _mm512_add_ps(_mm512_mul_ps(vd, q1), vm), dst);
-    }
-}
-
-static void q8_0_avx512(const uint8_t *src, float *dst, int64_t n) {
-    for (int64_t b = 0; b < n; b++, src += 34, dst += QK) {
-        __m512 vd = _mm512_set1_ps(load_fp16(src));
-        for (int h = 0; h < 2; h++) {
-            __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 2 + 16 * h)));
-            _mm512_storeu_ps(dst + 16 * h, _mm512_mul_ps(_mm512_cvtepi32_ps(q), vd));
-        }
-    }
-}
-
-/* Q4_K / Q5_K sub-block factors: ds[j] = d * sc[j], dm[j] = dmin * mn[j] (8 each), with the 6-bit
- * fields unpacked four at a time in 32-bit words, then one vector multiply each (same values as
- * the scalar d * (float)sc). */
-static inline void k4_factors_avx512(const uint8_t *blk, float ds[8], float dm[8]) {
-    uint32_t u[4];
-    memcpy(u, blk + 4, 12);
-    const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
-    u[3] = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4); /* mins 4..7 */
-    const uint32_t mins_lo = u[1] & m6;                    /* mins 0..3 */
-    u[1] = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);        /* scales 4..7 */
-    u[0] &= m6;                                            /* scales 0..3 */
-    u[2] = mins_lo;
-    __m128i bytes = _mm_loadu_si128((const __m128i *)u); /* scales 0..7, mins 0..7 */
-    __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
-    __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
-    _mm256_storeu_ps(ds, _mm256_mul_ps(_mm256_set1_ps(load_fp16(blk)), sc));
-    _mm256_storeu_ps(dm, _mm256_mul_ps(_mm256_set1_ps(load_fp16(blk + 2)), mn));
-}
-
-static void q4_k_avx512(const uint8_t *src, float *dst, int64_t n) {
-    for (int64_t b = 0; b < n; b++, src += 144, dst += QK_K) {
-        float ds[8], dm[8];
-        k4_factors_avx512(src, ds, dm);
-        for (int c = 0; c < 4; c++) { /* 32 bytes: sub-block 2c (low nibbles), 2c + 1 (high) */
-            __m512 tlo = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(ds[2 * c]), IOTA16), _mm512_set1_ps(dm[2 * c]));
-            __m512 thi = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(ds[2 * c + 1]), IOTA16),
-                                       _mm512_set1_ps(dm[2 * c + 1]));
-            nibbles_avx512(src + 16 + 32 * c, tlo, thi, dst + 64 * c, 32);
-            nibbles_avx512(src + 16 + 32 * c + 16, tlo, thi, dst + 64 * c + 16, 32);
-        }
-    }
-}
-
-static void q5_k_avx512(const uint8_t *src, float *dst, int64_t n) {
-    const __m512 q1 = _mm512_add_ps(IOTA16, _mm512_set1_ps(16.0f));
-    const __m512i low4 = _mm512_set1_epi32(0x0F), b4 = _mm512_set1_epi32(0x10);
-    for (int64_t b = 0; b < n; b++, src += 176, dst += QK_K) {
-        float ds[8], dm[8];
-        k4_factors_avx512(src, ds, dm);
-        const uint8_t *qh = src + 16, *qs = src + 48;
-        __m512i h[2] = {LOAD16B(qh), LOAD16B(qh + 16)}; /* qh bytes for l = 0..15, 16..31 */
-        for (int sb = 0; sb < 8; sb++) {
-            __m512 vd = _mm512_set1_ps(ds[sb]), vm = _mm512_set1_ps(dm[sb]);
-            __m512 t0 = _mm512_sub_ps(_mm512_mul_ps(vd, IOTA16), vm), t1 = _mm512_sub_ps(_mm512_mul_ps(vd, q1), vm);
-            const __m512i bit = _mm512_set1_epi32(1 << sb);
-            for (int half = 0; half < 2; half++) {
-                __m512i v = LOAD16B(qs + 32 * (sb / 2) + 16 * half);
-                v = (sb & 1) ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, low4);
-                __mmask16 k = _mm512_test_epi32_mask(h[half], bit);
-                v = _mm512_mask_or_epi32(v, k, v, b4);
-                _mm512_storeu_ps(dst + 32 * sb + 16 * half, _mm512_permutex2var_ps(t0, v, t1));
-            }
-        }
-    }
-}
-
-static void q6_k_avx512(const uint8_t *src, float *dst, int64_t n) {
-    const __m128i m4 = _mm_set1_epi8(0x0F), m3 = _mm_set1_epi8(3), off = _mm_set1_epi8(32);
-    for (int64_t b = 0; b < n; b++, src += 210, dst += QK_K) {
-        const uint8_t *ql = src, *qh = src + 128;
-        float ds[16]; /* d * scale of each 16-weight sub-block: one vector multiply */
-        _mm512_storeu_ps(ds, _mm512_mul_ps(_mm512_set1_ps(load_fp16(src + 208)),
-                                           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 192))))));
-        for (int h = 0; h < 2; h++) {
-            for (int l0 = 0; l0 < 64; l0 += 16) {
-                __m128i lb = _mm_loadu_si128((const __m128i *)(ql + h * 64 + l0));
-                __m128i hb = _mm_loadu_si128((const __m128i *)(qh + h * 32 + l0 % 32));
-                int s = 2 * (l0 / 32);
-                __m128i hlo = _mm_and_si128(_mm_srl_epi16(hb, _mm_cvtsi32_si128(s)), m3);
-                __m128i hhi = _mm_and_si128(_mm_srl_epi16(hb, _mm_cvtsi32_si128(s + 4)), m3);
-                __m128i qlo = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(lb, m4), _mm_slli_epi16(hlo, 4)), off);
-                __m128i qhi = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(lb, 4), m4), _mm_slli_epi16(hhi, 4)), off);
-                int ilo = h * 128 + l0, ihi = h * 128 + 64 + l0;
-                _mm512_storeu_ps(dst + ilo, _mm512_mul_ps(_mm512_set1_ps(ds[ilo / 16]),
-                                                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qlo))));
-                _mm512_storeu_ps(dst + ihi, _mm512_mul_ps(_mm512_set1_ps(ds[ihi / 16]),
-                                                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qhi))));
-            }
-        }
-    }
-}
+UNITS_TO_FLOAT(q4_0, QK, 18, tab_t)
+UNITS_TO_FLOAT(q4_1, QK, 20, tab_t)
+UNITS_TO_FLOAT(q5_0, QK, 22, tab_t)
+UNITS_TO_FLOAT(q5_1, QK, 24, tab_t)
+UNITS_TO_FLOAT(q8_0, QK, 34, tab_t)
+UNITS_TO_FLOAT(q4_k, QK_K, 144, kstate_t)
+UNITS_TO_FLOAT(q5_k, QK_K, 176, kstate_t)
+UNITS_TO_FLOAT(q6_k, QK_K, 210, kstate_t)
 #define F16_FN f16_avx512
 #define BF16_FN bf16_avx512
 #define Q4_0_FN q4_0_avx512
@@ -477,21 +358,22 @@ static void q6_k_avx2(const uint8_t *src, float *dst, int64_t n) {
 #endif
 
 /* ------------------------------------------------------------ the table */
-/* name, GGMLQuantizationType, weights per block, bytes per block, dequantize, int8-mode form, has offsets */
+/* name, GGMLQuantizationType, weights per block, bytes per block, dequantize, int8-mode form, has offsets,
+ * few-token matmul */
 const ggml_type_t RATCHET_TYPES[] = {
-    {"F32", 0, 1, 4, f32_c, NULL, 0},
-    {"F16", 1, 1, 2, F16_FN, NULL, 0},
-    {"BF16", 30, 1, 2, BF16_FN, NULL, 0},
-    {"Q4_0", 2, QK, 18, Q4_0_FN, q8w_q4_0, 0},
-    {"Q4_1", 3, QK, 20, Q4_1_FN, q8w_q4_1, 1},
-    {"Q5_0", 6, QK, 22, Q5_0_FN, q8w_q5_0, 0},
-    {"Q5_1", 7, QK, 24, Q5_1_FN, q8w_q5_1, 1},
-    {"Q8_0", 8, QK, 34, Q8_0_FN, q8w_q8_0, 0},
-    {"Q2_K", 10, QK_K, 84, q2_k_c, q8w_q2_k, 1}, /* portable C only: rare formats, correct and slower */
-    {"Q3_K", 11, QK_K, 110, q3_k_c, q8w_q3_k, 0},
-    {"Q4_K", 12, QK_K, 144, Q4_K_FN, q8w_q4_k, 1},
-    {"Q5_K", 13, QK_K, 176, Q5_K_FN, q8w_q5_k, 1},
-    {"Q6_K", 14, QK_K, 210, Q6_K_FN, q8w_q6_k, 0},
+    {"F32", 0, 1, 4, f32_c, NULL, 0, FEW(f32)},
+    {"F16", 1, 1, 2, F16_FN, NULL, 0, FEW(f16)},
+    {"BF16", 30, 1, 2, BF16_FN, NULL, 0, FEW(bf16)},
+    {"Q4_0", 2, QK, 18, Q4_0_FN, q8w_q4_0, 0, FEW(q4_0)},
+    {"Q4_1", 3, QK, 20, Q4_1_FN, q8w_q4_1, 1, FEW(q4_1)},
+    {"Q5_0", 6, QK, 22, Q5_0_FN, q8w_q5_0, 0, FEW(q5_0)},
+    {"Q5_1", 7, QK, 24, Q5_1_FN, q8w_q5_1, 1, FEW(q5_1)},
+    {"Q8_0", 8, QK, 34, Q8_0_FN, q8w_q8_0, 0, FEW(q8_0)},
+    {"Q2_K", 10, QK_K, 84, q2_k_c, q8w_q2_k, 1, NULL}, /* portable C only: rare formats, correct and slower */
+    {"Q3_K", 11, QK_K, 110, q3_k_c, q8w_q3_k, 0, NULL},
+    {"Q4_K", 12, QK_K, 144, Q4_K_FN, q8w_q4_k, 1, FEW(q4_k)},
+    {"Q5_K", 13, QK_K, 176, Q5_K_FN, q8w_q5_k, 1, FEW(q5_k)},
+    {"Q6_K", 14, QK_K, 210, Q6_K_FN, q8w_q6_k, 0, FEW(q6_k)},
 };
 const int RATCHET_NUM_TYPES = sizeof(RATCHET_TYPES) / sizeof(RATCHET_TYPES[0]);
 

@@ -18,6 +18,10 @@ typedef void (*to_float_fn)(const uint8_t *src, float *dst, int64_t n_blocks);
 /* n_blocks blocks -> the int8 mode's form w[k] = s4[k / 4] * q[k] + m16[k / 16] (matmul_int8.c) */
 typedef void (*to_q8w_fn)(const uint8_t *src, int8_t *q, float *s4, float *m16, int64_t n_blocks);
 
+/* the few-token matmul straight from registers (matmul.c, AVX-512 builds): rr stored rows (their
+ * blocks at rows[r]) times tt tokens of x [tt, K], into y (stride N) */
+typedef void (*few_fn)(const uint8_t *const *rows, const float *x, int K, float *y, int N, int rr, int tt);
+
 typedef struct {
     const char *name; /* GGML name, e.g. "Q4_K" (the Python side matches rows by it) */
     int ggml_id;      /* GGMLQuantizationType value in the file */
@@ -26,7 +30,25 @@ typedef struct {
     to_float_fn to_float;
     to_q8w_fn to_q8w; /* NULL: the int8 mode multiplies this format in fp32 (F32 / F16 / BF16) */
     int q8_offsets;   /* to_q8w writes m16 (formats with a min / offset term) */
+    few_fn few;       /* NULL: few tokens go through the scratch buffer like many (matmul.c) */
 } ggml_type_t;
+
+#if defined(__AVX512F__)
+#define FEW(name) few_##name
+void few_f32(const uint8_t *const *, const float *, int, float *, int, int, int);
+void few_f16(const uint8_t *const *, const float *, int, float *, int, int, int);
+void few_bf16(const uint8_t *const *, const float *, int, float *, int, int, int);
+void few_q4_0(const uint8_t *const *, const float *, int, float *, int, int, int);
+void few_q4_1(const uint8_t *const *, const float *, int, float *, int, int, int);
+void few_q5_0(const uint8_t *const *, const float *, int, float *, int, int, int);
+void few_q5_1(const uint8_t *const *, const float *, int, float *, int, int, int);
+void few_q8_0(const uint8_t *const *, const float *, int, float *, int, int, int);
+void few_q4_k(const uint8_t *const *, const float *, int, float *, int, int, int);
+void few_q5_k(const uint8_t *const *, const float *, int, float *, int, int, int);
+void few_q6_k(const uint8_t *const *, const float *, int, float *, int, int, int);
+#else
+#define FEW(name) NULL
+#endif
 
 void q8w_q4_0(const uint8_t *, int8_t *, float *, float *, int64_t);
 void q8w_q4_1(const uint8_t *, int8_t *, float *, float *, int64_t);

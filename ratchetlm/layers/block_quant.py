@@ -352,6 +352,13 @@ class Embedding(nn.Embedding):
     blocks: BlockWeight | None = None
     numerics: str = "exact"  # of as_head (the gathered rows are always exact)
 
+    def reset_parameters(self) -> None:
+        # A model is built on the meta device and loaded from a checkpoint: nothing to initialise there,
+        # and torch's normal_ on a meta tensor goes through torch._refs, which imports torch._dynamo
+        # (seconds of model load).
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def use_blocks(self, w: BlockWeight) -> None:
         assert w.shape == (self.num_embeddings, self.embedding_dim), (w.shape, self.num_embeddings)
         self.blocks = w

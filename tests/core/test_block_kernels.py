@@ -272,3 +272,23 @@ def test_get_rows_bounds_are_checked():
     assert emb(torch.tensor([[3, 0]])).shape == (1, 2, 32)
     with pytest.raises(IndexError):
         emb(torch.tensor([4]))
+
+
+def test_building_a_model_on_the_meta_device_initialises_nothing():
+    """A model is built on the meta device and then loaded: no initialiser runs there. (torch's
+    normal_ on a meta tensor imports torch._dynamo: a second of load time, ten on a busy machine.)"""
+    import subprocess
+    import sys
+
+    from ratchetlm.layers.block_quant import Embedding
+
+    code = ("import sys, torch\n"
+            "from ratchetlm.layers.block_quant import Embedding\n"
+            "with torch.device('meta'):\n"
+            "    e = Embedding(49152, 64)\n"
+            "assert e.weight.is_meta\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+    emb = Embedding(3, 4)  # off the meta device it is still an initialised nn.Embedding
+    assert emb.weight.abs().sum() > 0
