@@ -78,7 +78,7 @@ class RatchetRunner(Runner):
         from ratchetlm import SamplingParams
 
         sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=not stop_at_eos)
-        return [o.token_ids for o in self.llm.generate(prompts, sp, use_tqdm=False)]
+        return [o.outputs[0].token_ids for o in self.llm.generate(prompts, sp, use_tqdm=False)]
 
 
 def _tensors(obj: Any) -> list[Any]:

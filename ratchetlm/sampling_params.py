@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+MAX_CHOICES = 128  # n / best_of per prompt
+UNTIL_MAX_MODEL_LEN = sys.maxsize  # max_tokens=None: every strategy stops at max_model_len first
 
 
 @dataclass(frozen=True)
@@ -81,9 +84,15 @@ class SamplingParams:
     wherever the tokens before it were just generated), ``min_tokens`` (EOS and ``stop_token_ids``
     are banned until that many tokens were generated), ``structured`` (a grammar the output must
     match, :class:`StructuredOutputsParams`).
+
+    vLLM's choices: ``n`` independent samples per prompt (with a ``seed``, choice ``i`` samples with
+    ``seed + i``, as vLLM derives its child requests' seeds); ``best_of`` (>= n) samples of which the
+    ``n`` with the highest cumulative logprob are returned. ``max_tokens=None``: up to ``max_model_len``.
     """
 
-    max_tokens: int = 16
+    n: int = 1
+    best_of: int | None = None
+    max_tokens: int = 16  # None (vLLM's spelling): up to max_model_len, stored as UNTIL_MAX_MODEL_LEN
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -104,13 +113,18 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     min_tokens: int = 0
     structured: StructuredOutputsParams | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # vLLM's name for ``structured``
 
     def __post_init__(self) -> None:
+        self._vllm_conventions()
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))  # normalise before freezing semantics
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.max_tokens is None:  # vLLM: no limit but the context length (the engine's max_model_len)
+            object.__setattr__(self, "max_tokens", UNTIL_MAX_MODEL_LEN)
         _check_int("max_tokens", self.max_tokens, lo=1)
+        self._check_choices()
         _check_num("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
@@ -131,6 +145,36 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         self._check_logits_controls()
+
+    def _vllm_conventions(self) -> None:
+        """vLLM spellings of defaults: ``None`` lists, ``seed=-1``, ``logprobs=True``, ``structured_outputs``."""
+        for name in ("stop", "stop_token_ids", "bad_words"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, ())
+        if self.seed == -1:
+            object.__setattr__(self, "seed", None)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is True:
+                object.__setattr__(self, name, 1)
+        if self.structured_outputs is not None:
+            if self.structured is not None and self.structured != self.structured_outputs:
+                raise ValueError("give structured or structured_outputs (vLLM's name), not both")
+            object.__setattr__(self, "structured", self.structured_outputs)
+            object.__setattr__(self, "structured_outputs", None)
+
+    def _check_choices(self) -> None:
+        """``n`` choices per prompt; ``best_of`` >= n samples, of which the n most likely are returned."""
+        _check_int("n", self.n, lo=1, hi=MAX_CHOICES)
+        if self.best_of is not None:
+            _check_int("best_of", self.best_of, lo=self.n, hi=MAX_CHOICES)
+        if self.greedy and (self.n > 1 or (self.best_of or 1) > 1):
+            raise ValueError(f"n and best_of must be 1 with greedy sampling (temperature=0): every choice would "
+                             f"be the same; got n={self.n}, best_of={self.best_of}")
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences one prompt runs: ``best_of`` when given, else ``n``."""
+        return self.best_of or self.n
 
     def _check_logits_controls(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -166,7 +210,7 @@ class SamplingParams:
         for w in self.bad_words:
             if not isinstance(w, str) or not w:
                 raise ValueError(f"bad_words must be non-empty strings, got {w!r}")
-        _check_int("min_tokens", self.min_tokens, lo=0, hi=self.max_tokens)
+        _check_int("min_tokens", self.min_tokens, lo=0, hi=self.max_tokens)  # hi None: no bound
         if self.structured is not None and not isinstance(self.structured, StructuredOutputsParams):
             if isinstance(self.structured, Mapping):
                 object.__setattr__(self, "structured", StructuredOutputsParams(**self.structured))

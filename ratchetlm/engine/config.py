@@ -7,9 +7,7 @@ from typing import Any
 
 import torch
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
+from ratchetlm.engine.dtype import DTYPES, DtypeChoice, choose_dtype
 
 NUMERICS = ("exact", "int8", "int16")  # CPU block kernels' compute modes (layers/block_quant.py)
 
@@ -18,13 +16,17 @@ NUMERICS = ("exact", "int8", "int16")  # CPU block kernels' compute modes (layer
 class EngineConfig:
     model: str | None = None  # local GGUF file / HF folder; None = the bundled SmolLM2-135M-Instruct
     device: str = "cpu"
-    # auto = bf16 where the hardware has native bf16 (CUDA sm80+, AVX512-BF16/AMX CPUs), else fp32; but a GGUF
-    # model on CPU runs in fp32 when the GGUF block kernels are on and built (they take fp32 activations)
+    # auto = fp32 on CPU (HF-identical; stored weights read in place by the block kernels), on CUDA the HF
+    # checkpoint's dtype, bf16 for GGUF (engine/dtype.py says why)
     dtype: str = "auto"
     max_model_len: int | None = None  # default: the model's max positions
     kv_cache_blocks: int | None = None  # default: ~1 GiB of KV (at least one max_model_len)
     # the cache budget in bytes, for any model's cache layout (default ~1 GiB); exclusive with kv_cache_blocks
     kv_cache_bytes: int | None = None
+    # CUDA (vLLM's meaning): the fraction of the GPU's memory this engine may fill; the KV cache gets what
+    # the loaded model and an activation reserve leave of it (engine/kv_budget.py). None: the ~1 GiB
+    # default. On CPU it is accepted and ignored with a warning (size the cache with kv_cache_bytes).
+    gpu_memory_utilization: float | None = None
     block_size: int = 16
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
@@ -51,6 +53,8 @@ class EngineConfig:
     # and starts the others (gloo on CPU, NCCL on CUDA: one GPU per rank)
     tensor_parallel_size: int = 1
     progress: bool = True  # tqdm bars for loading and batch generation
+    # vLLM's flag: the engine always runs eagerly (no CUDA graphs, no torch.compile), so both values hold
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -84,16 +88,13 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be a positive integer, got {self.kv_cache_bytes!r}")
         if self.kv_cache_blocks is not None and self.kv_cache_bytes is not None:
             raise ValueError("give kv_cache_blocks or kv_cache_bytes, not both")
+        u = self.gpu_memory_utilization
+        if u is not None and (isinstance(u, bool) or not isinstance(u, int | float) or not 0 < u <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
 
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype != "auto":
-            return DTYPES[self.dtype]
-        if self.device.startswith("cuda"):
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-        if self.gguf_kernels and (self.model is None or str(self.model).endswith(".gguf")):
-            from ratchetlm import kernels
+        return self.dtype_choice().dtype
 
-            if kernels.load() is not None:  # fp32 + block kernels beat bf16 dense ~3x on the default model
-                return torch.float32
-        # On CPUs without native bf16 (e.g. AVX2-only), bf16 matmuls are emulated and slower than fp32.
-        return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    def dtype_choice(self) -> DtypeChoice:
+        """The run dtype and why (``dtype="auto"``: engine/dtype.py)."""
+        return choose_dtype(self.dtype, self.device, self.model, self.gguf_kernels)

@@ -1,79 +1,86 @@
-"""The user-facing facade: ``LLM(...).generate(prompts, params)``, ``chat``, ``stream``."""
+"""The user-facing facade, in vLLM's offline shape: ``LLM(model=..., **engine args)``,
+``generate(prompts, sampling_params)`` / ``chat(messages, sampling_params)`` returning
+:class:`~ratchetlm.outputs.RequestOutput` (one ``CompletionOutput`` per choice), and ``stream``."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+import warnings
+from collections.abc import Iterator, Mapping
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from typing import Any
 
 from tqdm import tqdm
 
+from ratchetlm.engine.choices import ChoiceRun, choice_params, completion, request_output
 from ratchetlm.engine.config import EngineConfig
+from ratchetlm.engine.engine_args import split_engine_args
 from ratchetlm.engine.llm_engine import LLMEngine
 from ratchetlm.models.registry import load_model
+from ratchetlm.outputs import RequestOutput
 from ratchetlm.parallel.launch import start_tensor_parallel
 from ratchetlm.sampling_params import SamplingParams
 from ratchetlm.text.stream import TextStream
 
-Prompt = str | list[int]
+# a string, token ids, or vLLM's {"prompt": str} / {"prompt_token_ids": [...]}
+Prompt = str | list[int] | Mapping[str, Any]
 
+log = logging.getLogger("ratchetlm")
 
-@dataclass
-class RequestOutput:
-    request_id: int
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list[dict[int, float]] | None = None
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    metrics: dict[str, Any] = field(default_factory=dict)
+__all__ = ["LLM", "RequestOutput", "StreamEvent"]
 
 
 @dataclass
 class StreamEvent:
-    """Committed tokens of one request in one engine step, with the text they release."""
+    """Committed tokens of one choice of one request in one engine step, with the text they release."""
 
     index: int  # position of the request in the submitted list
     token_ids: list[int]
     text: str
     finished: bool
     finish_reason: str | None
+    choice: int = 0  # which of the prompt's n choices
+    stop_reason: int | str | None = None  # the stop string / stop token id that ended it
 
 
 class LLM:
-    """Offline inference. Keyword arguments are :class:`EngineConfig` fields, plus
-    ``speculative={...}`` / ``wedlm={...}`` shorthands for ``decoding``/``decoding_options``."""
+    """Offline inference. Keyword arguments are :class:`EngineConfig` fields and vLLM engine
+    arguments (engine/engine_args.py: honoured where they mean something here, else ignored with
+    one warning), plus ``speculative={...}`` / ``wedlm={...}`` shorthands for
+    ``decoding``/``decoding_options``."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         spec = kwargs.pop("speculative", None)
         wedlm = kwargs.pop("wedlm", None)
         mask_token_id = kwargs.pop("mask_token_id", None)
+        kwargs, extras = split_engine_args(kwargs)
         if spec is not None:
+            if kwargs.get("decoding_options") and kwargs.get("decoding") == "speculative":
+                raise ValueError("give speculative or speculative_config (vLLM's name), not both")
             kwargs.setdefault("decoding", "speculative")
             kwargs["decoding_options"] = dict(spec)
         if wedlm is not None or kwargs.get("decoding") == "wedlm":
             kwargs.setdefault("decoding", "wedlm")
             kwargs["decoding_options"] = dict(wedlm or {})
-        names = {f.name for f in fields(EngineConfig)}
-        unknown = set(kwargs) - names
-        if unknown:
-            raise TypeError(f"unknown LLM argument(s): {', '.join(sorted(unknown))}")
         self.config = EngineConfig(model=model, **kwargs)
+        dtype = self.config.dtype_choice()
+        log.info("%s", dtype.describe())  # once per engine: what runs, and why (engine/dtype.py)
+        self.dtype_description = dtype.describe()
         # tensor parallelism: this process is rank 0; the other ranks load their shards meanwhile
         parallel = start_tensor_parallel(self.config, mask_token_id)
         try:
-            loaded = load_model(model, _dev(self.config), self.config.torch_dtype(),
+            loaded = load_model(model, _dev(self.config), dtype.dtype,
                                 self.config.progress, mask_token_id=mask_token_id,
                                 gguf_kernels=self.config.gguf_kernels, numerics=self.config.numerics,
                                 **({} if parallel is None else parallel.load_args()))
             if parallel is not None:
                 parallel.wait_ready()
             self.tokenizer = loaded.tokenizer
+            if extras.get("tokenizer") is not None:
+                self.tokenizer = _other_tokenizer(str(extras["tokenizer"]), loaded)
             self.model_config = loaded.config
-            self.engine = LLMEngine(self.config, loaded.model, loaded.config, tokenizer=loaded.tokenizer,
+            self.engine = LLMEngine(self.config, loaded.model, loaded.config, tokenizer=self.tokenizer,
                                     parallel=parallel)
         except BaseException:
             if parallel is not None:
@@ -86,6 +93,9 @@ class LLM:
         if close is not None:
             close()
 
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
     # ------------------------------------------------------------------ prompts
 
     def encode(self, prompt: Prompt) -> list[int]:
@@ -95,113 +105,175 @@ class LLM:
             return list(self.tokenizer.encode(prompt, add_special_tokens=False))
         if isinstance(prompt, list | tuple):
             return [int(t) if not isinstance(t, bool) else -1 for t in prompt]
+        if isinstance(prompt, Mapping):  # vLLM's TextPrompt / TokensPrompt
+            if set(prompt) - {"prompt", "prompt_token_ids"} or len(prompt) != 1:
+                raise ValueError("a prompt dict holds exactly one of 'prompt' (text) or 'prompt_token_ids', "
+                                 f"got keys {sorted(prompt)}")
+            inner = prompt.get("prompt", prompt.get("prompt_token_ids"))
+            if isinstance(inner, Mapping):
+                raise ValueError("a prompt dict's value must be text or token ids")
+            return self.encode(inner)
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                            tool_parser: str | None = None, add_generation_prompt: bool = True) -> str:
+                            tool_parser: str | None = None, add_generation_prompt: bool = True,
+                            chat_template: str | None = None) -> str:
         """The prompt text for ``messages`` (OpenAI shape: assistant ``tool_calls`` and ``role: "tool"``
         results allowed). ``tools`` (OpenAI function tools) reach a template that handles them, or are
         described in the system message in the ``tool_parser`` family's format (structured/tool_calls.py)."""
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
-        template = getattr(self.tokenizer, "chat_template", None)
+        template = chat_template or getattr(self.tokenizer, "chat_template", None)
         if template is None:
             raise ValueError("this model has no chat template")
+        over: dict[str, Any] = {"chat_template": chat_template} if chat_template else {}
         if tools is None and not any(m.get("tool_calls") for m in messages):
             return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+                                                      add_generation_prompt=add_generation_prompt, **over)
         from ratchetlm.structured.tool_calls import chat_messages, functions_from, template_handles_tools, tool_format
 
         funcs = functions_from(tools or [])
         native = template_handles_tools(template)
         msgs = chat_messages(messages, funcs, tool_format(tool_parser, template), native)
         kw: dict[str, Any] = {"tools": [f.as_openai() for f in funcs]} if native and funcs else {}
+        kw.update(over)
         return self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                   **kw)
 
     # ------------------------------------------------------------------ generation
 
-    def stream(
-        self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None
-    ) -> Iterator[StreamEvent]:
-        """Run requests to completion, yielding each step's committed tokens per request."""
+    def _submit(self, prompts: Prompt | Seq[Prompt],
+                sampling_params: SamplingParams | Seq[SamplingParams] | None) -> tuple[list[Prompt], dict[int, Any]]:
+        """Queue every choice of every prompt; returns the prompts and, per engine request id, its
+        ``(ChoiceRun, TextStream)``. Everything is validated before anything is queued."""
         plist = _as_list(prompts)
-        params_list = _params_list(params, len(plist))
-        encoded = [self.encode(p) for p in plist]  # validate everything before queuing anything
-        ids: dict[int, int] = {}
-        texts: dict[int, TextStream] = {}
+        params_list = _params_list(sampling_params, len(plist))
+        encoded = [self.encode(p) for p in plist]
+        runs: dict[int, Any] = {}
         try:
             for i, (ids_i, sp) in enumerate(zip(encoded, params_list, strict=True)):
-                sid = self.engine.add_request(ids_i, sp)
-                ids[sid] = i
-                texts[sid] = TextStream(self.tokenizer, ids_i, sp.stop, sp.include_stop_str_in_output)
-            while self.engine.has_unfinished():
-                for out in self.engine.step():
-                    if out.seq_id not in ids:
-                        continue
-                    ts = texts[out.seq_id]
-                    visible = out.new_token_ids
-                    if out.finish_reason == "stop" and visible and self.engine.is_stop_token(out.seq_id, visible[-1]):
-                        visible = visible[:-1]  # EOS / stop token ids end the request but are not text
-                    delta = ts.feed(visible)
-                    finished, reason = out.finished, out.finish_reason
-                    if delta.stopped and not finished:
-                        self.engine.abort(out.seq_id, "stop")
-                        finished, reason = True, "stop"
-                    text = delta.text + (ts.finish() if finished else "")
-                    yield StreamEvent(ids[out.seq_id], out.new_token_ids, text, finished, reason)
-        finally:
-            for sid in ids:
+                leader = None
+                for j in range(sp.num_samples):
+                    cp = choice_params(sp, j)
+                    sid = self.engine.add_request(ids_i, cp, share_prompt_with=leader)
+                    leader = sid if leader is None else leader
+                    runs[sid] = (ChoiceRun(i, j, sp), TextStream(self.tokenizer, ids_i, cp.stop,
+                                                                  cp.include_stop_str_in_output))
+        except BaseException:
+            for sid in runs:
                 self.engine.abort(sid)
+                self.engine.release(sid)
+            raise
+        return plist, runs
+
+    def _events(self, runs: dict[int, Any]) -> Iterator[StreamEvent]:
+        """Step the engine until it is idle, yielding each choice's committed tokens and text."""
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.seq_id not in runs:
+                    continue
+                run, ts = runs[out.seq_id]
+                visible = out.new_token_ids
+                stop_tok = bool(visible) and self.engine.is_stop_token(out.seq_id, visible[-1])
+                if out.finish_reason == "stop" and stop_tok:
+                    visible = visible[:-1]  # EOS / stop token ids end the request but are not text
+                delta = ts.feed(visible)
+                finished, reason = out.finished, out.finish_reason
+                if delta.stopped and not finished:
+                    self.engine.abort(out.seq_id, "stop")
+                    finished, reason = True, "stop"
+                text = delta.text + (ts.finish() if finished else "")
+                run.token_ids += out.new_token_ids
+                run.text += text
+                if finished:
+                    run.finish_reason = reason
+                    run.stop_reason = ts.matched_stop
+                    last = out.new_token_ids[-1] if out.new_token_ids else None
+                    if reason == "stop" and run.stop_reason is None and last in run.params.stop_token_ids \
+                            and last not in self.engine.seqs[out.seq_id].eos_token_ids:
+                        run.stop_reason = last
+                yield StreamEvent(run.index, out.new_token_ids, text, finished, reason, run.choice, run.stop_reason)
+
+    def stream(
+        self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *, params: Any = None,
+    ) -> Iterator[StreamEvent]:
+        """Run requests to completion, yielding each step's committed tokens per request and choice."""
+        _, runs = self._submit(prompts, _renamed(sampling_params, params))
+        try:
+            yield from self._events(runs)
+        finally:
+            for sid in runs:
+                self.engine.abort(sid)
+                self.engine.release(sid)
 
     def generate(
         self,
         prompts: Prompt | Seq[Prompt],
-        params: SamplingParams | Seq[SamplingParams] | None = None,
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
+        *, params: Any = None,
     ) -> list[RequestOutput]:
-        plist = _as_list(prompts)
-        params_list = _params_list(params, len(plist))
-        n = len(plist)
-        token_ids: list[list[int]] = [[] for _ in range(n)]
-        text = [""] * n
-        reasons: list[str | None] = [None] * n
+        """One :class:`RequestOutput` per prompt, in order, each with ``n`` choices in ``outputs``."""
+        plist, runs = self._submit(prompts, _renamed(sampling_params, params))
         show = self.config.progress if use_tqdm is None else use_tqdm
-        bar = tqdm(total=n, desc="generating", disable=not show or n < 2)
-        sids_before = set(self.engine.seqs)
-        for ev in self.stream(plist, params_list):
-            token_ids[ev.index] += ev.token_ids
-            text[ev.index] += ev.text
-            if ev.finished:
-                reasons[ev.index] = ev.finish_reason
-                bar.update(1)
-        bar.close()
-        outs = []
-        new_sids = sorted(set(self.engine.seqs) - sids_before)
-        for i, sid in enumerate(new_sids):
+        bar = tqdm(total=len(plist), desc="generating", disable=not show or len(plist) < 2)
+        left = [0] * len(plist)
+        for run, _ in runs.values():
+            left[run.index] += 1
+        try:
+            for ev in self._events(runs):
+                if ev.finished:
+                    left[ev.index] -= 1
+                    bar.update(int(left[ev.index] == 0))
+        finally:
+            bar.close()
+            for sid in runs:
+                self.engine.abort(sid)
+        decode = self._decode_token
+        groups: dict[int, list[Any]] = {}
+        for sid, (run, _) in runs.items():
             seq = self.engine.release(sid)
             assert seq is not None
-            ids_i = seq.output_ids if reasons[i] != "stop" or not token_ids[i] else token_ids[i]
-            outs.append(RequestOutput(
-                request_id=sid,
-                prompt=p_i if isinstance(p_i := plist[i], str) else None,
-                prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-                text=text[i],
-                token_ids=ids_i,
-                finish_reason=reasons[i],
-                logprobs=seq.logprobs or None,
-                prompt_logprobs=seq.prompt_logprobs or None,
-                metrics=dict(seq.stats, num_preemptions=seq.num_preemptions),
-            ))
+            groups.setdefault(run.index, []).append((sid, seq, run))
+        outs = []
+        for i, p in enumerate(plist):
+            sid0, leader, run0 = groups[i][0]
+            choices = [completion(run, seq, decode) for _, seq, run in groups[i]]
+            prompt = p if isinstance(p, str) else (p.get("prompt") if isinstance(p, Mapping) else None)
+            outs.append(request_output(str(sid0), prompt, leader, run0.params, choices, decode))
         return outs
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
-        params: SamplingParams | None = None,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        *, params: Any = None,
     ) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: one conversation (a list of messages) or a list of them."""
+        sampling_params = _renamed(sampling_params, params)
         convs: list[Any] = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        return self.generate([self.apply_chat_template(c) for c in convs], params)
+        prompts: list[Prompt] = [self.apply_chat_template(c, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                          chat_template=chat_template) for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+
+def _renamed(sampling_params: Any, params: Any) -> Any:
+    """``params=`` (ratchetlm < 0.2) is a deprecated alias of vLLM's ``sampling_params=``."""
+    if params is None:
+        return sampling_params
+    if sampling_params is not None:
+        raise TypeError("give sampling_params or params (its deprecated name), not both")
+    warnings.warn("the params= keyword is deprecated: use sampling_params= (vLLM's name)", DeprecationWarning,
+                  stacklevel=3)
+    return params
 
 
 def _dev(cfg: EngineConfig) -> Any:
@@ -210,8 +282,30 @@ def _dev(cfg: EngineConfig) -> Any:
     return torch.device(cfg.device)
 
 
+def _other_tokenizer(ref: str, loaded: Any) -> Any:
+    """vLLM's ``tokenizer=``: a local GGUF file or a folder with ``tokenizer.json`` (the model's own
+    when it names the same path). Its vocabulary must fit the model's."""
+    from pathlib import Path
+
+    from ratchetlm.models.loader import ModelLoadError, ModelSource, resolve
+    from ratchetlm.models.tokenizer import load_tokenizer
+
+    path = Path(ref).expanduser()
+    if path.resolve() in (loaded.source.path.resolve(), loaded.source.path.parent.resolve()):
+        return loaded.tokenizer
+    if path.is_dir() and (path / "tokenizer.json").is_file() and not (path / "config.json").is_file():
+        source = ModelSource("hf", path)
+    else:
+        source = resolve(ref)
+    tok = load_tokenizer(source)
+    if len(tok) > loaded.config.vocab_size:
+        raise ModelLoadError(f"tokenizer {ref!r} has {len(tok)} tokens but the model's vocabulary is "
+                             f"{loaded.config.vocab_size}")
+    return tok
+
+
 def _as_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, str | Mapping):
         return [prompts]
     if isinstance(prompts, list | tuple) and prompts and all(isinstance(t, int) for t in prompts):
         return [[int(t) for t in prompts]]

@@ -11,6 +11,7 @@ import torch
 
 from ratchetlm.decoding.base import Commit, DecodeStrategy, Proposal, StrategyContext, create_strategy
 from ratchetlm.engine.config import EngineConfig
+from ratchetlm.engine.kv_budget import sized_config
 from ratchetlm.engine.model_runner import build_runner
 from ratchetlm.engine.scheduler import Scheduler
 from ratchetlm.engine.sequence import SeqStatus, Sequence
@@ -85,6 +86,7 @@ class LLMEngine:
         self.model_config = model_config
         self.device = torch.device(cfg.device)
         self.dtype = cfg.torch_dtype()
+        cfg = self.cfg = sized_config(cfg, model_config, self.dtype)  # gpu_memory_utilization -> KV bytes
         self.max_model_len = min(cfg.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
         self.model = model
@@ -119,11 +121,18 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None) -> int:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
+                    share_prompt_with: int | None = None) -> int:
         """Validate and queue a request; returns its id. Raises ValueError subclasses for bad input.
-        ``cache_salt``: the request shares prefix-cache blocks only with requests of the same salt."""
+        ``cache_salt``: the request shares prefix-cache blocks only with requests of the same salt.
+        ``share_prompt_with``: the id of a queued request with the same prompt (another choice of the
+        same ``n > 1`` request): this one starts once that one's prompt is cached, and takes its
+        blocks from the prefix cache instead of computing the prompt again."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.num_samples != 1:
+            raise ValueError(f"the engine runs one sequence per request; n={params.n}, best_of={params.best_of} "
+                             "are expanded by LLM.generate / the server")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
         if len(prompt_ids) == 0:
@@ -151,7 +160,11 @@ class LLMEngine:
         seq = Sequence(sid, list(prompt_ids), len(prompt_ids), params, eos_token_ids=eos, generator=gen,
                        controls=controls, cache_salt=cache_salt)
         self.seqs[sid] = seq
-        self.scheduler.add(seq)
+        lead = self.seqs.get(share_prompt_with) if share_prompt_with is not None else None
+        share = (lead is not None and not lead.is_finished and getattr(self.blocks, "enable_caching", False)
+                 and len(prompt_ids) >= self.blocks.block_size and lead.cache_salt == cache_salt
+                 and lead.token_ids[: lead.num_prompt_tokens] == list(prompt_ids))
+        self.scheduler.add(seq, after_prompt_of=lead if share else None)
         self.stats.prompt_tokens += len(prompt_ids)
         return sid
 

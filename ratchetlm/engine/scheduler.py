@@ -34,16 +34,36 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # (sequence, leader): queued once the leader's prompt K/V is committed (see ``add``)
+        self.held: list[tuple[Sequence, Sequence]] = []
         self.num_preemptions = 0
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, after_prompt_of: Sequence | None = None) -> None:
+        """Queue ``seq``. With ``after_prompt_of`` (a sibling with the same prompt: the choices of
+        one ``n > 1`` request), ``seq`` waits until that leader's prompt is committed, so its
+        admission finds the prompt's full blocks in the prefix cache and shares them instead of
+        computing the prompt again."""
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        if after_prompt_of is not None:
+            self.held.append((seq, after_prompt_of))
+        else:
+            self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.held)
+
+    def _release_held(self) -> None:
+        keep = []
+        for seq, lead in self.held:
+            if lead.is_finished or lead.num_cached >= lead.num_prompt_tokens:
+                self.waiting.append(seq)
+            else:
+                keep.append((seq, lead))
+        self.held = keep
 
     def schedule(self) -> list[tuple[Sequence, int]]:
+        if self.held:
+            self._release_held()
         budget = self.max_num_batched_tokens
         out: list[tuple[Sequence, int]] = []
         i = 0
@@ -106,6 +126,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        else:
+            self.held = [(s, lead) for s, lead in self.held if s is not seq]
         self.blocks.free(seq)
         if self.on_finish is not None and seq.status is not SeqStatus.FINISHED:
             self.on_finish(seq)

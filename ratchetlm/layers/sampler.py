@@ -69,14 +69,19 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator |
 
 
 def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> list[dict[int, float]]:
-    """Model logprobs (raw distribution) of ``tokens`` plus the top-``k`` alternatives, per row."""
+    """Model logprobs (raw distribution) of ``tokens`` plus the top-``k`` alternatives, per row, as
+    :class:`~ratchetlm.outputs.Logprob` floats carrying their rank (1 + tokens strictly more likely)."""
+    from ratchetlm.outputs import Logprob
+
     lp = torch.log_softmax(logits.float(), dim=-1)
-    out = []
+    picked = lp.gather(1, tokens.view(-1, 1).to(lp.device))  # [rows, 1]
+    ranks = ((lp > picked).sum(dim=-1) + 1).tolist()
+    out: list[dict[int, float]] = []
     top = torch.topk(lp, k, dim=-1) if k > 0 else None
     for i, t in enumerate(tokens.tolist()):
-        d = {int(t): float(lp[i, t])}
+        d: dict[int, float] = {int(t): Logprob(float(picked[i, 0]), ranks[i])}
         if top is not None:
-            for v, j in zip(top.values[i].tolist(), top.indices[i].tolist(), strict=True):
-                d.setdefault(int(j), float(v))
+            for r, (v, j) in enumerate(zip(top.values[i].tolist(), top.indices[i].tolist(), strict=True)):
+                d.setdefault(int(j), Logprob(v, r + 1))
         out.append(d)
     return out

@@ -270,8 +270,12 @@ class AsyncEngine:
         if g.closed:
             return
         try:
+            first: dict[tuple[int, ...], int] = {}  # the n choices of a prompt share its KV blocks
             for sub in g.subs:
-                sid = self.engine.add_request(sub.prompt_ids, sub.params, cache_salt=sub.cache_salt)
+                key = tuple(sub.prompt_ids)
+                sid = self.engine.add_request(sub.prompt_ids, sub.params, cache_salt=sub.cache_salt,
+                                              share_prompt_with=first.get(key))
+                first.setdefault(key, sid)
                 g.seq_ids[sid] = sub.index
                 ts = TextStream(self.tokenizer, sub.prompt_ids, sub.params.stop, sub.params.include_stop_str_in_output)
                 self._live[sid] = _Live(g, sub.index, ts)

@@ -7,7 +7,7 @@ import dataclasses
 import os
 import sys
 
-from ratchetlm.cli import add_engine_args, engine_kwargs
+from ratchetlm.cli import EXIT_INTERRUPTED, HelpFormatter, add_engine_args, engine_kwargs, setup_logging
 from ratchetlm.server.config import ServerConfig
 
 _SERVER_HELP = {
@@ -28,16 +28,20 @@ _SERVER_HELP = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ratchet serve", description="Run the OpenAI-compatible server.")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p = argparse.ArgumentParser(prog="ratchet serve", description="Run the OpenAI-compatible server.",
+                                formatter_class=HelpFormatter)
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="model path (vLLM's `vllm serve MODEL` habit; the same as --model)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback only by default)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model id(s) clients may send; responses name the first (default: the model file/folder name)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file (or the template text) replacing the model's own")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice; 1 helps on a busy shared CPU)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="server and engine log level (stderr)")
     for f in dataclasses.fields(ServerConfig):
         kind = {"float": float, "int": int}.get(str(f.type), str)
         p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=_SERVER_HELP[f.name])
@@ -86,6 +90,25 @@ class ModelLoader:
         return llm
 
 
+def check_engine_flags(model: str | None, kw: dict) -> str | None:
+    """Why the engine flags cannot make an engine (before the server starts), or None. The model
+    loads later, in the background; the ignored-flags warning is left to that load."""
+    import warnings
+
+    from ratchetlm.engine.config import EngineConfig
+    from ratchetlm.engine.engine_args import split_engine_args
+
+    rest = {k: v for k, v in kw.items() if k not in ("speculative", "wedlm")}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fields, _ = split_engine_args(rest)
+        EngineConfig(model=model, **fields)
+    except (TypeError, ValueError) as e:
+        return str(e)
+    return None
+
+
 def default_model_name(model: str | None) -> str:
     if model is None:
         from ratchetlm.models.loader import default_model_path
@@ -96,12 +119,27 @@ def default_model_name(model: str | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    """Exit codes: 0 after a clean shutdown, 1 when the model failed to load, 2 bad flags, 130 on
+    Ctrl-C (after the same graceful drain as SIGTERM, without a traceback)."""
+    try:
+        return _main(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it drained on: the shell's 130, quietly
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            parser.error(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
     if not 0 <= args.port <= 65535:
         print(f"ratchet serve: error: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
         return 2
     import uvicorn
 
+    setup_logging(args.log_level)
     if args.torch_threads is not None:
         import torch
 
@@ -124,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if "decoding_options" in kw and not isinstance(kw["decoding_options"], dict):
         print("ratchet serve: error: --decoding-options must be a JSON object", file=sys.stderr)
+        return 2
+    problem = check_engine_flags(model, kw)
+    if problem:
+        print(f"ratchet serve: error: {problem}", file=sys.stderr)
         return 2
     if args.api_key is None:
         args.api_key = os.environ.get("RATCHET_API_KEY") or None

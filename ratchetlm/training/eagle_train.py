@@ -67,12 +67,13 @@ def build_data(llm: LLM, a: argparse.Namespace) -> dict:
     def chat(user: str) -> str:
         return llm.apply_chat_template([{"role": "user", "content": user}])
 
-    articles = [o.text.strip() for o in llm.generate([chat(r) for r in eagle_data.article_requests(a.articles, rng)],
-                                                    SamplingParams(temperature=0.0, max_tokens=220))]
+    articles = [o.outputs[0].text.strip()
+                for o in llm.generate([chat(r) for r in eagle_data.article_requests(a.articles, rng)],
+                                      SamplingParams(temperature=0.0, max_tokens=220))]
     requests = (eagle_data.code_requests(a.code, rng) + eagle_data.summary_requests(articles, 2, rng)
                 + eagle_data.chat_requests(a.chat, rng))
     outs = llm.generate([chat(r) for r in requests], params)
-    convs = [(o.prompt_token_ids, o.token_ids) for o in outs if o.token_ids]
+    convs = [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outs if o.outputs[0].token_ids]
     model = llm.engine.model
     feats = []
     with torch.inference_mode():

@@ -250,8 +250,7 @@ def test_auto_dtype_picks_fp32_for_gguf_on_cpu_when_kernels_are_built():
     assert EngineConfig(model="some/model.gguf").torch_dtype() == torch.float32
     no_kernels = EngineConfig(gguf_kernels=False).torch_dtype()
     folder = EngineConfig(model="some/hf_folder").torch_dtype()
-    native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert no_kernels == folder == (torch.bfloat16 if native_bf16 else torch.float32)
+    assert no_kernels == folder == torch.float32  # CPU default: fp32 everywhere (engine/dtype.py)
 
 
 def test_unwritable_cache_falls_back_to_temp_dir(monkeypatch, tmp_path):

@@ -62,3 +62,15 @@ def test_cached_tokens_in_usage_and_metrics(server, client):
 def test_empty_cache_salt_is_a_400(server):
     r = httpx.post(server.v1 + "/completions", json={"model": MODEL_NAME, "prompt": "a", "cache_salt": ""})
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+
+
+def test_n_choices_compute_the_prompt_once(server):
+    """Choices 1..n-1 of a prompt wait for choice 0's prompt K/V and take its full blocks."""
+    prompt = f"Session {uuid.uuid4().hex}. Describe the harbour at dawn in three sentences. " * 3
+    before = _metrics(server)
+    r = httpx.post(server.v1 + "/completions", json={"model": MODEL_NAME, "prompt": prompt, "n": 3, "max_tokens": 3,
+                                                     "temperature": 0.9, "seed": 5}, timeout=300).json()
+    n = r["usage"]["prompt_tokens"]
+    assert len(r["choices"]) == 3 and r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    hits = _metrics(server)["ratchet:prefix_cache_hits_total"] - before.get("ratchet:prefix_cache_hits_total", 0)
+    assert hits == 2 * ((n - 1) // BS * BS) > 0

@@ -1,0 +1,106 @@
+"""The ``ratchet`` command as shell users drive it: --version / --help with defaults, a prompt from
+standard input, JSON output for scripts, ``ratchet serve MODEL``, and Ctrl-C ending ``generate``
+and ``serve`` quietly with exit code 130."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ratchetlm import __version__
+from ratchetlm.cli import main
+from ratchetlm.models.loader import default_model_path
+from ratchetlm.server.cli import build_parser as serve_parser
+from tests.server.conftest import start_server
+
+REPO = Path(__file__).parents[2]
+ENV = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
+RATCHET = [sys.executable, "-m", "ratchetlm"]
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"ratchet {__version__}"
+
+
+def test_python_m_help_lists_commands_and_defaults():
+    r = subprocess.run([*RATCHET, "--help"], capture_output=True, text=True, env=ENV, timeout=120)
+    assert r.returncode == 0 and all(c in r.stdout for c in ("generate", "serve", "bench"))
+    g = subprocess.run([*RATCHET, "generate", "--help"], capture_output=True, text=True, env=ENV, timeout=120)
+    assert "most tokens to generate (default: 128)" in " ".join(g.stdout.split())
+    assert "(default: 16)" in g.stdout and "(default: auto)" in g.stdout  # block size, dtype
+
+
+def test_serve_help_shows_defaults_and_model_positional():
+    text = serve_parser().format_help()
+    assert "(default: 8000)" in text and "(default: 30.0)" in text and "MODEL" in text
+    args = serve_parser().parse_args(["/models/x.gguf", "--port", "9"])
+    assert (args.model_tag, args.port) == ("/models/x.gguf", 9)
+
+
+def test_bool_flags_alone_mean_true_and_bad_values_are_refused(capsys):
+    p = serve_parser()
+    assert p.parse_args(["--enforce-eager"]).enforce_eager is True
+    assert p.parse_args(["--enable-prefix-caching", "false"]).enable_prefix_caching is False
+    with pytest.raises(SystemExit):
+        p.parse_args(["--enable-prefix-caching", "maybe"])
+    assert "expected true or false" in capsys.readouterr().err
+
+
+def test_generate_reads_stdin_and_prints_json():
+    r = subprocess.run([*RATCHET, "generate", "-", "--json", "--max-tokens", "4"], input="The capital of France is\n",
+                       capture_output=True, text=True, env=ENV, timeout=600)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["prompt"] == "The capital of France is"  # echo's newline dropped
+    assert out["text"].strip().startswith("Paris") and len(out["token_ids"]) == out["usage"]["completion_tokens"]
+    assert out["finish_reason"] in ("stop", "length") and out["usage"]["prompt_tokens"] == 5
+    assert r.stderr.count("INFO ratchet: dtype=float32 (GGUF on CPU, block kernels: ") == 1
+    empty = subprocess.run([*RATCHET, "generate", "-"], input="", capture_output=True, text=True, env=ENV, timeout=600)
+    assert empty.returncode == 2 and "standard input is empty" in empty.stderr and "Traceback" not in empty.stderr
+
+
+def test_ctrl_c_ends_generate_quietly_with_130():
+    p = subprocess.Popen([*RATCHET, "generate", "Tell me a very long story.", "--max-tokens", "4000", "--ignore-eos"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    assert p.stdout is not None
+    seen = b""
+    deadline = time.monotonic() + 600
+    while len(seen) < len(b"Tell me a very long story.") + 8 and time.monotonic() < deadline:
+        seen += os.read(p.stdout.fileno(), 64)  # the prompt, then generated text
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130
+    assert b"Traceback" not in err and b"KeyboardInterrupt" not in err
+
+
+def test_ctrl_c_ends_serve_quietly_with_130():
+    srv = start_server(base_args=[str(default_model_path()), "--max-model-len", "256", "--kv-cache-blocks", "32"],
+                       stderr=subprocess.PIPE)
+    assert srv.health().json()["status"] == "ok"
+    srv.proc.send_signal(signal.SIGINT)
+    _, err = srv.proc.communicate(timeout=120)
+    assert srv.proc.returncode == 130
+    text = err.decode()
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text
+    assert text.count("dtype=float32 (GGUF on CPU, block kernels: ") == 1  # logged once at start
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["-tp", "0"], "tensor_parallel_size"), (["--gpu-memory-utilization", "3"], "gpu_memory_utilization"),
+    (["a.gguf", "--model", "b.gguf"], "two models given"),
+])
+def test_serve_refuses_bad_engine_flags_before_starting(flags, message, capsys):
+    try:
+        rc = main(["serve", *flags])
+    except SystemExit as e:  # argparse's own errors
+        rc = e.code
+    assert rc == 2 and message in capsys.readouterr().err
