@@ -62,3 +62,15 @@ def test_a_hung_worker_is_an_error_after_the_collective_timeout(tiny_gguf, monke
         if psutil.pid_exists(workers[0]):
             os.kill(workers[0], signal.SIGKILL)
         llm.close()
+
+
+def test_a_worker_that_fails_to_load_is_reported_with_its_own_error():
+    from ratchetlm.engine.config import EngineConfig
+    from ratchetlm.parallel.group import TPGroup
+
+    before = children()
+    group = TPGroup.start(EngineConfig(model="/nonexistent/model.gguf", dtype="float32", tensor_parallel_size=2),
+                          None)  # rank 0 would fail the same way; here only the worker loads
+    with pytest.raises(TensorParallelError, match=r"rank 1 failed to start.*model path .* does not exist"):
+        group.wait_ready()
+    assert children() == before

@@ -68,7 +68,7 @@ def test_a_killed_server_leaves_no_worker(tiny_gguf):
     (worker,) = _workers(srv)
     os.kill(srv.proc.pid, signal.SIGKILL)
     srv.proc.wait()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 15  # it notices within a second; exiting on a busy machine takes longer
     while worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
