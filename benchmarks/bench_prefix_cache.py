@@ -9,10 +9,12 @@ one, then on the other).
   in different questions.
 
 For each workload and concurrency (1 and 8) it prints TTFT medians (chat: turn 1 and turns >= 2
-apart), total wall time, the hit rate from ``usage.prompt_tokens_details.cached_tokens`` and
-``/metrics``, the on/off ratios, and whether the two servers answered identically.
+apart, and per turn), total wall time, throughput (generated tokens / s, requests / s, prompt tokens
+/ s), the hit rate from ``usage.prompt_tokens_details.cached_tokens`` and ``/metrics``, the on/off
+ratios, whether the two servers answered identically, and the machine's load average.
 
     python benchmarks/bench_prefix_cache.py [--server-args "--torch-threads 2"] [--max-tokens 32]
+        [--concurrency 1,8] [--workloads chat,few-shot]
 """
 
 from __future__ import annotations
@@ -82,10 +84,19 @@ FEW_SHOT_QUERIES = [
 class Run:
     ttft_first: list[float] = field(default_factory=list)  # chat turn 1 / few-shot: all requests
     ttft_later: list[float] = field(default_factory=list)  # chat turns >= 2
+    ttft_by_turn: dict[int, list[float]] = field(default_factory=dict)  # chat: turn -> TTFTs
     prompt_tokens: int = 0
+    completion_tokens: int = 0
+    requests: int = 0
     cached_tokens: int = 0
     wall: float = 0.0
     answers: list[str] = field(default_factory=list)
+
+    def count(self, usage: dict) -> None:
+        self.requests += 1
+        self.prompt_tokens += usage["prompt_tokens"]
+        self.completion_tokens += usage["completion_tokens"]
+        self.cached_tokens += usage["prompt_tokens_details"]["cached_tokens"]
 
 
 async def stream(client: httpx.AsyncClient, url: str, body: dict) -> tuple[float, str, dict]:
@@ -122,8 +133,8 @@ async def chat_workload(url: str, model: str, concurrency: int, turns: int, max_
             body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
             ttft, text, usage = await stream(client, url + "/v1/chat/completions", body)
             (run.ttft_first if k == 0 else run.ttft_later).append(ttft)
-            run.prompt_tokens += usage["prompt_tokens"]
-            run.cached_tokens += usage["prompt_tokens_details"]["cached_tokens"]
+            run.ttft_by_turn.setdefault(k + 1, []).append(ttft)
+            run.count(usage)
             messages.append({"role": "assistant", "content": text})
             answers.append(text)
         return answers
@@ -146,8 +157,7 @@ async def few_shot_workload(url: str, model: str, concurrency: int, num: int, ma
         async with sem:
             ttft, text, usage = await stream(client, url + "/v1/completions", body)
         run.ttft_first.append(ttft)
-        run.prompt_tokens += usage["prompt_tokens"]
-        run.cached_tokens += usage["prompt_tokens_details"]["cached_tokens"]
+        run.count(usage)
         return text
 
     async with httpx.AsyncClient(timeout=1200, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
@@ -178,7 +188,7 @@ def workload(url: str, model: str, name: str, c: int, turns: int, max_tokens: in
     return r, (hits / queries if queries else 0.0)
 
 
-def measure(server_args: list[str], levels: list[int], turns: int, max_tokens: int) -> dict:
+def measure(server_args: list[str], levels: list[int], turns: int, max_tokens: int, names: list[str]) -> dict:
     """Both servers stay up (an idle one costs no CPU); each workload runs on the caching server,
     then on the other, so a change in machine load between workloads hits both sides alike."""
     servers = {on: start_server([*server_args, "--enable-prefix-caching", str(on).lower()]) for on in (True, False)}
@@ -188,15 +198,51 @@ def measure(server_args: list[str], levels: list[int], turns: int, max_tokens: i
         for on, (_, url) in servers.items():
             asyncio.run(few_shot_workload(url, models[on], 1, 1, 2, "Warm-up.\n"))
         for c in levels:
-            for name in ("chat", "few-shot"):
+            for name in names:
                 out[(name, c)] = {on: workload(url, models[on], name, c, turns, max_tokens)
                                   for on, (_, url) in servers.items()}
+                print("\n".join(rows((name, c), out[(name, c)])), f"(load {os.getloadavg()[0]:.1f})",
+                      flush=True)  # as it comes: a run cut short keeps what it measured
     finally:
         for proc, _ in servers.values():
             proc.terminate()
         for proc, _ in servers.values():
             proc.wait(60)
     return out
+
+
+HEADER = ("| workload | concurrency | caching | TTFT turn 1 / all (ms) | TTFT turns >= 2 (ms) | total (s) "
+          "| gen tok/s | req/s | prompt tok/s | cached / prompt tokens | hit rate (/metrics) | same answers |\n"
+          + "|---" * 12 + "|")
+
+
+def rows(key: tuple[str, int], both: dict) -> list[str]:
+    """Table rows of one workload: on, off, and the off/on ratios."""
+    (r_on, hr_on), (r_off, hr_off) = both[True], both[False]
+    same = r_on.answers == r_off.answers
+    out = [f"| {key[0]} | {key[1]} | {label} | {ms(r.ttft_first)} | {ms(r.ttft_later)} | {r.wall:.1f} | "
+           f"{r.completion_tokens / r.wall:.1f} | {r.requests / r.wall:.2f} | {r.prompt_tokens / r.wall:.0f} | "
+           f"{r.cached_tokens}/{r.prompt_tokens} | {hr:.2f} | {same} |"
+           for label, r, hr in (("on", r_on, hr_on), ("off", r_off, hr_off))]
+    later = (f"{statistics.median(r_off.ttft_later) / statistics.median(r_on.ttft_later):.2f}x"
+             if r_on.ttft_later else "-")
+    first = statistics.median(r_off.ttft_first) / statistics.median(r_on.ttft_first)
+    speed = r_off.wall / r_on.wall
+    out.append(f"| {key[0]} | {key[1]} | off/on | {first:.2f}x | {later} | {speed:.2f}x | {speed:.2f}x | {speed:.2f}x "
+               f"| {speed:.2f}x | | | |")
+    if r_on.ttft_by_turn:
+        turns = {on: {t: ms(v) for t, v in both[on][0].ttft_by_turn.items()} for on in (True, False)}
+        out.append(f"{key[0]} c={key[1]} TTFT median per turn (ms), on / off: "
+                   + ", ".join(f"{t}: {turns[True][t]} / {turns[False][t]}" for t in turns[True]))
+    return out
+
+
+def report(results: dict) -> None:
+    print(HEADER)
+    for key, both in results.items():
+        print("\n".join(r for r in rows(key, both) if r.startswith("|")))
+    for key, both in results.items():
+        print("\n".join(r for r in rows(key, both) if not r.startswith("|")))
 
 
 def ms(xs: list[float]) -> str:
@@ -209,28 +255,19 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--workloads", default="chat,few-shot", help="comma-separated: chat, few-shot")
     args = ap.parse_args()
+    names = args.workloads.split(",")
+    if not set(names) <= {"chat", "few-shot"}:
+        ap.error(f"unknown workload in {args.workloads!r}")
     levels = [int(x) for x in args.concurrency.split(",")]
     server_args = shlex.split(args.server_args)
     load0 = os.getloadavg()[0]
-    results = measure(server_args, levels, args.turns, args.max_tokens)
+    results = measure(server_args, levels, args.turns, args.max_tokens, names)
     load1 = os.getloadavg()[0]
     print(f"\nserver_args={args.server_args!r} max_tokens={args.max_tokens} turns={args.turns} "
           f"load average (1 min) before/after: {load0:.1f}/{load1:.1f} on {os.cpu_count()} CPUs")
-    print("| workload | concurrency | caching | TTFT turn 1 / all (ms) | TTFT turns >= 2 (ms) | total (s) "
-          "| cached / prompt tokens | hit rate (/metrics) | same answers |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for key, both in results.items():
-        (r_on, hr_on), (r_off, hr_off) = both[True], both[False]
-        same = r_on.answers == r_off.answers
-        for label, r, hr in (("on", r_on, hr_on), ("off", r_off, hr_off)):
-            print(f"| {key[0]} | {key[1]} | {label} | {ms(r.ttft_first)} | {ms(r.ttft_later)} | {r.wall:.1f} | "
-                  f"{r.cached_tokens}/{r.prompt_tokens} | {hr:.2f} | {same} |")
-        later = (f"{statistics.median(r_off.ttft_later) / statistics.median(r_on.ttft_later):.2f}x"
-                 if r_on.ttft_later else "-")
-        first = statistics.median(r_off.ttft_first) / statistics.median(r_on.ttft_first)
-        print(f"| {key[0]} | {key[1]} | off/on | {first:.2f}x | {later} | {r_off.wall / r_on.wall:.2f}x | | | |")
-
+    report(results)
 
 if __name__ == "__main__":
     main()

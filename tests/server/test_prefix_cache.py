@@ -10,11 +10,12 @@ import httpx
 from tests.server.conftest import MODEL_NAME
 
 BS = 16  # the server's default block size
+TIMEOUT = 120  # seconds: CI and shared machines can be slow (httpx waits 5 s by default)
 
 
 def _metrics(server) -> dict[str, float]:
     out = {}
-    for line in httpx.get(server.base + "/metrics").text.splitlines():
+    for line in httpx.get(server.base + "/metrics", timeout=TIMEOUT).text.splitlines():
         if line.startswith("ratchet:prefix_cache"):
             name, value = line.split("{", 1)[0], line.rsplit(" ", 1)[1]
             out[name] = float(value)
@@ -49,18 +50,20 @@ def test_cached_tokens_in_usage_and_metrics(server, client):
     # completions: a prompt counts once however many choices; prompt logprobs skip the cache
     prompt = system + " Will it snow?"
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0}
-    one = httpx.post(server.v1 + "/completions", json=body).json()["usage"]
+    one = httpx.post(server.v1 + "/completions", json=body, timeout=TIMEOUT).json()["usage"]
     hit = (one["prompt_tokens"] - 1) // BS * BS
     assert one["prompt_tokens_details"]["cached_tokens"] == 0
-    both = httpx.post(server.v1 + "/completions", json={**body, "prompt": [prompt, prompt], "n": 2}).json()
+    both = httpx.post(server.v1 + "/completions", json={**body, "prompt": [prompt, prompt], "n": 2},
+                      timeout=TIMEOUT).json()
     assert both["usage"]["prompt_tokens_details"]["cached_tokens"] == 2 * hit > 0
     echo = httpx.post(server.v1 + "/completions", json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 0,
-                                                        "echo": True, "logprobs": 1}).json()
+                                                        "echo": True, "logprobs": 1}, timeout=TIMEOUT).json()
     assert echo["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
 def test_empty_cache_salt_is_a_400(server):
-    r = httpx.post(server.v1 + "/completions", json={"model": MODEL_NAME, "prompt": "a", "cache_salt": ""})
+    r = httpx.post(server.v1 + "/completions", json={"model": MODEL_NAME, "prompt": "a", "cache_salt": ""},
+                   timeout=TIMEOUT)
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
 
 
