@@ -17,7 +17,7 @@ import time
 import torch
 
 from ratchetlm import LLM
-from ratchetlm.kv.cache import NullSink
+from ratchetlm.kv.sink import NullSink
 from ratchetlm.layers.attention import build_attention_batch
 
 ROWS = (1, 2, 4, 8, 16, 32)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ratchetlm import LLM
-from ratchetlm.kv.cache import NullSink
+from ratchetlm.kv.sink import NullSink
 from ratchetlm.layers.attention import build_attention_batch
 
 TEXT = Path(__file__).with_name("data") / "public_domain.txt"

@@ -274,10 +274,15 @@ class LLMEngine:
     def _apply(self, seq: Sequence, prop: Proposal, c: Commit, stage_base: int) -> StepOutput:
         if prop.direct_write:
             assert c.kv_rows == list(range(len(prop.token_ids))), "direct-write proposals commit every row"
-        elif not self.runner.commit_staged(seq, stage_base, c.kv_rows, len(prop.token_ids)):
-            # Fallback to the plain path (kv/staging.py): keep the tokens, commit no KV; the next
-            # step's direct-write catch-up recomputes it (identical output).
-            c = Commit(kv_rows=[], token_ids=c.token_ids, logprobs=c.logprobs, prompt_logprobs=c.prompt_logprobs)
+        else:
+            # a staged row lands at its position's slot (kv/sink.py): the rows kept are the next positions
+            assert all(prop.positions[r] == seq.num_cached + i for i, r in enumerate(c.kv_rows)), \
+                "a commit's K/V rows must be at the sequence's next positions"
+            if not self.runner.commit_staged(seq, stage_base, c.kv_rows, len(prop.token_ids)):
+                # Fallback to the plain path (kv/staging.py): keep the tokens, commit no KV; the next
+                # step's direct-write catch-up recomputes it (identical output).
+                c = Commit(kv_rows=[], token_ids=c.token_ids, logprobs=c.logprobs,
+                           prompt_logprobs=c.prompt_logprobs)
         cached_before = seq.num_cached
         seq.num_cached += len(c.kv_rows)
         if c.prompt_logprobs is not None:
@@ -306,3 +311,4 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
         lps = seq.logprobs[-len(new):] if (new and c.logprobs is not None) else None
         return StepOutput(seq.seq_id, new, seq.status is SeqStatus.FINISHED, seq.finish_reason, lps)
+

@@ -12,8 +12,9 @@ from ratchetlm.decoding.base import Proposal
 from ratchetlm.engine.block_manager import BlockManager
 from ratchetlm.engine.config import EngineConfig
 from ratchetlm.engine.sequence import Sequence
-from ratchetlm.kv.cache import KVCache, KVSink, NullSink
-from ratchetlm.kv.staging import StagingBuffer, StagingCommitError, StepSink
+from ratchetlm.kv.cache import KVCache
+from ratchetlm.kv.sink import KVSink, NullSink, StepSink
+from ratchetlm.kv.staging import StagingBuffer, commit_proposal
 from ratchetlm.layers.attention import build_attention_batch
 from ratchetlm.models.llama import LlamaModel
 
@@ -150,9 +151,10 @@ class ModelRunner:
                 stage_parts.append(torch.full((n,), -1, dtype=torch.long))
                 stage_base.append(-1)
             else:
-                slot_parts.append(torch.full((n,), -1, dtype=torch.long))
                 fits = n_staged + n <= self.staging.capacity
                 overflow |= not fits
+                # a staged row's slot is its position's: where it goes if a commit names it
+                slot_parts.append(self._position_slots(seq, p.positions) if fits else torch.full((n,), -1))
                 stage_parts.append(torch.arange(n_staged, n_staged + n) if fits else torch.full((n,), -1))
                 stage_base.append(n_staged if fits else -1)
                 n_staged += n if fits else 0
@@ -197,25 +199,24 @@ class ModelRunner:
         rows = torch.tensor(plan.logit_rows, dtype=torch.long, device=dev)
         return hidden, self.model.logits(hidden[rows]).cpu()
 
-    def commit_staged(self, seq: Sequence, stage_base: int, kv_rows: list[int], num_rows: int) -> bool:
-        """Copy the accepted staged rows (of a proposal of ``num_rows`` rows) to ``seq``'s next
-        slots, all layers at once. Returns False when the proposal was not staged (overflow,
-        abandoned staging) or the all-or-nothing commit failed (the cache is then untouched):
-        the caller then commits no K/V and the next step recomputes it."""
-        if stage_base < 0 or not self.staging.usable:
-            return False
-        rows = torch.tensor([stage_base + r for r in kv_rows], dtype=torch.long)
-        slots = self.blocks.slots(seq, seq.num_cached, seq.num_cached + len(kv_rows))
-        if not self.commit_rows(rows, slots):
-            return False
-        self.staging.reject(num_rows - len(kv_rows))
-        return True
+    def _position_slots(self, seq: Sequence, positions: list[int]) -> torch.Tensor:  # [n] int64
+        """Slot of each position (-1 past the blocks the scheduler reserved: such a row is never
+        committed — an accepted row is always at ``num_cached + i``)."""
+        pos = torch.tensor(positions, dtype=torch.long)
+        table = torch.tensor(seq.block_table, dtype=torch.long)
+        bs = self.blocks.block_size
+        block = table[(pos // bs).clamp(max=max(len(seq.block_table) - 1, 0))]
+        held = (pos < len(seq.block_table) * bs) & (block >= 0)
+        return torch.where(held, block * bs + pos % bs, torch.full_like(pos, -1))
 
-    def commit_rows(self, rows: torch.Tensor, slots: torch.Tensor) -> bool:
-        """Copy staging ``rows`` ([n] int64) to cache ``slots`` ([n]), all layers; False if it failed
-        (the cache is then untouched)."""
-        try:
-            self.staging.commit(rows.to(self.device), slots.to(self.device))
-        except StagingCommitError:
-            return False
-        return True
+    def commit_staged(self, seq: Sequence, stage_base: int, kv_rows: list[int], num_rows: int) -> bool:
+        """Copy the accepted staged rows (of a proposal of ``num_rows`` rows) to their slots — the
+        sequence's next ones, ``num_cached + i`` — all layers at once. False when the proposal was
+        not staged (overflow, abandoned staging) or the all-or-nothing commit failed (the cache is
+        then untouched): the caller then commits no K/V and the next step recomputes it."""
+        return commit_proposal(self.staging, stage_base, kv_rows, num_rows, commit=self.commit_rows)
+
+    def commit_rows(self, rows: torch.Tensor) -> bool:
+        """Copy staging ``rows`` ([n] int64) to the slots their forward gave them, all layers; False
+        if it failed (the cache is then untouched)."""
+        return self.staging.try_commit(rows.to(self.device))

@@ -1,11 +1,18 @@
-"""No-write-on-reject: stage a step's tentative K/V, commit only accepted rows.
+"""The single write point of every forward, and no-write-on-reject staging behind it.
 
-One staging buffer ``[num_layers, rows, num_kv_heads, head_dim]`` (K and V) is shared by all
-layers and indexed by *explicit token index* (one index per packed token of the step, the same
-for every layer — slots are per token, not per layer). Attention in the same forward reads new
-tokens' K/V from the forward itself (layers/attention.py), so staging never makes verification
-read stale cache rows. After acceptance, :meth:`StagingBuffer.commit` copies the accepted rows —
-any subset, in any order — into the persistent cache.
+:class:`StepSink` is the one sink every cache layout writes through (kv/pools.py: llama's K/V,
+DeepSeek-V4's seven pools). A forward hands it, once per layer, that layer's new rows by pool:
+``sink.write(layer, k=k, v=v)`` / ``sink.write(layer, ori=kv, csa_cmp=entries, ...)``. Every token
+row of the forward has, per slot group, the slot of its position (``-1`` = compute but do not
+write); it is written there now (direct rows: prefill, plain decode) or *staged* (``stage_index
+>= 0``: draft trees, verify chains, WeDLM windows) and written there only if a commit names it.
+
+One :class:`StagingBuffer` per layout: per pool ``[num_layers(p), rows, *row_shape]``, indexed by
+*explicit token index* (one index per staged token of the step, the same for every layer and
+pool — slots are per token, not per layer), with each staged row's destination slot per group.
+Attention in the same forward reads new rows from the forward itself, so staging never makes
+verification read stale cache rows. :meth:`StagingBuffer.commit` copies the accepted rows — any
+subset, in any order — into every pool and layer, all-or-nothing.
 
 Fallbacks (the design's "when in doubt, fall back to the plain path"). A forward whose staging is
 unusable computes its tentative rows without writing them anywhere; the strategy's commit still
@@ -15,27 +22,29 @@ nothing rejected ever reaches the cache). Causes, each counted once per forward:
 
 * ``overflow`` — the step's staged rows exceed ``capacity`` (the buffer grows up to it, never
   past it): the proposals that do not fit are not staged (:meth:`ModelRunner.execute`);
-* ``stage_fail`` — staging raised (``fault_stage_layer`` injects it, for tests): staging is
-  abandoned for the rest of the forward;
+* ``stage_fail`` — staging raised (``fault_stage_layer`` / ``fault_stage_pool`` inject it, for
+  tests): staging is abandoned for the rest of the forward;
 * ``fake_tensor`` — K/V without real storage (meta / fake tensors of tracing);
-* ``commit_fail`` — the all-or-nothing commit failed (``fault_layer`` injects it after the layers
-  before it were written, for tests): the snapshot of the target slots is restored and
-  :class:`StagingCommitError` raised with the cache unchanged.
+* ``commit_fail`` — the all-or-nothing commit failed (``fault_layer`` injects it in pool
+  ``fault_pool``, default the first one copied, after its layers before it were written, for
+  tests): the snapshot of the target rows is restored and :class:`StagingCommitError` raised
+  with the cache unchanged.
 
-Metrics follow the NWOR design: ``stage_operations`` counts layer × token row writes,
+Metrics follow the NWOR design: ``stage_operations`` counts layer × token rows staged,
 ``unique_tokens`` counts each staged token once per forward (the two differ by the layer
 count — conflating them was the design's "4× inflation" bug); committed / rejected count staged
 rows after a successful commit; ``bytes_avoided`` is the K/V that writing every tentative row
-would have written on top (the rejected rows, all layers).
+would have written on top (the rejected rows, all layers of every pool that has a slot for them).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import asdict, dataclass
 
 import torch
 
-from ratchetlm.kv.cache import KVCache
+from ratchetlm.kv.pools import Pools
 
 FALLBACK_CAUSES = ("fake_tensor", "overflow", "stage_fail", "commit_fail")
 
@@ -97,43 +106,51 @@ class StagingBuffer:
     """``capacity``: most token rows one forward may stage; the buffer is allocated on demand
     and grows up to it, never past it (a step needing more falls back for what does not fit)."""
 
-    def __init__(self, cache: KVCache, capacity: int) -> None:
+    def __init__(self, pools: Pools, capacity: int = 1024) -> None:
         if capacity < 1:
             raise ValueError(f"staging capacity must be >= 1, got {capacity}")
-        self.cache = cache
+        self.pools = pools
         self.capacity = capacity
         self.max_tokens = 0  # rows allocated so far (<= capacity)
-        _, _, h, d = cache.k.shape
-        self.k = torch.zeros(cache.num_layers, 0, h, d, dtype=cache.k.dtype, device=cache.k.device)
-        self.v = torch.zeros_like(self.k)
+        self.buffers: dict[str, torch.Tensor] = {}  # pool -> [num_layers(p), max_tokens, *row_shape]
+        self.dest: dict[str, torch.Tensor] = {}  # group -> [max_tokens] slot of each stage row, -1 = none
+        self.staged_pools: list[str] = []  # pools written this forward, in first-write order
         self.metrics = StagingMetrics()
-        self.fault_layer: int | None = None  # test hook: make commit fail when writing this layer
-        self.fault_stage_layer: int | None = None  # test hook: make staging raise at this layer
-        self._staged = torch.zeros(0, dtype=torch.bool, device=cache.k.device)  # [max_tokens]
+        self.fault_layer: int | None = None  # test hook: the commit fails in pool fault_pool at this layer
+        self.fault_pool: str | None = None  # (None: the first pool it copies)
+        self.fault_stage_layer: Hashable | None = None  # test hook: staging raises at this layer ...
+        self.fault_stage_pool: str | None = None  # ... or for this pool
+        self.device = next(iter(pools.stacked.values())).device
+        self._staged = torch.zeros(0, dtype=torch.bool, device=self.device)  # [max_tokens]
+        self._marked = False  # this forward's rows are marked in _staged
         self.usable = False  # this forward's staged rows may be committed
-        self._select(torch.empty(0, dtype=torch.long, device=cache.k.device))
+        self._select(torch.empty(0, dtype=torch.long, device=self.device))
 
     def reserve(self, n: int) -> None:
-        """Make room for ``n <= capacity`` rows."""
+        """Make room for ``n <= capacity`` rows (pool buffers are allocated at their first stage)."""
         assert n <= self.capacity, (n, self.capacity)
         if n > self.max_tokens:
             self.max_tokens = min(self.capacity, max(n, 2 * self.max_tokens, 64))
-            self.k = torch.zeros(self.cache.num_layers, self.max_tokens, *self.k.shape[2:],
-                                 dtype=self.k.dtype, device=self.k.device)
-            self.v = torch.zeros_like(self.k)
-            self._staged = torch.zeros(self.max_tokens, dtype=torch.bool, device=self.k.device)
+            self.buffers.clear()
+            self._staged = torch.zeros(self.max_tokens, dtype=torch.bool, device=self.device)
 
-    def begin(self, stage_index: torch.Tensor) -> None:
-        """Start a forward whose tokens stage at ``stage_index`` ([num_tokens], -1 = not staged)."""
+    def begin(self, stage_index: torch.Tensor, slots: Mapping[str, torch.Tensor]) -> None:
+        """Start a forward whose token ``t`` stages at row ``stage_index[t]`` (-1 = not staged) and,
+        once committed, goes to slot ``slots[group][t]`` of the group's pools (-1 = nowhere)."""
         self._select(stage_index)
         self.reserve(int(self._idx.max()) + 1 if self._idx.numel() else 0)
         self._staged.zero_()
+        self._marked = False
+        self.staged_pools = []
         self.usable = True
+        for group, s in slots.items():
+            d = torch.full((self.max_tokens,), -1, dtype=torch.long, device=self.device)
+            d[self._idx] = s if self._keep_all else s[self._keep]
+            self.dest[group] = d
         self.metrics.unique_tokens += int(self._idx.numel())
 
     def _select(self, stage_index: torch.Tensor) -> None:
         """Which rows stage where: fixed for a whole forward, so found once, not per layer."""
-        self._index = stage_index
         self._keep = stage_index >= 0
         self._keep_all = bool(self._keep.all())
         self._idx = stage_index if self._keep_all else stage_index[self._keep]
@@ -144,105 +161,125 @@ class StagingBuffer:
             setattr(self.metrics, "fallback_" + cause, getattr(self.metrics, "fallback_" + cause) + 1)
         self.usable = False
 
-    def stage(
-        self,
-        layer: int,
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    ) -> None:
-        """Store this layer's rows at the forward's explicit indices (any order)."""
+    def _buffer(self, pool: str) -> torch.Tensor:
+        buf = self.buffers.get(pool)
+        if buf is None:
+            t = self.pools.stacked[pool]
+            buf = self.buffers[pool] = torch.zeros((t.shape[0], self.max_tokens, *t.shape[2:]), dtype=t.dtype,
+                                                   device=t.device)
+        return buf
+
+    def stage(self, layer: Hashable, rows: Mapping[str, torch.Tensor]) -> None:
+        """Store this layer's rows (``rows[pool]``: ``[num_tokens, *row_shape]``) at the forward's
+        explicit indices (any order)."""
         if not self.usable:
             return
-        if not (has_real_storage(k) and has_real_storage(v)):
+        if not all(has_real_storage(v) for v in rows.values()):
             self._abandon("fake_tensor")
             return
         idx = self._idx
         if idx.numel() == 0:
             return
         try:
-            if self.fault_stage_layer == layer:
+            if self.fault_stage_layer == layer or self.fault_stage_pool in rows:
                 raise RuntimeError(f"injected staging fault at layer {layer}")
-            if not self._keep_all:
-                k, v = k[self._keep], v[self._keep]
-            self.k[layer].index_copy_(0, idx, k.to(self.k.dtype))
-            self.v[layer].index_copy_(0, idx, v.to(self.v.dtype))
+            for pool, values in rows.items():
+                buf = self._buffer(pool)
+                if not self._keep_all:
+                    values = values[self._keep]
+                buf[self.pools.layer_index(pool, layer)].index_copy_(0, idx, values.to(buf.dtype))
+                if pool not in self.staged_pools:
+                    self.staged_pools.append(pool)
         except Exception:  # any staging failure: the plain path recomputes these tokens
             self._abandon("stage_fail")
             return
-        if layer == 0:
+        if not self._marked:
             self._staged[idx] = True
+            self._marked = True
         self.metrics.stage_operations += int(idx.numel())
 
-    def commit(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """Copy staged ``rows`` ([n] buffer indices) into persistent ``slots`` ([n]) for every
-        layer, all-or-nothing. Raises :class:`StagingCommitError` with the cache unchanged."""
-        assert rows.shape == slots.shape and rows.dim() == 1
+    def commit(self, rows: torch.Tensor) -> None:
+        """Copy staged ``rows`` ([n] buffer indices) to their destination slots in every pool and
+        layer, all-or-nothing. Raises :class:`StagingCommitError` with the pools unchanged."""
+        assert rows.dim() == 1
         if not self.usable:
             raise StagingCommitError("this forward's staging was abandoned (a fallback was counted)")
         if rows.numel() == 0:
             return
         try:
-            if int(rows.min()) < 0 or int(rows.max()) >= self.max_tokens or int(slots.min()) < 0 \
-                    or int(slots.max()) >= self.cache.num_slots:
-                raise StagingCommitError("staging commit with an out-of-range row or slot")
+            if int(rows.min()) < 0 or int(rows.max()) >= self.max_tokens:
+                raise StagingCommitError("staging commit with an out-of-range row")
             if not bool(self._staged[rows].all()):
                 raise StagingCommitError("staging commit of a row that was not staged this forward")
-            self._write_all_layers(rows, slots)
+            plan = []
+            for pool in self.staged_pools:
+                dest = self.dest[self.pools.group[pool]][rows]
+                ok = dest >= 0
+                if bool(ok.all()):
+                    plan.append((pool, rows, dest))
+                elif bool(ok.any()):
+                    plan.append((pool, rows[ok], dest[ok]))
+            for pool, _, slots in plan:
+                if int(slots.max()) >= self.pools.stacked[pool].shape[1]:
+                    raise StagingCommitError(f"staging commit to an out-of-range slot of {pool}")
+            written = self._write_all(plan)
         except StagingCommitError:
             self.metrics.fallback_commit_fail += 1
             raise
-        n = int(rows.numel())
+        self.metrics.bytes_committed += written
         self.metrics.commit_calls += 1
-        self.metrics.tokens_committed += n
-        self.metrics.bytes_committed += n * self.cache.bytes_per_token()
+        self.metrics.tokens_committed += int(rows.numel())
 
-    def reject(self, n: int) -> None:
-        """``n`` staged rows of a successfully committed proposal were discarded."""
-        self.metrics.tokens_rejected += n
-        self.metrics.bytes_avoided += n * self.cache.bytes_per_token()
-
-    def _write_all_layers(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        old_k = self.cache.k[:, slots].clone()  # [num_layers, n, h, d] snapshot for rollback
-        old_v = self.cache.v[:, slots].clone()
-        # One copy for all layers; the test hook stops it after layers [0, fault_layer).
-        upto = self.cache.num_layers if self.fault_layer is None else self.fault_layer
+    def try_commit(self, rows: torch.Tensor) -> bool:
+        """:meth:`commit`; False instead of :class:`StagingCommitError`."""
         try:
-            self.cache.copy_rows(self.k[:upto, rows], self.v[:upto, rows], slots)  # slots checked >= 0
-            if upto < self.cache.num_layers:
-                raise StagingCommitError(f"injected fault while committing layer {upto}")
+            self.commit(rows)
+        except StagingCommitError:
+            return False
+        return True
+
+    def reject(self, rows: torch.Tensor) -> None:
+        """Stage ``rows`` ([n]) of a successfully committed proposal were discarded."""
+        self.metrics.tokens_rejected += int(rows.numel())
+        if rows.numel():
+            self.metrics.bytes_avoided += sum(int((self.dest[self.pools.group[p]][rows] >= 0).sum())
+                                              * self.pools.row_bytes(p) for p in self.staged_pools)
+
+    def _write_all(self, plan: list[tuple[str, torch.Tensor, torch.Tensor]]) -> int:
+        """Copy every pool's rows (all its layers at once); returns the bytes written."""
+        stacked = self.pools.stacked
+        snapshots = [(pool, slots, stacked[pool][:, slots].clone()) for pool, _, slots in plan]  # for rollback
+        fault = None if self.fault_layer is None else (self.fault_pool or (plan[0][0] if plan else None))
+        before = self.pools.bytes_written
+        try:
+            for pool, src, slots in plan:
+                buf = self.buffers[pool]
+                upto = self.fault_layer if pool == fault else buf.shape[0]  # the hook stops after [0, fault_layer)
+                assert upto is not None
+                self.pools.copy_rows(pool, buf[:upto, src], slots)
+                if upto < buf.shape[0]:
+                    raise StagingCommitError(f"injected fault while committing {pool} layer {upto}")
         except Exception as e:
-            # restore, bypassing the write counter: not new data
-            self.cache.k.index_copy_(1, slots, old_k)
-            self.cache.v.index_copy_(1, slots, old_v)
+            for pool, slots, old in snapshots:  # restore, bypassing the write counter: not new data
+                stacked[pool].index_copy_(1, slots, old)
             raise e if isinstance(e, StagingCommitError) else StagingCommitError(str(e)) from e
+        return self.pools.bytes_written - before
 
 
-class StepSink:
-    """The write point of one forward: direct rows go to their slots, staged rows to the buffer."""
-
-    def __init__(
-        self,
-        cache: KVCache,
-        slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = not written directly
-        staging: StagingBuffer | None = None,
-        stage_index: torch.Tensor | None = None,  # [num_tokens] int64, -1 = not staged
-    ) -> None:
-        self.cache = cache
-        self.slot_mapping = slot_mapping
-        self.staging = staging if stage_index is not None else None
-        # rows written directly and their slots: fixed for the forward, so found once, not per layer
-        direct = slot_mapping >= 0
-        self.direct_all = bool(direct.all())
-        self.direct_rows = None if self.direct_all else direct.nonzero().squeeze(1)  # [n_direct]
-        self.direct_slots = slot_mapping if self.direct_all else slot_mapping[direct]
-        if self.staging is not None and stage_index is not None:
-            self.staging.begin(stage_index)
-
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self.direct_slots.numel():
-            kd, vd = k, v
-            if self.direct_rows is not None:
-                kd, vd = k.index_select(0, self.direct_rows), v.index_select(0, self.direct_rows)
-            self.cache.write_slots(layer, kd, vd, self.direct_slots)
-        if self.staging is not None:
-            self.staging.stage(layer, k, v)
+def commit_proposal(staging: StagingBuffer, stage_base: int, kv_rows: list[int], num_rows: int,
+                    commit: Callable[[torch.Tensor], bool] | None = None) -> bool:
+    """The engine's commit of one staged proposal of ``num_rows`` rows (row ``r`` staged at
+    ``stage_base + r``): its accepted ``kv_rows`` go to their slots, the rest are rejected. False
+    when the proposal was not staged (overflow, abandoned staging) or the all-or-nothing commit
+    failed (the pools are then untouched): the caller commits no K/V, the next step recomputes it.
+    ``commit``: how the rows are committed (default :meth:`StagingBuffer.try_commit`; tensor
+    parallelism mirrors it on every rank)."""
+    if stage_base < 0 or not staging.usable:
+        return False
+    rows = torch.tensor([stage_base + r for r in kv_rows], dtype=torch.long, device=staging.device)
+    if not (commit or staging.try_commit)(rows):
+        return False
+    kept = set(kv_rows)
+    staging.reject(torch.tensor([stage_base + r for r in range(num_rows) if r not in kept], dtype=torch.long,
+                                device=staging.device))
+    return True

@@ -9,7 +9,7 @@ Every forward sees, per sequence, two key sets:
 
 Visibility among new tokens is causal in packed order unless the step supplies its own
 ``[n_new, n_new]`` boolean mask (``True`` = may attend): a tree mask, a reordered window.
-Writing K/V is delegated to the batch's :class:`~ratchetlm.kv.cache.KVSink` — the single
+Writing K/V is delegated to the batch's :class:`~ratchetlm.kv.sink.StepSink` — the single
 write point.
 """
 
@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from ratchetlm import kernels
-from ratchetlm.kv.cache import KVCache, KVSink
+from ratchetlm.kv.cache import KVCache
+from ratchetlm.kv.sink import KVSink
 
 
 @dataclass
@@ -200,7 +201,7 @@ def paged_attention(
     numerics mode, CPU fp32): each query row is reduced in one fixed order over its visible keys
     (kernels/attention.c), so its result is bit-identical however many rows and keys share the
     forward; SDPA's order depends on the shapes."""
-    batch.sink.write(layer, k, v)
+    batch.sink.write(layer, k=k, v=v)
     batch = batch.windowed(window)
     t, h, d = q.shape
     hkv = k.shape[1]

@@ -34,12 +34,12 @@ class TPModelRunner(ModelRunner):
     def forward(self, plan: ForwardPlan) -> tuple[torch.Tensor, torch.Tensor]:
         return self.group.run("forward", (self.rid, plan), lambda: ModelRunner.forward(self, plan))
 
-    def commit_rows(self, rows: torch.Tensor, slots: torch.Tensor) -> bool:
+    def commit_rows(self, rows: torch.Tensor) -> bool:
         if self.group.broken is not None:  # no worker would follow: refuse before changing anything
             return False
-        ok = super().commit_rows(rows, slots)
-        if ok:
-            self.group.post("commit", (self.rid, rows.cpu(), slots.cpu()))
+        ok = super().commit_rows(rows)
+        if ok:  # every rank staged the same rows with the same slots (the plan's): rows say it all
+            self.group.post("commit", (self.rid, rows.cpu()))
         return ok
 
     def close(self) -> None:

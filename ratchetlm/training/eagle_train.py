@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ratchetlm import LLM, SamplingParams
 from ratchetlm.decoding.speculative.eagle import EagleConfig, EagleHead
-from ratchetlm.kv.cache import NullSink
+from ratchetlm.kv.sink import NullSink
 from ratchetlm.layers.attention import build_attention_batch
 from ratchetlm.layers.block_quant import dense_state_dict
 from ratchetlm.models.llama import LlamaModel

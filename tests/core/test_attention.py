@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ratchetlm.kv.cache import DirectSink, KVCache
+from ratchetlm.kv.cache import KVCache
+from ratchetlm.kv.sink import DirectSink
 from ratchetlm.layers.attention import build_attention_batch, paged_attention
 
 

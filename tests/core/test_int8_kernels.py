@@ -205,7 +205,7 @@ def test_best_build_uses_vnni_where_the_cpu_has_it():
 def test_fixed_order_attention_matches_sdpa_and_is_shape_invariant():
     """The int8 mode's attention: SDPA's values (to fp32 rounding), and a query row's bits depend only
     on its visible keys — not on how many queries share the call nor on masked padding keys."""
-    from ratchetlm.kv.cache import NullSink
+    from ratchetlm.kv.sink import NullSink
     from ratchetlm.layers.attention import build_attention_batch, paged_attention
 
     torch.manual_seed(0)

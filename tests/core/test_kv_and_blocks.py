@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from ratchetlm.engine.block_manager import BlockManager
 from ratchetlm.engine.sequence import Sequence
 from ratchetlm.kv.cache import KVCache
+from ratchetlm.kv.sink import DirectSink
 from ratchetlm.sampling_params import SamplingParams
 
 
@@ -20,7 +21,7 @@ def test_slot_minus_one_writes_nothing():
     k = torch.randn(5, 2, 3)
     v = torch.randn(5, 2, 3)
     slots = torch.tensor([3, -1, 7, -1, 0])
-    cache.write(1, k, v, slots)
+    DirectSink(cache, slots).write(1, k=k, v=v)
     for i, s in enumerate(slots.tolist()):
         if s >= 0:
             assert torch.equal(cache.k[1, s], k[i]) and torch.equal(cache.v[1, s], v[i])
@@ -28,7 +29,7 @@ def test_slot_minus_one_writes_nothing():
     untouched = [s for s in range(cache.num_slots) if s not in written]
     assert cache.k[1, untouched].abs().sum() == 0 and cache.v[1, untouched].abs().sum() == 0
     assert cache.k[0].abs().sum() == 0  # other layer untouched
-    cache.write(0, k, v, torch.full((5,), -1))
+    DirectSink(cache, torch.full((5,), -1)).write(0, k=k, v=v)
     assert cache.k[0].abs().sum() == 0
 
 

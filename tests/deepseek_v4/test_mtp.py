@@ -250,17 +250,22 @@ def test_failed_commit_falls_back_to_plain_and_keeps_the_output(model):
     engine = mtp_engine(model, 2, max_num_seqs=2)
     steer(engine, {tuple(p): w for p, w in zip(prompts, want, strict=True)})
     staging = engine.runner.staging
-    real = staging._write_all
-    calls = [0]
+    real = staging.commit
+    calls, written = [0], []
 
-    def flaky(rows):  # every third commit fails half-way: the pools must roll back
+    def flaky(rows):  # every third commit fails at the compressor state, after the ring (every layer) was written
         calls[0] += 1
-        staging.fault_after = 3 if calls[0] % 3 == 0 else None
-        return real(rows)
+        fail = calls[0] % 3 == 0
+        staging.fault_layer, staging.fault_pool = (0, "csa_state") if fail else (None, None)
+        before = engine.runner.layout.pools.bytes_written
+        try:
+            return real(rows)
+        finally:
+            written.append(fail and engine.runner.layout.pools.bytes_written > before)
 
-    staging._write_all = flaky
+    staging.commit = flaky
     assert run(engine, prompts, GREEDY) == want
-    assert staging.metrics.fallback_commit_fail > 0
+    assert staging.metrics.fallback_commit_fail > 0 and any(written)  # pools were written, then rolled back
 
 
 # ------------------------------------------------------------------ sampling is exact

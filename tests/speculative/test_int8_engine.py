@@ -67,7 +67,7 @@ def test_int8_model_runs_its_matmuls_in_int8_and_names_its_cache_apart(llm_int8,
     assert llm_int8.engine.kv_identity() != llm_fp32.engine.kv_identity()
     ids = torch.tensor(llm_int8.encode(PROMPTS[3]))
     # not the exact mode's logits (a stub that ignored the mode would pass the equality tests), but close
-    from ratchetlm.kv.cache import NullSink
+    from ratchetlm.kv.sink import NullSink
     from ratchetlm.layers.attention import build_attention_batch
 
     def logits(llm):
@@ -118,7 +118,7 @@ def test_wedlm_equals_its_no_cache_reference_in_int8(tmp_path, numerics):
     through the same int8 model without a cache."""
     from ratchetlm.decoding.wedlm_reference import wedlm_generate_reference
     from ratchetlm.decoding.wedlm_window import WeDLMConfig
-    from ratchetlm.kv.cache import NullSink
+    from ratchetlm.kv.sink import NullSink
     from ratchetlm.layers.attention import build_attention_batch
 
     from ..wedlm.factory import make_tiny_wedlm_folder

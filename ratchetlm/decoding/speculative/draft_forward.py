@@ -3,8 +3,8 @@
 Used by the model-based proposers: the layer-skip self-draft (the target's own model and
 cache, first N layers) and a separate draft model (its own model and cache). Each sequence
 feeds ``n_i`` tokens on top of ``ctx_slots[i]`` committed context rows; K/V go to ``sink``
-(a :class:`~ratchetlm.kv.cache.NullSink` for write-free draft steps, a
-:class:`~ratchetlm.kv.cache.DirectSink` for catching the draft cache up on committed tokens).
+(a :class:`~ratchetlm.kv.sink.NullSink` for write-free draft steps, a
+:class:`~ratchetlm.kv.sink.DirectSink` for catching the draft cache up on committed tokens).
 Attention reads the new tokens' K/V from the forward itself, so writing nothing is exact.
 """
 
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ratchetlm.kv.cache import KVCache, KVSink
+from ratchetlm.kv.cache import KVCache
+from ratchetlm.kv.sink import KVSink
 from ratchetlm.layers.attention import build_attention_batch
 from ratchetlm.models.llama import LlamaModel
 

@@ -32,7 +32,7 @@ from ratchetlm.decoding.speculative.draft_cache import DraftCache, DraftSeqState
 from ratchetlm.decoding.speculative.draft_forward import draft_forward
 from ratchetlm.decoding.speculative.proposers import DraftBeam, Proposer, register_proposer
 from ratchetlm.engine.sequence import Sequence
-from ratchetlm.kv.cache import DirectSink, NullSink
+from ratchetlm.kv.sink import DirectSink, NullSink
 from ratchetlm.models.loader import ModelLoadError
 from ratchetlm.models.registry import load_model
 

@@ -45,7 +45,7 @@ from ratchetlm.decoding.speculative.draft_cache import DraftCache, DraftSeqState
 from ratchetlm.decoding.speculative.gain import draft_value
 from ratchetlm.decoding.speculative.proposers import DraftBeam, Proposer, register_proposer
 from ratchetlm.engine.sequence import Sequence
-from ratchetlm.kv.cache import DirectSink, KVSink, NullSink
+from ratchetlm.kv.sink import DirectSink, KVSink, NullSink
 from ratchetlm.layers.attention import AttentionBatch, build_attention_batch
 from ratchetlm.layers.block_quant import BlockWeight, Linear
 from ratchetlm.layers.norm_rope import RMSNorm, RotaryEmbedding

@@ -94,7 +94,7 @@ class MTPProposer(Proposer):
         """One module step over pairs ``starts[b] + i``; the first ``write[b]`` rows write their
         ring rows; pairs before ``first[b]`` are not attended. -> each sequence's last row's
         output streams ``[B, hc, H]``."""
-        from ratchetlm.kv.pool_staging import PoolSink
+        from ratchetlm.kv.sink import DirectSink
         from ratchetlm.models.deepseek_v4.mtp import mtp_forward
         from ratchetlm.models.deepseek_v4.paging import WindowMeta, lower_window
 
@@ -112,7 +112,7 @@ class MTPProposer(Proposer):
         for b, (t, p) in enumerate(zip(tokens, prev, strict=True)):
             ids[b, : len(t)], ids[b, len(t) :] = torch.tensor(t), t[-1]
             feats[b, : len(t)] = p
-        sink = PoolSink(layout.pools, {"ori": ori.flatten()})
+        sink = DirectSink(layout.pools, {"ori": ori.flatten()})
         out = mtp_forward(self.model, self.mtp, layout.pools, meta, ids, feats, sink, cap)
         self.num_forwards += 1
         last = torch.tensor([len(t) - 1 for t in tokens])

@@ -13,8 +13,8 @@ chunk, a decode token plus placeholder, a draft chain to verify). Per attention 
 3. sparse attention over ring + overlay + compressed keys (raw-index contract, paging.py;
    compressed slots completed in the step are read from the step's own entries);
 4. only then hand every new row (ring KV, state rows, entries, indexer keys) to the step's
-   :class:`~ratchetlm.kv.pool_staging.PoolSink`, the single write point: direct rows land in
-   their slots, staged rows in the staging buffer, ``-1`` rows nowhere.
+   :class:`~ratchetlm.kv.sink.StepSink`, the engine's single write point (the llama family's too):
+   direct rows land in their slots, staged rows in the staging buffer, ``-1`` rows nowhere.
 
 Because every row is read in-step from the forward itself and written after the layer's
 reads, no in-step token ever overwrites a row another in-step token still reads (the seed's
@@ -28,7 +28,8 @@ from collections.abc import Hashable
 
 import torch
 
-from ratchetlm.kv.pool_staging import PoolSink, RowPools
+from ratchetlm.kv.pools import Pools
+from ratchetlm.kv.sink import StepSink
 from ratchetlm.models.deepseek_v4.attention import Attention, WindowCompressor, select_topk
 from ratchetlm.models.deepseek_v4.config import CSA, HCA
 from ratchetlm.models.deepseek_v4.model import DeepseekV4ForCausalLM
@@ -120,7 +121,7 @@ def indexer_topk(attn: Attention, x: torch.Tensor, q_res: torch.Tensor, meta: De
 
 
 def paged_attention(model: DeepseekV4ForCausalLM, attn: Attention, layer: Hashable, x: torch.Tensor,
-                    meta: DecodeMetadata | WindowMeta, pools: RowPools, sink: PoolSink, cap: DecodeCapacity,
+                    meta: DecodeMetadata | WindowMeta, pools: Pools, sink: StepSink, cap: DecodeCapacity,
                     rope: RopeTable) -> torch.Tensor:
     """x: ``[B, S, hidden]`` normed attention input -> ``[B, S, hidden]``. ``layer`` keys this
     layer's pools (an int for decoder layers, ``"mtp0"`` for the MTP module's ring)."""
@@ -161,14 +162,14 @@ def paged_attention(model: DeepseekV4ForCausalLM, attn: Attention, layer: Hashab
                                   step_start=meta.step_start)
         outs.append(sparse_attention(q[:, c0:c1], keys, valid, attn.sinks, attn.scale))
     o = torch.cat(outs, 1)
-    for name, values in writes:  # after every read of this layer (write-after-attention)
-        sink.write(name, layer, values.flatten(0, 1))
+    # after every read of this layer (write-after-attention), one row per token per pool
+    sink.write(layer, **{name: values.flatten(0, 1) for name, values in writes})
     return attn.output(o, pos, rope)
 
 
 @torch.no_grad()
-def forward_step(model: DeepseekV4ForCausalLM, pools: RowPools, meta: DecodeMetadata, input_ids: torch.Tensor,
-                 sink: PoolSink, cap: DecodeCapacity) -> torch.Tensor:
+def forward_step(model: DeepseekV4ForCausalLM, pools: Pools, meta: DecodeMetadata, input_ids: torch.Tensor,
+                 sink: StepSink, cap: DecodeCapacity) -> torch.Tensor:
     """input_ids: ``[B, S]`` (placeholder ids are arbitrary) -> final residual streams
     ``[B, S, hc, hidden]`` (``model.head`` turns them into logits; the MTP module reads them).
 

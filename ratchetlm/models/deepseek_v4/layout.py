@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ratchetlm.kv.pool_staging import RowPools
+from ratchetlm.kv.pools import Pools
 from ratchetlm.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from ratchetlm.models.deepseek_v4.paging import BlockTables, DecodeCapacity, physical_rows
 from ratchetlm.models.deepseek_v4.reference import LayerTrace
@@ -107,11 +107,11 @@ class DeepseekV4Layout:
             "csa_state": (cap.csa_state_page, 4 * d, 4), "inner_state": (cap.csa_state_page, 4 * di, 4),
             "hca_state": (cap.hca_state_page, 2 * d, 4)}
         self.plan = self.plan_pools(budget_bytes, max_num_seqs)
-        self.pools = RowPools()
+        self.pools = Pools()  # one pool per name, its layers stacked; each pool its own slot group
         for name, (rows, width, _) in self.shapes.items():
-            n = self.plan.blocks[name]
-            for layer in self.pool_layers[name]:
-                self.pools.add(name, layer, n * rows, width, dtype if name not in STATE else torch.float32, device)
+            if self.pool_layers[name]:
+                self.pools.add(name, self.pool_layers[name], self.plan.blocks[name] * rows, (width,),
+                               dtype if name not in STATE else torch.float32, device)
         self.allocator = DeepseekV4BlockAllocator(self, shuffle_seed)
 
     # ------------------------------------------------------------------ sizing

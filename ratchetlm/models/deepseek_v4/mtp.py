@@ -32,7 +32,8 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from ratchetlm.kv.pool_staging import PoolSink, RowPools
+from ratchetlm.kv.pools import Pools
+from ratchetlm.kv.sink import StepSink
 from ratchetlm.models.deepseek_v4.blocks import HyperHead, RMSNorm
 from ratchetlm.models.deepseek_v4.config import SLIDING, DeepseekV4Config
 from ratchetlm.models.deepseek_v4.model import MTP_LAYER, DecoderLayer, DeepseekV4ForCausalLM
@@ -60,8 +61,8 @@ class MTPModule(DecoderLayer):
         return self.e_proj(self.enorm(emb)).unsqueeze(-2) + self.h_proj(self.hnorm(prev))
 
 
-def mtp_forward(model: DeepseekV4ForCausalLM, mtp: MTPModule, pools: RowPools, meta: WindowMeta,
-                token_ids: torch.Tensor, prev: torch.Tensor, sink: PoolSink, cap: DecodeCapacity) -> torch.Tensor:
+def mtp_forward(model: DeepseekV4ForCausalLM, mtp: MTPModule, pools: Pools, meta: WindowMeta,
+                token_ids: torch.Tensor, prev: torch.Tensor, sink: StepSink, cap: DecodeCapacity) -> torch.Tensor:
     """One step of the module over pairs: token_ids ``[B, S]`` (``x_{j+1}``), prev
     ``[B, S, hc, H]`` (``h_j``), positions ``j`` in ``meta`` -> block output streams
     ``[B, S, hc, H]``. Its ring rows go through ``sink`` (pool ``ori``, layer ``mtp0``)."""

@@ -13,7 +13,9 @@ with the one lowering function and runs :func:`~ratchetlm.models.deepseek_v4.dec
 * longer proposals (prefill chunks) run one ``[1, n]`` call each.
 
 Direct-write proposals write through the step's sink; staged ones (a verify chain) stage every
-row and :meth:`commit_staged` copies the accepted prefix's rows into the pools all-or-nothing.
+row and :meth:`commit_staged` copies the accepted prefix's rows into the pools all-or-nothing —
+the same :class:`~ratchetlm.kv.sink.StepSink` and :class:`~ratchetlm.kv.staging.StagingBuffer` as
+the llama family's, over this layout's seven pools.
 
 A ring slot is shared by positions ``W`` apart, so a direct step of ``n > 1`` tokens overwrites
 ring rows its own first tokens read. When the engine discards a step that raised (fault
@@ -31,8 +33,8 @@ import torch
 from ratchetlm.decoding.base import Proposal
 from ratchetlm.engine.model_runner import StepResult
 from ratchetlm.engine.sequence import Sequence
-from ratchetlm.kv.pool_staging import PoolSink, PoolStaging
-from ratchetlm.kv.staging import StagingCommitError
+from ratchetlm.kv.sink import StepSink
+from ratchetlm.kv.staging import StagingBuffer, commit_proposal
 from ratchetlm.models.deepseek_v4.decode import forward_step, step_slots
 from ratchetlm.models.deepseek_v4.layout import DeepseekV4Layout
 from ratchetlm.models.deepseek_v4.model import DeepseekV4ForCausalLM
@@ -72,12 +74,12 @@ class DeepseekV4ModelRunner:
         # a verify step (staged chain) holds at most this many tokens: its state rows cover any
         # accepted prefix only within the state span (strategies cap grammar-forced chains by it)
         self.max_chain_tokens = layout.cap.state_span
-        self.staging = PoolStaging(layout.pools, staging_capacity)
+        self.staging = StagingBuffer(layout.pools, staging_capacity)
         self.num_forwards = 0
         self.last_meta: DecodeMetadata | None = None
         self.last_ring_writes: dict[int, int] = {}  # seq_id -> token rows with a ring slot in the last step
-        # (pool key, slots, old rows) of ring rows the last step overwrote that its tokens read
-        self._undo: list[tuple[tuple[str, Any], torch.Tensor, torch.Tensor]] = []
+        # (slots, old rows of every ring layer) the last step overwrote that its tokens read
+        self._undo: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Final residual streams of the last forward, per sequence ``[len(proposal), hc, hidden]``:
         # the features the MTP module reads (``Proposer.observe``).
         self.last_hidden: list[torch.Tensor] = []
@@ -154,7 +156,7 @@ class DeepseekV4ModelRunner:
         if overflow:
             self.staging.metrics.fallback_overflow += 1
         self._snapshot_ring(slots["ori"].view(B, S), props)
-        sink = PoolSink(self.layout.pools, slots, self.staging if staged else None,
+        sink = StepSink(self.layout.pools, slots, self.staging if staged else None,
                         stage_index.flatten() if staged else None)
         out = forward_step(self.model, self.layout.pools, meta, ids.to(self.device), sink, self.cap)
         self.last_meta = meta
@@ -171,9 +173,7 @@ class DeepseekV4ModelRunner:
         slots = torch.cat(parts)
         slots = slots[slots >= 0].to(self.device)
         if slots.numel():
-            for key, t in self.layout.pools.tensors.items():
-                if key[0] == "ori":
-                    self._undo.append((key, slots, t.index_select(0, slots)))
+            self._undo.append((slots, self.layout.pools.stacked["ori"].index_select(1, slots)))
 
     def begin_step(self) -> None:
         """A new engine step starts: the rows the previous one overwrote are final."""
@@ -182,25 +182,17 @@ class DeepseekV4ModelRunner:
     def discard_step(self) -> None:
         """The engine discarded the step (it raised and will be re-run from the same committed
         state): restore the ring rows its forwards overwrote that its tokens read."""
-        for key, slots, old in reversed(self._undo):
-            self.layout.pools.tensors[key].index_copy_(0, slots, old)
+        for slots, old in reversed(self._undo):
+            self.layout.pools.stacked["ori"].index_copy_(1, slots, old)
         self._undo = []
 
     def commit_staged(self, seq: Sequence, stage_base: int, kv_rows: list[int], num_rows: int) -> bool:
         """Copy the accepted rows (a prefix of the chain of ``num_rows``) into the pools, every
-        pool and layer at once. Returns False when the proposal was not staged (overflow, abandoned
-        staging) or the all-or-nothing commit failed (the pools are then untouched): the caller
-        commits no KV and the next step recomputes it."""
-        if stage_base < 0 or not self.staging.usable:
-            return False
+        pool and layer at once (kv/staging.py's one contract). False when the proposal was not
+        staged (overflow, abandoned staging) or the all-or-nothing commit failed (the pools are then
+        untouched): the caller commits no KV and the next step recomputes it."""
         assert kv_rows == list(range(len(kv_rows))), "a chain commits a prefix of its rows"
-        try:
-            self.staging.commit(torch.tensor([stage_base + r for r in kv_rows], dtype=torch.long))
-        except StagingCommitError:
-            return False
-        self.staging.reject(torch.arange(stage_base + len(kv_rows), stage_base + num_rows))
-        return True
-
+        return commit_proposal(self.staging, stage_base, kv_rows, num_rows)
 
 def _causal(mask: torch.Tensor | None) -> bool:
     if mask is None:

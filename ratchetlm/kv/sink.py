@@ -1,0 +1,76 @@
+"""The single write point: every forward of every cache layout writes through one :class:`StepSink`.
+
+A forward hands the sink, once per layer and after that layer's reads, its new rows by pool
+(kv/pools.py): ``sink.write(layer, k=k, v=v)`` for the llama family's paged K/V,
+``sink.write(layer, ori=kv, csa_state=..., csa_cmp=..., ...)`` for DeepSeek-V4's pools. Every token
+row of the forward has, per slot group, the slot of its position; ``-1`` = compute but do not
+write. Rows are written now (direct: prefill, plain decode, draft-cache catch-up) or staged
+(kv/staging.py: draft trees, verify chains, WeDLM windows) and written only if a commit names them,
+so nothing rejected ever lands in the persistent cache. The model never indexes a pool to write.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from typing import Protocol
+
+import torch
+
+from ratchetlm.kv.pools import Pools
+from ratchetlm.kv.staging import StagingBuffer
+
+
+class KVSink(Protocol):
+    """Where a forward's new rows go. Called once per layer per forward, in layer order."""
+
+    def write(self, layer: Hashable, **rows: torch.Tensor) -> None: ...
+
+
+class StepSink:
+    """The write point of one forward, for every cache layout: per slot group, direct rows go to
+    their slots now, staged rows to the staging buffer, ``-1`` rows nowhere."""
+
+    def __init__(
+        self,
+        pools: Pools,
+        slots: torch.Tensor | Mapping[str, torch.Tensor],  # [num_tokens] int64 (every group), or per group
+        staging: StagingBuffer | None = None,
+        stage_index: torch.Tensor | None = None,  # [num_tokens] int64, -1 = written directly
+    ) -> None:
+        self.pools = pools
+        by_group = {g: slots for g in pools.groups} if isinstance(slots, torch.Tensor) else dict(slots)
+        staged = None if stage_index is None or staging is None else stage_index >= 0
+        self.staging = staging if staged is not None and bool(staged.any()) else None
+        # rows written directly and their slots, per group: fixed for the forward, found once, not per layer
+        self._direct: dict[str, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        for group, s in by_group.items():
+            ok = s >= 0 if self.staging is None else (s >= 0) & ~staged  # type: ignore[operator]
+            every = bool(ok.all())
+            self._direct[group] = (None, s) if every else (ok.nonzero().squeeze(1), s[ok])
+        if self.staging is not None:
+            assert stage_index is not None
+            self.staging.begin(stage_index, by_group)
+
+    def write(self, layer: Hashable, **rows: torch.Tensor) -> None:
+        """This layer's new rows by pool, ``[num_tokens, *row_shape]`` each (``k=..., v=...``)."""
+        group = self.pools.group
+        for pool, values in rows.items():
+            idx, slots = self._direct[group[pool]]
+            if slots.numel():
+                self.pools.write(pool, layer, values if idx is None else values.index_select(0, idx), slots)
+        if self.staging is not None:
+            self.staging.stage(layer, rows)
+
+
+class DirectSink(StepSink):
+    """Writes straight into the persistent pools by slot mapping (prefill, draft caches)."""
+
+    def __init__(self, pools: Pools, slots: torch.Tensor | Mapping[str, torch.Tensor]) -> None:
+        super().__init__(pools, slots)
+
+
+class NullSink:
+    """Computes without writing anything (pure scoring / reference runs: no cache at all)."""
+
+    def write(self, layer: Hashable, **rows: torch.Tensor) -> None:
+        return None
