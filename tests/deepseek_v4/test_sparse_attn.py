@@ -7,6 +7,7 @@ import torch
 
 from ratchetlm.models.deepseek_v4.attention import sink_attention
 from ratchetlm.models.deepseek_v4.paging import physical_rows
+from ratchetlm.models.deepseek_v4.reference import reference_forward
 from ratchetlm.models.deepseek_v4.sparse_attn import gather_keys
 from ratchetlm.sampling_params import SamplingParams
 
@@ -130,7 +131,8 @@ def test_future_compressed_slot_is_never_read(model, prompt_len):
     # Poison every compressed / indexer row except the slots already completed by the prompt:
     # the incomplete slot `written` (positions [written * ratio, ...)) included. At 130 the decode
     # token does not complete it, so it must stay invisible; at 131 the step completes CSA slot 32
-    # itself, so it must read its own entry, never the pool row. Results must not move.
+    # itself, so it must read its own entry, never the pool row. Results must not move, and must
+    # be the unpaged reference's.
     g = torch.Generator().manual_seed(8)
     prompt = torch.randint(0, 96, (prompt_len,), generator=g)
     fed = torch.randint(0, 96, (3,), generator=g).tolist()
@@ -156,3 +158,7 @@ def test_future_compressed_slot_is_never_read(model, prompt_len):
     assert poisoned > 0
     engine.step()  # the decode call at position prompt_len
     torch.testing.assert_close(engine.strategy.logits[sid][1], clean[0], atol=2e-5, rtol=0)
+    # ... and both are the unpaged reference's: a slot made visible one too early is read from the
+    # step itself (the placeholder at 131 completes slot 32), which the poison cannot see
+    want, _ = reference_forward(model, torch.tensor(prompt.tolist() + fed[:1]), logits_for=slice(-1, None))
+    torch.testing.assert_close(clean[0], want[0], atol=2e-5, rtol=0)
