@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ratchetlm.kv.pools import Pools
+from ratchetlm.kv.sink import DirectSink
 from ratchetlm.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from ratchetlm.models.deepseek_v4.paging import BlockTables, DecodeCapacity, physical_rows
 from ratchetlm.models.deepseek_v4.reference import LayerTrace
@@ -174,14 +175,15 @@ class DeepseekV4Layout:
         (already allocated) blocks: the last ``window`` raw KVs into the ring, every complete
         window's compressed entry / indexer key, and the state rows of the open windows.
         Returns the prompt length. (Tests use it to start sequences at long positions from
-        :func:`~ratchetlm.models.deepseek_v4.reference.prefix_traces` without a prefill.)"""
+        :func:`~ratchetlm.models.deepseek_v4.reference.prefix_traces` without a prefill.) Written
+        through the engine's write point like any forward's rows."""
         cap, cfg = self.cap, self.cfg
         T = traces[0].kv.shape[0]
         tb = self.tables([seq_id])
         ring_pos = torch.arange(max(0, T - cap.window), T)[None]
         ring_rows = physical_rows(tb.ori, ring_pos % cap.window, cap.block_size)[0]
         for i, tr in enumerate(traces):
-            self.pools.get("ori", i)[ring_rows] = tr.kv[ring_pos[0]].to(self.dtype)
+            DirectSink(self.pools, {"ori": ring_rows}).write(i, ori=tr.kv[ring_pos[0]])
             kind = cfg.layer_types[i]
             if kind == SLIDING:
                 continue
@@ -193,10 +195,11 @@ class DeepseekV4Layout:
                 assert trace is not None, f"layer {i} ({kind}) was prefilled without its compressor trace"
                 n = trace.entries.shape[0]
                 slots = physical_rows(getattr(tb, cmp_name), torch.arange(n)[None], cap.block_size)[0]
-                self.pools.get(cmp_name, i)[slots] = trace.entries.to(self.dtype)
+                DirectSink(self.pools, {cmp_name: slots}).write(i, **{cmp_name: trace.entries})
                 open_pos = torch.arange(cap.state_window_start(ratio, T), T)[None]
                 rows = physical_rows(getattr(tb, state_name), open_pos, cap.state_page(ratio))[0]
-                self.pools.get(state_name, i)[rows] = torch.cat([trace.kv_rows, trace.score_rows], -1)[open_pos[0]]
+                state = torch.cat([trace.kv_rows, trace.score_rows], -1)[open_pos[0]]
+                DirectSink(self.pools, {state_name: rows}).write(i, **{state_name: state})
         return T
 
 
