@@ -16,10 +16,14 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 
 
 def step_until(engine, prompt, min_tokens: int, params: SamplingParams = PARAMS):
+    """Step until the request has ``min_tokens`` output tokens; fails (instead of looping forever)
+    when it finished before, e.g. with an error."""
     sid = engine.add_request(prompt, params)
     seq = engine.seqs[sid]
+    error = None
     while seq.num_output_tokens < min_tokens:
-        engine.step()
+        assert not seq.is_finished, f"the request finished early ({seq.finish_reason}): {error}"
+        error = next((o.error for o in engine.step() if o.seq_id == sid and o.error), error)
     return seq
 
 
