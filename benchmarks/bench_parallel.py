@@ -48,7 +48,7 @@ def tp_run(model: str, tp: int, threads: int, batches: list[int], tokens: int, r
         times = []
         for _ in range(repeats):
             t = time.perf_counter()
-            outs[batch] = [o.token_ids for o in llm.generate(prompts[:batch], params)]
+            outs[batch] = [o.outputs[0].token_ids for o in llm.generate(prompts[:batch], params)]
             times.append(time.perf_counter() - t)
         med = statistics.median(times)
         rows[batch] = {"median_s": med, "tok_s": batch * tokens / med, "runs_s": times}

@@ -89,8 +89,8 @@ def test_speculative_decoding_is_plain_greedy(pair, greedy, options):
 
 def test_generate_text_matches(pair):
     params = SamplingParams(max_tokens=12, temperature=0)
-    assert [o.text for o in pair[1].generate(["abc", "hello world"], params)] == \
-        [o.text for o in pair[0].generate(["abc", "hello world"], params)]
+    assert [o.outputs[0].text for o in pair[1].generate(["abc", "hello world"], params)] == \
+        [o.outputs[0].text for o in pair[0].generate(["abc", "hello world"], params)]
 
 
 def test_models_that_cannot_be_split_are_refused_before_any_rank_starts(tiny_gguf):

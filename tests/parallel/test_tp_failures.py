@@ -22,7 +22,7 @@ def _start(tiny_gguf) -> tuple[LLM, list[int]]:
     llm = LLM(tiny_gguf, dtype="float32", progress=False, kv_cache_blocks=32, tensor_parallel_size=2)
     workers = sorted(children() - before)
     assert len(workers) == 1
-    assert llm.generate([[20, 21, 22]], PARAMS)[0].finish_reason == "length"  # serving
+    assert llm.generate([[20, 21, 22]], PARAMS)[0].outputs[0].finish_reason == "length"  # serving
     return llm, workers
 
 

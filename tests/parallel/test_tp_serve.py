@@ -39,7 +39,7 @@ def oracle(tiny_gguf):
 def test_openai_client_gets_the_one_rank_text_then_a_dead_worker_is_a_clean_503(tiny_gguf, oracle):
     from openai import APIStatusError, OpenAI
 
-    ref = oracle.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0))[0]
+    ref = oracle.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0))[0].outputs[0]
     srv = _server(tiny_gguf)
     try:
         client = OpenAI(base_url=srv.v1, api_key="none", max_retries=0)
@@ -77,7 +77,7 @@ def test_a_killed_server_leaves_no_worker(tiny_gguf):
 
 
 def test_ratchet_generate_takes_the_flag_and_stops_its_worker(tiny_gguf, oracle, capsys):
-    ref = oracle.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0))[0]
+    ref = oracle.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0))[0].outputs[0]
     before = children()
     assert main(["generate", PROMPT, "--model", tiny_gguf, "--dtype", "float32", "--max-tokens", "8",
                  "--tensor-parallel-size", "2", "--progress", "false"]) == 0
