@@ -11,7 +11,7 @@ import torch
 
 from ratchetlm import LLM, SamplingParams
 from ratchetlm.models.loader import ModelLoadError
-from tests.models.tiny import engine_logits, run
+from tests.models.tiny import engine_logits, hf_model, run, write_gguf
 from tests.parallel.conftest import children, engine_on
 
 PROMPTS = [[(7 * i + 3 * j) % 200 + 20 for j in range(9 + 3 * i)] for i in range(6)]
@@ -102,3 +102,15 @@ def test_models_that_cannot_be_split_are_refused_before_any_rank_starts(tiny_ggu
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         LLM(tiny_gguf, tensor_parallel_size=0, progress=False)
     assert children() == before
+
+
+def test_fused_checkpoint_tensors_split_in_place(tmp_path):
+    """Phi-3 stores q/k/v and gate/up fused: each rank's rows are cut out of the one block tensor."""
+    path = str(write_gguf(tmp_path / "phi3.gguf", hf_model("Phi3ForCausalLM"), quant="Q8_0"))
+    one = LLM(path, dtype="float32", progress=False, kv_cache_blocks=32)
+    two = LLM(path, dtype="float32", progress=False, kv_cache_blocks=32, tensor_parallel_size=2)
+    try:
+        assert len(two.engine.model.layers[0].qkv.blocks.parts) == 3  # q, k, v rows of this rank
+        assert run(engine_on(two), PROMPTS[:3], 12) == run(engine_on(one), PROMPTS[:3], 12)
+    finally:
+        two.close()
