@@ -174,6 +174,11 @@ def _main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"ratchet serve: error: {e}", file=sys.stderr)
         return 2
+    if cfg.data_parallel_size > 1 and (kw.get("tensor_parallel_size") or 1) > 1 \
+            and str(kw.get("device") or "cpu").startswith("cuda"):
+        print("ratchet serve: error: --data-parallel-size with --tensor-parallel-size on CUDA is not supported: "
+              "every replica's ranks would take the same GPUs", file=sys.stderr)
+        return 2
     from ratchetlm.server.http import GuardedH11Protocol, RatchetServer
 
     app = build_app(load, args.served_model_name or [default_model_name(model)], cfg, hide=(str(model or ""),))
