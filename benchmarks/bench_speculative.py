@@ -10,6 +10,7 @@ verify (SCV) by chunk size at batch 1 and 16. Prints medians and ratios vs a pee
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -42,7 +43,8 @@ CONFIGS = {
 
 def engine(llm: LLM, opts: dict | None) -> LLMEngine:
     cfg = EngineConfig(dtype="float32", decoding="speculative" if opts else "autoregressive",
-                       decoding_options=opts or {}, kv_cache_blocks=512, progress=False)
+                       decoding_options=opts or {}, kv_cache_blocks=512, progress=False,
+                       numerics=llm.config.numerics)
     return LLMEngine(cfg, llm.engine.model, llm.model_config)
 
 
@@ -198,6 +200,7 @@ def main() -> None:
     ap.add_argument("--scv-chunks", default="0,2,4,8", help="comma-separated chunk sizes (0 = off) for SCV")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="time runs by wall clock or by this process's CPU time (a busy shared machine)")
+    ap.add_argument("--numerics", default=None, help="exact | int8 | int16 (default: the engine's default)")
     ap.add_argument("--configs", default=None,
                     help=f"';'-separated subset of our configs (plain AR is always run); known: {'; '.join(CONFIGS)}")
     a = ap.parse_args()
@@ -212,9 +215,10 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     global CLOCK
     CLOCK = time.process_time if a.clock == "cpu" else time.perf_counter
-    llm = LLM(progress=False, dtype="float32")
+    llm = LLM(progress=False, dtype="float32", **({"numerics": a.numerics} if a.numerics else {}))
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=a.ignore_eos)
-    print(f"default model, CPU, {a.threads} thread(s), {a.clock} clock, greedy, up to {a.max_tokens} new tokens"
+    print(f"default model, numerics {llm.config.numerics}, CPU, {a.threads} thread(s), {a.clock} clock, load "
+          f"{os.getloadavg()[0]:.1f}, greedy, up to {a.max_tokens} new tokens"
           f"{' (EOS ignored)' if a.ignore_eos else ', stop at EOS'}")
     scv = ([int(b) for b in a.scv_batches.split(",")], a.repeats, a.max_tokens,
            [int(d) for d in a.scv_depths.split(",")], [int(c) for c in a.scv_chunks.split(",")])

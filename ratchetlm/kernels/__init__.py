@@ -142,7 +142,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ratchet_mm_q8.argtypes = [p, i, i, i, i, p, p, p, p, i, i]
     lib.ratchet_mm_q8.restype = None
     fl = ctypes.c_float
-    lib.ratchet_attention.argtypes = [p, p, p, p, i, i, i, i, i, i, i, fl, fl, p, i]
+    lib.ratchet_attention.argtypes = [p, p, p, p, p, p, i, p, i, p, i, i, i, i, fl, fl, p, i]
     lib.ratchet_attention.restype = None
 
 

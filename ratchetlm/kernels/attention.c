@@ -1,88 +1,286 @@
-/* Attention with a fixed reduction order per query row (the int8 mode's attention).
+/* Attention with a fixed reduction order per query row (the integer numerics modes' attention).
  *
  * Why: BLAS-based attention (SDPA) sums a query row's scores and weighted values in an order that
  * depends on how many queries and keys share the call, so the same row differs in the last bits
  * between a decode step, a verify step and a prefill. In the exact mode that noise never reaches
- * the greedy tokens in practice; in the int8 mode a last-bit change can flip an activation's int8
+ * the greedy tokens in practice; in the integer modes a last-bit change can flip an activation's
  * rounding, and the flips compound. Here each row's result depends only on its own visible keys:
- *   s_j = scale * sum_d q[d] k_j[d]   (d in increasing order, one key per vector lane)
+ *   s_j = scale * sum_d q[d] k_j[d]   (d in increasing order, one fused multiply-add per d; one key per lane)
  *   s_j = softcap * tanh(s_j / softcap) (if any), + mask; invisible keys are skipped
- *   out = (sum_j exp(s_j - max) v_j) / (sum_j exp(s_j - max))   (j in increasing order)
- * Keys that are masked out (-inf) or beyond the causal limit contribute nothing, so padding a
- * batch to more keys or more queries changes no bit.
+ *   p_j = exp(s_j - max_j s_j);  sum = 16 lane sums of the p_j > 0 (the r-th of them in lane r % 16, in
+ *   key order per lane) reduced by one fixed tree;  out = (sum_j p_j v_j) / sum  (j increasing)
+ * Keys that are masked out (-inf), beyond the causal limit or with p_j = 0 contribute nothing, so
+ * padding a batch to more keys or more queries changes no bit.
  *
- * Layouts: q, out [B, n, H, D]; k, v [B, L, Hkv, D] (query head h reads KV head h / (H / Hkv));
- * mask [B, n, L] additive or NULL; causal: key j visible to query i iff j <= i + L - n.
+ * Work: the queries that share a KV head (the G heads of a group, every new row of the sequence)
+ * are taken QT at a time, so each key vector loaded is used for QT queries; exp is a vector
+ * polynomial on AVX-512 (expf in portable C).
+ *
+ * Layouts: q, out [T, H, D] and this forward's kn, vn [T, Hkv, D] packed over the sequences; context
+ * keys read in place from the cache layer kc, vc [slots, Hkv, D] by slot (query head h reads KV head
+ * h / (H / Hkv)); nothing is gathered or padded.
  */
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #define KL 16 /* keys per vector of scores */
+#define QT 4  /* queries per tile */
 
-void ratchet_attention(const float *q, const float *k, const float *v, const float *mask, int causal, int B, int n,
-                       int L, int H, int Hkv, int D, float scale, float softcap, float *out, int threads) {
+#if defined(__AVX512F__)
+/* exp(x) for x <= 0 (and -inf): x = n ln2 + r, |r| <= ln2 / 2, 2^n * a degree-6 polynomial in r
+ * (Cephes' expf coefficients, ~1 ulp); below -87.3 the result is 0 */
+static inline __m512 exp_neg(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.33654f);
+    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, lo);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512 e = _mm512_scalef_ps(p, n);
+    return _mm512_maskz_mov_ps((__mmask16)~under, e);
+}
+#endif
+
+static float lane_tree_sum(const float *l) { /* fixed tree over 16 lanes */
+    float a[8];
+    for (int i = 0; i < 8; i++) a[i] = l[i] + l[i + 8];
+    for (int i = 0; i < 4; i++) a[i] = a[i] + a[i + 4];
+    for (int i = 0; i < 2; i++) a[i] = a[i] + a[i + 2];
+    return a[0] + a[1];
+}
+
+typedef struct {
+    int b, hk, tq;
+} work_t;
+
+/* Keys of sequence b, in order: its ctx context rows (cache rows ctx_slots[b][j]), then its n new
+ * tokens (packed rows start .. start + n - 1 of kn/vn). seq_meta[b] = (ctx, start, n). Visibility:
+ * mask[b][i][j] (additive; context key j in column j, new key i2 in column max_ctx + i2), or without
+ * a mask every context key and the new keys i2 <= i (causal). */
+void ratchet_attention(const float *q, const float *kn, const float *vn, const float *kc, const float *vc,
+                       const int64_t *ctx_slots, int max_ctx, const int32_t *seq_meta, int max_new, const float *mask,
+                       int B, int H, int Hkv, int D, float scale, float softcap, float *out, int threads) {
     const int G = H / Hkv;
-    const int LP = (L + KL - 1) / KL * KL;
-    /* K transposed per (b, kv head): kt[b][hk][d][LP] (zero-padded keys), one key per lane */
-    float *kt = aligned_alloc(64, sizeof(float) * (size_t)B * Hkv * D * LP);
+    int LPmax = 0, nwork = 0;
+    long ktoff[B + 1];
+    ktoff[0] = 0;
+    for (int b = 0; b < B; b++) {
+        const int Lb = seq_meta[3 * b] + seq_meta[3 * b + 2], LP = (Lb + KL - 1) / KL * KL;
+        LPmax = LP > LPmax ? LP : LPmax;
+        ktoff[b + 1] = ktoff[b] + (long)Hkv * D * LP;
+        nwork += Hkv * ((G * seq_meta[3 * b + 2] + QT - 1) / QT);
+    }
+    work_t *work = malloc(sizeof(work_t) * (size_t)(nwork > 0 ? nwork : 1));
+    nwork = 0;
+    for (int b = 0; b < B; b++)
+        for (int hk = 0; hk < Hkv; hk++)
+            for (int tq = 0; tq < (G * seq_meta[3 * b + 2] + QT - 1) / QT; tq++) work[nwork++] = (work_t){b, hk, tq};
+    /* K transposed per (b, kv head): kt[d][LP] (zero-padded keys), one key per lane */
+    float *kt = aligned_alloc(64, sizeof(float) * (size_t)(ktoff[B] > 0 ? ktoff[B] : 16));
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static) collapse(2)
         for (int b = 0; b < B; b++)
             for (int hk = 0; hk < Hkv; hk++) {
-                float *dst = kt + ((long)b * Hkv + hk) * D * LP;
-                for (int d = 0; d < D; d++) {
-                    for (int j = 0; j < L; j++) dst[(long)d * LP + j] = k[(((long)b * L + j) * Hkv + hk) * D + d];
-                    for (int j = L; j < LP; j++) dst[(long)d * LP + j] = 0.0f;
+                const int ctx = seq_meta[3 * b], start = seq_meta[3 * b + 1], Lb = ctx + seq_meta[3 * b + 2];
+                const int LP = (Lb + KL - 1) / KL * KL;
+                float *dst = kt + ktoff[b] + (long)hk * D * LP;
+                for (int j0 = 0; j0 < LP; j0 += KL) { /* KL key rows at a time (they stay in L1) */
+                    const float *kr[KL];
+                    for (int j = 0; j < KL; j++) {
+                        const int jj = j0 + j;
+                        kr[j] = jj >= Lb ? NULL
+                                : jj < ctx ? kc + (ctx_slots[(long)b * max_ctx + jj] * Hkv + hk) * D
+                                           : kn + ((long)(start + jj - ctx) * Hkv + hk) * D;
+                    }
+#if defined(__AVX512F__)
+                    if (D % 16 == 0) { /* 16 x 16 blocks: 16 rows' d0..d0+15 gathered per output vector */
+                        for (int d0 = 0; d0 < D; d0 += 16) {
+                            float blk[KL][16];
+                            for (int j = 0; j < KL; j++)
+                                _mm512_storeu_ps(blk[j], kr[j] ? _mm512_loadu_ps(kr[j] + d0) : _mm512_setzero_ps());
+                            for (int d = 0; d < 16; d++)
+                                for (int j = 0; j < KL; j++) dst[(long)(d0 + d) * LP + j0 + j] = blk[j][d];
+                        }
+                        continue;
+                    }
+#endif
+                    for (int d = 0; d < D; d++)
+                        for (int j = 0; j < KL; j++) dst[(long)d * LP + j0 + j] = kr[j] ? kr[j][d] : 0.0f;
                 }
             }
-        float *s = aligned_alloc(64, sizeof(float) * (size_t)LP);
-        float *acc = aligned_alloc(64, sizeof(float) * (size_t)(D + 16));
-#pragma omp for schedule(static) collapse(3)
-        for (int b = 0; b < B; b++)
-            for (int i = 0; i < n; i++)
-                for (int h = 0; h < H; h++) {
-                    const int hk = h / G;
-                    const float *qr = q + (((long)b * n + i) * H + h) * D;
-                    const float *kb = kt + ((long)b * Hkv + hk) * D * LP;
-                    const float *mr = mask ? mask + ((long)b * n + i) * L : NULL;
-                    const int lim = causal ? i + L - n + 1 : L; /* keys [0, lim) may be visible */
-                    const int limp = (lim + KL - 1) / KL * KL;
+        float *s = aligned_alloc(64, sizeof(float) * (size_t)QT * (LPmax > 0 ? LPmax : 16));
+        float *acc = aligned_alloc(64, sizeof(float) * (size_t)QT * (D + 16));
+        float *pc = aligned_alloc(64, sizeof(float) * (size_t)((LPmax > 0 ? LPmax : 16) + KL)); /* p > 0, compacted */
+#pragma omp for schedule(dynamic, 1)
+        for (int w = 0; w < nwork; w++) {
+                    const int b = work[w].b, hk = work[w].hk, tq = work[w].tq;
+                    const int ctx = seq_meta[3 * b], start = seq_meta[3 * b + 1], n = seq_meta[3 * b + 2];
+                    const int L = ctx + n, LP = (L + KL - 1) / KL * KL, NQ = G * n;
+                    const int nq = NQ - tq * QT < QT ? NQ - tq * QT : QT;
+                    const float *kb = kt + ktoff[b] + (long)hk * D * LP;
+                    const float *qr[QT], *mr[QT];
+                    int row[QT], head[QT], lim[QT], limp = 0;
+                    for (int u = 0; u < nq; u++) { /* query u of the tile: row i, head h of this group */
+                        const int e = tq * QT + u;
+                        row[u] = e % n;
+                        head[u] = hk * G + e / n;
+                        qr[u] = q + ((long)(start + row[u]) * H + head[u]) * D;
+                        mr[u] = mask ? mask + ((long)b * max_new + row[u]) * (max_ctx + max_new) : NULL;
+                        lim[u] = mask ? L : ctx + row[u] + 1; /* keys [0, lim) may be visible */
+                        const int lp = (lim[u] + KL - 1) / KL * KL;
+                        limp = lp > limp ? lp : limp;
+                    }
+                    /* scores, KL keys at a time for every query of the tile */
                     for (int j0 = 0; j0 < limp; j0 += KL) {
-                        float a[KL];
-                        for (int l = 0; l < KL; l++) a[l] = 0.0f;
-                        for (int d = 0; d < D; d++) {
-                            const float qd = qr[d], *kd = kb + (long)d * LP + j0;
-                            for (int l = 0; l < KL; l++) a[l] = a[l] + qd * kd[l];
+#if defined(__AVX512F__)
+                        /* two chains per query (even and odd d), added at the end: a fixed order */
+                        __m512 a[QT], c[QT];
+                        for (int u = 0; u < QT; u++) a[u] = c[u] = _mm512_setzero_ps();
+                        for (int d = 0; d + 1 < D; d += 2) {
+                            const __m512 k0 = _mm512_load_ps(kb + (long)d * LP + j0), k1 = _mm512_load_ps(kb + (long)(d + 1) * LP + j0);
+                            for (int u = 0; u < nq; u++) {
+                                a[u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][d]), k0, a[u]);
+                                c[u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][d + 1]), k1, c[u]);
+                            }
                         }
-                        for (int l = 0; l < KL; l++) s[j0 + l] = a[l] * scale;
+                        if (D % 2)
+                            for (int u = 0; u < nq; u++)
+                                a[u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][D - 1]), _mm512_load_ps(kb + (long)(D - 1) * LP + j0), a[u]);
+                        for (int u = 0; u < nq; u++)
+                            _mm512_store_ps(s + (long)u * LP + j0, _mm512_mul_ps(_mm512_add_ps(a[u], c[u]), _mm512_set1_ps(scale)));
+#else
+                        for (int u = 0; u < nq; u++) {
+                            float a[KL], c[KL];
+                            for (int l = 0; l < KL; l++) a[l] = c[l] = 0.0f;
+                            for (int d = 0; d + 1 < D; d += 2)
+                                for (int l = 0; l < KL; l++) {
+                                    a[l] = fmaf(qr[u][d], kb[(long)d * LP + j0 + l], a[l]);
+                                    c[l] = fmaf(qr[u][d + 1], kb[(long)(d + 1) * LP + j0 + l], c[l]);
+                                }
+                            if (D % 2)
+                                for (int l = 0; l < KL; l++) a[l] = fmaf(qr[u][D - 1], kb[(long)(D - 1) * LP + j0 + l], a[l]);
+                            for (int l = 0; l < KL; l++) s[(long)u * LP + j0 + l] = (a[l] + c[l]) * scale;
+                        }
+#endif
                     }
-                    float mx = -INFINITY;
-                    for (int j = 0; j < lim; j++) {
-                        float x = s[j];
-                        if (softcap > 0.0f) x = tanhf(x / softcap) * softcap;
-                        if (mr) x = x + mr[j];
-                        s[j] = x;
-                        mx = x > mx ? x : mx;
+                    float inv[QT];
+                    for (int u = 0; u < nq; u++) {
+                        float *su = s + (long)u * LP;
+                        const int lp = (lim[u] + KL - 1) / KL * KL;
+                        if (softcap > 0.0f)
+                            for (int j = 0; j < lim[u]; j++) su[j] = tanhf(su[j] / softcap) * softcap;
+                        if (mr[u]) { /* the mask's context columns, then its new-key columns */
+                            for (int j = 0; j < ctx && j < lim[u]; j++) su[j] = su[j] + mr[u][j];
+                            for (int j = ctx; j < lim[u]; j++) su[j] = su[j] + mr[u][max_ctx + j - ctx];
+                        }
+                        for (int j = lim[u]; j < lp; j++) su[j] = -INFINITY;
+                        float m = -INFINITY; /* a max: exact in any order */
+#if defined(__AVX512F__)
+                        __m512 mv = _mm512_set1_ps(-INFINITY);
+                        for (int j0 = 0; j0 < lp; j0 += KL) mv = _mm512_max_ps(mv, _mm512_load_ps(su + j0));
+                        m = _mm512_reduce_max_ps(mv);
+#else
+                        for (int j = 0; j < lp; j++) m = su[j] > m ? su[j] : m;
+#endif
+                        /* p_j = exp(s_j - max) in place; the keys with p_j > 0 summed by rank among them
+                         * (rank r in lane r % 16, in key order per lane), then a fixed tree: a key's lane
+                         * does not depend on the invisible keys before it (a tree draft's siblings) */
+                        float lanes[KL];
+                        for (int l = 0; l < KL; l++) lanes[l] = 0.0f;
+                        if (m > -INFINITY) {
+#if defined(__AVX512F__)
+                            int cnt = 0;
+                            for (int j0 = 0; j0 < lp; j0 += KL) {
+                                const __m512 p = exp_neg(_mm512_sub_ps(_mm512_load_ps(su + j0), _mm512_set1_ps(m)));
+                                _mm512_store_ps(su + j0, p);
+                                const __mmask16 nz = _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+                                _mm512_storeu_ps(pc + cnt, _mm512_maskz_compress_ps(nz, p)); /* register form: the store form is slow on Zen 4 */
+                                cnt += __builtin_popcount(nz);
+                            }
+                            for (int j = cnt; j < (cnt + KL - 1) / KL * KL; j++) pc[j] = 0.0f;
+                            __m512 sum = _mm512_setzero_ps();
+                            for (int j0 = 0; j0 < cnt; j0 += KL) sum = _mm512_add_ps(sum, _mm512_loadu_ps(pc + j0));
+                            _mm512_storeu_ps(lanes, sum);
+#else
+                            int cnt = 0;
+                            for (int j = 0; j < lp; j++) {
+                                su[j] = su[j] == -INFINITY ? 0.0f : expf(su[j] - m);
+                                if (su[j] != 0.0f) lanes[cnt++ % KL] += su[j];
+                            }
+#endif
+                        } else {
+                            for (int j = 0; j < lp; j++) su[j] = 0.0f;
+                        }
+                        const float tot = lane_tree_sum(lanes);
+                        inv[u] = tot > 0.0f ? 1.0f / tot : 0.0f;
                     }
-                    for (int d = 0; d < D; d++) acc[d] = 0.0f;
-                    float sum = 0.0f;
-                    if (mx > -INFINITY) {
-                        for (int j = 0; j < lim; j++) {
-                            if (s[j] == -INFINITY) continue;
-                            const float p = expf(s[j] - mx);
-                            sum = sum + p;
-                            const float *vr = v + (((long)b * L + j) * Hkv + hk) * D;
-                            for (int d = 0; d < D; d++) acc[d] = acc[d] + p * vr[d];
+                    /* weighted values, keys in increasing order per output; each value row loaded once
+                     * per tile, 64 dims at a time in registers */
+                    int lmax = 0;
+                    for (int u = 0; u < nq; u++) lmax = lim[u] > lmax ? lim[u] : lmax;
+                    for (int d0 = 0; d0 < D; d0 += 64) {
+                        const int dn = D - d0 < 64 ? D - d0 : 64;
+#if defined(__AVX512F__)
+                        if (dn == 64) {
+                            __m512 o[QT][4];
+                            for (int u = 0; u < QT; u++)
+                                for (int c = 0; c < 4; c++) o[u][c] = _mm512_setzero_ps();
+                            for (int j = 0; j < lmax; j++) {
+                                const float *vr = (j < ctx ? vc + (ctx_slots[(long)b * max_ctx + j] * Hkv + hk) * D
+                                                           : vn + ((long)(start + j - ctx) * Hkv + hk) * D) + d0;
+                                const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16),
+                                             v2 = _mm512_loadu_ps(vr + 32), v3 = _mm512_loadu_ps(vr + 48);
+                                for (int u = 0; u < nq; u++) {
+                                    const float p = s[(long)u * LP + j];
+                                    if (j >= lim[u] || p == 0.0f) continue;
+                                    const __m512 pv = _mm512_set1_ps(p);
+                                    o[u][0] = _mm512_fmadd_ps(pv, v0, o[u][0]);
+                                    o[u][1] = _mm512_fmadd_ps(pv, v1, o[u][1]);
+                                    o[u][2] = _mm512_fmadd_ps(pv, v2, o[u][2]);
+                                    o[u][3] = _mm512_fmadd_ps(pv, v3, o[u][3]);
+                                }
+                            }
+                            for (int u = 0; u < nq; u++)
+                                for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + (long)u * (D + 16) + d0 + 16 * c, o[u][c]);
+                            continue;
+                        }
+#endif
+                        for (int u = 0; u < nq; u++)
+                            for (int d = 0; d < dn; d++) acc[(long)u * (D + 16) + d0 + d] = 0.0f;
+                        for (int j = 0; j < lmax; j++) {
+                            const float *vr = (j < ctx ? vc + (ctx_slots[(long)b * max_ctx + j] * Hkv + hk) * D
+                                                       : vn + ((long)(start + j - ctx) * Hkv + hk) * D) + d0;
+                            for (int u = 0; u < nq; u++) {
+                                const float p = s[(long)u * LP + j];
+                                if (j >= lim[u] || p == 0.0f) continue;
+                                float *au = acc + (long)u * (D + 16) + d0;
+                                for (int d = 0; d < dn; d++) au[d] = fmaf(p, vr[d], au[d]);
+                            }
                         }
                     }
-                    float *o = out + (((long)b * n + i) * H + h) * D;
-                    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-                    for (int d = 0; d < D; d++) o[d] = acc[d] * inv;
-                }
+                    for (int u = 0; u < nq; u++) {
+                        float *o = out + ((long)(start + row[u]) * H + head[u]) * D;
+                        for (int d = 0; d < D; d++) o[d] = acc[(long)u * (D + 16) + d] * inv[u];
+                    }
+        }
         free(s);
         free(acc);
+        free(pc);
     }
     free(kt);
+    free(work);
 }

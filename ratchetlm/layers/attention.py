@@ -45,6 +45,7 @@ class AttentionBatch:
     num_seqs: int
     max_new: int
     max_ctx: int
+    seq_meta: torch.Tensor | None = None  # [B, 3] int32 (context rows, first packed token, new tokens) per seq, CPU
     _grouped: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
     _keys: _KeyInputs | None = None  # what the windowed views are cut from
     _windows: dict[int, AttentionBatch] = field(default_factory=dict)
@@ -180,6 +181,7 @@ def _build(
         num_seqs=b,
         max_new=max_new,
         max_ctx=max_ctx,
+        seq_meta=torch.tensor([ctx_lens, keys.starts, new_lens], dtype=torch.int32).T.contiguous(),
     )
 
 
@@ -203,6 +205,9 @@ def paged_attention(
     forward; SDPA's order depends on the shapes."""
     batch.sink.write(layer, k=k, v=v)
     batch = batch.windowed(window)
+    if fixed_order and q.dtype == torch.float32 and q.device.type == "cpu" and kernels.load() is not None and (
+            batch.cache is None or batch.cache.k.dtype == torch.float32):
+        return _fixed_order_attention(layer, q, k, v, batch, scale, softcap)
     t, h, d = q.shape
     hkv = k.shape[1]
     b, n = batch.num_seqs, batch.max_new
@@ -220,9 +225,6 @@ def paged_attention(
         vc = batch.cache.v[layer].index_select(0, slots).view(b, batch.max_ctx, hkv, d).to(q.dtype)
         kp = torch.cat([kc, kp], dim=1)
         vp = torch.cat([vc, vp], dim=1)
-    if fixed_order and q.dtype == torch.float32 and q.device.type == "cpu" and kernels.load() is not None:
-        out = _fixed_order_attention(qp, kp, vp, batch, scale, softcap).reshape(b * n, h, d)
-        return out if b == 1 else out.index_select(0, batch.unpad_index)
     kp, vp = kp.transpose(1, 2), vp.transpose(1, 2)  # [B, Hkv, L, D]
     g = h // hkv
     if batch.is_causal:
@@ -243,24 +245,33 @@ def paged_attention(
 
 
 def _fixed_order_attention(
-    q: torch.Tensor,  # [B, n, H, D]
-    k: torch.Tensor,  # [B, L, Hkv, D]
-    v: torch.Tensor,  # [B, L, Hkv, D]
+    layer: int,
+    q: torch.Tensor,  # [num_tokens, H, D] packed
+    k: torch.Tensor,  # [num_tokens, Hkv, D] this forward's keys
+    v: torch.Tensor,  # [num_tokens, Hkv, D]
     batch: AttentionBatch,
     scale: float,
     softcap: float | None,
-) -> torch.Tensor:  # [B, n, H, D]
+) -> torch.Tensor:  # [num_tokens, H, D]
+    """kernels/attention.c on the packed tokens: context keys read in place from the cache layer by
+    slot, this forward's keys from ``k``/``v``; nothing is gathered or padded."""
     lib = kernels.load()
-    assert lib is not None
+    assert lib is not None and batch.seq_meta is not None
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    b, n, h, d = q.shape
-    length, hkv = k.shape[1], k.shape[2]
-    mask = None if batch.mask is None else batch.mask.reshape(b, n, length).contiguous()
+    t, h, d = q.shape
+    ctx = batch.ctx_slots is not None
+    kc = batch.cache.k[layer] if ctx and batch.cache is not None else None
+    vc = batch.cache.v[layer] if ctx and batch.cache is not None else None
+    assert not ctx or (kc is not None and vc is not None and kc.is_contiguous() and vc.is_contiguous())
+    slots = batch.ctx_slots.contiguous() if batch.ctx_slots is not None else None
+    mask = None if batch.mask is None else batch.mask.reshape(batch.num_seqs, batch.max_new, -1).contiguous()
     assert mask is None or mask.dtype == torch.float32
     out = torch.empty_like(q)
-    lib.ratchet_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), None if mask is None else mask.data_ptr(),
-                          int(mask is None and batch.is_causal), b, n, length, h, hkv, d, scale, softcap or 0.0,
-                          out.data_ptr(), torch.get_num_threads())
+    lib.ratchet_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), 0 if kc is None else kc.data_ptr(),
+                          0 if vc is None else vc.data_ptr(), 0 if slots is None else slots.data_ptr(), batch.max_ctx,
+                          batch.seq_meta.data_ptr(), batch.max_new, 0 if mask is None else mask.data_ptr(),
+                          batch.num_seqs, h, k.shape[1], d, scale, softcap or 0.0, out.data_ptr(),
+                          torch.get_num_threads())
     return out
 
 

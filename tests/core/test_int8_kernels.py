@@ -227,3 +227,35 @@ def test_fixed_order_attention_matches_sdpa_and_is_shape_invariant():
     got = attend(q, k, v, True, tree)
     torch.testing.assert_close(got, attend(q, k, v, False, tree), rtol=1e-5, atol=1e-6)
     assert same_bits(got[:5], full[:5]) and not same_bits(got[5], full[5])
+
+
+def test_fixed_order_attention_row_depends_only_on_its_visible_keys():
+    """Bitwise: a query reading context keys from scattered cache slots (a decode / verify step)
+    equals the same query at the end of a prefill of those keys, and a tree row that skips its
+    siblings' keys equals a chain over its own ancestors only (the key sums must not depend on
+    where the invisible keys sat)."""
+    from ratchetlm.kv.cache import KVCache, NullSink
+    from ratchetlm.layers.attention import build_attention_batch, paged_attention
+
+    torch.manual_seed(1)
+    h, hkv, d, n = 6, 2, 64, 40
+    q, k, v = torch.randn(n, h, d), torch.randn(n, hkv, d), torch.randn(n, hkv, d)
+
+    def prefill(rows):  # rows: indices into q/k/v, attended causally as one sequence
+        batch = build_attention_batch(torch.arange(len(rows)), [len(rows)], [torch.empty(0, dtype=torch.long)],
+                                      [None], NullSink(), None)
+        return paged_attention(0, q[rows], k[rows], v[rows], batch, 0.125, fixed_order=True)
+
+    full = prefill(list(range(n)))
+    cache = KVCache(1, 8, 16, hkv, d, torch.float32, "cpu")
+    slots = torch.randperm(128)[: n - 3]  # context rows 0..36 at scattered slots
+    cache.k[0, slots], cache.v[0, slots] = k[: n - 3], v[: n - 3]
+    batch = build_attention_batch(torch.arange(n - 3, n), [3], [slots], [None], NullSink(), cache)
+    step = paged_attention(0, q[n - 3:], k[n - 3:], v[n - 3:], batch, 0.125, fixed_order=True)
+    assert same_bits(step, full[n - 3:])
+    tree = torch.ones(20, 20, dtype=torch.bool).tril()
+    tree[4:, 3] = False  # node 3 is a leaf: nodes 4..19 (a chain under node 2) skip it
+    batch = build_attention_batch(torch.arange(20), [20], [torch.empty(0, dtype=torch.long)], [tree], NullSink(), None)
+    got = paged_attention(0, q[:20], k[:20], v[:20], batch, 0.125, fixed_order=True)
+    assert same_bits(got[4:], prefill([0, 1, 2, *range(4, 20)])[3:])
+
