@@ -9,6 +9,7 @@ import json
 import jsonschema
 import pytest
 
+from ratchetlm.models.loader import default_model_path
 from ratchetlm.sampling_params import SamplingParams, StructuredOutputsParams
 
 from .conftest import make_engine, run_engine
@@ -22,6 +23,10 @@ SPECS = {
     # 29 of 30 layers: drafts are (nearly) the *unpenalised* greedy continuation, so acceptance hinges
     # on each row's penalty seeing the draft tokens before it
     "near_target_draft": dict(method="draft", draft_layers=29, depth=4),
+    # the bundled EAGLE head and the default model loaded again as a separate draft model: both draft
+    # (close to) the unconstrained, unpenalised greedy continuation
+    "eagle": dict(method="eagle", depth=4),
+    "draft_model": dict(method="draft_model", draft_model=str(default_model_path()), depth=3),
 }
 CHATTY = PROMPTS[5:] + ["<|im_start|>user\nRepeat the word 'go' ten times.<|im_end|>\n<|im_start|>assistant\n"]
 
@@ -36,7 +41,7 @@ def assert_same_as_plain(llm, prompts, params, spec) -> None:
     assert eng.strategy.metrics()["spec_decode_num_accepted_tokens"] > 0
 
 
-@pytest.mark.parametrize("spec", ["ngram_tree", "near_target_draft"])
+@pytest.mark.parametrize("spec", ["ngram_tree", "near_target_draft", "eagle", "draft_model"])
 def test_penalties_with_speculation_equal_plain(spec_llm, spec):
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, **PENALTIES)
     assert_same_as_plain(spec_llm, [spec_llm.encode(p) for p in CHATTY], params, spec)
@@ -93,9 +98,16 @@ def test_constrained_output_validates(spec_llm, extraction):
     ("speculative", dict(SPECS["ngram_chain"], depth_schedule="gain"), True),  # forced tokens whatever the depth
     ("speculative", dict(SPECS["ngram_chain"], disable_by_batch_size=2), True),  # ... and with drafting off
     ("speculative", SPECS["self_draft"], False),
+    # drafts from a model that knows nothing of the grammar: cut where it rejects them, the rest
+    # verified on the masked rows (without jump-forward, drafts cover the schema's fixed parts too)
+    ("speculative", SPECS["eagle"], False),
+    ("speculative", SPECS["eagle"], True),
+    ("speculative", SPECS["draft_model"], False),
+    ("speculative", SPECS["draft_model"], True),
     # SCV: a draft's later chunks are verified on the grammar state its earlier chunks committed
     ("speculative", dict(method="ngram", depth=6, chunk_size=2, depth_schedule="constant"), True),
-])
+], ids=["plain+jf", "ngram", "ngram+jf", "ngram_tree+jf", "gain+jf", "drafting_off+jf", "self_draft", "eagle",
+        "eagle+jf", "draft_model", "draft_model+jf", "scv+jf"])
 def test_constrained_is_identical_across_strategies(spec_llm, extraction, decoding, opts, jf):
     prompts, params, ref, ref_eng = extraction
     eng = make_engine(spec_llm, decoding, jump_forward=jf, **opts)
@@ -110,6 +122,6 @@ def test_constrained_is_identical_across_strategies(spec_llm, extraction, decodi
     if decoding == "speculative" and not opts.get("disable_by_batch_size"):
         m = eng.strategy.metrics()  # drafts were verified under the grammar (n-gram ones copy the prompt: accepted)
         assert m["spec_decode_num_drafts"] > 0
-        assert m["spec_decode_num_accepted_tokens"] > 0 or opts["method"] != "ngram"
+        assert m["spec_decode_num_accepted_tokens"] > 0 or opts["method"] == "draft"
         if opts.get("chunk_size") == 2:
             assert m["spec_decode_scv_continued_chunks"] > 0, "no chunk was verified on top of another"
