@@ -234,7 +234,8 @@ def test_fixed_order_attention_row_depends_only_on_its_visible_keys():
     equals the same query at the end of a prefill of those keys, and a tree row that skips its
     siblings' keys equals a chain over its own ancestors only (the key sums must not depend on
     where the invisible keys sat)."""
-    from ratchetlm.kv.cache import KVCache, NullSink
+    from ratchetlm.kv.cache import KVCache
+    from ratchetlm.kv.sink import NullSink
     from ratchetlm.layers.attention import build_attention_batch, paged_attention
 
     torch.manual_seed(1)
