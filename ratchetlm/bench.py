@@ -12,8 +12,9 @@ the same number of threads and the same KV budget:
 * ``hf``: HF transformers' own GGUF loader, fp32, ``generate`` with left padding.
 
 Measured per engine: load seconds (construct until ready), peak RSS, decode tok/s at each batch size
-(``(N - 1)`` new tokens per sequence over the time between an ``N``-token and a 1-token generation,
-so prompt prefill is excluded; EOS banned), prefill tok/s of a ``--prompt-tokens`` prompt (one
+(``(N - 1)`` new tokens per sequence over the time from every sequence's first token to the last
+token, so prompt prefill is excluded; EOS banned; HF, which does not stream, over the time between
+an ``N``-token and a 1-token generation), prefill tok/s of a ``--prompt-tokens`` prompt (one
 sequence, time to first token). Medians of ``--repeats``. Greedy tokens of ratchetlm and HF are
 compared (same prompts, up to 32 tokens or EOS).
 """
@@ -57,9 +58,12 @@ def _peak_rss_gb() -> float:
 
 
 class Runner:
-    """``generate(prompts, n)`` -> tokens per prompt (greedy, EOS banned unless ``stop_at_eos``)."""
+    """``generate(prompts, n)`` -> tokens per prompt (greedy, EOS banned unless ``stop_at_eos``);
+    ``decode_s``: seconds of the last call from the moment every sequence had its first token to the
+    end (None where the engine does not stream)."""
 
     kv_bytes = 0
+    decode_s: float | None = None
 
     def generate(self, prompts: list[list[int]], n: int, stop_at_eos: bool = False) -> list[list[int]]:
         raise NotImplementedError
@@ -78,7 +82,15 @@ class RatchetRunner(Runner):
         from ratchetlm import SamplingParams
 
         sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=not stop_at_eos)
-        return [o.outputs[0].token_ids for o in self.llm.generate(prompts, sp, use_tqdm=False)]
+        out: list[list[int]] = [[] for _ in prompts]
+        first = None
+        for ev in self.llm.stream(prompts, sp):
+            out[ev.index] += ev.token_ids
+            if first is None and all(out):
+                first = time.perf_counter()
+        assert first is not None
+        self.decode_s = time.perf_counter() - first
+        return out
 
 
 def _tensors(obj: Any) -> list[Any]:
@@ -135,6 +147,7 @@ class LlamaCppRunner(Runner):
         rows = [i for i, it in enumerate(items) if it[3]]
         out: list[list[int]] = [[] for _ in prompts]
         live = list(range(len(prompts)))
+        first = time.perf_counter()  # every sequence's first token is one argmax away
         for step in range(n):
             for s, row in zip(live, rows, strict=True):
                 out[s].append(self._argmax(row, not stop_at_eos))
@@ -143,6 +156,7 @@ class LlamaCppRunner(Runner):
                 break
             self._decode([(out[s][-1], len(prompts[s]) + step, s, True) for s in live])
             rows = list(range(len(live)))
+        self.decode_s = time.perf_counter() - first
         return out
 
 
@@ -195,6 +209,9 @@ def worker(a: argparse.Namespace, job: dict[str, Any]) -> dict[str, Any]:
         prompts = [job["prompts"][i % len(job["prompts"])] for i in range(b)]
 
         def rate(prompts: list[list[int]] = prompts) -> float:
+            runner.generate(prompts, a.max_tokens)
+            if runner.decode_s is not None:
+                return len(prompts) * (a.max_tokens - 1) / runner.decode_s
             t0 = time.perf_counter()
             runner.generate(prompts, 1)
             t1 = time.perf_counter()
