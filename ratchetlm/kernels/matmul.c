@@ -197,10 +197,8 @@ typedef struct {
 #define PREFETCH_AHEAD 8192
 #define PREFETCH_BLOCK(p, nbytes, hint)                                                            \
     for (int o_ = 0; o_ < (nbytes); o_ += 64) _mm_prefetch((const char *)(p) + PREFETCH_AHEAD + o_, hint)
-#define RF 2 /* weight rows per tile (2 streams per thread: 1.1-1.3x faster than 4 at 1B decode) */
-#ifndef TF
-#define TF 8 /* tokens: RF * TF accumulators + 2 * RF weight vectors in registers (at most 8; batch-8 decode 1.8x faster than through the scratch) */
-#endif
+#define RF 4 /* most weight rows per tile: 4 rows x up to 4 tokens, or 2 rows x 5 to 8 tokens */
+#define TF 8 /* most tokens (batch-8 decode through registers: 1.8x faster than through the scratch) */
 
 #define FEW_KERNEL(NAME, UB, UBYTES, STATE, HINT)                                                      \
     ALWAYS_INLINE void few_##NAME##_tile(const uint8_t *const *rows, const float *x, int K, float *y, int N,     \
@@ -230,25 +228,26 @@ typedef struct {
             for (int t = 0; t < tt; t++) y[(long)t * N + r] = VSUM(acc[r][t]);                     \
     }                                                                                              \
     void few_##NAME(const uint8_t *const *rows, const float *x, int K, float *y, int N, int rr, int tt) { \
+        const int rf = tt <= 4 ? 4 : 2; /* rows per tile: 4 x 4 or 2 x 8 accumulators */              \
         for (int r0 = 0; r0 < rr;) {                                                               \
-            const int n = rr - r0 >= RF ? RF : 1;                                                  \
-            switch ((n == RF) * 16 + tt) {                                                         \
-            case 16 + 1: few_##NAME##_tile(rows + r0, x, K, y + r0, N, RF, 1); break;              \
-            case 16 + 2: few_##NAME##_tile(rows + r0, x, K, y + r0, N, RF, 2); break;              \
-            case 16 + 3: few_##NAME##_tile(rows + r0, x, K, y + r0, N, RF, 3); break;              \
-            case 16 + 4: few_##NAME##_tile(rows + r0, x, K, y + r0, N, RF, 4); break;              \
-            case 16 + 5: few_##NAME##_tile(rows + r0, x, K, y + r0, N, RF, MIN(5, TF)); break;     \
-            case 16 + 6: few_##NAME##_tile(rows + r0, x, K, y + r0, N, RF, MIN(6, TF)); break;     \
-            case 16 + 7: few_##NAME##_tile(rows + r0, x, K, y + r0, N, RF, MIN(7, TF)); break;     \
-            case 16 + 8: few_##NAME##_tile(rows + r0, x, K, y + r0, N, RF, MIN(8, TF)); break;     \
+            const int n = rr - r0 >= rf ? rf : 1;                                                  \
+            switch ((n > 1) * 16 + tt) {                                                           \
+            case 16 + 1: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 4, 1); break;               \
+            case 16 + 2: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 4, 2); break;               \
+            case 16 + 3: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 4, 3); break;               \
+            case 16 + 4: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 4, 4); break;               \
+            case 16 + 5: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 2, 5); break;               \
+            case 16 + 6: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 2, 6); break;               \
+            case 16 + 7: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 2, 7); break;               \
+            case 16 + 8: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 2, 8); break;               \
             case 1: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 1, 1); break;                    \
             case 2: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 1, 2); break;                    \
             case 3: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 1, 3); break;                    \
             case 4: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 1, 4); break;                    \
-            case 5: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 1, MIN(5, TF)); break;           \
-            case 6: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 1, MIN(6, TF)); break;           \
-            case 7: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 1, MIN(7, TF)); break;           \
-            default: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 1, MIN(8, TF)); break;          \
+            case 5: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 1, 5); break;                    \
+            case 6: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 1, 6); break;                    \
+            case 7: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 1, 7); break;                    \
+            default: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 1, 8); break;                   \
             }                                                                                      \
             r0 += n;                                                                               \
         }                                                                                          \
