@@ -68,7 +68,8 @@ class WeDLM(DecodeStrategy):
 
     def check_request(self, params: Any) -> None:
         if params.structured is not None:
-            # A window fills masks out of order, so a left-to-right grammar cannot mask them exactly.
+            # A grammar's mask at a slot needs every slot before it decided: only in-order filling
+            # (built for the penalties) could honour it, and that is not built or tested for grammars.
             raise ValueError("structured outputs are not supported with decoding='wedlm' (a window fills "
                              "positions out of order, so the grammar cannot be enforced exactly); use "
                              "autoregressive or speculative decoding")
@@ -161,11 +162,16 @@ class WeDLM(DecodeStrategy):
             mask_slots = st.order[st.num_filled :]
             w.drop_front(n)
             slots = [k - n for k in mask_slots]
-            if seq.controls is not None:
-                # each mask's context: the tokens committed now, then the filled slots before it
-                paths = [tokens + [w.tokens[j] for j in range(k) if not w.is_mask[j]] for k in slots]
-                logits = target_logits(logits, seq.controls, paths)
-            fills = fill(w, slots, logits, self.cfg, seq.params, seq.generator)
+            judge, in_order = None, False
+            controls = seq.controls
+            if controls is not None:
+                # a mask at slot k is the position after the tokens committed now and window slots
+                # 0..k-1 (the controls have seen the earlier output). Masks among those slots are
+                # placeholders that only count (in_order is off unless every mask before k is filled)
+                def judge(rows: torch.Tensor, ks: list[int]) -> torch.Tensor:
+                    return target_logits(rows, controls, [tokens + w.tokens[:k] for k in ks])
+                in_order = controls.reads_context
+            fills = fill(w, slots, logits, self.cfg, seq.params, seq.generator, judge, in_order)
         self._observe(seq, len(st.order), fills, n)
         return Commit(kv_rows=list(range(n)), token_ids=tokens, logprobs=lps)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ratchetlm.decoding.wedlm_window import WeDLMConfig, commit_length, fill, new_window, refill
+from ratchetlm.layers.logits_processors import LogitsControls
 from ratchetlm.sampling_params import SamplingParams
 
 # (input ids [n], position ids [n]) -> logits [n, V], causal attention over the given order
@@ -28,6 +29,7 @@ class ReferenceResult:
     forwards: int = 0  # window forwards (prefill excluded, like the engine's stats)
     commits_per_step: list[int] = field(default_factory=list)
     fills_per_step: list[int] = field(default_factory=list)
+    out_of_order_fills: int = 0  # slots filled while a slot before them stays a mask
 
 
 def hf_logits_fn(model) -> LogitsFn:  # noqa: ANN001 - any HF causal LM
@@ -55,13 +57,21 @@ def wedlm_generate_reference(
     max_model_len: int,
     eos_token_ids: tuple[int, ...] = (),
     generator: torch.Generator | None = None,
+    controls: LogitsControls | None = None,
 ) -> ReferenceResult:
-    """Generate with WeDLM window decoding, recomputing everything each step."""
+    """Generate with WeDLM window decoding, recomputing everything each step. ``controls``: the
+    request's logits controls, fresh (they never see a commit here: each mask is judged with the
+    whole output before its slot as its path)."""
     seq = list(prompt_ids)
     n_prompt = len(seq)
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
     w = new_window(mask_token_id, cfg.window_size, max_model_len - len(seq))
     res = ReferenceResult([], "length")
+    judge = None
+    if controls is not None:
+        def judge(rows: torch.Tensor, ks: list[int]) -> torch.Tensor:  # seq and w change in place
+            return controls.process(rows, [seq[n_prompt:] + w.tokens[:k] for k in ks])
+    in_order = controls is not None and controls.reads_context
     while True:
         refill(w, mask_token_id, max_model_len - len(seq) - len(w))
         order = w.order()
@@ -82,6 +92,9 @@ def wedlm_generate_reference(
             break
         mask_slots = order[num_filled:]
         w.drop_front(n)
-        res.fills_per_step.append(fill(w, [k - n for k in mask_slots], logits, cfg, params, generator))
+        before = list(w.is_mask)
+        res.fills_per_step.append(fill(w, [k - n for k in mask_slots], logits, cfg, params, generator, judge,
+                                       in_order))
+        res.out_of_order_fills += sum(1 for k, m in enumerate(before) if m and not w.is_mask[k] and any(w.is_mask[:k]))
     res.output_ids = seq[n_prompt:]
     return res

@@ -12,13 +12,14 @@ topological order feeds filled slots first so they attend exactly to what an AR 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ratchetlm.decoding.base import config_from_options
+from ratchetlm.layers.sampler import sample, top_logprobs
 
 
 @dataclass(frozen=True)
@@ -122,30 +123,66 @@ def commit_length(tokens: list[int], stop_ids: set[int], room_tokens: int) -> in
     return n
 
 
+# (rows [m, V] raw logits, their window slots [m]) -> [m, V] the logits to sample from: a request's
+# logits controls, each row judged as the position after the committed tokens and every window
+# slot before it (as the window holds them when it is called)
+Judge = Callable[[torch.Tensor, list[int]], torch.Tensor]
+
+
 def fill(
     w: Window,
     slots: list[int],  # [m] window indices of the masks the forward predicted, ascending
-    logits: torch.Tensor,  # [m, V] their logits (the distribution of the token *at* the slot)
+    logits: torch.Tensor,  # [m, V] their raw logits (the distribution of the token *at* the slot)
     cfg: WeDLMConfig,
     params: Any,  # SamplingParams
     generator: torch.Generator | None,
+    judge: Judge | None = None,
+    in_order: bool = False,
 ) -> int:
     """Choose which masks to fill and with what; fill them in place. Returns the fill count.
 
     Tokens are drawn for every mask (greedy argmax at temperature 0, else the request's
     temperature/top-k/top-p/min-p sampler) and only the selected slots keep theirs, so the RNG
-    stream does not depend on the selection."""
-    from ratchetlm.layers.sampler import sample, top_logprobs
+    stream does not depend on the selection (in order: one draw per mask filled). ``judge`` (the
+    request's logits controls) shapes the distributions the entropies and draws come from;
+    logprobs stay the model's own.
 
+    ``in_order``: the controls read the tokens before a slot, not just their count (penalties,
+    a bad word of several tokens, a grammar), so a slot may be filled only once every slot before
+    it is: the masks are judged one by one from the first, each after the fills before it, and the
+    fills are the first mask plus the run of masks after it whose adjusted entropy is under τ."""
     if not slots:
         return 0
-    chosen = select_fills(logits, slots, cfg.entropy_threshold, cfg.position_penalty)
-    toks = sample(logits, params, generator)  # [m]
-    lps = top_logprobs(logits[chosen], toks[chosen], params.logprobs) if params.logprobs is not None else None
-    for j, c in enumerate(chosen):
-        k = slots[c]
-        assert w.is_mask[k]
-        w.tokens[k] = int(toks[c])
-        w.is_mask[k] = False
-        w.logprobs[k] = lps[j] if lps is not None else None
+    if in_order:
+        return _fill_in_order(w, slots, logits, cfg, params, generator, judge)
+    x = judge(logits, slots) if judge is not None else logits
+    chosen = select_fills(x, slots, cfg.entropy_threshold, cfg.position_penalty)
+    toks = sample(x, params, generator)  # [m]
+    for c in chosen:
+        _put(w, slots[c], int(toks[c]), logits[c], params)
     return len(chosen)
+
+
+def _fill_in_order(w: Window, slots: list[int], logits: torch.Tensor, cfg: WeDLMConfig, params: Any,
+                   generator: torch.Generator | None, judge: Judge | None) -> int:
+    assert not any(w.is_mask[:slots[0]]), "in-order filling: the first mask predicted is the window's first"
+    n = 0
+    for j, k in enumerate(slots):
+        if any(w.is_mask[:k]):  # a mask before it stays unfilled: so do all later ones
+            break
+        x = judge(logits[j : j + 1], [k]) if judge is not None else logits[j : j + 1]  # [1, V]
+        if j > 0:  # the first mask is always filled (at least one per step)
+            adjusted = float(entropy(x)[0]) + cfg.position_penalty * (k - slots[0])
+            if cfg.entropy_threshold is None or not adjusted < cfg.entropy_threshold:
+                break
+        _put(w, k, int(sample(x, params, generator)[0]), logits[j], params)
+        n += 1
+    return n
+
+
+def _put(w: Window, k: int, token: int, raw: torch.Tensor, params: Any) -> None:
+    assert w.is_mask[k]
+    w.tokens[k] = token
+    w.is_mask[k] = False
+    if params.logprobs is not None:
+        w.logprobs[k] = top_logprobs(raw[None], torch.tensor([token]), params.logprobs)[0]

@@ -5,7 +5,7 @@
 Every decoding strategy calls it the same way, on any number of rows at once: row ``i`` predicts
 the token after the committed sequence plus ``paths[i]``, the tentative tokens between them (``[]``
 for the plain next token; a draft node's root-to-node tokens in a speculative tree; the filled
-slots before a mask in a WeDLM window). So a draft is verified against exactly the distribution
+window slots before a mask in a WeDLM window). So a draft is verified against exactly the distribution
 plain decoding would sample at that position, and speculative decoding stays exact under every
 control. Only :meth:`LogitsControls.accept` (called once per commit by the engine) moves the state.
 
@@ -64,6 +64,12 @@ class LogitsControls:
             self.counts.index_add_(0, torch.tensor(tokens, dtype=torch.long), torch.ones(len(tokens)))
         if self.grammar is not None:
             self.grammar.accept(tokens)
+
+    @property
+    def reads_context(self) -> bool:
+        """A row's controls depend on which tokens come before it, not only on how many
+        (penalties, a bad word of several tokens, a grammar): WeDLM then fills its window in order."""
+        return self.penalised or self.grammar is not None or any(len(w) > 1 for w in self.bad_words)
 
     @property
     def done(self) -> bool:

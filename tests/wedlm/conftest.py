@@ -44,13 +44,15 @@ class Pair:
         cfg = EngineConfig(dtype="float32", decoding=decoding, decoding_options=wedlm, kv_cache_blocks=kv_cache_blocks,
                            max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                            block_size=16, staging_capacity=staging_capacity, progress=False)
-        return LLMEngine(cfg, self.llm.engine.model, self.llm.model_config)
+        return LLMEngine(cfg, self.llm.engine.model, self.llm.model_config, tokenizer=self.llm.tokenizer)
 
     def reference(self, prompt: list[int], params: SamplingParams, max_model_len: int = 256, seed: int | None = None,
                   **wedlm):
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        # the request's logits controls, fresh (the reference judges every mask on its whole path)
+        controls = self.llm.engine.controls.build(params, prompt, () if params.ignore_eos else self.eos)
         return wedlm_generate_reference(hf_logits_fn(self.hf), prompt, params, WeDLMConfig(**wedlm), self.mask_id,
-                                        max_model_len, self.eos, gen)
+                                        max_model_len, self.eos, gen, controls)
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, max_steps: int = 2000):

@@ -12,12 +12,15 @@ from ratchetlm.decoding.wedlm_window import (
     Window,
     commit_length,
     entropy,
+    fill,
     new_window,
     refill,
     select_fills,
 )
+from ratchetlm.sampling_params import SamplingParams
 
 M = 151665  # the seed's mask id
+GREEDY = SamplingParams(temperature=0.0)
 
 
 def window(flags: str, toks: list[int] | None = None) -> Window:
@@ -117,3 +120,53 @@ def test_commit_length_stops_at_stop_token_and_room():
 def test_bad_options_name_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
         WeDLMConfig.from_options(bad)
+
+
+def test_in_order_filling_starts_at_the_first_mask():
+    """Free: every confident mask (slots 1, 2); in order: the first mask, then the confident run after it."""
+    lg = peaked_logits(["hi", "lo", "lo", "hi", "lo"])
+    cfg = WeDLMConfig(entropy_threshold=0.4, position_penalty=0.0)
+    free, ordered = window("TTTTT"), window("TTTTT")
+    assert fill(free, [0, 1, 2, 3, 4], lg, cfg, GREEDY, None) == 3
+    assert free.is_mask == [True, False, False, True, False]
+    assert fill(ordered, [0, 1, 2, 3, 4], lg, cfg, GREEDY, None, in_order=True) == 3
+    assert ordered.is_mask == [False, False, False, True, True]
+
+
+def test_in_order_filling_judges_each_mask_after_the_fills_before_it():
+    """A presence-like control: tokens already in the window before a slot lose 5. Both masks
+    prefer token 3; the second is judged after the first took it."""
+    lg = torch.full((2, 50), -1e4)
+    lg[:, 3], lg[:, 4] = 0.0, -2.0
+    w = window("TT")
+
+    def judge(rows, slots):
+        out = rows.clone()
+        for i, k in enumerate(slots):
+            out[i, [w.tokens[j] for j in range(k) if not w.is_mask[j]]] -= 5.0
+        return out
+
+    cfg = WeDLMConfig(entropy_threshold=0.8, position_penalty=0.0)
+    assert fill(w, [0, 1], lg, cfg, GREEDY, None, judge, in_order=True) == 2
+    assert w.tokens == [3, 4]
+
+
+@pytest.mark.parametrize("in_order", [False, True])
+def test_controls_shape_the_draw_but_logprobs_stay_the_models(in_order):
+    """As in plain decoding: the controlled distribution picks the token, the reported logprob
+    (and rank) is the model's own."""
+    lg = torch.full((2, 50), -1e4)
+    lg[:, 3], lg[:, 4] = 0.0, -1.0
+
+    def ban_3(rows, slots):
+        out = rows.clone()
+        out[:, 3] = float("-inf")
+        return out
+
+    w = window("TT")
+    cfg = WeDLMConfig(entropy_threshold=0.8, position_penalty=0.0)
+    assert fill(w, [0, 1], lg, cfg, SamplingParams(temperature=0.0, logprobs=0), None, ban_3, in_order) == 2
+    raw = torch.log_softmax(lg[0], -1)
+    for lp in w.logprobs:
+        assert lp is not None and list(lp) == [4]
+        assert lp[4] == pytest.approx(float(raw[4])) and lp[4].rank == 2
