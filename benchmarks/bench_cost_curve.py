@@ -2,8 +2,11 @@
 per numerics mode, on one GGUF file (default: the bundled SmolLM2-135M-Instruct).
 
 A forward here is the model and its head over k new tokens with no cached context (what a verify
-step costs apart from attending to the context, which is small at these lengths). Medians of
-``--repeats`` after a warm-up; the ratios are what a speculative draft of k - 1 tokens must beat.
+step costs apart from attending to the context, which is small at these lengths), timed by
+ratchetlm/decoding/speculative/cost_curve.py: wall-clock medians of ``--repeats`` after a warm-up.
+The ratios are what a speculative draft of k - 1 tokens must beat. Beside them: the curve the
+engine's gain schedule measures for itself at start (four layers scaled plus the head, wall time,
+fastest of three) and what that probe cost, so the two can be compared.
 
     python benchmarks/bench_cost_curve.py [--model PATH.gguf] [--modes exact int8 int16] [--threads 2]
 """
@@ -11,30 +14,16 @@ step costs apart from attending to the context, which is small at these lengths)
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
 import torch
 
 from ratchetlm import LLM
-from ratchetlm.kv.sink import NullSink
-from ratchetlm.layers.attention import build_attention_batch
+from ratchetlm.decoding.speculative import cost_curve
 
-ROWS = (1, 2, 4, 8, 16, 32)
-
-
-def forward_ms(llm: LLM, k: int, repeats: int) -> float:
-    model = llm.engine.model
-    ids = torch.arange(100, 100 + k)
-    batch = build_attention_batch(torch.arange(k), [k], [torch.empty(0, dtype=torch.long)], [None], NullSink(), None)
-    times = []
-    with torch.inference_mode():
-        model.logits(model(ids, batch))
-        for _ in range(repeats):
-            t = time.perf_counter()
-            model.logits(model(ids, batch))
-            times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
+ROWS = cost_curve.ROWS
 
 
 def main() -> None:
@@ -42,16 +31,25 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--modes", nargs="+", default=["exact", "int8", "int16"])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"threads {args.threads}; ms per forward (median of {args.repeats}) and ratio to 1 row")
+    print(f"model {args.model or 'default (bundled SmolLM2-135M-Instruct GGUF)'}; threads {args.threads}; "
+          f"load average {os.getloadavg()[0]:.2f}")
+    print(f"ms per forward (median of {args.repeats}) and ratio to 1 row; 'probe': the engine's own curve")
     print(f"{'mode':>6} " + " ".join(f"{'k=' + str(k):>14}" for k in ROWS))
+    cpu = torch.device("cpu")
     for mode in args.modes:
         llm = LLM(args.model, progress=False, numerics=mode, kv_cache_blocks=16)
-        ms = [forward_ms(llm, k, args.repeats) for k in ROWS]
+        model = llm.engine.model
+        ms = [1e3 * cost_curve.seconds(model, cpu, k, args.repeats, agg=statistics.median) for k in ROWS]
         print(f"{mode:>6} " + " ".join(f"{t:8.1f} {t / ms[0]:4.2f}x" for t in ms), flush=True)
-        del llm
+        t, c = time.perf_counter(), time.process_time()
+        probe = cost_curve.curve(model, cpu)
+        print(f"{'probe':>6} " + " ".join(f"{x:13.2f}x" for x in probe.cost)
+              + f"   ({time.perf_counter() - t:.2f} s wall, {time.process_time() - c:.2f} s CPU)", flush=True)
+        del llm, model
+    print(f"load average after {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

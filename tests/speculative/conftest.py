@@ -22,9 +22,13 @@ def make_engine(llm, decoding: str = "autoregressive", kv_cache_blocks: int = 19
                 staging_capacity: int = 1024, jump_forward: bool = True, **options) -> LLMEngine:
     """A fresh engine (own small KV cache) on an already loaded model. Speculative tests draft
     with a constant depth unless they name a schedule: they test what a given draft does (the
-    default "auto" schedule may skip drafts; tests/speculative/test_gain_schedule.py covers it)."""
+    default "auto" schedule may skip drafts; tests/speculative/test_gain_schedule.py covers it).
+    Tests that name the gain schedule price verified rows at the old constant: the measured cost
+    curve (the default) would make their draft lengths depend on how busy the machine is, and
+    measuring it costs every test process a probe."""
     if decoding == "speculative":
         options.setdefault("depth_schedule", "constant")
+        options.setdefault("verify_token_cost", 0.09)
     cfg = EngineConfig(device="cpu", dtype="float32", decoding=decoding, decoding_options=options,
                        kv_cache_blocks=kv_cache_blocks, max_num_seqs=max_num_seqs, staging_capacity=staging_capacity,
                        progress=False, jump_forward=jump_forward)

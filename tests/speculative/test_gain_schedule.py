@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from ratchetlm.decoding.speculative.gain import GainSchedule, PendingContinuation
+from ratchetlm.decoding.speculative.proposers import NgramProposer
 
 
 def test_continuations_are_judged_once_the_output_has_passed_them():
@@ -75,7 +76,7 @@ def test_a_proposal_repeated_from_the_same_state_is_recorded_once(spec_llm):
     it proposed is recorded once, so it is judged (and counted in the shared totals) once."""
     from types import SimpleNamespace
 
-    from ratchetlm.decoding.speculative.proposers import _GAIN, NgramProposer
+    from ratchetlm.decoding.speculative.proposers import _GAIN
     from ratchetlm.engine.sequence import Sequence
     from ratchetlm.sampling_params import SamplingParams
 
@@ -88,3 +89,119 @@ def test_a_proposal_repeated_from_the_same_state_is_recorded_once(spec_llm):
     seq.token_ids += [7, 8, 5, 6]
     prop.propose([seq], [4])
     assert prop.gain.totals.tries[2].tolist() == [0, 1, 1, 1, 1]  # one judged continuation, not two
+
+
+def test_cost_curve_interpolates_and_the_constant_model_is_a_line():
+    from ratchetlm.decoding.speculative.cost_curve import CostCurve, from_times
+
+    c = CostCurve((1, 2, 4, 8), (1.0, 1.1, 1.3, 2.1))
+    assert c(1) == 1.0 and c(3) == pytest.approx(1.2) and c(6) == pytest.approx(1.7)
+    assert c(12) == pytest.approx(2.9)  # past the last point: the last segment's slope (0.2 per row)
+    lin = CostCurve.linear(0.09)
+    assert lin(1) == 1.0 and lin(9) == pytest.approx(1.72)
+    # measured times: ratios to one row, never decreasing (a noisy 4-row run must not look cheaper)
+    assert from_times((1, 2, 4), [2.0, 2.4, 2.2]).cost == (1.0, 1.2, 1.2)
+    assert from_times((1, 2, 4), [1.0, 5.0, 9.0]).cost == (1.0, 2.0, 4.0)  # never over R one-row forwards
+
+
+def test_draft_value_prices_rows_on_the_curve():
+    from ratchetlm.decoding.speculative.cost_curve import CostCurve
+    from ratchetlm.decoding.speculative.gain import draft_value
+
+    # the constant model reproduces the old formula: share = (1 + c (B - 1)) / B, a draft adds c (d + 1)
+    c = 0.1
+    for batch in (1, 3, 8):
+        share = (1 + c * (batch - 1)) / batch
+        assert draft_value(1.0, 0, c, batch) == pytest.approx(1.0 / share)
+        assert draft_value(2.5, 3, c, batch) == pytest.approx(2.5 / (share + c * 4))
+    curve = CostCurve((1, 2, 4, 8, 16), (1.0, 1.05, 1.1, 1.5, 2.7))
+    # batch 2, 3 drafts after 4 rows drafted by earlier sequences: rows 6 -> 10 cost C(10) - C(6)
+    share = curve(2) / 2
+    assert draft_value(3.0, 3, curve, 2, drafted=4) == pytest.approx(3.0 / (share + curve(10) - curve(6)))
+    assert draft_value(3.0, 3, curve, 2, drafted=4) < draft_value(3.0, 3, curve, 2)  # later rows cost more here
+
+
+def test_gain_schedule_drafts_by_the_curve():
+    from ratchetlm.decoding.speculative.cost_curve import CostCurve
+
+    flat = GainSchedule(4, 6, CostCurve((1, 32), (1.0, 1.0)))  # rows are free (a GPU, memory bound)
+    steep = GainSchedule(4, 6, CostCurve((1, 2, 32), (1.0, 1.9, 28.0)))  # every row ~ a whole forward
+    for g in (flat, steep):
+        rec = _record_with(g, m=3, agreed=2, times=20)  # the first two tokens always right, the third never
+        g.rec = rec  # type: ignore[attr-defined]
+    assert flat.length(flat.rec, 3, 6, batch=1) == 6  # type: ignore[attr-defined]
+    assert steep.length(steep.rec, 3, 6, batch=1) == 0  # type: ignore[attr-defined]
+    kink = GainSchedule(4, 6, CostCurve((1, 4, 5, 32), (1.0, 1.05, 2.0, 30.0)))  # cheap up to 4 rows, then dear
+    rec = _record_with(kink, m=4, agreed=6, times=20)
+    assert kink.length(rec, 4, 6, batch=1) == 2  # 1 + 2 drafts + 1 = 4 rows: the longest draft before the kink
+
+
+def test_a_step_prices_each_draft_after_the_rows_drafted_before_it():
+    """Rows are cheap up to 5 here and dear beyond: at batch 2 the first sequence drafts the 2 tokens
+    that still fit (2 rows + 2 drafts + 1), the second, priced after them, drafts nothing."""
+    from types import SimpleNamespace
+
+    from ratchetlm.decoding.speculative.cost_curve import CostCurve
+    from ratchetlm.engine.sequence import Sequence
+    from ratchetlm.sampling_params import SamplingParams
+
+    cfg = SimpleNamespace(num_candidates=1, min_n=1, max_n=4, depth=4, depth_schedule="gain", verify_token_cost=0.0)
+    prop = NgramProposer(cfg, ctx=None)
+    prop.gain = GainSchedule(4, 4, CostCurve((1, 5, 6, 32), (1.0, 1.0, 3.0, 55.0)))
+    for _ in range(50):  # 4-token matches have always agreed: a fresh sequence expects ~4 right tokens
+        prop.gain.totals.add(4, 4, 4)
+    seqs = [Sequence(i, [5, 6, 7, 8, 9, 5, 6, 7, 8], 9, SamplingParams(max_tokens=8)) for i in range(2)]
+    first, second = prop.propose(seqs, [4, 4])
+    assert first is not None and first.tokens.tolist() == [[9, 5]]
+    assert second is None and prop.gain_skipped == 1
+    alone, = prop.propose(seqs[1:], [4])  # alone at batch 1 it fits 1 + 3 + 1 rows
+    assert alone is not None and alone.tokens.tolist() == [[9, 5, 6]]
+
+
+def test_measured_curve_is_taken_once_per_model_and_thread_count(spec_llm):
+    from ratchetlm.decoding.speculative import cost_curve
+
+    model = spec_llm.engine.model
+    c = cost_curve.measured(model)
+    assert c.rows == cost_curve.ROWS and c.cost[0] == 1.0 and list(c.cost) == sorted(c.cost)
+    assert c.cost[-1] > 1.0  # 32 rows cost more than one on a CPU
+    assert cost_curve.measured(model) is c  # kept for the process
+
+    class Other:  # not a Llama-shaped stack (DeepSeek-V4): no probe, the constant model
+        tp = type("TP", (), {"size": 1})()
+    assert cost_curve.measured(Other(), fallback=0.2) == cost_curve.CostCurve.linear(0.2)
+
+
+def test_default_schedule_reads_the_measured_curve(spec_llm):
+    from ratchetlm.decoding.speculative import cost_curve
+    from ratchetlm.decoding.speculative.config import SpecConfig
+    from ratchetlm.decoding.speculative.proposers import verify_cost
+
+    assert SpecConfig().verify_token_cost is None
+    ctx = type("Ctx", (), {"runner": spec_llm.engine.runner})()
+    assert verify_cost(SpecConfig(), ctx) is cost_curve.measured(spec_llm.engine.model)
+    assert verify_cost(SpecConfig(verify_token_cost=0.2), ctx) == cost_curve.CostCurve.linear(0.2)
+    assert NgramProposer(SpecConfig(), ctx).gain.cost is cost_curve.measured(spec_llm.engine.model)
+
+
+def test_greedy_text_is_plain_greedy_whatever_the_curve(spec_llm, encoded, reference):
+    """The curve changes how much is drafted, never the text: the measured curve (the default),
+    free rows (every match drafted to full depth) and a curve that turns dear after 16 rows (the
+    11 prompts' batch leaves room for a few drafts) all give plain greedy's tokens, batched."""
+    from ratchetlm.decoding.speculative.cost_curve import CostCurve, measured
+
+    from .conftest import GREEDY, make_engine, run_engine
+
+    curves = {"measured": None, "free": CostCurve((1, 32), (1.0, 1.0)),
+              "kink": CostCurve((1, 16, 17, 32), (1.0, 1.05, 2.0, 17.0))}
+    drafted = {}
+    for name, c in curves.items():
+        eng = make_engine(spec_llm, "speculative", method="ngram", depth=6, depth_schedule="gain",
+                          verify_token_cost=None)
+        gain = eng.strategy.proposer.gain
+        assert gain.cost is measured(spec_llm.engine.model)  # the default reads the measured curve
+        if c is not None:
+            gain.cost = c
+        assert run_engine(eng, encoded, GREEDY) == reference, name
+        drafted[name] = eng.strategy.metrics()["spec_decode_num_draft_tokens"]
+    assert drafted["free"] > drafted["kink"] > 0  # not vacuous: both drafted, the cheap curve more

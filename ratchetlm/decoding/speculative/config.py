@@ -40,9 +40,10 @@ class SpecConfig:
     "gain" for n-gram and EAGLE drafts and "constant" otherwise (measured: the gain schedule kept the
     chain's speed on code and summary and stopped it losing on chat and at batch 8,
     docs/speculative.md). Output is the same with every schedule.
-    ``verify_token_cost``: the gain schedule's cost of one more verified token, as a fraction of a
-    plain one-token forward (measured ~0.09 on a 2-core CPU with the GGUF block kernels; near 0 on
-    a GPU, where a verify forward costs about what a plain one does).
+    ``verify_token_cost``: the gain schedule's price of verified rows. None (the default): the
+    target model's cost curve, measured once per process on this machine (cost_curve.py: a forward
+    over 1..32 rows against one row); a number c: every row after the first costs c one-row
+    forwards (0 on a GPU, where a verify forward costs about what a plain one does).
     ``disable_by_batch_size``: a step that schedules at least this many sequences decodes them all
     plainly (no drafts; vLLM's option of the same name); 0 = never. On a CPU the verify forward is
     compute bound once a batch holds many rows, and drafting at batch 8 measured slower than plain
@@ -58,7 +59,7 @@ class SpecConfig:
     draft_model: str | None = None
     draft_kv_blocks: int = 0
     depth_schedule: str = "auto"
-    verify_token_cost: float = 0.09
+    verify_token_cost: float | None = None
     disable_by_batch_size: int = 0
 
     def __post_init__(self) -> None:
@@ -83,8 +84,9 @@ class SpecConfig:
             raise ValueError("speculative depth_schedule='gain' needs method='ngram' or 'eagle' "
                              f"(method is {self.method!r})")
         c = self.verify_token_cost
-        if isinstance(c, bool) or not isinstance(c, int | float) or not 0 <= c < float("inf"):
-            raise ValueError(f"speculative verify_token_cost must be a finite number >= 0, got {c!r}")
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int | float) or not 0 <= c < float("inf")):
+            raise ValueError(f"speculative verify_token_cost must be None (measured) or a finite number >= 0, "
+                             f"got {c!r}")
         if self.min_n > self.max_n:
             raise ValueError(f"speculative min_n ({self.min_n}) must be <= max_n ({self.max_n})")
         if isinstance(self.draft_model, os.PathLike):

@@ -41,9 +41,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ratchetlm import kernels
+from ratchetlm.decoding.speculative.cost_curve import CostCurve
 from ratchetlm.decoding.speculative.draft_cache import DraftCache, DraftSeqState
 from ratchetlm.decoding.speculative.gain import draft_value
-from ratchetlm.decoding.speculative.proposers import DraftBeam, Proposer, register_proposer
+from ratchetlm.decoding.speculative.proposers import DraftBeam, Proposer, register_proposer, verify_cost
 from ratchetlm.engine.sequence import Sequence
 from ratchetlm.kv.sink import DirectSink, KVSink, NullSink
 from ratchetlm.layers.attention import AttentionBatch, build_attention_batch
@@ -178,6 +179,7 @@ class EagleProposer(Proposer):
         self.draft = DraftCache(_STATE, 1, cfg.draft_kv_blocks or runner.blocks.num_blocks, runner.blocks.block_size,
                                 hc.num_kv_heads, hc.head_dim, dtype, dev)
         self.num_forwards = 0
+        self.verify_cost = verify_cost(cfg, ctx) if cfg.depth_schedule == "gain" else CostCurve.linear(0.0)
 
     def _draft_vocab_head(self, target: LlamaModel, dtype: torch.dtype) -> Linear:
         """The target's head restricted to the draft vocabulary (rows in draft-vocab order; GGUF
@@ -273,7 +275,8 @@ class EagleProposer(Proposer):
         scores: list[list[float]] = [[] for _ in rs]  # cumulative log-probs
         outs: list[list[torch.Tensor]] = [[] for _ in rs]  # g_T, g_{T+1}, ... per sequence
         gain = self.cfg.depth_schedule == "gain"
-        value = [(draft_value(1.0, 0, self.cfg.verify_token_cost, len(seqs)), 0)] * len(rs)  # (best, its length)
+        cost = self.verify_cost
+        value = [(draft_value(1.0, 0, cost, len(seqs)), 0)] * len(rs)  # (best, its length)
         expected = [1.0] * len(rs)
         live = list(range(len(rs)))
         for k in range(max(want)):
@@ -285,7 +288,7 @@ class EagleProposer(Proposer):
                 outs[i].append(g[row])
                 if gain:  # stop once one more token lowers the expected tokens per unit of cost
                     expected[i] += math.exp(scores[i][-1])  # P(first k+1 drafts all right)
-                    v = draft_value(expected[i], k + 1, self.cfg.verify_token_cost, len(seqs))
+                    v = draft_value(expected[i], k + 1, cost, len(seqs))
                     if v > value[i][0]:
                         value[i] = (v, k + 1)
                     else:

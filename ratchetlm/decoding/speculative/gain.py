@@ -1,20 +1,22 @@
 """The ``gain`` depth schedule: draft only as many n-gram tokens as are expected to pay.
 
-A verify forward costs more than a plain one. On a CPU it is compute bound: verifying ``d``
-draft tokens costs about ``1 + c·(d + 1)`` plain single-token forwards (``c`` =
-``verify_token_cost``; the ``+ 1`` is the root row and the staging/commit work of a speculative
+A verify forward costs more than a plain one. On a CPU it is compute bound: a forward over ``R``
+rows costs ``C(R)`` one-row forwards, where ``C`` is the target's measured cost curve
+(cost_curve.py; ``verify_token_cost=c`` fixes it to ``1 + c·(R − 1)``). Drafting ``d`` tokens
+adds ``d + 1`` rows' worth to the step (the ``+ 1`` is the staging/commit work of a speculative
 step, measured at about one token's worth). A draft pays only when the tokens it is expected to
 add outweigh that, and how likely an n-gram continuation is to be right depends strongly on
 the length ``m`` of the suffix match it came from (on the default model: a 1-token match's first
 token is accepted 4-29% of the time, a 4-token match's 96-100%). So per step and sequence the
 schedule drafts the length ``d`` in ``[0, depth]`` maximising committed tokens per unit of cost::
 
-    value(d) = (1 + Σ_{j ≤ d} P(≥ j | m)) / (share + c·(d + 1)),   value(0) = 1 / share
+    value(d) = (1 + Σ_{j ≤ d} P(≥ j | m)) / (share + C(B + e + d + 1) − C(B + e)),   value(0) = 1 / share
 
 ``P(≥ j | m)`` is the probability that a continuation found with an ``m``-token match agrees
-with the output for at least ``j`` tokens; ``share = (1 + c·(B − 1)) / B`` is one sequence's part
-of a plain forward over ``B`` decoding sequences (at batch 1, ``share = 1``), so the same rule
-drafts less in big batches, where a CPU verify is most compute bound.
+with the output for at least ``j`` tokens; ``share = C(B) / B`` is one sequence's part of a
+plain forward over ``B`` decoding sequences (at batch 1, ``share = 1``) and ``e`` the rows the
+step's earlier sequences already drafted, so the same rule drafts less in big batches, where a
+CPU verify is most compute bound.
 
 The estimate is judged after the fact: each step records the continuation the lookup found
 (drafted or not, full ``depth``), and once the committed tokens have passed it, how many of its
@@ -33,6 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from ratchetlm.decoding.speculative.cost_curve import CostCurve
 
 PRIOR_WEIGHT = 2.0  # pseudo-observations of the strategy-wide rate in a sequence's estimate
 
@@ -83,8 +87,10 @@ def agreed_prefix(a: list[int], b: list[int]) -> int:
 
 
 class GainSchedule:
-    def __init__(self, max_n: int, depth: int, verify_token_cost: float) -> None:
-        self.max_n, self.depth, self.cost = max_n, depth, verify_token_cost
+    def __init__(self, max_n: int, depth: int, verify_token_cost: float | CostCurve) -> None:
+        self.max_n, self.depth = max_n, depth
+        self.cost = verify_token_cost if isinstance(verify_token_cost, CostCurve) else CostCurve.linear(
+            verify_token_cost)
         self.totals = AgreementCounts(max_n, depth)  # strategy-wide, the prior of every sequence
 
     def new_record(self) -> SequenceRecord:
@@ -108,15 +114,22 @@ class GainSchedule:
         cond = (rec.counts.hits[m, 1:] + PRIOR_WEIGHT * glob) / (rec.counts.tries[m, 1:] + PRIOR_WEIGHT)
         return np.cumprod(cond)
 
-    def length(self, rec: SequenceRecord, m: int, max_depth: int, batch: int) -> int:
-        """The draft length in ``[0, max_depth]`` with the most expected tokens per unit of cost."""
+    def length(self, rec: SequenceRecord, m: int, max_depth: int, batch: int, drafted: int = 0) -> int:
+        """The draft length in ``[0, max_depth]`` with the most expected tokens per unit of cost
+        (``drafted``: rows the step's earlier sequences already drafted)."""
         gain = 1.0 + np.concatenate([[0.0], np.cumsum(self.agreement(rec, m)[:max_depth])])  # [max_depth + 1]
-        value = [draft_value(float(g), d, self.cost, batch) for d, g in enumerate(gain)]
+        value = [draft_value(float(g), d, self.cost, batch, drafted) for d, g in enumerate(gain)]
         return int(np.argmax(value))  # ties go to the shorter draft
 
 
-def draft_value(expected_tokens: float, draft_len: int, cost: float, batch: int) -> float:
+def draft_value(expected_tokens: float, draft_len: int, cost: CostCurve | float, batch: int,
+                drafted: int = 0) -> float:
     """Expected committed tokens per unit of forward cost for one of ``batch`` decoding sequences
-    that drafts ``draft_len`` tokens (0 = a plain step), ``cost`` = ``verify_token_cost``."""
-    share = (1.0 + cost * (batch - 1)) / batch  # this sequence's part of a plain forward
-    return expected_tokens / (share + (cost * (draft_len + 1) if draft_len else 0.0))
+    that drafts ``draft_len`` tokens (0 = a plain step) after the step's other sequences drafted
+    ``drafted`` rows; ``cost``: the cost curve (a number: ``verify_token_cost``, the linear one)."""
+    c = cost if isinstance(cost, CostCurve) else CostCurve.linear(cost)
+    share = c(batch) / batch  # this sequence's part of a plain forward
+    if not draft_len:
+        return expected_tokens / share
+    base = batch + drafted
+    return expected_tokens / (share + c(base + draft_len + 1) - c(base))

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ratchetlm.decoding.speculative.cost_curve import CostCurve, measured
 from ratchetlm.decoding.speculative.gain import GainSchedule, PendingContinuation
 from ratchetlm.engine.sequence import Sequence
 
@@ -110,6 +111,17 @@ def ngram_candidates(tokens: list[int], min_n: int, max_n: int, m: int, c: int) 
 _GAIN = "spec_gain"  # strategy_state key: the gain schedule's record of this sequence
 
 
+def verify_cost(cfg: Any, ctx: Any) -> CostCurve:
+    """The gain schedule's price of verified rows: ``verify_token_cost`` if set (the linear model),
+    else the target model's measured cost curve (cost_curve.py)."""
+    if cfg.verify_token_cost is not None:
+        return CostCurve.linear(cfg.verify_token_cost)
+    runner = getattr(ctx, "runner", None)
+    if runner is None or getattr(runner, "model", None) is None:
+        return CostCurve.linear(0.09)
+    return measured(runner.model, getattr(runner, "device", "cpu"))
+
+
 @register_proposer("ngram")
 class NgramProposer(Proposer):
     """Prompt lookup: copy what followed earlier occurrences of the current suffix. With
@@ -117,8 +129,7 @@ class NgramProposer(Proposer):
 
     def __init__(self, cfg: Any, ctx: Any) -> None:
         super().__init__(cfg, ctx)
-        self.gain = GainSchedule(cfg.max_n, cfg.depth, cfg.verify_token_cost) \
-            if cfg.depth_schedule == "gain" else None
+        self.gain = GainSchedule(cfg.max_n, cfg.depth, verify_cost(cfg, ctx)) if cfg.depth_schedule == "gain" else None
         self.gain_skipped = 0  # steps whose n-gram match was not worth drafting
 
     def metrics(self) -> dict[str, float]:
@@ -127,12 +138,14 @@ class NgramProposer(Proposer):
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[DraftBeam | None]:
         out: list[DraftBeam | None] = []
         m = self.cfg.num_candidates
+        drafted = 0  # rows this step's earlier sequences drafted (their cost is already taken)
         for seq, d in zip(seqs, depths, strict=True):
             cands = ngram_candidates(seq.token_ids, self.cfg.min_n, self.cfg.max_n, m,
                                      d if self.gain is None else self.cfg.depth)
             if self.gain is not None:
-                d = self._gain_length(seq, cands, d, len(seqs))
+                d = self._gain_length(seq, cands, d, len(seqs), drafted)
                 self.gain_skipped += bool(cands) and d == 0
+                drafted += d + 1 if d else 0
             cands = [(n, x[:d]) for n, x in cands]
             if not cands or d == 0:
                 out.append(None)
@@ -144,7 +157,8 @@ class NgramProposer(Proposer):
             out.append(DraftBeam(toks, torch.zeros(toks.shape)))
         return out
 
-    def _gain_length(self, seq: Sequence, cands: list[tuple[int, list[int]]], max_depth: int, batch: int) -> int:
+    def _gain_length(self, seq: Sequence, cands: list[tuple[int, list[int]]], max_depth: int, batch: int,
+                     drafted: int) -> int:
         """Judge this sequence's earlier continuations, record the new one, pick its draft length."""
         assert self.gain is not None
         rec = seq.strategy_state.get(_GAIN)
@@ -157,4 +171,4 @@ class NgramProposer(Proposer):
         if rec.pending and rec.pending[-1].start == len(seq.token_ids):
             rec.pending.pop()  # proposed again from the same state (a discarded step is re-run)
         rec.pending.append(PendingContinuation(len(seq.token_ids), n, cont))
-        return self.gain.length(rec, n, min(max_depth, len(cont)), batch)
+        return self.gain.length(rec, n, min(max_depth, len(cont)), batch, drafted)
