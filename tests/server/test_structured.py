@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -249,6 +250,11 @@ def test_none_tool_choice_leaves_calls_as_text(scripted):
     ("/completions", {"response_format": {"type": "json_object"}}, lambda t: isinstance(json.loads(t), dict)),
     ("/chat/completions", {"structured_outputs": {"choice": ["left", "right"]}}, lambda t: t in ("left", "right")),
     ("/chat/completions", {"structured_outputs": {"regex": "(ab){1,3}c"}}, lambda t: t.startswith("ab")),
+    ("/chat/completions", {"guided_choice": ["north", "south"]}, lambda t: t in ("north", "south")),
+    ("/chat/completions", {"response_format": {"type": "json_object"}}, lambda t: isinstance(json.loads(t), dict)),
+    ("/completions", {"structured_outputs": {"json": {"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                                      "required": ["ok"], "additionalProperties": False}}},
+     lambda t: json.loads(t)["ok"] in (True, False)),
 ])
 def test_vllm_spellings_on_both_endpoints(server, path, extra, check):
     body = {"model": MODEL_NAME, "max_tokens": 40, "temperature": 0, **extra}
@@ -278,3 +284,27 @@ def test_invalid_constraints_are_400s(server, extra, param, needle):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and needle in err["message"], err
+
+
+def test_a_constraint_that_does_not_compile_in_time_is_a_400(oracle, monkeypatch):
+    """A compile that outlasts the compiler's bound answers 400 naming the field, promptly, and
+    the server goes on serving (here the build is made slow; the bound is the real code path)."""
+    compiler = oracle.engine.controls.compiler
+    real = compiler._build
+
+    def slow_build(spec):
+        time.sleep(2.0)
+        return real(spec)
+
+    monkeypatch.setattr(compiler, "timeout_s", 0.2)
+    monkeypatch.setattr(compiler, "_build", slow_build)
+    with serve(oracle, MODEL_NAME) as base:
+        body = {"model": MODEL_NAME, "prompt": "Answer: ", "max_tokens": 4, "guided_regex": "z[0-9]{2}q"}
+        t0 = time.monotonic()
+        r = httpx.post(base + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        assert time.monotonic() - t0 < 1.5, "the request waited for the slow build"
+        err = r.json()["error"]
+        assert err["param"] == "guided_regex" and "did not compile within" in err["message"], err
+        ok = httpx.post(base + "/v1/completions", json={**body, "guided_regex": None}, timeout=120)
+        assert ok.status_code == 200, ok.text

@@ -1,7 +1,7 @@
 """The rest of the OpenAI/vLLM surface: sampling controls equal the offline engine's, the field
-policy (harmless fields ignored, meaning-changing unsupported ones and unknown ones refused),
-/tokenize, /detokenize, /tokenizer_info, /version, several served names, CORS, a chat template
-file and a tool-call parser from the command line."""
+policy (harmless fields ignored, meaning-changing unsupported ones and unknown ones refused, and
+docs/serving.md's field table saying so), /tokenize, /detokenize, /tokenizer_info, /version, several served
+names, CORS, a chat template file and a tool-call parser from the command line."""
 
 from __future__ import annotations
 
@@ -133,3 +133,37 @@ def test_wedlm_refuses_a_grammar_with_a_400():
         ok = httpx.post(base + "/v1/completions", timeout=60,
                         json={"model": "m", "prompt": "count", "max_tokens": 4, "presence_penalty": 1.0})
         assert ok.status_code == 200, ok.text
+
+
+def _field_table() -> dict[str, str]:
+    """docs/serving.md's request-field table: field name -> its row's verdict."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "serving.md").read_text()
+    start = doc.index("| field | endpoint | here |")
+    rows = doc[start:doc.index("\n\n", start)].splitlines()[2:]
+    table: dict[str, str] = {}
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        for name in re.findall(r"`([a-z_.]+)`", cells[0]):
+            if name not in ("true", "false"):
+                table.setdefault(name, cells[2])
+    return table
+
+
+def test_the_field_table_in_the_docs_is_the_servers_policy():
+    """Every request field the server declares, ignores or refuses has a row, and a row that says
+    refused / ignored is what check_unsupported does."""
+    from ratchetlm.server.protocol import IGNORED_FIELDS, REFUSED_FIELDS, ChatCompletionRequest, CompletionRequest
+
+    table = _field_table()
+    declared = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
+    listed = set(table) | {n.split(".")[0] for n in table}
+    missing = (declared | IGNORED_FIELDS | set(REFUSED_FIELDS)) - listed
+    assert not missing, f"fields without a row in docs/serving.md: {sorted(missing)}"
+    for name, verdict in table.items():
+        if "refused" in verdict and name != "suffix":  # suffix: a declared field, refused when set
+            assert name in REFUSED_FIELDS, f"docs/serving.md says {name} is refused; the server does not refuse it"
+        elif verdict == "ignored":
+            assert name in IGNORED_FIELDS or name in declared, f"docs/serving.md says {name} is ignored"
