@@ -19,52 +19,27 @@ With caching on, :meth:`cache_full_blocks` names each newly committed full block
 named blocks its tokens start with; when the free list is empty, :meth:`grow` evicts the cached
 block released longest ago. Nothing referenced is ever evicted.
 
-With ``window`` set (a model whose every layer has a sliding window of at most that many
-positions), a sequence also drops its references to blocks no later query can reach
-(:meth:`release_out_of_window`): the table entry becomes ``-1``, so ``block_table[p // block_size]``
-still indexes by position, and the blocks a sequence holds stay bounded by its window however long
-it grows.
+With ``window`` set (the layers of this cache all slide, at most that many positions back: a
+Mistral model's one cache, or a Gemma model's local-layer pool, engine/layer_groups.py), a sequence
+also drops its references to blocks no later query can reach (:meth:`release_out_of_window`): the
+table entry becomes ``-1``, so ``block_table[p // block_size]`` still indexes by position, and the
+blocks a sequence holds stay bounded by its window however long it grows. A prefix hit then needs
+only the blocks the window reaches from where the hit ends (:meth:`longest_hit`).
+
+``table`` names the sequence's table this manager owns (``block_table``; a layer group's own pool
+uses another, e.g. ``local_block_table``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 
 from ratchetlm.engine.block_hash import BlockHash, chain_hash, root_hash
+from ratchetlm.engine.prefix_stats import PrefixCacheStats
 from ratchetlm.engine.sequence import Sequence
-
-
-@dataclass
-class PrefixCacheStats:
-    """Token counts of prefix lookups. A request's first admission is a query; re-admissions after
-    preemption (which usually re-hit the sequence's own blocks) are counted apart so they do not
-    inflate the hit rate users read."""
-
-    queries: int = 0  # tokens looked up (whole sequence at admission)
-    hits: int = 0  # of those, tokens found cached
-    requests: int = 0
-    requests_hit: int = 0  # requests with at least one cached block
-    recompute_queries: int = 0  # the same, for re-admissions after preemption
-    recompute_hits: int = 0
-    evictions: int = 0  # cached blocks dropped to make room
-
-    def observe(self, num_tokens: int, hit_tokens: int, recompute: bool) -> None:
-        if recompute:
-            self.recompute_queries += num_tokens
-            self.recompute_hits += hit_tokens
-            return
-        self.queries += num_tokens
-        self.hits += hit_tokens
-        self.requests += 1
-        self.requests_hit += hit_tokens > 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
 
 
 class BlockManager:
@@ -72,8 +47,10 @@ class BlockManager:
     cache layout cannot share blocks): every released block goes straight back to the free list."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
-                 cache_key: Mapping[str, str] | None = None, window: int | None = None) -> None:
+                 cache_key: Mapping[str, str] | None = None, window: int | None = None,
+                 table: str = "block_table") -> None:
         assert num_blocks > 0 and block_size > 0 and (window is None or window > 0)
+        self.table = table
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.window = window  # every layer slides, at most this far back: blocks behind it are released
@@ -102,17 +79,38 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def blocks_held(self, num_tokens: int, step_tokens: int) -> int:
+        """Most blocks one sequence of ``num_tokens`` tokens holds at once, fed at most
+        ``step_tokens`` per step: all of them, or with ``window`` the window behind its next query,
+        one step's tokens and one partially reached block."""
+        need = self.blocks_needed(num_tokens)
+        if self.window is not None:
+            need = min(need, self.blocks_needed(self.window - 1 + step_tokens) + 1)
+        return need
+
+    def fits(self, num_tokens: int, step_tokens: int) -> str | None:
+        """Why a sequence of ``num_tokens`` tokens can never fit this cache, or None."""
+        need = self.blocks_held(num_tokens, step_tokens)
+        if need > self.num_blocks:
+            return f"needs {need} KV blocks but the cache has only {self.num_blocks} blocks of {self.block_size} tokens"
+        return None
+
+    def _t(self, seq: Sequence) -> list[int]:
+        table: list[int] = getattr(seq, self.table)
+        return table
+
     # ------------------------------------------------------------------ allocate / release
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.blocks_needed(num_tokens) - len(seq.block_table) <= self.num_free
+        return self.blocks_needed(num_tokens) - len(self._t(seq)) <= self.num_free
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Make ``seq``'s table cover positions ``[0, num_tokens)``. Caller checked ``can_grow``."""
-        need = self.blocks_needed(num_tokens) - len(seq.block_table)
+        table = self._t(seq)
+        need = self.blocks_needed(num_tokens) - len(table)
         assert need <= self.num_free, "grow() without can_grow()"
         for _ in range(max(0, need)):
-            seq.block_table.append(self._allocate())
+            table.append(self._allocate())
 
     def _allocate(self) -> int:
         if self.free_blocks:
@@ -132,10 +130,10 @@ class BlockManager:
         """Release ``seq``'s references (finish, abort, preemption). Blocks others still hold stay;
         named blocks nobody holds become cached, tail first so that eviction takes a prompt's
         private end before the prefix others are likelier to share."""
-        for b in reversed(seq.block_table):
+        for b in reversed(self._t(seq)):
             if b >= 0:  # -1: already released out of the window
                 self._unref(b)
-        seq.block_table = []
+        setattr(seq, self.table, [])
 
     def _unref(self, b: int) -> None:
         assert self.ref_count[b] > 0, f"block {b} released more often than referenced"
@@ -148,10 +146,15 @@ class BlockManager:
 
     def context_start(self, seq: Sequence) -> int:
         """First position whose K/V ``seq`` still holds (0 unless blocks were released out of the window)."""
+        table = self._t(seq)
         n = 0
-        while n < len(seq.block_table) and seq.block_table[n] < 0:
+        while n < len(table) and table[n] < 0:
             n += 1
         return n * self.block_size
+
+    def _window_start(self, num_cached: int) -> int:
+        """First block a query at ``num_cached`` or later can reach (0 without ``window``)."""
+        return 0 if self.window is None else max(num_cached - self.window + 1, 0) // self.block_size
 
     def release_out_of_window(self, seq: Sequence) -> None:
         """Drop ``seq``'s blocks that no later query reaches (no-op without ``window``): a query at
@@ -159,16 +162,16 @@ class BlockManager:
         ``num_cached - window + 1`` are dead. Named ones stay cached for later prefix hits."""
         if self.window is None:
             return
-        end = min(max(seq.num_cached - self.window + 1, 0) // self.block_size, len(seq.block_table))
-        for j in range(self.context_start(seq) // self.block_size, end):
-            self._unref(seq.block_table[j])
-            seq.block_table[j] = -1
+        table = self._t(seq)
+        for j in range(self.context_start(seq) // self.block_size, min(self._window_start(seq.num_cached), len(table))):
+            self._unref(table[j])
+            table[j] = -1
 
     # ------------------------------------------------------------------ the prefix cache
 
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
         """Names of ``seq``'s first ``num_blocks`` blocks, extending ``seq.block_hashes`` (tokens only
-        grow, so a name once computed never changes)."""
+        grow, so a name once computed never changes; every layer group's manager shares them)."""
         hs = seq.block_hashes
         bs = self.block_size
         parent = hs[-1] if hs else (self._root if seq.cache_salt is None else root_hash(self.cache_key, seq.cache_salt))
@@ -177,24 +180,45 @@ class BlockManager:
             hs.append(parent)
         return hs
 
-    def match_prefix(self, seq: Sequence) -> int:
-        """Give a sequence with no blocks yet the longest run of cached blocks its tokens start with;
-        returns the tokens covered (now ``seq.num_cached``). At least the last token is left to
-        compute: its logits pick the next token."""
-        assert not seq.block_table and seq.num_cached == 0, "lookup is for a sequence without KV"
+    def longest_hit(self, seq: Sequence, upto: int | None = None) -> int:
+        """The most full blocks (at most ``upto``) ``seq`` can start with from the cache, leaving at
+        least its last token to compute (its logits pick the next token). Every block must be
+        cached, or with ``window`` only the blocks the window reaches from where the hit ends."""
         if not self.enable_caching:
             return 0
-        hashes = self._hashes(seq, (len(seq.token_ids) - 1) // self.block_size)
-        for h in hashes:
-            b = self.cached.get(h)
-            if b is None:
+        n = (len(seq.token_ids) - 1) // self.block_size
+        n = n if upto is None else min(n, upto)
+        hashes = self._hashes(seq, n)
+        best = run = 0  # run: cached blocks in a row ending at block k - 1
+        for k in range(1, n + 1):
+            run = run + 1 if hashes[k - 1] in self.cached else 0
+            if run >= k - self._window_start(k * self.block_size):
+                best = k
+            elif self.window is None:
                 break
+        return best
+
+    def take_hit(self, seq: Sequence, num_blocks: int) -> int:
+        """Reference the first ``num_blocks`` cached blocks of ``seq``'s prefix (those its window
+        reaches, with ``window``; the entries before are ``-1``); returns the tokens covered."""
+        table = self._t(seq)
+        assert not table, "lookup is for a sequence without KV"
+        hashes = seq.block_hashes
+        first = self._window_start(num_blocks * self.block_size)
+        table += [-1] * first
+        for h in hashes[first:num_blocks]:
+            b = self.cached[h]
             if self.ref_count[b] == 0:
                 del self.evictable[b]
             self.ref_count[b] += 1
-            seq.block_table.append(b)
-        seq.num_cached = len(seq.block_table) * self.block_size
-        self.release_out_of_window(seq)  # a long cached prefix is not held past its window
+            table.append(b)
+        return num_blocks * self.block_size
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Give a sequence with no blocks yet the longest run of cached blocks its tokens start with
+        (:meth:`longest_hit`); returns the tokens covered (now ``seq.num_cached``)."""
+        assert seq.num_cached == 0, "lookup is for a sequence without KV"
+        seq.num_cached = self.take_hit(seq, self.longest_hit(seq))
         return seq.num_cached
 
     def cache_full_blocks(self, seq: Sequence, num_cached_before: int) -> None:
@@ -205,9 +229,10 @@ class BlockManager:
         first, last = num_cached_before // self.block_size, seq.num_cached // self.block_size
         if self.enable_caching and last > first:
             hashes = self._hashes(seq, last)
+            table = self._t(seq)
             for i in range(first, last):
-                b = seq.block_table[i]
-                if self.block_hash[b] is None and hashes[i] not in self.cached:
+                b = table[i]
+                if b >= 0 and self.block_hash[b] is None and hashes[i] not in self.cached:
                     self.block_hash[b] = hashes[i]
                     self.cached[hashes[i]] = b
         self.release_out_of_window(seq)
@@ -239,10 +264,25 @@ class BlockManager:
 
     # ------------------------------------------------------------------ slots
 
-    def slots(self, seq: Sequence, start: int, end: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """Slots of positions ``[start, end)``: ``block_table[p // bs] * bs + p % bs``."""
-        assert end <= len(seq.block_table) * self.block_size, "positions beyond the block table"
-        assert start >= end or seq.block_table[start // self.block_size] >= 0, "positions in released blocks"
+    def position_slots(self, seq: Sequence, positions: list[int]) -> torch.Tensor:  # [n] int64
+        """Slot of each position (-1 past the blocks the scheduler reserved, or in a released block:
+        such a row is never committed — an accepted row is always at ``num_cached + i``)."""
+        table = self._t(seq)
+        pos = torch.tensor(positions, dtype=torch.long)
+        tab = torch.tensor(table, dtype=torch.long)
+        bs = self.block_size
+        block = tab[(pos // bs).clamp(max=max(len(table) - 1, 0))]
+        held = (pos < len(table) * bs) & (block >= 0)
+        return torch.where(held, block * bs + pos % bs, torch.full_like(pos, -1))
+
+    def slots(self, seq: Sequence, start: int, end: int, device: torch.device | str = "cpu",
+              released: bool = False) -> torch.Tensor:
+        """Slots of positions ``[start, end)``: ``block_table[p // bs] * bs + p % bs``; ``released``:
+        -1 for positions in blocks released out of the window (else they must not be asked for)."""
+        table = self._t(seq)
+        assert end <= len(table) * self.block_size, "positions beyond the block table"
+        assert released or start >= end or table[start // self.block_size] >= 0, "positions in released blocks"
         pos = torch.arange(start, end)
-        table = torch.tensor(seq.block_table, dtype=torch.long)
-        return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(device)
+        blocks = torch.tensor(table, dtype=torch.long)[pos // self.block_size]
+        out = blocks * self.block_size + pos % self.block_size
+        return (out.masked_fill_(blocks < 0, -1) if released else out).to(device)

@@ -11,6 +11,7 @@ import torch
 from ratchetlm.decoding.base import Proposal
 from ratchetlm.engine.block_manager import BlockManager
 from ratchetlm.engine.config import EngineConfig
+from ratchetlm.engine.layer_groups import GroupedBlocks, grouped_cache
 from ratchetlm.engine.sequence import Sequence
 from ratchetlm.kv.cache import KVCache
 from ratchetlm.kv.sink import KVSink, NullSink, StepSink
@@ -27,10 +28,10 @@ class ForwardPlan:
     ids: torch.Tensor  # [T] int64 token ids, packed over sequences
     positions: torch.Tensor  # [T] int64
     new_lens: list[int]  # tokens per sequence
-    context_slots: list[torch.Tensor]  # per sequence [context] int64 slots of its committed context
+    context_slots: list[torch.Tensor]  # per sequence [(G,) context] int64 slots of its committed context
     ctx_starts: list[int]  # per sequence position of its first context row
     masks: list[torch.Tensor | None]  # per sequence [n, n] bool, None = causal
-    slot_mapping: torch.Tensor  # [T] int64 direct-write slots, -1 = not written directly
+    slot_mapping: torch.Tensor  # [(G,) T] int64 slots (a row per slot group), -1 = not written
     stage_index: torch.Tensor | None  # [T] int64 staging rows, -1 = not staged; None = nothing staged
     logit_rows: list[int]  # packed rows whose logits are wanted
     num_layers: int | None = None  # fewer than all: layer-skip self-draft
@@ -51,25 +52,31 @@ def build_runner(cfg: EngineConfig, model: Any, model_config: Any, dtype: torch.
     (or ``kv_cache_blocks``, default ~1 GiB, at least one ``max_model_len`` sequence) of
     ``block_size``-token blocks, prefix-cached under ``cache_key`` when ``enable_prefix_caching``.
     Under tensor parallelism (``parallel``: rank 0's :class:`~ratchetlm.parallel.group.TPGroup`) the
-    budget is per rank and holds this rank's KV heads; the runner mirrors itself on the workers."""
+    budget is per rank and holds this rank's KV heads; the runner mirrors itself on the workers.
+    A model that mixes sliding-window and global layers gets a pool per kind (engine/layer_groups.py)."""
     make = getattr(model, "make_runner", None)
     if make is not None:
         return make(cfg, dtype, device, max_model_len)
     model.set_context_len(max_model_len)
     kv_heads = model.tp.nkv  # this rank's KV heads (all of them without tensor parallelism)
-    bytes_per_token = (2 * model_config.num_layers * kv_heads * model_config.head_dim
-                       * torch.tensor([], dtype=dtype).element_size())
-    block_bytes = bytes_per_token * cfg.block_size
-    num_blocks = cfg.kv_cache_blocks or max(-(-max_model_len // cfg.block_size) + 1,
-                                            (cfg.kv_cache_bytes or 1 << 30) // block_bytes)
-    if cfg.kv_cache_bytes is not None and cfg.kv_cache_bytes < block_bytes:
-        raise ValueError(f"kv_cache_bytes={cfg.kv_cache_bytes} is less than one KV block ({block_bytes} bytes)")
-    cache = KVCache(model_config.num_layers, num_blocks, cfg.block_size, kv_heads, model_config.head_dim, dtype,
-                    device)
-    # every layer slides (Mistral, Phi-3): blocks behind the widest window are released as a sequence
-    # moves on, so it holds ~window + one step of tokens however long it grows
-    blocks = BlockManager(num_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching, cache_key=cache_key,
-                          window=model_config.max_window)
+    local = [i for i in range(model_config.num_layers) if model_config.layer_window(i) is not None]
+    blocks: BlockManager | GroupedBlocks
+    if local and len(local) < model_config.num_layers:
+        cache, blocks = grouped_cache(cfg, model_config, kv_heads, dtype, device, max_model_len, local, cache_key)
+    else:
+        bytes_per_token = (2 * model_config.num_layers * kv_heads * model_config.head_dim
+                           * torch.tensor([], dtype=dtype).element_size())
+        block_bytes = bytes_per_token * cfg.block_size
+        num_blocks = cfg.kv_cache_blocks or max(-(-max_model_len // cfg.block_size) + 1,
+                                                (cfg.kv_cache_bytes or 1 << 30) // block_bytes)
+        if cfg.kv_cache_bytes is not None and cfg.kv_cache_bytes < block_bytes:
+            raise ValueError(f"kv_cache_bytes={cfg.kv_cache_bytes} is less than one KV block ({block_bytes} bytes)")
+        cache = KVCache(model_config.num_layers, num_blocks, cfg.block_size, kv_heads, model_config.head_dim, dtype,
+                        device)
+        # every layer slides (Mistral, Phi-3): blocks behind the widest window are released as a sequence
+        # moves on, so it holds ~window + one step of tokens however long it grows
+        blocks = BlockManager(num_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
+                              cache_key=cache_key, window=model_config.max_window)
     args = (model, cache, blocks, device, cfg.staging_capacity, max_model_len)
     if parallel is not None:
         from ratchetlm.parallel.runner import TPModelRunner
@@ -81,7 +88,7 @@ def build_runner(cfg: EngineConfig, model: Any, model_config: Any, dtype: torch.
 class ModelRunner:
     """The llama family's runner: paged per-token K/V (:class:`KVCache` + :class:`BlockManager`)."""
 
-    def __init__(self, model: LlamaModel, cache: KVCache, blocks: BlockManager, device: torch.device,
+    def __init__(self, model: LlamaModel, cache: KVCache, blocks: BlockManager | GroupedBlocks, device: torch.device,
                  staging_capacity: int = 1024, max_model_len: int | None = None, step_tokens: int = 2048) -> None:
         self.model = model
         self.step_tokens = step_tokens  # most tokens one step feeds a sequence (max_num_batched_tokens)
@@ -96,14 +103,9 @@ class ModelRunner:
         self.last_hidden: list[torch.Tensor] = []
 
     def fits(self, num_tokens: int) -> str | None:
-        """Why a sequence of ``num_tokens`` tokens can never fit this cache, or None."""
-        need = self.blocks.blocks_needed(num_tokens)
-        if self.blocks.window is not None:  # held at once: the window, one step's tokens, a partial block
-            need = min(need, self.blocks.blocks_needed(self.blocks.window - 1 + self.step_tokens) + 1)
-        if need > self.blocks.num_blocks:
-            return (f"needs {need} KV blocks but the cache has only {self.blocks.num_blocks} blocks of "
-                    f"{self.blocks.block_size} tokens")
-        return None
+        """Why a sequence of ``num_tokens`` tokens can never fit this cache, or None (a sliding-window
+        pool holds the window, one step's tokens and a partial block at once)."""
+        return self.blocks.fits(num_tokens, self.step_tokens)
 
     def check_room(self, seq: Sequence, num_tokens: int) -> None:
         assert num_tokens <= len(seq.block_table) * self.blocks.block_size, "proposal beyond its blocks"
@@ -118,9 +120,15 @@ class ModelRunner:
         are dropped by the next forward)."""
         return None
 
-    def context_slots(self, seq: Sequence) -> torch.Tensor:  # [num_cached - context_start] int64
-        """Slots of the committed context ``seq`` still holds: positions ``[context_start, num_cached)``."""
-        return self.blocks.slots(seq, self.blocks.context_start(seq), seq.num_cached)
+    def context_slots(self, seq: Sequence) -> torch.Tensor:  # [(G,) num_cached - context_start] int64
+        """Slots of the committed context ``seq`` still holds: positions ``[context_start, num_cached)``
+        (per slot group; -1 where the local layers' pool released rows their window no longer reaches)."""
+        return self.blocks.slots(seq, self.blocks.context_start(seq), seq.num_cached, released=True)
+
+    def _no_slots(self, n: int) -> torch.Tensor:  # [(G,) n] int64, all -1
+        """Slots of ``n`` tokens written nowhere: a row per slot group when local layers have their own."""
+        g = len(self.cache.slot_groups)
+        return torch.full((n,) if g == 1 else (g, n), -1, dtype=torch.long)
 
     def context_starts(self, seqs: list[Sequence]) -> list[int]:
         """Per sequence, the position of its first held context row (> 0 once a sliding-window
@@ -154,7 +162,7 @@ class ModelRunner:
                 fits = n_staged + n <= self.staging.capacity
                 overflow |= not fits
                 # a staged row's slot is its position's: where it goes if a commit names it
-                slot_parts.append(self._position_slots(seq, p.positions) if fits else torch.full((n,), -1))
+                slot_parts.append(self.blocks.position_slots(seq, p.positions) if fits else self._no_slots(n))
                 stage_parts.append(torch.arange(n_staged, n_staged + n) if fits else torch.full((n,), -1))
                 stage_base.append(n_staged if fits else -1)
                 n_staged += n if fits else 0
@@ -162,7 +170,7 @@ class ModelRunner:
             self.staging.metrics.fallback_overflow += 1
         plan = ForwardPlan(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
                            [len(p.token_ids) for p in proposals], [self.context_slots(s) for s in seqs],
-                           self.context_starts(seqs), [p.mask for p in proposals], torch.cat(slot_parts),
+                           self.context_starts(seqs), [p.mask for p in proposals], torch.cat(slot_parts, dim=-1),
                            torch.cat(stage_parts) if n_staged or overflow else None, rows, num_layers)
         hidden, all_logits = self.forward(plan)
         self.num_forwards += 1
@@ -180,7 +188,7 @@ class ModelRunner:
         plan = ForwardPlan(torch.tensor([t for tt in tokens for t in tt], dtype=torch.long),
                            torch.tensor([p for pp in positions for p in pp], dtype=torch.long),
                            [len(t) for t in tokens], [self.context_slots(s) for s in seqs], self.context_starts(seqs),
-                           masks, torch.full((o,), -1, dtype=torch.long), None, packed, num_layers, write=False)
+                           masks, self._no_slots(o), None, packed, num_layers, write=False)
         _, logits = self.forward(plan)
         return list(logits.split([len(r) for r in rows]))
 
@@ -191,23 +199,13 @@ class ModelRunner:
         sink: KVSink = NullSink()
         if plan.write:
             stage = None if plan.stage_index is None else plan.stage_index.to(dev)
-            sink = StepSink(self.cache, plan.slot_mapping.to(dev), self.staging, stage)
+            sink = StepSink(self.cache, self.cache.by_group(plan.slot_mapping.to(dev)), self.staging, stage)
         positions = plan.positions.to(dev)
         batch = build_attention_batch(positions, plan.new_lens, plan.context_slots, plan.masks, sink, self.cache,
-                                      dtype=self.cache.k.dtype, ctx_starts=plan.ctx_starts)
+                                      dtype=self.cache.dtype, ctx_starts=plan.ctx_starts)
         hidden = self.model(plan.ids.to(dev), batch, num_layers=plan.num_layers)
         rows = torch.tensor(plan.logit_rows, dtype=torch.long, device=dev)
         return hidden, self.model.logits(hidden[rows]).cpu()
-
-    def _position_slots(self, seq: Sequence, positions: list[int]) -> torch.Tensor:  # [n] int64
-        """Slot of each position (-1 past the blocks the scheduler reserved: such a row is never
-        committed — an accepted row is always at ``num_cached + i``)."""
-        pos = torch.tensor(positions, dtype=torch.long)
-        table = torch.tensor(seq.block_table, dtype=torch.long)
-        bs = self.blocks.block_size
-        block = table[(pos // bs).clamp(max=max(len(seq.block_table) - 1, 0))]
-        held = (pos < len(seq.block_table) * bs) & (block >= 0)
-        return torch.where(held, block * bs + pos % bs, torch.full_like(pos, -1))
 
     def commit_staged(self, seq: Sequence, stage_base: int, kv_rows: list[int], num_rows: int) -> bool:
         """Copy the accepted staged rows (of a proposal of ``num_rows`` rows) to their slots — the

@@ -31,6 +31,9 @@ class Sequence:
     eos_token_ids: tuple[int, ...] = ()
     num_cached: int = 0
     block_table: list[int] = field(default_factory=list)
+    # the local (sliding-window) layers' own pool, for a model that also has global layers
+    # (engine/layer_groups.py); -1 where the window has moved past
+    local_block_table: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     generator: torch.Generator | None = None

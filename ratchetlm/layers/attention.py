@@ -37,7 +37,7 @@ class AttentionBatch:
     positions: torch.Tensor  # [num_tokens] int64 absolute RoPE positions (packed over sequences)
     sink: KVSink  # receives each layer's new K/V
     cache: KVCache | None  # None = no committed context anywhere (pure prefill / reference)
-    ctx_slots: torch.Tensor | None  # [B, max_ctx] int64 slots of committed context (0 where padded)
+    ctx_slots: torch.Tensor | None  # [G, B, max_ctx] int64 committed context slots per slot group (0: padding)
     pad_index: torch.Tensor  # [B, max_new] int64 index into packed tokens (0 where padded)
     unpad_index: torch.Tensor  # [num_tokens] int64 index into the flattened [B * max_new] grid
     mask: torch.Tensor | None  # [B, 1, max_new, max_ctx + max_new] additive float (0 / -inf); None: see is_causal
@@ -78,7 +78,7 @@ class _KeyInputs:
     new_lens: list[int]
     starts: list[int]  # per seq index of its first token in the packed order
     positions: torch.Tensor  # [num_tokens]
-    context_slots: list[torch.Tensor]  # per seq [context_len] slots of positions ctx_start .. ctx_start + len - 1
+    context_slots: list[torch.Tensor]  # per seq [G, context_len] slots of positions ctx_start .. ctx_start + len - 1
     ctx_starts: list[int]
     new_masks: list[torch.Tensor | None]
     dtype: torch.dtype
@@ -95,7 +95,7 @@ class _KeyInputs:
 def build_attention_batch(
     positions: torch.Tensor,  # [num_tokens]
     new_lens: list[int],
-    context_slots: list[torch.Tensor],  # per seq [context_len] int64 slots
+    context_slots: list[torch.Tensor],  # per seq [context_len] int64 slots ([G, context_len]: a row per slot group)
     new_masks: list[torch.Tensor | None],  # per seq [n_new, n_new] bool or None (causal)
     sink: KVSink,
     cache: KVCache | None,
@@ -114,6 +114,8 @@ def build_attention_batch(
     for i, (s, n) in enumerate(zip(starts, new_lens, strict=True)):
         pad_index[i, :n] = torch.arange(s, s + n)
         unpad.append(torch.arange(i * max_new, i * max_new + n))
+    groups = 1 if cache is None else len(cache.slot_groups)
+    context_slots = [cs.reshape(groups, -1) for cs in context_slots]
     keys = _KeyInputs(new_lens, starts, positions, context_slots, ctx_starts or [0] * b, new_masks, dtype)
     batch = _build(keys, None, positions, sink, cache, pad_index.to(device), torch.cat(unpad).to(device))
     batch._keys = keys
@@ -137,9 +139,9 @@ def _build(
     if window is not None:  # drop context rows below every query's window
         cut = [max(0, int(p.min()) - window + 1 - c0) if p.numel() else 0
                for p, c0 in zip(keys.new_positions, ctx_first, strict=True)]
-        ctx_slots = [s[k:] for s, k in zip(ctx_slots, cut, strict=True)]
+        ctx_slots = [s[:, k:] for s, k in zip(ctx_slots, cut, strict=True)]
         ctx_first = [c0 + k for c0, k in zip(ctx_first, cut, strict=True)]
-    ctx_lens = [int(s.numel()) for s in ctx_slots]
+    ctx_lens = [int(s.shape[1]) for s in ctx_slots]
     max_ctx = max(ctx_lens)
     # B == 1 needs no mask when nothing is hidden: plain causal prefill (within the window), or one
     # query seeing everything left after the cut.
@@ -165,9 +167,12 @@ def _build(
         mask = torch.zeros(mask.shape, dtype=keys.dtype).masked_fill_(~mask, float("-inf")).to(device)
     ctx = None
     if max_ctx > 0:
-        ctx = torch.zeros(b, max_ctx, dtype=torch.long)
+        ctx = torch.zeros(ctx_slots[0].shape[0], b, max_ctx, dtype=torch.long)
         for i, cs in enumerate(ctx_slots):
-            ctx[i, : cs.numel()] = cs.cpu()
+            ctx[:, i, : cs.shape[1]] = cs.cpu()
+        # -1: rows the local layers' pool released; only the full view has them, in the local row that
+        # global layers never read (a window view cuts them off)
+        assert window is None or not bool((ctx < 0).any()), "a sliding window reaches released KV rows"
         ctx = ctx.to(device)
     return AttentionBatch(
         positions=positions,
@@ -203,10 +208,10 @@ def paged_attention(
     numerics mode, CPU fp32): each query row is reduced in one fixed order over its visible keys
     (kernels/attention.c), so its result is bit-identical however many rows and keys share the
     forward; SDPA's order depends on the shapes."""
-    batch.sink.write(layer, k=k, v=v)
+    batch.sink.write(layer, **({"k": k, "v": v} if batch.cache is None else batch.cache.rows(layer, k, v)))
     batch = batch.windowed(window)
     if fixed_order and q.dtype == torch.float32 and q.device.type == "cpu" and kernels.load() is not None and (
-            batch.cache is None or batch.cache.k.dtype == torch.float32):
+            batch.cache is None or batch.cache.dtype == torch.float32):
         return _fixed_order_attention(layer, q, k, v, batch, scale, softcap)
     t, h, d = q.shape
     hkv = k.shape[1]
@@ -220,9 +225,10 @@ def paged_attention(
         vp = v.index_select(0, flat).view(b, n, hkv, d)
     if batch.ctx_slots is not None:
         assert batch.cache is not None
-        slots = batch.ctx_slots.view(-1)
-        kc = batch.cache.k[layer].index_select(0, slots).view(b, batch.max_ctx, hkv, d).to(q.dtype)
-        vc = batch.cache.v[layer].index_select(0, slots).view(b, batch.max_ctx, hkv, d).to(q.dtype)
+        slots = batch.ctx_slots[batch.cache.slot_row(layer)].view(-1)
+        k_pool, v_pool = batch.cache.layer_kv(layer)
+        kc = k_pool.index_select(0, slots).view(b, batch.max_ctx, hkv, d).to(q.dtype)
+        vc = v_pool.index_select(0, slots).view(b, batch.max_ctx, hkv, d).to(q.dtype)
         kp = torch.cat([kc, kp], dim=1)
         vp = torch.cat([vc, vp], dim=1)
     kp, vp = kp.transpose(1, 2), vp.transpose(1, 2)  # [B, Hkv, L, D]
@@ -260,10 +266,11 @@ def _fixed_order_attention(
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     t, h, d = q.shape
     ctx = batch.ctx_slots is not None
-    kc = batch.cache.k[layer] if ctx and batch.cache is not None else None
-    vc = batch.cache.v[layer] if ctx and batch.cache is not None else None
+    kc, vc = batch.cache.layer_kv(layer) if ctx and batch.cache is not None else (None, None)
     assert not ctx or (kc is not None and vc is not None and kc.is_contiguous() and vc.is_contiguous())
-    slots = batch.ctx_slots.contiguous() if batch.ctx_slots is not None else None
+    slots = None
+    if batch.ctx_slots is not None and batch.cache is not None:
+        slots = batch.ctx_slots[batch.cache.slot_row(layer)].contiguous()  # [B, max_ctx]
     mask = None if batch.mask is None else batch.mask.reshape(batch.num_seqs, batch.max_new, -1).contiguous()
     assert mask is None or mask.dtype == torch.float32
     out = torch.empty_like(q)

@@ -7,6 +7,8 @@ from dataclasses import replace
 
 import torch
 
+from ratchetlm.engine.block_manager import BlockManager
+from ratchetlm.engine.layer_groups import GroupedBlocks
 from ratchetlm.engine.llm_engine import LLMEngine
 from ratchetlm.engine.sequence import Sequence
 from ratchetlm.sampling_params import SamplingParams
@@ -30,30 +32,41 @@ def expected_hit(prompt: list[int], history: list[list[int]], block_size: int) -
     return min(best // block_size, (len(prompt) - 1) // block_size) * block_size
 
 
+def pools(eng: LLMEngine) -> list[tuple[BlockManager, torch.Tensor, torch.Tensor]]:
+    """(block manager, K, V) of each layer group's pool (one, unless local layers have their own)."""
+    c = eng.cache
+    if isinstance(eng.blocks, GroupedBlocks):
+        return [(eng.blocks.groups[0], c.k, c.v), (eng.blocks.groups[1], c.stacked["k_local"], c.stacked["v_local"])]
+    return [(eng.blocks, c.k, c.v)]
+
+
 def assert_cached_blocks_match_prefill(eng: LLMEngine, histories: list[list[int]], atol: float = 2e-3) -> int:
     """For each history (a finished request's committed tokens), the blocks of ``eng``'s prefix cache
     named after its prefixes hold what a plain autoregressive prefill of those tokens writes, in every
-    layer. Returns how many blocks were compared (callers assert it is not zero)."""
-    bm, bs = eng.blocks, eng.blocks.block_size
+    layer (and every layer group's pool: a local pool's blocks where the plain run still holds them).
+    Returns how many blocks were compared (callers assert it is not zero; with layer groups, each
+    group's pool must have had some)."""
+    bs = eng.blocks.block_size
     room = max(len(t) for t in histories) // bs + 2
     plain = LLMEngine(replace(eng.cfg, decoding="autoregressive", decoding_options={}, enable_prefix_caching=False,
                               kv_cache_blocks=room), eng.model, eng.model_config)
-    checked = 0
+    checked = [0] * len(pools(eng))
     for tokens in histories:
-        probe = Sequence(-1, list(tokens), len(tokens), SamplingParams())
-        names = bm._hashes(probe, len(tokens) // bs)
-        blocks = [(i, bm.cached[h]) for i, h in enumerate(names) if h in bm.cached]
-        if not blocks:
-            continue
         sid = plain.add_request(list(tokens), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
         while plain.seqs[sid].num_cached < len(tokens):
             plain.step()  # (chunked) prefill: every prompt token's K/V is in its blocks now
-        table = plain.seqs[sid].block_table
-        for i, b in blocks:
-            mine = slice(b * bs, (b + 1) * bs)
-            ref = slice(table[i] * bs, (table[i] + 1) * bs)
-            torch.testing.assert_close(eng.cache.k[:, mine], plain.cache.k[:, ref], atol=atol, rtol=atol)
-            torch.testing.assert_close(eng.cache.v[:, mine], plain.cache.v[:, ref], atol=atol, rtol=atol)
-            checked += 1
+        for g, ((bm, k, v), (pm, pk, pv)) in enumerate(zip(pools(eng), pools(plain), strict=True)):
+            probe = Sequence(-1, list(tokens), len(tokens), SamplingParams())
+            names = bm._hashes(probe, len(tokens) // bs)
+            table = getattr(plain.seqs[sid], pm.table)
+            for i, h in enumerate(names):
+                b = bm.cached.get(h)
+                if b is None or i >= len(table) or table[i] < 0:
+                    continue
+                mine, ref = slice(b * bs, (b + 1) * bs), slice(table[i] * bs, (table[i] + 1) * bs)
+                torch.testing.assert_close(k[:, mine], pk[:, ref], atol=atol, rtol=atol)
+                torch.testing.assert_close(v[:, mine], pv[:, ref], atol=atol, rtol=atol)
+                checked[g] += 1
         plain.abort(sid)
-    return checked
+    assert len(checked) == 1 or min(checked) > 0, f"blocks compared per layer group: {checked}"
+    return sum(checked)

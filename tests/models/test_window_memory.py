@@ -1,6 +1,6 @@
 """Sliding-window memory: a model whose every layer slides (Mistral) releases KV blocks no query can
 reach again, so the blocks a sequence holds stay bounded by its window as it grows — and its text is
-still HF's greedy text. A model with global layers (Gemma 3) keeps the whole context."""
+still HF's greedy text. (Models that also have global layers: test_local_pool.py.)"""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from ratchetlm import LLM, SamplingParams
 from tests.models.tiny import drain, engine_on, hf_logits, hf_model, save_hf
 
 WINDOW, BLOCK, CHUNK = 16, 4, 8
-PROMPT = list(b"The ratchet only moves forward and the window slides along with it. ")  # 70 tokens
-NEW = 90  # 160 positions = 40 blocks; the cache below has 14
+PROMPT = list(b"The ratchet only moves forward and the window slides along with it. ")  # 68 tokens
+NEW = 90  # 158 positions = 40 blocks; the cache below has 14
 
 
 def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
@@ -57,7 +57,7 @@ def test_blocks_stay_bounded_by_the_window_and_text_equals_hf(mistral):
     model, llm = mistral
     eng = engine_on(llm, kv_cache_blocks=14, block_size=BLOCK, max_num_batched_tokens=CHUNK)
     assert eng.blocks.window == WINDOW
-    # without release this request (160 positions) could not even be admitted
+    # without release this request (158 positions) could not even be admitted
     assert eng.blocks.blocks_needed(len(PROMPT) + NEW) > eng.blocks.num_blocks
     (out,), used = _run_counting(eng, [PROMPT], NEW)
     assert out == _hf_greedy(model, PROMPT, NEW)
@@ -97,12 +97,17 @@ def test_batched_preempted_and_speculative_with_released_blocks_equal_alone(mist
         assert spec.strategy.metrics()["spec_decode_num_drafts"] > 0
 
 
-def test_global_layers_keep_the_whole_context(tmp_path):
-    model = hf_model("Gemma3ForCausalLM", sliding_window=WINDOW, query_pre_attn_scalar=16,
-                     layer_types=["sliding_attention", "full_attention", "sliding_attention"])
-    llm = LLM(str(save_hf(tmp_path, model)), progress=False, dtype="float32")
-    eng = engine_on(llm, kv_cache_blocks=64, block_size=BLOCK, max_num_batched_tokens=CHUNK)
-    assert eng.blocks.window is None
-    (out,), used = _run_counting(eng, [PROMPT], 40)
-    assert out == _hf_greedy(model, PROMPT, 40)
-    assert max(used) == eng.blocks.blocks_needed(len(PROMPT) + 40 - 1)  # the last token's K/V is never written
+def test_a_hit_needs_only_the_window(mistral):
+    """In the 14-block cache a 158-position sequence keeps only its last blocks cached (the first ones
+    were evicted for the later ones): a prompt ending there still hits everything its window reaches,
+    and the released blocks before it are not looked for."""
+    _, llm = mistral
+    eng = engine_on(llm, kv_cache_blocks=14, block_size=BLOCK, max_num_batched_tokens=CHUNK)
+    sid = eng.add_request(PROMPT, _greedy(NEW))
+    drain(eng)
+    seq = eng.release(sid)
+    done = seq.token_ids  # 158 tokens, 157 with K/V: blocks 0-38 named, the early ones evicted since
+    (out,), used = _run_counting(eng, [done[:155]], 3)
+    assert eng.blocks.stats.hits == 152 and out == done[155:158]
+    assert max(used) <= _bound(eng)
+    eng.blocks.audit()

@@ -31,11 +31,11 @@ def draft_forward(
     num_layers: int | None = None,
     ctx_starts: list[int] | None = None,  # per seq position of its first context row (None: all 0)
 ) -> list[torch.Tensor]:  # per seq [len(rows_i), vocab] fp32
-    dev = cache.k.device
+    dev = cache.device
     pos = torch.tensor([p for pp in positions for p in pp], dtype=torch.long, device=dev)
     ids = torch.tensor([t for tt in tokens for t in tt], dtype=torch.long, device=dev)
     batch = build_attention_batch(pos, [len(t) for t in tokens], ctx_slots, masks, sink, cache,
-                                  dtype=cache.k.dtype, ctx_starts=ctx_starts)
+                                  dtype=cache.dtype, ctx_starts=ctx_starts)
     hidden = model(ids, batch, num_layers=num_layers)
     flat, o = [], 0
     for tt, rr in zip(tokens, rows, strict=True):

@@ -46,7 +46,7 @@ class DraftModelProposer(Proposer):
     def __init__(self, cfg: Any, ctx: Any) -> None:
         super().__init__(cfg, ctx)
         runner = ctx.runner
-        dtype = runner.cache.k.dtype
+        dtype = runner.cache.dtype
         try:
             loaded = load_model(cfg.draft_model, runner.device, dtype, progress=False)
         except ModelLoadError as e:
@@ -101,7 +101,7 @@ class DraftModelProposer(Proposer):
             positions.append(list(range(st.num_cached, end)))
             ctx.append(self.draft.slots(st, 0, st.num_cached))
             writes += [self.draft.slots(st, st.num_cached, end - 1), torch.full((1,), -1, dtype=torch.long)]
-        slot_mapping = torch.cat(writes).to(self.cache.k.device)  # -1: the root is not committed KV
+        slot_mapping = torch.cat(writes).to(self.cache.device)  # -1: the root is not committed KV
         out = draft_forward(self.model, self.cache, ctx, tokens, positions, [None] * len(seqs),
                             [[len(t) - 1] for t in tokens], DirectSink(self.cache, slot_mapping))
         for s, st in zip(seqs, states, strict=True):

@@ -161,7 +161,7 @@ class EagleProposer(Proposer):
         if target.tp.size > 1:  # it reads the target's embedding and head rows, which are split over the ranks
             raise ValueError("speculative method='eagle' does not run with tensor_parallel_size > 1; use 'ngram', "
                              "'draft' (layer-skip) or 'draft_model'")
-        dtype, dev = runner.cache.k.dtype, runner.device
+        dtype, dev = runner.cache.dtype, runner.device
         path = cfg.draft_model or BUNDLED_HEAD
         head = EagleHead.load(path)
         hc, tc = head.config, ctx.model_config
@@ -240,7 +240,7 @@ class EagleProposer(Proposer):
         cache = self.draft.cache
         batch = build_attention_batch(pos, [len(t) for t in tokens],
                                       [self.draft.slots(st, st.start, st.num_cached) for st in states],
-                                      [None] * len(tokens), sink, cache, dtype=cache.k.dtype)
+                                      [None] * len(tokens), sink, cache, dtype=cache.dtype)
         ids = torch.tensor([x for t in tokens for x in t], dtype=torch.long, device=dev)
         out = self.head(self.embed(ids), torch.cat(feats), batch)
         last = torch.tensor([len(t) for t in tokens]).cumsum(0) - 1
@@ -263,7 +263,7 @@ class EagleProposer(Proposer):
             feats.append(run.feats[c - run.start : t - run.start])
             starts.append(c)
             writes.append(self.draft.slots(st, c, t))
-        sink = DirectSink(self.draft.cache, torch.cat(writes).to(self.draft.cache.k.device))
+        sink = DirectSink(self.draft.cache, torch.cat(writes).to(self.draft.cache.device))
         g = self._forward(states, tokens, feats, starts, sink)  # [B, hidden] g_T per sequence
         for s, st in zip(rs, states, strict=True):
             t = len(s.token_ids) - 1
