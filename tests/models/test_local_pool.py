@@ -67,13 +67,31 @@ def test_local_blocks_stay_bounded_global_keep_everything(gemma, monkeypatch):
     # the local pool: one sequence's window + one step; the sequence's local K/V would need 40 blocks
     assert local.num_blocks == 8 < local.blocks_needed(len(PROMPT) + NEW)
     assert eng.cache.stacked["k_local"].shape == (2, 8 * BLOCK, 2, 16)  # its bytes: 8 blocks of 2 layers, not 64
+    assert list(eng.cache.layers("k")) == [1]  # the pool that keeps every block holds the global layer only
+    writes: dict[int, set[str]] = {}  # layer -> pools its new K/V rows went to
+    write = eng.cache.write
+
+    def recording(pool, layer, values, slots):
+        writes.setdefault(layer, set()).add(pool)
+        return write(pool, layer, values, slots)
+
+    monkeypatch.setattr(eng.cache, "write", recording)
     (out,), _, used = _run(eng, [PROMPT], NEW)
+    assert writes == {0: {"k_local", "v_local"}, 1: {"k", "v"}, 2: {"k_local", "v_local"}}
     ids = list(PROMPT)
     for _ in range(NEW):
         ids.append(int(hf_logits(model, ids)[-1].argmax()))
     assert out == ids[len(PROMPT):]
     assert max(u for _, u in used) <= local.blocks_held(len(PROMPT) + NEW, CHUNK) == 7, used
     assert max(u for u, _ in used) == full.blocks_needed(len(PROMPT) + NEW - 1)  # (the last token has no K/V)
+    # in bytes: a block of one layer's K+V is 4 x 2 heads x 16 dims x 4 bytes x 2; the local layers
+    # hold 7 blocks of 2 layers at most, the global layer all 40 -- not 40 blocks of 3 layers
+    layer_block = BLOCK * 2 * 16 * 4 * 2
+    block_bytes = [BLOCK * (eng.cache.row_bytes(k) + eng.cache.row_bytes(v)) for k, v in (("k", "v"),
+                                                                                          ("k_local", "v_local"))]
+    assert block_bytes == [layer_block, 2 * layer_block]
+    peak = max(g * block_bytes[0] + u * block_bytes[1] for g, u in used)
+    assert peak <= (40 + 2 * 7) * layer_block < 40 * 3 * layer_block, peak
     audit = eng.blocks.audit()
     assert audit["referenced"] == audit["local_referenced"] == 0
 
