@@ -18,7 +18,7 @@ from typing import Any
 from ratchetlm.layers.rope_scaling import RopeScaling
 from ratchetlm.models.config import ModelConfig
 from ratchetlm.models.families import FAMILIES
-from ratchetlm.models.gguf_file import GGUFFile
+from ratchetlm.models.gguf_file import ArrayValue, GGUFFile
 
 Meta = Callable[[str, Any], Any]  # (key without the "{arch}." prefix, default) -> metadata value
 
@@ -46,12 +46,11 @@ def _gemma(pattern: int, big_layers: int) -> Callable[[Meta, GGUFFile], dict[str
         n, hidden = int(meta("block_count", 0)), int(meta("embedding_length", 0))
         heads, key_len = int(meta("attention.head_count", 1)), meta("attention.key_length", None)
         window = int(meta("attention.sliding_window", 4096))
-        pattern_n = int(meta("attention.sliding_window_pattern", pattern) or pattern)
         scale_dim = hidden // heads if n == big_layers else int(key_len or hidden // heads)
         out: dict[str, Any] = dict(
             norm_offset=1.0, sandwich_norms=True, embed_scale=hidden**0.5, hidden_act="gelu_tanh",
             query_scale=scale_dim**-0.5, sliding_window=window,
-            layer_types=tuple("sliding_attention" if (i + 1) % pattern_n else "full_attention" for i in range(n)),
+            layer_types=_layer_types(reader, meta, n, pattern),
             attn_logit_softcap=meta("attn_logit_softcapping", None),
             final_logit_softcap=meta("final_logit_softcapping", None),
             qk_norm="blk.0.attn_q_norm.weight" in reader.tensors,
@@ -61,6 +60,23 @@ def _gemma(pattern: int, big_layers: int) -> Callable[[Meta, GGUFFile], dict[str
         return out
 
     return config
+
+
+def _layer_types(reader: GGUFFile, meta: Meta, n: int, period: int) -> tuple[str, ...]:
+    """Gemma's local/global layers: ``attention.sliding_window_pattern`` as a period (every
+    ``period``-th layer global; llama.cpp's default per architecture) or one flag per layer (newer
+    converters: true = sliding)."""
+    from ratchetlm.models.loader import ModelLoadError
+
+    raw = meta("attention.sliding_window_pattern", None)
+    if isinstance(raw, ArrayValue):
+        flags = reader.array(f"{reader.get('general.architecture')}.attention.sliding_window_pattern")
+        if len(flags) != n or not all(isinstance(f, bool) for f in flags):
+            raise ModelLoadError(f"GGUF file {reader.path}: attention.sliding_window_pattern has {len(flags)} "
+                                 f"entries for {n} layers (expected one true/false flag per layer)")
+        return tuple("sliding_attention" if f else "full_attention" for f in flags)
+    period = int(raw or period)
+    return tuple("sliding_attention" if (i + 1) % period else "full_attention" for i in range(n))
 
 
 def _phi3(meta: Meta, reader: GGUFFile) -> dict[str, Any]:

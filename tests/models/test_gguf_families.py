@@ -69,6 +69,19 @@ def test_gguf_config_and_logits_match_the_source_model(family):
     _check(llm, hf_logits(model, IDS), atol=1e-4)
 
 
+def test_gemma_layer_pattern_as_per_layer_flags(tmp_path):
+    """A file may carry the layer pattern as one flag per layer (gguf-py's
+    ``add_sliding_window_pattern`` with a list; llama.cpp: true = sliding) instead of the period
+    llama.cpp assumes per architecture: the flags are read, whatever pattern they make."""
+    types = ["sliding_attention", "full_attention", "full_attention", "sliding_attention"]  # no period fits
+    model = hf_model("Gemma3ForCausalLM", num_hidden_layers=4, sliding_window=WINDOW, query_pre_attn_scalar=16,
+                     layer_types=types)
+    path = write_gguf(tmp_path / "tiny-gemma3-flags.gguf", model, window_flags=True)
+    llm = LLM(str(path), progress=False, dtype="float32", kv_cache_blocks=32, block_size=8)
+    assert llm.model_config.layer_types == tuple(types)
+    _check(llm, hf_logits(model, IDS), atol=1e-4)
+
+
 # transformers' GGUF loader reads only part of the metadata: it drops windows on ``llama`` files,
 # rope_freqs, YaRN, LongRoPE factors and partial rotary, reads no Gemma soft-caps (uses 50/30) and
 # sets query_pre_attn_scalar = 256. These configs stay inside what it reads (checked first against

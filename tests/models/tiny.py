@@ -177,9 +177,11 @@ def llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def write_gguf(path: Path, model, quant: str = "F32") -> Path:
+def write_gguf(path: Path, model, quant: str = "F32", window_flags: bool = False) -> Path:
     """Write ``model`` (a tiny HF model from :func:`hf_model`) as a GGUF with the byte tokenizer.
-    ``quant``: the type of 2-D weights (``F32``, ``Q8_0``, ...; other tensors stay F32)."""
+    ``quant``: the type of 2-D weights (``F32``, ``Q8_0``, ...; other tensors stay F32).
+    ``window_flags``: the layer pattern as one flag per layer (true = sliding), as newer converters
+    write it, instead of llama.cpp's per-architecture period."""
     import gguf
 
     c = model.config
@@ -204,6 +206,8 @@ def write_gguf(path: Path, model, quant: str = "F32") -> Path:
     w.add_rope_dimension_count(rotary)
     if getattr(c, "sliding_window", None):
         w.add_sliding_window(c.sliding_window)
+    if window_flags:
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
     if getattr(c, "attn_logit_softcapping", None):
         w.add_attn_logit_softcapping(c.attn_logit_softcapping)
     if getattr(c, "final_logit_softcapping", None):
