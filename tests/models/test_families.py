@@ -97,7 +97,7 @@ def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
 def test_greedy_matches_hf(family):
     name, model, _, llm = family
     ids = _ids(PROMPTS[1])
-    got = llm.generate([ids], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0].token_ids
+    got = llm.generate([ids], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
     assert got == _hf_greedy(model, ids, 24), name
 
 
@@ -108,8 +108,8 @@ def _greedy(n: int) -> SamplingParams:
 def test_batched_preempted_and_speculative_equal_alone(family):
     name, _, _, llm = family
     prompts = [_ids(p) for p in PROMPTS]
-    alone = [llm.generate([p], _greedy(32))[0].token_ids for p in prompts]
-    batched = [o.token_ids for o in llm.generate(prompts, _greedy(32))]
+    alone = [llm.generate([p], _greedy(32))[0].outputs[0].token_ids for p in prompts]
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(32))]
     assert batched == alone, name
     # every layer sliding, a sequence holds only its window's blocks (test_window_memory.py): tighter still
     small = {} if llm.engine.blocks.window is None else {"kv_cache_blocks": 10, "max_num_batched_tokens": 16}

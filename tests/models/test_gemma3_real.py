@@ -58,7 +58,7 @@ def test_logits_match_hf_gguf_before_and_past_the_window(gemma, reference):
 def test_greedy_and_ngram_speculative_match_hf(gemma, reference):
     prompt, gen = reference["ids"][:GREEDY_PROMPT], reference["greedy"]
     params = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0, ignore_eos=True)
-    assert gemma.generate([prompt], params)[0].token_ids == gen
+    assert gemma.generate([prompt], params)[0].outputs[0].token_ids == gen
     spec = engine_on(gemma, kv_cache_blocks=64, decoding="speculative",
                      decoding_options={"method": "ngram", "depth": 4, "depth_schedule": "constant"})
     assert run(spec, [prompt], GREEDY_TOKENS) == [gen]

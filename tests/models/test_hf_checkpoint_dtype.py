@@ -65,7 +65,7 @@ def test_logits_and_greedy_match_hf(checkpoint):
     with torch.no_grad():
         want = hf.generate(torch.tensor([IDS]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
                            pad_token_id=EOS)[0, len(IDS):].tolist()
-    assert out[0].token_ids == want
+    assert out[0].outputs[0].token_ids == want
 
 
 def test_fp32_checkpoint_and_kernels_off_stay_dense(checkpoint, tmp_path):

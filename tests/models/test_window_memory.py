@@ -70,7 +70,7 @@ def test_released_blocks_serve_prefix_hits(mistral):
     prompt again; the hit is not held past the window either. Prefill chunks longer than the window
     release blocks in the step that fills them."""
     _, llm = mistral
-    want = llm.generate([PROMPT], _greedy(NEW))[0].token_ids
+    want = llm.generate([PROMPT], _greedy(NEW))[0].outputs[0].token_ids
     for budget in (CHUNK, 3 * WINDOW):
         roomy = engine_on(llm, kv_cache_blocks=64, block_size=BLOCK, max_num_batched_tokens=budget)
         for _ in range(2):
@@ -83,7 +83,7 @@ def test_released_blocks_serve_prefix_hits(mistral):
 def test_batched_preempted_and_speculative_with_released_blocks_equal_alone(mistral):
     _, llm = mistral
     prompts = [PROMPT, PROMPT[::-1], list(b"abcabcabcabcabcabcabcabc" * 3)]
-    alone = [llm.generate([p], _greedy(NEW))[0].token_ids for p in prompts]
+    alone = [llm.generate([p], _greedy(NEW))[0].outputs[0].token_ids for p in prompts]
     tight = engine_on(llm, kv_cache_blocks=14, block_size=BLOCK, max_num_batched_tokens=CHUNK + 2)
     got, _ = _run_counting(tight, prompts, NEW)
     assert got == alone and tight.scheduler.num_preemptions > 0
