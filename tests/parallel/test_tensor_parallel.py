@@ -114,3 +114,28 @@ def test_fused_checkpoint_tensors_split_in_place(tmp_path):
         assert run(engine_on(two), PROMPTS[:3], 12) == run(engine_on(one), PROMPTS[:3], 12)
     finally:
         two.close()
+
+
+def test_local_layer_pools_on_every_rank(tmp_path):
+    """Gemma 3 (local, global, local layers; window 8, shorter than the prompts): every rank builds
+    the same two pools from rank 0's global block count, the local pool releases behind the window,
+    and n-gram drafts are staged and committed into both pools on both ranks: greedy output under
+    preemption and speculative output == one rank's."""
+    model = hf_model("Gemma3ForCausalLM", sliding_window=8, query_pre_attn_scalar=16,
+                     layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    path = str(write_gguf(tmp_path / "gemma3.gguf", model, quant="Q8_0", window_flags=True))
+    opts = dict(kv_cache_blocks=24, block_size=4, max_num_batched_tokens=8, max_num_seqs=4)
+    one = LLM(path, dtype="float32", progress=False, **opts)
+    two = LLM(path, dtype="float32", progress=False, tensor_parallel_size=2, **opts)  # the workers' config
+    ngram = dict(decoding="speculative",
+                 decoding_options={"method": "ngram", "depth": 4, "num_candidates": 2, "depth_schedule": "constant"})
+    try:
+        want = run(engine_on(one, **opts), PROMPTS[:4], 24)
+        eng = engine_on(two, **opts)
+        assert eng.cache.slot_groups == ("kv", "kv_local") and eng.blocks.groups[1].num_blocks < 24
+        assert run(eng, PROMPTS[:4], 24) == want and eng.scheduler.num_preemptions > 0
+        spec = engine_on(two, **opts, **ngram)
+        assert run(spec, PROMPTS[:4], 24) == want
+        assert spec.strategy.metrics()["spec_decode_num_accepted_tokens"] > 0
+    finally:
+        two.close()
