@@ -1,6 +1,6 @@
 """Every supported family, from a tiny random HF folder whose config turns on every option the
 family has (sliding window smaller than the prompt, alternating local/global layers, soft-caps,
-partial rotary, LongRoPE, llama3 / linear scaling, q/k norms), equals HF transformers in fp32:
+partial rotary, LongRoPE, llama3 / YaRN / linear scaling, q/k norms), equals HF transformers in fp32:
 logits of prefill and of paged decode steps, greedy text past the window; and our own modes
 agree with each other on it: batched == alone, preempted == not, n-gram speculative == plain."""
 
@@ -15,10 +15,11 @@ from tests.models.tiny import engine_logits, engine_on, hf_logits, hf_model, run
 WINDOW = 24
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
 
 FAMILIES = {
     "llama3": ("LlamaForCausalLM", dict(rope_parameters=LLAMA3)),
-    "mistral": ("MistralForCausalLM", dict(sliding_window=WINDOW)),
+    "mistral": ("MistralForCausalLM", dict(sliding_window=WINDOW, rope_parameters=YARN)),
     "qwen2-swa": ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
     "gemma2": ("Gemma2ForCausalLM", dict(sliding_window=WINDOW, attn_logit_softcapping=2.0,
                                          final_logit_softcapping=3.0, query_pre_attn_scalar=24)),
@@ -67,6 +68,10 @@ def test_config_reads_every_option(family):
     if name.startswith("gemma"):
         assert c.norm_offset == 1.0 and c.sandwich_norms and c.embed_scale == pytest.approx(8.0)
         assert c.hidden_act == "gelu_tanh" and c.query_scale == pytest.approx(24**-0.5)
+    if name == "llama3":
+        assert c.rope_scaling is not None and c.rope_scaling.type == "llama3"
+    if name == "mistral":  # YaRN past its 64 original positions: the prompts below are longer
+        assert c.rope_scaling is not None and c.rope_scaling.type == "yarn" and c.rope_scaling.factor == 4.0
     if name == "gemma2":
         assert (c.attn_logit_softcap, c.final_logit_softcap) == (2.0, 3.0)
     if name == "gemma3":
