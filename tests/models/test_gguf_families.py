@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ratchetlm import LLM
+from ratchetlm.models.loader import ModelLoadError
 from tests.models.tiny import engine_logits, hf_logits, hf_model, write_gguf
 
 WINDOW = 24
@@ -80,6 +81,9 @@ def test_gemma_layer_pattern_as_per_layer_flags(tmp_path):
     llm = LLM(str(path), progress=False, dtype="float32", kv_cache_blocks=32, block_size=8)
     assert llm.model_config.layer_types == tuple(types)
     _check(llm, hf_logits(model, IDS), atol=1e-4)
+    bad = write_gguf(tmp_path / "tiny-gemma3-3-flags.gguf", model, window_flags=[True, False, True])
+    with pytest.raises(ModelLoadError, match="sliding_window_pattern has 3 entries for 4 layers"):
+        LLM(str(bad), progress=False, dtype="float32")
 
 
 # transformers' GGUF loader reads only part of the metadata: it drops windows on ``llama`` files,

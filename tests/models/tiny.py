@@ -177,11 +177,11 @@ def llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def write_gguf(path: Path, model, quant: str = "F32", window_flags: bool = False) -> Path:
+def write_gguf(path: Path, model, quant: str = "F32", window_flags: bool | list[bool] = False) -> Path:
     """Write ``model`` (a tiny HF model from :func:`hf_model`) as a GGUF with the byte tokenizer.
     ``quant``: the type of 2-D weights (``F32``, ``Q8_0``, ...; other tensors stay F32).
     ``window_flags``: the layer pattern as one flag per layer (true = sliding), as newer converters
-    write it, instead of llama.cpp's per-architecture period."""
+    write it, instead of llama.cpp's per-architecture period (a list: those flags, as given)."""
     import gguf
 
     c = model.config
@@ -207,7 +207,8 @@ def write_gguf(path: Path, model, quant: str = "F32", window_flags: bool = False
     if getattr(c, "sliding_window", None):
         w.add_sliding_window(c.sliding_window)
     if window_flags:
-        w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
+        flags = window_flags if isinstance(window_flags, list) else [t == "sliding_attention" for t in c.layer_types]
+        w.add_sliding_window_pattern(flags)
     if getattr(c, "attn_logit_softcapping", None):
         w.add_attn_logit_softcapping(c.attn_logit_softcapping)
     if getattr(c, "final_logit_softcapping", None):
