@@ -3,7 +3,8 @@
 Each engine runs in its own process (so load time and peak RSS are its own) on the same token ids,
 the same number of threads and the same KV budget:
 
-* ``ratchetlm``: fp32 activations, weights in block form (the default);
+* ``ratchetlm``: the engine's defaults (``numerics="auto"``: int16 on a quantized GGUF);
+* ``ratchetlm-exact``: fp32 activations times the exactly dequantized blocks (HF-identical tokens);
 * ``ratchetlm-dense``: ``gguf_kernels=False``, a dense fp32 copy multiplied by BLAS (the path
   before the block kernels took every row count: a baseline for prefill);
 * ``ratchetlm-int8`` / ``ratchetlm-int16``: the integer numerics modes (``--numerics``: int8 / 16-bit
@@ -43,7 +44,7 @@ PROMPTS = [
     "Once upon a time, a robot",
     "Summarize the plot of Romeo and Juliet.",
 ]
-ENGINES = ("ratchetlm", "ratchetlm-dense", "ratchetlm-int8", "ratchetlm-int16", "llama.cpp", "hf")
+ENGINES = ("ratchetlm", "ratchetlm-exact", "ratchetlm-dense", "ratchetlm-int8", "ratchetlm-int16", "llama.cpp", "hf")
 
 
 def _median(f: Callable[[], float], repeats: int) -> float:
@@ -70,7 +71,7 @@ class Runner:
 
 
 class RatchetRunner(Runner):
-    def __init__(self, model: str | None, dense: bool, ctx: int, max_batch: int, numerics: str = "exact") -> None:
+    def __init__(self, model: str | None, dense: bool, ctx: int, max_batch: int, numerics: str = "auto") -> None:
         from ratchetlm import LLM
 
         self.llm = LLM(model, progress=False, dtype="float32", gguf_kernels=not dense, max_model_len=ctx,
@@ -196,7 +197,8 @@ def worker(a: argparse.Namespace, job: dict[str, Any]) -> dict[str, Any]:
     t = time.perf_counter()
     runner: Runner
     if a.worker.startswith("ratchetlm"):
-        numerics = a.worker.split("-")[1] if a.worker.startswith("ratchetlm-int") else "exact"
+        numerics = a.worker.split("-")[1] if a.worker in ("ratchetlm-int8", "ratchetlm-int16", "ratchetlm-exact") \
+            else "exact" if a.worker == "ratchetlm-dense" else "auto"
         runner = RatchetRunner(job["model"], a.worker == "ratchetlm-dense", ctx, max(sizes), numerics)
     elif a.worker == "llama.cpp":
         runner = LlamaCppRunner(job["model"], a.threads, ctx, max(sizes))

@@ -39,8 +39,8 @@ _ENGINE_HELP = {
     "decoding": "decoding strategy: autoregressive | speculative | wedlm",
     "decoding_options": "JSON object of strategy options",
     "gguf_kernels": "CPU fp32: GGUF (and 16-bit HF) weights stay in stored form, matmuls read them (true/false)",
-    "numerics": "CPU block kernels: exact (fp32 activations, HF-identical) | int8 | int16 (integer activations, "
-                "VNNI dot products)",
+    "numerics": "CPU block kernels: auto (int16 for a quantized GGUF, else exact) | exact (fp32 activations, "
+                "HF-identical) | int8 | int16 (integer activations, VNNI dot products)",
     "seed": "global RNG seed for unseeded sampling",
     "jump_forward": "structured outputs: commit grammar-forced tokens in the same forward as the next one (true/false)",
     "progress": "show progress bars (true/false)",
@@ -85,7 +85,7 @@ def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> N
             short = ["-tp"] if f.name == "tensor_parallel_size" else []  # vLLM's short flag
             p.add_argument(flag, *short, type=int, default=default, help=_ENGINE_HELP[f.name])
         elif f.name == "numerics":
-            p.add_argument(flag, type=str, default=default, choices=NUMERICS, help=_ENGINE_HELP[f.name])
+            p.add_argument(flag, type=str, default=default, choices=("auto", *NUMERICS), help=_ENGINE_HELP[f.name])
         else:
             p.add_argument(flag, type=str, default=default, help=_ENGINE_HELP[f.name])
     p.add_argument("--speculative", type=json.loads, default=None,

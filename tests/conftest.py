@@ -15,6 +15,14 @@ def llm_fp32():
     """The bundled SmolLM2-135M-Instruct in fp32 (same dtype as the HF oracle)."""
     from ratchetlm import LLM
 
+    return LLM(progress=False, numerics="exact", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def llm_default():
+    """The bundled model with the engine's defaults (numerics "auto": the integer mode on a CPU GGUF)."""
+    from ratchetlm import LLM
+
     return LLM(progress=False, dtype="float32")
 
 
@@ -23,7 +31,7 @@ def llm_fp32_dense():
     """The same model with the GGUF block kernels off: every matmul on the dense fp32 weights."""
     from ratchetlm import LLM
 
-    return LLM(progress=False, dtype="float32", gguf_kernels=False, kv_cache_blocks=256)
+    return LLM(progress=False, numerics="exact", dtype="float32", gguf_kernels=False, kv_cache_blocks=256)
 
 
 @pytest.fixture(scope="session")

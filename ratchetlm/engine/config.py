@@ -43,8 +43,9 @@ class EngineConfig:
     # CPU block kernels: "exact" = fp32 activations times the exactly dequantized weights (HF-identical);
     # "int8" / "int16" = activations quantized per row in blocks of 32 to 8 / 16 bits, integer (VNNI)
     # dot products with the weights' int8 values: faster, batch-invariant like the exact mode, not
-    # HF-identical (quality vs exact: docs/architecture.md)
-    numerics: str = "exact"
+    # HF-identical (quality vs exact: docs/architecture.md); "auto" = int16 for a quantized GGUF on CPU
+    # in fp32 (the fastest mode meeting the quality gates, README), exact otherwise
+    numerics: str = "auto"
     seed: int = 0  # global RNG seed for unseeded sampling
     # structured outputs: tokens the grammar forces are verified and committed in the same forward as
     # the model's next token (same output, fewer forwards); False = one token per forward
@@ -68,9 +69,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
-        if self.numerics not in NUMERICS:
-            raise ValueError(f"numerics must be 'exact', 'int8' or 'int16', got {self.numerics!r}")
-        if self.numerics != "exact" and (not self.gguf_kernels or self.device != "cpu"):
+        if self.numerics not in ("auto", *NUMERICS):
+            raise ValueError(f"numerics must be 'auto', 'exact', 'int8' or 'int16', got {self.numerics!r}")
+        if self.numerics in ("int8", "int16") and (not self.gguf_kernels or self.device != "cpu"):
             raise ValueError(f"numerics={self.numerics!r} runs on the CPU block kernels: it needs device='cpu' "
                              "and gguf_kernels=True")
         n = self.tensor_parallel_size

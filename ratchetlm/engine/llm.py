@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from collections.abc import Iterator, Mapping
@@ -76,6 +77,8 @@ class LLM:
                                 **({} if parallel is None else parallel.load_args()))
             if parallel is not None:
                 parallel.wait_ready()
+            if loaded.numerics != self.config.numerics:  # "auto", resolved by the loader
+                self.config = dataclasses.replace(self.config, numerics=loaded.numerics)
             self.tokenizer = loaded.tokenizer
             if extras.get("tokenizer") is not None:
                 self.tokenizer = _other_tokenizer(str(extras["tokenizer"]), loaded)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ratchetlm import kernels
+from ratchetlm.layers.mapped_pages import release_pages
 
 NUMERICS = ("exact", "int8", "int16")
 ACTIVATION_BITS = {"int8": 8, "int16": 16}  # integer modes: activation precision (weights stay int8)
@@ -183,6 +184,8 @@ class BlockWeight:
             # the arrays, and the kernel's arguments after x's (zero point, pointers), ready for each call
             self._q8[id(lib)] = (panels, q, sm, int(sizes[2])), (int(sizes[2]), panels.ctypes.data, q.ctypes.data,
                                                                   sm.ctypes.data)
+            for p in self.parts:  # never read again by this weight's integer matmuls (layers/mapped_pages.py)
+                release_pages(p.data)
         return self._q8[id(lib)][0]
 
     def dequantize(self) -> torch.Tensor:  # [N, K] fp32: exactly the weights the kernels multiply

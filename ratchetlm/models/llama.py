@@ -87,6 +87,8 @@ class LlamaModel(nn.Module):
     """Decoder stack + head. ``forward`` returns final hidden states; ``logits`` applies the head.
     ``tp``: the slice of a tensor-parallel rank (parallel/shard.py); default the whole model."""
 
+    numerics = "exact"  # the block weights' numerics mode (set_numerics)
+
     def __init__(self, cfg: ModelConfig, tp: TPShard | None = None) -> None:
         super().__init__()
         self.config = cfg
@@ -124,6 +126,7 @@ class LlamaModel(nn.Module):
         the integer modes also attend in a fixed order per row (its contract is batch invariance, and an
         int8 rounding amplifies SDPA's shape-dependent last bits). Returns the int8 weight count."""
         n = set_numerics(self, numerics)
+        self.numerics = numerics
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             layer.fixed_order_attention = numerics != "exact"

@@ -50,7 +50,7 @@ def test_folder_with_one_gguf_takes_the_file_path(tmp_path, llm_fp32):
     as_file = choose_dtype("auto", "cpu", str(default_model_path()), True)
     assert choose_dtype("auto", "cpu", str(folder), True) == as_file
     assert as_file.describe().startswith("dtype=float32 (GGUF on CPU, block kernels: ")
-    llm = LLM(str(folder), progress=False, kv_cache_blocks=64)
+    llm = LLM(str(folder), progress=False, numerics="exact", kv_cache_blocks=64)
     assert llm.engine.dtype == torch.float32
     blocked = [m for m in llm.engine.model.modules() if isinstance(m, Linear) and m.blocks is not None]
     assert blocked  # the GGUF block kernels, not dense bf16 copies

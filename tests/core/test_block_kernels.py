@@ -219,14 +219,14 @@ def test_default_model_holds_only_blocks_of_the_file(llm_fp32, hf_smollm):
 
 
 def test_switch_off_and_compiler_missing_fall_back_to_dense(monkeypatch, tmp_path, caplog):
-    off = LLM(progress=False, dtype="float32", gguf_kernels=False, kv_cache_blocks=32)
+    off = LLM(progress=False, numerics="exact", dtype="float32", gguf_kernels=False, kv_cache_blocks=32)
     assert all(layer.qkv.blocks is None and layer.qkv.weight is not None for layer in off.engine.model.layers)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(kernels, "_compiler", lambda: None)
     kernels.load.cache_clear()
     try:
         with caplog.at_level(logging.WARNING):
-            llm = LLM(progress=False, dtype="float32", kv_cache_blocks=32)
+            llm = LLM(progress=False, numerics="exact", dtype="float32", kv_cache_blocks=32)
         assert "no C compiler" in caplog.text
         assert llm.engine.model.embed.blocks is None
         p = SamplingParams(max_tokens=8, temperature=0)

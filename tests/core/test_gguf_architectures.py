@@ -35,7 +35,7 @@ def _hf(path):
 def test_tiny_gguf_matches_hf_gguf_loader(tmp_path, arch, kernels_on):
     head_dim, tied, types = ARCHS[arch]
     path = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, types, head_dim=head_dim, tied=tied)
-    llm = LLM(str(path), progress=False, dtype="float32", gguf_kernels=kernels_on, kv_cache_blocks=16)
+    llm = LLM(str(path), progress=False, numerics="exact", dtype="float32", gguf_kernels=kernels_on, kv_cache_blocks=16)
     cfg = llm.model_config
     assert cfg.qk_norm == (arch == "qwen3") and cfg.attention_bias == (arch == "qwen2")
     assert cfg.head_dim == head_dim and cfg.tie_word_embeddings == tied and cfg.vocab_size == VOCAB
@@ -66,12 +66,12 @@ def test_tiny_gguf_matches_hf_gguf_loader(tmp_path, arch, kernels_on):
 def test_unsupported_architecture_is_named(tmp_path):
     path = write_tiny_gguf(tmp_path / "m.gguf", "gpt2", ["F16"], head_dim=64)
     with pytest.raises(ModelLoadError, match=r"unsupported GGUF architecture 'gpt2'; supported: llama, qwen2, qwen3"):
-        LLM(str(path), progress=False, dtype="float32")
+        LLM(str(path), progress=False, numerics="exact", dtype="float32")
 
 
 def test_unsupported_tensor_format_is_refused_naming_tensor_type_and_list(tmp_path):
     path = write_tiny_gguf(tmp_path / "iq.gguf", "llama", ["F16"], override={"blk.1.ffn_down.weight": "IQ4_NL"})
     with pytest.raises(ModelLoadError) as e:
-        LLM(str(path), progress=False, dtype="float32")
+        LLM(str(path), progress=False, numerics="exact", dtype="float32")
     msg = str(e.value)
     assert "'blk.1.ffn_down.weight'" in msg and "IQ4_NL" in msg and "Q4_K" in msg and "Q6_K" in msg

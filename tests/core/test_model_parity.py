@@ -55,7 +55,7 @@ def test_smollm_logits_match_hf_prefill_and_paged_decode(engine, hf_smollm, requ
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM"])
 def test_tiny_hf_folder_logits_match_hf(tmp_path, smollm_tokenizer, arch):
     path, hf = make_tiny_hf_folder(tmp_path, arch, smollm_tokenizer)
-    llm = LLM(str(path), progress=False, dtype="float32", kv_cache_blocks=64)
+    llm = LLM(str(path), progress=False, numerics="exact", dtype="float32", kv_cache_blocks=64)
     assert llm.model_config.architecture == arch
     assert llm.model_config.qk_norm == (arch == "Qwen3ForCausalLM")
     ids = llm.encode("tiny random model, real tokenizer: 12345 你好")

@@ -49,7 +49,7 @@ def family(request, tmp_path_factory):
     arch, cfg = FAMILIES[request.param]
     model = hf_model(arch, **cfg)
     path = save_hf(tmp_path_factory.mktemp(request.param), model)
-    llm = LLM(str(path), progress=False, dtype="float32", kv_cache_blocks=64, block_size=8)
+    llm = LLM(str(path), progress=False, numerics="exact", dtype="float32", kv_cache_blocks=64, block_size=8)
     return request.param, model, path, llm
 
 

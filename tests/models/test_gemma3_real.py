@@ -35,7 +35,7 @@ def reference(gemma3_270m_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gemma(gemma3_270m_path, reference):
-    return LLM(str(gemma3_270m_path), progress=False, dtype="float32", kv_cache_blocks=128)
+    return LLM(str(gemma3_270m_path), progress=False, numerics="exact", dtype="float32", kv_cache_blocks=128)
 
 
 def test_config_read_from_the_file(gemma, reference):

@@ -53,7 +53,7 @@ def _check(llm: LLM, ref: torch.Tensor, atol: float) -> None:
 
 def test_gguf_config_and_logits_match_the_source_model(family):
     name, model, path = family
-    llm = LLM(str(path), progress=False, dtype="float32", kv_cache_blocks=32, block_size=8)
+    llm = LLM(str(path), progress=False, numerics="exact", dtype="float32", kv_cache_blocks=32, block_size=8)
     c, hc = llm.model_config, model.config
     assert c.architecture == ("LlamaForCausalLM" if name == "mistral" else FAMILIES[name][0])
     types = tuple(getattr(hc, "layer_types", None) or ()) or (("sliding_attention",) * c.num_layers
@@ -113,5 +113,5 @@ def test_hf_gguf_loader_agrees(name, quant, tmp_path):
     ref = hf_logits(hf, IDS)
     if quant == "Q8_0":  # it reads the same model, up to rounding (a dropped option moves logits by ~0.5)
         assert torch.allclose(ref, hf_logits(model, IDS), atol=0.1)
-    llm = LLM(str(path), progress=False, dtype="float32", kv_cache_blocks=32, block_size=8)
+    llm = LLM(str(path), progress=False, numerics="exact", dtype="float32", kv_cache_blocks=32, block_size=8)
     _check(llm, ref, atol=2e-4)

@@ -34,7 +34,7 @@ def _blocked(llm: LLM) -> list[tuple[str, Linear | Embedding]]:
 
 def test_weights_stay_in_checkpoint_dtype(checkpoint):
     name, path, hf = checkpoint
-    llm = LLM(str(path), dtype="float32", progress=False)
+    llm = LLM(str(path), dtype="float32", progress=False, numerics="exact")
     blocked = _blocked(llm)
     linears = [m for m in llm.engine.model.modules() if isinstance(m, (Linear, Embedding))]
     assert len(blocked) == len(linears) > 0  # every matmul weight and the embedding
@@ -55,7 +55,7 @@ def test_weights_stay_in_checkpoint_dtype(checkpoint):
 
 def test_logits_and_greedy_match_hf(checkpoint):
     _, path, hf = checkpoint
-    llm = LLM(str(path), dtype="float32", progress=False)
+    llm = LLM(str(path), dtype="float32", progress=False, numerics="exact")
     ours = engine_logits(llm, IDS, rows=[0, 10, len(IDS) - 4], n_decode=3)
     with torch.no_grad():
         ref = hf(torch.tensor([IDS])).logits[0]
@@ -70,6 +70,6 @@ def test_logits_and_greedy_match_hf(checkpoint):
 
 def test_fp32_checkpoint_and_kernels_off_stay_dense(checkpoint, tmp_path):
     _, path, _ = checkpoint
-    assert not _blocked(LLM(str(path), dtype="float32", gguf_kernels=False, progress=False))
+    assert not _blocked(LLM(str(path), dtype="float32", gguf_kernels=False, progress=False, numerics="exact"))
     fp32 = save_hf(tmp_path / "fp32", hf_model("Qwen2ForCausalLM"))
-    assert not _blocked(LLM(str(fp32), dtype="float32", progress=False))
+    assert not _blocked(LLM(str(fp32), dtype="float32", progress=False, numerics="exact"))

@@ -81,7 +81,7 @@ def llama3_models():
 
 def test_llama3_scaling_hf_folder_long_context(tmp_path, llama3_models):
     scaled, unscaled = llama3_models
-    llm = LLM(str(save_hf(tmp_path, scaled)), progress=False, dtype="float32", kv_cache_blocks=160)
+    llm = LLM(str(save_hf(tmp_path, scaled)), progress=False, numerics="exact", dtype="float32", kv_cache_blocks=160)
     assert llm.model_config.rope_scaling is not None and llm.model_config.rope_scaling.type == "llama3"
     _long_context_check(llm, scaled, unscaled)
 
@@ -89,7 +89,7 @@ def test_llama3_scaling_hf_folder_long_context(tmp_path, llama3_models):
 def test_llama3_scaling_gguf_rope_freqs_long_context(tmp_path, llama3_models):
     scaled, unscaled = llama3_models
     path = write_gguf(tmp_path / "tiny-llama3.gguf", scaled)
-    llm = LLM(str(path), progress=False, dtype="float32", kv_cache_blocks=160)
+    llm = LLM(str(path), progress=False, numerics="exact", dtype="float32", kv_cache_blocks=160)
     assert llm.model_config.rope_scaling is not None and llm.model_config.rope_scaling.type == "freq_factors"
     _long_context_check(llm, scaled, unscaled)
 
@@ -99,7 +99,7 @@ def test_yarn_hf_folder_long_context(tmp_path):
     scaled = hf_model("Qwen3ForCausalLM", max_position_embeddings=2048, num_hidden_layers=2, rope_parameters=yarn)
     unscaled = hf_model("Qwen3ForCausalLM", max_position_embeddings=2048, num_hidden_layers=2)
     unscaled.load_state_dict(scaled.state_dict())
-    llm = LLM(str(save_hf(tmp_path, scaled)), progress=False, dtype="float32", kv_cache_blocks=160)
+    llm = LLM(str(save_hf(tmp_path, scaled)), progress=False, numerics="exact", dtype="float32", kv_cache_blocks=160)
     _long_context_check(llm, scaled, unscaled)
 
 
@@ -107,4 +107,4 @@ def test_unsupported_scaling_is_refused(tmp_path):
     model = hf_model("LlamaForCausalLM", num_hidden_layers=1,
                      rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
     with pytest.raises(ValueError, match="unsupported rope scaling"):
-        LLM(str(save_hf(tmp_path, model)), progress=False, dtype="float32")
+        LLM(str(save_hf(tmp_path, model)), progress=False, numerics="exact", dtype="float32")

@@ -19,8 +19,8 @@ PROMPTS = [[(7 * i + 3 * j) % 200 + 20 for j in range(9 + 3 * i)] for i in range
 
 @pytest.fixture(scope="module")
 def pair(tiny_gguf):
-    one = LLM(tiny_gguf, dtype="float32", progress=False, kv_cache_blocks=128)
-    two = LLM(tiny_gguf, dtype="float32", progress=False, kv_cache_blocks=128, tensor_parallel_size=2)
+    one = LLM(tiny_gguf, dtype="float32", progress=False, numerics="exact", kv_cache_blocks=128)
+    two = LLM(tiny_gguf, dtype="float32", progress=False, numerics="exact", kv_cache_blocks=128, tensor_parallel_size=2)
     yield one, two
     two.close()
 
@@ -96,19 +96,19 @@ def test_generate_text_matches(pair):
 def test_models_that_cannot_be_split_are_refused_before_any_rank_starts(tiny_gguf):
     before = children()
     with pytest.raises(ModelLoadError, match="must divide the model's 9 attention heads"):
-        LLM(None, tensor_parallel_size=2, progress=False)  # SmolLM2-135M: 9 heads, 3 KV heads
+        LLM(None, tensor_parallel_size=2, progress=False, numerics="exact")  # SmolLM2-135M: 9 heads, 3 KV heads
     with pytest.raises(ValueError, match="eagle.*tensor_parallel_size"):
-        LLM(tiny_gguf, tensor_parallel_size=2, progress=False, speculative={"method": "eagle"})
+        LLM(tiny_gguf, tensor_parallel_size=2, progress=False, numerics="exact", speculative={"method": "eagle"})
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
-        LLM(tiny_gguf, tensor_parallel_size=0, progress=False)
+        LLM(tiny_gguf, tensor_parallel_size=0, progress=False, numerics="exact")
     assert children() == before
 
 
 def test_fused_checkpoint_tensors_split_in_place(tmp_path):
     """Phi-3 stores q/k/v and gate/up fused: each rank's rows are cut out of the one block tensor."""
     path = str(write_gguf(tmp_path / "phi3.gguf", hf_model("Phi3ForCausalLM"), quant="Q8_0"))
-    one = LLM(path, dtype="float32", progress=False, kv_cache_blocks=32)
-    two = LLM(path, dtype="float32", progress=False, kv_cache_blocks=32, tensor_parallel_size=2)
+    one = LLM(path, dtype="float32", progress=False, numerics="exact", kv_cache_blocks=32)
+    two = LLM(path, dtype="float32", progress=False, numerics="exact", kv_cache_blocks=32, tensor_parallel_size=2)
     try:
         assert len(two.engine.model.layers[0].qkv.blocks.parts) == 3  # q, k, v rows of this rank
         assert run(engine_on(two), PROMPTS[:3], 12) == run(engine_on(one), PROMPTS[:3], 12)

@@ -22,7 +22,8 @@ PROMPT = "hello world"
 
 def _server(tiny_gguf):
     return start_server(["--tensor-parallel-size", "2"], base_args=[
-        "--model", tiny_gguf, "--dtype", "float32", "--kv-cache-blocks", "64", "--torch-threads", "1",
+        "--model", tiny_gguf, "--dtype", "float32", "--numerics", "exact", "--kv-cache-blocks", "64",
+        "--torch-threads", "1",
         "--served-model-name", MODEL_NAME, "--log-level", "warning"])
 
 
@@ -33,7 +34,7 @@ def _workers(srv) -> list[psutil.Process]:
 
 @pytest.fixture(scope="module")
 def oracle(tiny_gguf):
-    return LLM(tiny_gguf, dtype="float32", progress=False, kv_cache_blocks=64)
+    return LLM(tiny_gguf, dtype="float32", progress=False, numerics="exact", kv_cache_blocks=64)
 
 
 def test_openai_client_gets_the_one_rank_text_then_a_dead_worker_is_a_clean_503(tiny_gguf, oracle):

@@ -96,10 +96,11 @@ def hardened():
 
 
 @pytest.fixture(scope="session")
-def oracle(llm_fp32):
-    """The offline LLM with the server's dtype: greedy text here must equal the server's."""
+def oracle(llm_default):
+    """The offline LLM with the server's dtype and defaults (numerics "auto"): greedy text here must
+    equal the server's, whose requests share batches (the integer mode is batch-invariant)."""
     torch.set_num_threads(1)  # the shared CPU is oversubscribed; one thread is several times faster
-    return llm_fp32
+    return llm_default
 
 
 @pytest.fixture(scope="session")

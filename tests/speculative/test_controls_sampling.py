@@ -34,7 +34,7 @@ def tiny(tmp_path_factory, spec_llm):
     """test_sampling_e2e's tiny target (same seed), with a small KV cache of its own: the engines
     under test bring theirs."""
     path, hf = make_tiny_hf_folder(tmp_path_factory.mktemp("tiny_target"), "LlamaForCausalLM", spec_llm.tokenizer)
-    return str(path), LLM(str(path), progress=False, dtype="float32", kv_cache_blocks=8), hf
+    return str(path), LLM(str(path), progress=False, numerics="exact", dtype="float32", kv_cache_blocks=8), hf
 
 
 @pytest.fixture(scope="module")

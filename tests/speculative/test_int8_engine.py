@@ -149,3 +149,28 @@ def test_wedlm_equals_its_no_cache_reference_in_int8(tmp_path, numerics):
         ref = wedlm_generate_reference(no_cache_logits, p, params, WeDLMConfig(**opts), mask_id, 256, eos, None)
         assert g == ref.output_ids
         assert max(ref.commits_per_step) > 1  # not vacuous: some steps commit several tokens
+
+
+def test_default_numerics_is_the_integer_mode_where_the_weights_have_integers(llm_default, llm_fp32, tmp_path):
+    """numerics="auto" (the default) runs a quantized GGUF on CPU in int16 and anything without integer
+    weights (an fp32 HF folder, the dense path) in exact; the engine's config and cache names say which."""
+    from ratchetlm.models.registry import AUTO_NUMERICS
+
+    from ..wedlm.factory import make_tiny_wedlm_folder
+
+    assert EngineConfig().numerics == "auto" and AUTO_NUMERICS == "int16"
+    assert llm_default.config.numerics == "int16" == llm_default.engine.cfg.numerics
+    mods = [m for m in llm_default.engine.model.modules() if isinstance(m, Linear) and m.blocks is not None]
+    assert mods and all(m.numerics == "int16" for m in mods)
+    assert all(layer.fixed_order_attention for layer in llm_default.engine.model.layers)
+    assert llm_default.engine.kv_identity()["numerics"] == "int16" != llm_fp32.engine.kv_identity()["numerics"]
+    path, _ = make_tiny_wedlm_folder(tmp_path / "tiny")  # fp32 safetensors: nothing to run in integers
+    folder = LLM(str(path), dtype="float32", progress=False, max_model_len=64, kv_cache_blocks=8)
+    assert folder.config.numerics == "exact"
+    assert not any(layer.fixed_order_attention for layer in folder.engine.model.layers)
+    dense = LLM(dtype="float32", progress=False, gguf_kernels=False, kv_cache_blocks=8)
+    assert dense.config.numerics == "exact"
+    # an engine built on a loaded model takes the model's mode
+    eng = LLMEngine(EngineConfig(dtype="float32", progress=False, kv_cache_blocks=8), llm_default.engine.model,
+                    llm_default.model_config)
+    assert eng.cfg.numerics == "int16"

@@ -43,7 +43,7 @@ def params(seed: int) -> SamplingParams:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, spec_llm):
     path, hf = make_tiny_hf_folder(tmp_path_factory.mktemp("tiny_target"), "LlamaForCausalLM", spec_llm.tokenizer)
-    llm = LLM(str(path), progress=False, dtype="float32")
+    llm = LLM(str(path), progress=False, numerics="exact", dtype="float32")
     return str(path), llm, hf
 
 

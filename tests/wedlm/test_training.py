@@ -109,7 +109,7 @@ def test_train_wedlm_cli_writes_a_model_the_engine_decodes(tmp_path):
                        "--heads", "2", "--kv-heads", "1", "--intermediate-size", "64", "--seq-len", "32",
                        "--block-size", "8", "--batch-size", "2", "--threads", "1", "--log-every", "1"])
     assert rc == 0
-    llm = LLM(str(out), dtype="float32", progress=False, wedlm={"window_size": 4})
+    llm = LLM(str(out), dtype="float32", progress=False, numerics="exact", wedlm={"window_size": 4})
     assert llm.model_config.mask_token_id == 3
     res = llm.generate(["count from 3 to 9 :"], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
     assert len(res.token_ids) == 6
