@@ -78,7 +78,7 @@ def test_gemma_layer_pattern_as_per_layer_flags(tmp_path):
     model = hf_model("Gemma3ForCausalLM", num_hidden_layers=4, sliding_window=WINDOW, query_pre_attn_scalar=16,
                      layer_types=types)
     path = write_gguf(tmp_path / "tiny-gemma3-flags.gguf", model, window_flags=True)
-    llm = LLM(str(path), progress=False, dtype="float32", kv_cache_blocks=32, block_size=8)
+    llm = LLM(str(path), progress=False, numerics="exact", dtype="float32", kv_cache_blocks=32, block_size=8)
     assert llm.model_config.layer_types == tuple(types)
     _check(llm, hf_logits(model, IDS), atol=1e-4)
     bad = write_gguf(tmp_path / "tiny-gemma3-3-flags.gguf", model, window_flags=[True, False, True])
