@@ -68,9 +68,15 @@ def test_generate_reads_stdin_and_prints_json():
     assert empty.returncode == 2 and "standard input is empty" in empty.stderr and "Traceback" not in empty.stderr
 
 
+def _default_sigint() -> None:
+    """A test runner started in the background by a script (`cmd &`, no job control) ignores SIGINT,
+    and an ignored signal stays ignored across exec: give the child what a terminal's process has."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_ends_generate_quietly_with_130():
     p = subprocess.Popen([*RATCHET, "generate", "Tell me a very long story.", "--max-tokens", "4000", "--ignore-eos"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, preexec_fn=_default_sigint)
     assert p.stdout is not None
     seen = b""
     deadline = time.monotonic() + 600
@@ -84,7 +90,7 @@ def test_ctrl_c_ends_generate_quietly_with_130():
 
 def test_ctrl_c_ends_serve_quietly_with_130():
     srv = start_server(base_args=[str(default_model_path()), "--max-model-len", "256", "--kv-cache-blocks", "32"],
-                       stderr=subprocess.PIPE)
+                       stderr=subprocess.PIPE, preexec_fn=_default_sigint)
     assert srv.health().json()["status"] == "ok"
     srv.proc.send_signal(signal.SIGINT)
     _, err = srv.proc.communicate(timeout=120)
