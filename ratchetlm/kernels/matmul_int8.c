@@ -298,14 +298,18 @@ static void row_q8w(const part_q8_t *parts, int N, int row, int K, int8_t *q, fl
     ty->to_q8w(pt->data + stored * pt->row_bytes, q, s4, m16, K / ty->blck);
 }
 
+static int total_rows(const part_q8_t *parts, int nparts) {
+    int N = 0;
+    for (int i = 0; i < nparts; i++) N += parts[i].rows;
+    return N;
+}
+
 /* Decide each panel's layout from its values: G (32 unless a row changes scale or offset within
  * 32 weights), z (0, or the smallest power of two >= -min q: u = q + z <= 255 as q <= 127),
  * nibbles (every u <= 15), offsets (any m != 0); and its offsets in Q and SM. Returns the sizes of
  * Q (bytes) and SM (floats) in sizes[0], sizes[1], and the weight's zero point in sizes[2]. */
 void ratchet_q8_plan(const part_q8_t *parts, int nparts, int K, q8panel_t *panels, int64_t *sizes, int threads) {
-    int N = 0;
-    for (int i = 0; i < nparts; i++) N += parts[i].rows;
-    const int NPAN = (N + PN - 1) / PN;
+    const int N = total_rows(parts, nparts), NPAN = (N + PN - 1) / PN;
 #pragma omp parallel num_threads(threads)
     {
         int8_t *q = malloc((size_t)K);
@@ -360,9 +364,7 @@ void ratchet_q8_plan(const part_q8_t *parts, int nparts, int K, q8panel_t *panel
  * group: s[16], then M[16] if the panel has offsets). */
 void ratchet_pack_q8(const part_q8_t *parts, int nparts, int K, const q8panel_t *panels, uint8_t *Q, float *SM,
                      int threads) {
-    int N = 0;
-    for (int i = 0; i < nparts; i++) N += parts[i].rows;
-    const int NPAN = (N + PN - 1) / PN;
+    const int N = total_rows(parts, nparts), NPAN = (N + PN - 1) / PN;
 #pragma omp parallel num_threads(threads)
     {
         int8_t *q = malloc((size_t)K);
