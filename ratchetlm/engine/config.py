@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +96,13 @@ class EngineConfig:
 
     def torch_dtype(self) -> torch.dtype:
         return self.dtype_choice().dtype
+
+    def with_model_numerics(self, model: Any) -> EngineConfig:
+        """``numerics="auto"`` resolved to the mode ``model`` was loaded in (the loader decides:
+        models/registry.py); any explicit mode is kept."""
+        if self.numerics != "auto":
+            return self
+        return dataclasses.replace(self, numerics=getattr(model, "numerics", "exact"))
 
     def dtype_choice(self) -> DtypeChoice:
         """The run dtype and why (``dtype="auto"``: engine/dtype.py)."""

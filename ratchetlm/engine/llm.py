@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import warnings
 from collections.abc import Iterator, Mapping
@@ -77,8 +76,7 @@ class LLM:
                                 **({} if parallel is None else parallel.load_args()))
             if parallel is not None:
                 parallel.wait_ready()
-            if loaded.numerics != self.config.numerics:  # "auto", resolved by the loader
-                self.config = dataclasses.replace(self.config, numerics=loaded.numerics)
+            self.config = self.config.with_model_numerics(loaded.model)
             self.tokenizer = loaded.tokenizer
             if extras.get("tokenizer") is not None:
                 self.tokenizer = _other_tokenizer(str(extras["tokenizer"]), loaded)

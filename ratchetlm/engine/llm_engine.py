@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -83,8 +82,7 @@ class LLMEngine:
         if tp is not None and tp.size > 1 and parallel is None:
             raise ValueError("this model is one rank of a tensor-parallel group: only the engine that started "
                              "its workers (LLM(tensor_parallel_size=N)) can run it")
-        if cfg.numerics == "auto":  # the mode the model was loaded in
-            cfg = dataclasses.replace(cfg, numerics=getattr(model, "numerics", "exact"))
+        cfg = cfg.with_model_numerics(model)
         self.cfg = cfg
         self.model_config = model_config
         self.device = torch.device(cfg.device)

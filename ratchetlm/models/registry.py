@@ -33,7 +33,6 @@ class LoadedModel:
     config: Any  # ModelConfig / DeepseekV4Config
     tokenizer: Any
     source: ModelSource
-    numerics: str = "exact"  # the mode it runs in ("auto" resolved)
 
 
 # what numerics="auto" runs a quantized GGUF in: the fastest mode that meets the quality gates
@@ -60,7 +59,7 @@ def load_model(
     dequantized to a dense copy in ``dtype``. ``numerics="int8"`` / ``"int16"``: those block weights
     that have integer values multiply integer activations (layers/block_quant.py); a model with none
     is refused. ``"auto"``: ``AUTO_NUMERICS`` where some weights have integer values (a quantized
-    GGUF on CPU in fp32), else ``"exact"`` (``LoadedModel.numerics`` says which).
+    GGUF on CPU in fp32), else ``"exact"`` (the model's ``numerics`` says which).
     ``tp_rank`` of ``tp_size``: load only that tensor-parallel rank's slice (parallel/shard.py); its
     collectives run over ``tp_group``."""
     source = resolve(ref)
@@ -105,7 +104,7 @@ def load_model(
     elif numerics != "exact" and model.set_numerics(numerics) == 0:
         raise ModelLoadError(f"numerics={numerics!r} needs quantized GGUF block weights on CPU in fp32 with the "
                              f"kernels built; {source.path} has none here (use numerics='exact')")
-    return LoadedModel(model, cfg, tokenizer, source, numerics)
+    return LoadedModel(model, cfg, tokenizer, source)
 
 
 def _read_config(source: ModelSource) -> tuple[GGUFFile | None, ModelConfig]:
