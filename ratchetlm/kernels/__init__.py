@@ -131,7 +131,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ratchet_dequant_rows.restype = None
     lib.ratchet_int8_isa.restype = ctypes.c_char_p
     lib.ratchet_type_has_q8.argtypes, lib.ratchet_type_has_q8.restype = [i], i
-    lib.ratchet_to_q8w.argtypes = [i, p, p, p, p, i64]
+    lib.ratchet_to_q8w.argtypes = [i, p, p, p, p, p, p, i64]
     lib.ratchet_to_q8w.restype = None
     lib.ratchet_quantize_q8.argtypes = [p, i, i, i, p, p, p, p]
     lib.ratchet_quantize_q8.restype = None

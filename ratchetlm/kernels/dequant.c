@@ -388,7 +388,8 @@ int ratchet_type_bytes(int t) { return RATCHET_TYPES[t].bytes; }
 void ratchet_to_float(int t, const uint8_t *src, float *dst, int64_t n_blocks) { RATCHET_TYPES[t].to_float(src, dst, n_blocks); }
 int ratchet_type_has_q8(int t) { return RATCHET_TYPES[t].to_q8w != NULL; }
 
-/* n_blocks blocks of type t -> the int8 mode's (q, s4, m16) form (tests rebuild the weights from it) */
-void ratchet_to_q8w(int t, const uint8_t *src, int8_t *q, float *s4, float *m16, int64_t n_blocks) {
-    RATCHET_TYPES[t].to_q8w(src, q, s4, m16, n_blocks);
+/* n_blocks blocks of type t -> the int8 mode's (q, d, dm, c16, cm16) form (tests rebuild the weights from it) */
+void ratchet_to_q8w(int t, const uint8_t *src, int8_t *q, float *d, float *dm, int8_t *c16, int8_t *cm16,
+                    int64_t n_blocks) {
+    RATCHET_TYPES[t].to_q8w(src, q, d, dm, c16, cm16, n_blocks);
 }

@@ -3,7 +3,8 @@
  * A row says how many weights a block holds, how many bytes it takes and how to dequantize it
  * (to_float, bit-identical to gguf-py's numpy `dequantize`). The matmul driver (matmul.c) looks the
  * row up and never names a format; a new format is a new row. The int8 mode's column (to_q8w) rewrites a
- * format's blocks as int8 values with per-4 scales and per-16 offsets, in matmul_int8.c.
+ * format's blocks as int8 values with per-block fp16 factors and per-16 integer multipliers, in
+ * matmul_int8.c.
  */
 #ifndef RATCHET_GGML_TYPES_H
 #define RATCHET_GGML_TYPES_H
@@ -15,8 +16,10 @@
 
 /* n_blocks consecutive blocks at src -> n_blocks * blck floats at dst */
 typedef void (*to_float_fn)(const uint8_t *src, float *dst, int64_t n_blocks);
-/* n_blocks blocks -> the int8 mode's form w[k] = s4[k / 4] * q[k] + m16[k / 16] (matmul_int8.c) */
-typedef void (*to_q8w_fn)(const uint8_t *src, int8_t *q, float *s4, float *m16, int64_t n_blocks);
+/* n_blocks blocks -> the int8 mode's form w[k] = d[b] * c16[k / 16] * q[k] + dm[b] * cm16[k / 16], b = k / blck
+ * (matmul_int8.c): d, dm the block's fp16 scale and offset factors, c16, cm16 small integer multipliers */
+typedef void (*to_q8w_fn)(const uint8_t *src, int8_t *q, float *d, float *dm, int8_t *c16, int8_t *cm16,
+                          int64_t n_blocks);
 
 /* the few-token matmul straight from registers (matmul.c, AVX-512 builds): rr stored rows (their
  * blocks at rows[r]) times tt tokens of x [tt, K], into y (stride N) */
@@ -29,7 +32,7 @@ typedef struct {
     int bytes;        /* bytes per block */
     to_float_fn to_float;
     to_q8w_fn to_q8w; /* NULL: the int8 mode multiplies this format in fp32 (F32 / F16 / BF16) */
-    int q8_offsets;   /* to_q8w writes m16 (formats with a min / offset term) */
+    int q8_offsets;   /* to_q8w writes offsets (formats with a min / offset term) */
     few_fn few;       /* NULL: few tokens go through the scratch buffer like many (matmul.c) */
 } ggml_type_t;
 
@@ -50,16 +53,16 @@ void few_q6_k(const uint8_t *const *, const float *, int, float *, int, int, int
 #define FEW(name) NULL
 #endif
 
-void q8w_q4_0(const uint8_t *, int8_t *, float *, float *, int64_t);
-void q8w_q4_1(const uint8_t *, int8_t *, float *, float *, int64_t);
-void q8w_q5_0(const uint8_t *, int8_t *, float *, float *, int64_t);
-void q8w_q5_1(const uint8_t *, int8_t *, float *, float *, int64_t);
-void q8w_q8_0(const uint8_t *, int8_t *, float *, float *, int64_t);
-void q8w_q2_k(const uint8_t *, int8_t *, float *, float *, int64_t);
-void q8w_q3_k(const uint8_t *, int8_t *, float *, float *, int64_t);
-void q8w_q4_k(const uint8_t *, int8_t *, float *, float *, int64_t);
-void q8w_q5_k(const uint8_t *, int8_t *, float *, float *, int64_t);
-void q8w_q6_k(const uint8_t *, int8_t *, float *, float *, int64_t);
+void q8w_q4_0(const uint8_t *, int8_t *, float *, float *, int8_t *, int8_t *, int64_t);
+void q8w_q4_1(const uint8_t *, int8_t *, float *, float *, int8_t *, int8_t *, int64_t);
+void q8w_q5_0(const uint8_t *, int8_t *, float *, float *, int8_t *, int8_t *, int64_t);
+void q8w_q5_1(const uint8_t *, int8_t *, float *, float *, int8_t *, int8_t *, int64_t);
+void q8w_q8_0(const uint8_t *, int8_t *, float *, float *, int8_t *, int8_t *, int64_t);
+void q8w_q2_k(const uint8_t *, int8_t *, float *, float *, int8_t *, int8_t *, int64_t);
+void q8w_q3_k(const uint8_t *, int8_t *, float *, float *, int8_t *, int8_t *, int64_t);
+void q8w_q4_k(const uint8_t *, int8_t *, float *, float *, int8_t *, int8_t *, int64_t);
+void q8w_q5_k(const uint8_t *, int8_t *, float *, float *, int8_t *, int8_t *, int64_t);
+void q8w_q6_k(const uint8_t *, int8_t *, float *, float *, int8_t *, int8_t *, int64_t);
 
 extern const ggml_type_t RATCHET_TYPES[];
 extern const int RATCHET_NUM_TYPES;

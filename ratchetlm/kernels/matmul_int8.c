@@ -112,29 +112,35 @@ void ratchet_quantize_q8(const float *x, int M, int K, int bits, int8_t *xh, int
 #define QK 32
 #define QK_K 256
 
-static inline void fill(float *p, int n, float v) {
-    for (int i = 0; i < n; i++) p[i] = v;
+static inline void fill8(int8_t *p, int n, int v) {
+    for (int i = 0; i < n; i++) p[i] = (int8_t)v;
 }
 
-void q8w_q4_0(const uint8_t *src, int8_t *q, float *s4, float *m16, int64_t n) {
-    (void)m16;
-    for (int64_t b = 0; b < n; b++, src += 18, q += QK, s4 += QK / 4) {
+/* formats with one scale (and offset) per block of 32: d, dm are the block's own fp16 numbers, c = 1 */
+static inline void unit_factors(const uint8_t *d, const uint8_t *m, float *db, float *dmb, int8_t *c16, int8_t *cm16) {
+    *db = load_fp16(d);
+    *dmb = m ? load_fp16(m) : 0.0f;
+    fill8(c16, QK / 16, 1);
+    fill8(cm16, QK / 16, m ? 1 : 0);
+}
+
+void q8w_q4_0(const uint8_t *src, int8_t *q, float *d, float *dm, int8_t *c16, int8_t *cm16, int64_t n) {
+    for (int64_t b = 0; b < n; b++, src += 18, q += QK, c16 += 2, cm16 += 2) {
         for (int j = 0; j < 16; j++) {
             q[j] = (int8_t)((src[2 + j] & 0x0F) - 8);
             q[j + 16] = (int8_t)((src[2 + j] >> 4) - 8);
         }
-        fill(s4, QK / 4, load_fp16(src));
+        unit_factors(src, NULL, d + b, dm + b, c16, cm16);
     }
 }
 
-void q8w_q4_1(const uint8_t *src, int8_t *q, float *s4, float *m16, int64_t n) {
-    for (int64_t b = 0; b < n; b++, src += 20, q += QK, s4 += QK / 4, m16 += 2) {
+void q8w_q4_1(const uint8_t *src, int8_t *q, float *d, float *dm, int8_t *c16, int8_t *cm16, int64_t n) {
+    for (int64_t b = 0; b < n; b++, src += 20, q += QK, c16 += 2, cm16 += 2) {
         for (int j = 0; j < 16; j++) {
             q[j] = (int8_t)(src[4 + j] & 0x0F);
             q[j + 16] = (int8_t)(src[4 + j] >> 4);
         }
-        fill(s4, QK / 4, load_fp16(src));
-        fill(m16, 2, load_fp16(src + 2));
+        unit_factors(src, src + 2, d + b, dm + b, c16, cm16);
     }
 }
 
@@ -145,55 +151,54 @@ static inline void q5_values(const uint8_t *qs, uint32_t qh, int off, int8_t *q)
     }
 }
 
-void q8w_q5_0(const uint8_t *src, int8_t *q, float *s4, float *m16, int64_t n) {
-    (void)m16;
-    for (int64_t b = 0; b < n; b++, src += 22, q += QK, s4 += QK / 4) {
+void q8w_q5_0(const uint8_t *src, int8_t *q, float *d, float *dm, int8_t *c16, int8_t *cm16, int64_t n) {
+    for (int64_t b = 0; b < n; b++, src += 22, q += QK, c16 += 2, cm16 += 2) {
         uint32_t qh;
         memcpy(&qh, src + 2, 4);
         q5_values(src + 6, qh, 16, q);
-        fill(s4, QK / 4, load_fp16(src));
+        unit_factors(src, NULL, d + b, dm + b, c16, cm16);
     }
 }
 
-void q8w_q5_1(const uint8_t *src, int8_t *q, float *s4, float *m16, int64_t n) {
-    for (int64_t b = 0; b < n; b++, src += 24, q += QK, s4 += QK / 4, m16 += 2) {
+void q8w_q5_1(const uint8_t *src, int8_t *q, float *d, float *dm, int8_t *c16, int8_t *cm16, int64_t n) {
+    for (int64_t b = 0; b < n; b++, src += 24, q += QK, c16 += 2, cm16 += 2) {
         uint32_t qh;
         memcpy(&qh, src + 4, 4);
         q5_values(src + 8, qh, 0, q);
-        fill(s4, QK / 4, load_fp16(src));
-        fill(m16, 2, load_fp16(src + 2));
+        unit_factors(src, src + 2, d + b, dm + b, c16, cm16);
     }
 }
 
-void q8w_q8_0(const uint8_t *src, int8_t *q, float *s4, float *m16, int64_t n) {
-    (void)m16;
-    for (int64_t b = 0; b < n; b++, src += 34, q += QK, s4 += QK / 4) {
+void q8w_q8_0(const uint8_t *src, int8_t *q, float *d, float *dm, int8_t *c16, int8_t *cm16, int64_t n) {
+    for (int64_t b = 0; b < n; b++, src += 34, q += QK, c16 += 2, cm16 += 2) {
         memcpy(q, src + 2, QK);
-        fill(s4, QK / 4, load_fp16(src));
+        unit_factors(src, NULL, d + b, dm + b, c16, cm16);
     }
 }
 
-void q8w_q2_k(const uint8_t *src, int8_t *q, float *s4, float *m16, int64_t n) {
-    for (int64_t b = 0; b < n; b++, src += 84, q += QK_K, s4 += QK_K / 4, m16 += 16) {
+void q8w_q2_k(const uint8_t *src, int8_t *q, float *d, float *dm, int8_t *c16, int8_t *cm16, int64_t n) {
+    for (int64_t b = 0; b < n; b++, src += 84, q += QK_K, c16 += 16, cm16 += 16) {
         const uint8_t *sc = src, *qs = src + 16;
-        const float d = load_fp16(src + 80), dmin = load_fp16(src + 82);
+        d[b] = load_fp16(src + 80);
+        dm[b] = -load_fp16(src + 82);
         for (int i = 0; i < QK_K; i++) q[i] = (int8_t)((qs[(i / 128) * 32 + i % 32] >> (2 * ((i % 128) / 32))) & 3);
         for (int sb = 0; sb < 16; sb++) {
-            fill(s4 + 4 * sb, 4, d * (float)(sc[sb] & 0x0F));
-            m16[sb] = -(dmin * (float)(sc[sb] >> 4));
+            c16[sb] = (int8_t)(sc[sb] & 0x0F);
+            cm16[sb] = (int8_t)(sc[sb] >> 4);
         }
     }
 }
 
-void q8w_q3_k(const uint8_t *src, int8_t *q, float *s4, float *m16, int64_t n) {
-    (void)m16;
-    for (int64_t b = 0; b < n; b++, src += 110, q += QK_K, s4 += QK_K / 4) {
+void q8w_q3_k(const uint8_t *src, int8_t *q, float *d, float *dm, int8_t *c16, int8_t *cm16, int64_t n) {
+    for (int64_t b = 0; b < n; b++, src += 110, q += QK_K, c16 += 16, cm16 += 16) {
         const uint8_t *hmask = src, *qs = src + 32, *scales = src + 96;
-        const float d = load_fp16(src + 108);
+        d[b] = load_fp16(src + 108);
+        dm[b] = 0.0f;
         for (int sb = 0; sb < 16; sb++) {
             int lo = (sb < 8 ? scales[sb] : scales[sb - 8] >> 4) & 0x0F;
             int hi = (scales[8 + sb % 4] >> (2 * (sb / 4))) & 3;
-            fill(s4 + 4 * sb, 4, d * (float)((lo | (hi << 4)) - 32));
+            c16[sb] = (int8_t)((lo | (hi << 4)) - 32);
+            cm16[sb] = 0;
         }
         for (int i = 0; i < QK_K; i++) {
             int l = i % 32;
@@ -213,53 +218,56 @@ static inline void k4_sm(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
     }
 }
 
-static inline void k4_factors(const uint8_t *src, float *s4, float *m16) {
-    const float d = load_fp16(src), dmin = load_fp16(src + 2);
+/* Q4_K / Q5_K: s = d * sc (6 bits), m = -dmin * mn (6 bits), one of each per 32 weights */
+static inline void k4_factors(const uint8_t *src, float *d, float *dm, int8_t *c16, int8_t *cm16) {
+    *d = load_fp16(src);
+    *dm = -load_fp16(src + 2);
     uint8_t sc[8], mn[8];
     k4_sm(src + 4, sc, mn);
     for (int sb = 0; sb < 8; sb++) {
-        fill(s4 + 8 * sb, 8, d * (float)sc[sb]);
-        fill(m16 + 2 * sb, 2, -(dmin * (float)mn[sb]));
+        fill8(c16 + 2 * sb, 2, sc[sb]);
+        fill8(cm16 + 2 * sb, 2, mn[sb]);
     }
 }
 
-void q8w_q4_k(const uint8_t *src, int8_t *q, float *s4, float *m16, int64_t n) {
-    for (int64_t b = 0; b < n; b++, src += 144, q += QK_K, s4 += QK_K / 4, m16 += 16) {
+void q8w_q4_k(const uint8_t *src, int8_t *q, float *d, float *dm, int8_t *c16, int8_t *cm16, int64_t n) {
+    for (int64_t b = 0; b < n; b++, src += 144, q += QK_K, c16 += 16, cm16 += 16) {
         const uint8_t *qs = src + 16;
         for (int c = 0; c < 4; c++)
             for (int l = 0; l < 32; l++) {
                 q[c * 64 + l] = (int8_t)(qs[c * 32 + l] & 0x0F);
                 q[c * 64 + 32 + l] = (int8_t)(qs[c * 32 + l] >> 4);
             }
-        k4_factors(src, s4, m16);
+        k4_factors(src, d + b, dm + b, c16, cm16);
     }
 }
 
-void q8w_q5_k(const uint8_t *src, int8_t *q, float *s4, float *m16, int64_t n) {
-    for (int64_t b = 0; b < n; b++, src += 176, q += QK_K, s4 += QK_K / 4, m16 += 16) {
+void q8w_q5_k(const uint8_t *src, int8_t *q, float *d, float *dm, int8_t *c16, int8_t *cm16, int64_t n) {
+    for (int64_t b = 0; b < n; b++, src += 176, q += QK_K, c16 += 16, cm16 += 16) {
         const uint8_t *qh = src + 16, *qs = src + 48;
         for (int c = 0; c < 4; c++)
             for (int l = 0; l < 32; l++) {
                 q[c * 64 + l] = (int8_t)((qs[c * 32 + l] & 0x0F) | (((qh[l] >> (2 * c)) & 1) << 4));
                 q[c * 64 + 32 + l] = (int8_t)((qs[c * 32 + l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4));
             }
-        k4_factors(src, s4, m16);
+        k4_factors(src, d + b, dm + b, c16, cm16);
     }
 }
 
-void q8w_q6_k(const uint8_t *src, int8_t *q, float *s4, float *m16, int64_t n) {
-    (void)m16;
-    for (int64_t b = 0; b < n; b++, src += 210, q += QK_K, s4 += QK_K / 4) {
+void q8w_q6_k(const uint8_t *src, int8_t *q, float *d, float *dm, int8_t *c16, int8_t *cm16, int64_t n) {
+    for (int64_t b = 0; b < n; b++, src += 210, q += QK_K, c16 += 16, cm16 += 16) {
         const uint8_t *ql = src, *qh = src + 128;
         const int8_t *scales = (const int8_t *)(src + 192);
-        const float d = load_fp16(src + 208);
+        d[b] = load_fp16(src + 208);
+        dm[b] = 0.0f;
         for (int h = 0; h < 2; h++)
             for (int j = 0; j < 128; j++) {
                 int lo = (ql[h * 64 + j % 64] >> (4 * (j / 64))) & 0x0F;
                 int hi = (qh[h * 32 + j % 32] >> (2 * (j / 32))) & 3;
                 q[h * 128 + j] = (int8_t)((lo | (hi << 4)) - 32);
             }
-        for (int sb = 0; sb < 16; sb++) fill(s4 + 4 * sb, 4, d * (float)scales[sb]);
+        memcpy(c16, scales, 16);
+        fill8(cm16, 16, 0);
     }
 }
 
@@ -275,19 +283,46 @@ typedef struct {
 
 typedef struct {
     int32_t nib;   /* 1: two weights per byte */
-    int32_t G;     /* weights per group: 32 or 16 */
+    int32_t G;     /* weights per group (one scale multiplier c, one offset multiplier): 32 or 16 */
     int32_t z;     /* zero point: 0 or a power of two (u = q + z for every weight of the panel) */
-    int32_t has_m; /* 1: the groups have offsets M (a row of SM after the scales) */
+    int32_t has_m; /* 1: the groups have offsets (D_m and c_m beside D and c) */
+    int32_t SB;    /* weights per super-group (one fp16 D and D_m per row): 256, 128, 64 or 32 */
+    int32_t pad;
     int64_t qoff;  /* byte offset of the panel's weights in Q */
-    int64_t soff;  /* float offset of its scales (and offsets) in SM: [K / G][1 + has_m][16] */
+    int64_t soff;  /* byte offset of its factors in SM */
 } q8panel_t;
 
+/* A row's integer form, per 32 or 16 weights: w[k] = d32[k / 32] * c16[k / 16] * q[k] + dm32[k / 32] * cm16[k / 16]
+ * (to_q8w's per-block d, dm repeated for each 32 weights of the block). Scratch for one row. */
+typedef struct {
+    int8_t *q, *c16, *cm16;
+    float *d32, *dm32, *db, *dmb;
+} rowq8_t;
+
+static rowq8_t row_alloc(int K) {
+    rowq8_t r = {malloc((size_t)K), malloc((size_t)K / 16), malloc((size_t)K / 16), malloc(sizeof(float) * (size_t)K / 32),
+                 malloc(sizeof(float) * (size_t)K / 32), malloc(sizeof(float) * (size_t)K / 32),
+                 malloc(sizeof(float) * (size_t)K / 32)};
+    return r;
+}
+
+static void row_free(rowq8_t *r) {
+    free(r->q);
+    free(r->c16);
+    free(r->cm16);
+    free(r->d32);
+    free(r->dm32);
+    free(r->db);
+    free(r->dmb);
+}
+
 /* to_q8w of output row `row` (N rows over the parts; beyond N a zero row) */
-static void row_q8w(const part_q8_t *parts, int N, int row, int K, int8_t *q, float *s4, float *m16) {
-    for (int g = 0; g < K / 16; g++) m16[g] = 0.0f;
+static void row_q8w(const part_q8_t *parts, int N, int row, int K, rowq8_t *r) {
     if (row >= N) {
-        memset(q, 0, (size_t)K);
-        for (int l = 0; l < K / 4; l++) s4[l] = 0.0f;
+        memset(r->q, 0, (size_t)K);
+        memset(r->c16, 0, (size_t)K / 16);
+        memset(r->cm16, 0, (size_t)K / 16);
+        for (int b = 0; b < K / 32; b++) r->d32[b] = r->dm32[b] = 0.0f;
         return;
     }
     int pi = 0;
@@ -295,7 +330,11 @@ static void row_q8w(const part_q8_t *parts, int N, int row, int K, int8_t *q, fl
     const part_q8_t *pt = &parts[pi];
     const ggml_type_t *ty = &RATCHET_TYPES[pt->type];
     const long stored = pt->rowmap ? pt->rowmap[row] : row;
-    ty->to_q8w(pt->data + stored * pt->row_bytes, q, s4, m16, K / ty->blck);
+    ty->to_q8w(pt->data + stored * pt->row_bytes, r->q, r->db, r->dmb, r->c16, r->cm16, K / ty->blck);
+    for (int b = 0; b < K / 32; b++) {
+        r->d32[b] = r->db[b * 32 / ty->blck];
+        r->dm32[b] = r->dmb[b * 32 / ty->blck];
+    }
 }
 
 static int total_rows(const part_q8_t *parts, int nparts) {
@@ -304,36 +343,67 @@ static int total_rows(const part_q8_t *parts, int nparts) {
     return N;
 }
 
-/* Decide each panel's layout from its values: G (32 unless a row changes scale or offset within
- * 32 weights), z (0, or the smallest power of two >= -min q: u = q + z <= 255 as q <= 127),
- * nibbles (every u <= 15), offsets (any m != 0); and its offsets in Q and SM. Returns the sizes of
- * Q (bytes) and SM (floats) in sizes[0], sizes[1], and the weight's zero point in sizes[2]. */
+/* f as IEEE half bits, if f is exactly a half (every GGUF integer format's d and dmin are) */
+static int fp16_exact(float f, uint16_t *h) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    const uint16_t sign = (uint16_t)((b >> 16) & 0x8000);
+    const int e = (int)((b >> 23) & 0xFF), E = e - 127;
+    const uint32_t m = b & 0x7FFFFF;
+    if (e == 0 && m == 0) {
+        *h = sign;
+        return 1;
+    }
+    if (e == 0xFF) { /* inf / nan: kept (the weights are what the file says) */
+        *h = (uint16_t)(sign | 0x7C00 | (m >> 13) | (m && !(m >> 13)));
+        return 1;
+    }
+    if (E > 15 || E < -24) return 0;
+    if (E >= -14) {
+        *h = (uint16_t)(sign | ((E + 15) << 10) | (m >> 13));
+        return !(m & 0x1FFF);
+    }
+    const uint32_t full = m | 0x800000;
+    const int rs = -(E + 1); /* a subnormal half: value = mant * 2^-24 */
+    *h = (uint16_t)(sign | (full >> rs));
+    return !(full & ((1u << rs) - 1));
+}
+
+/* Decide each panel's layout from its values: G (32 unless a row changes its multipliers within
+ * 32 weights), SB (the longest span, up to 256, over which every row keeps its d and dm), z (0, or
+ * the smallest power of two >= -min q: u = q + z <= 255 as q <= 127), nibbles (every u <= 15),
+ * offsets (any dm * cm != 0); and its offsets in Q and SM. Returns the sizes of Q and SM (bytes) in
+ * sizes[0], sizes[1] (sizes[0] = -1: a d or dm that is not an fp16 value), the zero point in sizes[2]. */
 void ratchet_q8_plan(const part_q8_t *parts, int nparts, int K, q8panel_t *panels, int64_t *sizes, int threads) {
     const int N = total_rows(parts, nparts), NPAN = (N + PN - 1) / PN;
-#pragma omp parallel num_threads(threads)
+    int bad = 0;
+#pragma omp parallel num_threads(threads) reduction(| : bad)
     {
-        int8_t *q = malloc((size_t)K);
-        float *s4 = malloc(sizeof(float) * (size_t)(K / 4)), *m16 = malloc(sizeof(float) * (size_t)(K / 16));
+        rowq8_t rq = row_alloc(K);
 #pragma omp for schedule(static)
         for (int p = 0; p < NPAN; p++) {
-            int g32 = 1, lo = 0, hi = 0, has_m = 0;
+            int g32 = 1, lo = 0, hi = 0, has_m = 0, SB = 256;
+            while (K % SB) SB /= 2;
             for (int r = 0; r < PN; r++) {
-                row_q8w(parts, N, p * PN + r, K, q, s4, m16);
-                for (int g = 0; g < K / 32 && g32; g++) {
-                    for (int l = 1; l < 8; l++) g32 &= s4[8 * g + l] == s4[8 * g];
-                    g32 &= m16[2 * g + 1] == m16[2 * g];
-                }
+                row_q8w(parts, N, p * PN + r, K, &rq);
+                for (int g = 0; g < K / 32 && g32; g++)
+                    g32 &= rq.c16[2 * g + 1] == rq.c16[2 * g] && rq.cm16[2 * g + 1] == rq.cm16[2 * g];
                 for (int k = 0; k < K; k++) {
-                    lo = q[k] < lo ? q[k] : lo;
-                    hi = q[k] > hi ? q[k] : hi;
+                    lo = rq.q[k] < lo ? rq.q[k] : lo;
+                    hi = rq.q[k] > hi ? rq.q[k] : hi;
                 }
-                for (int g = 0; g < K / 16; g++) has_m |= m16[g] != 0.0f;
+                for (int b = 0; b < K / 32; b++) {
+                    uint16_t h;
+                    bad |= !fp16_exact(rq.d32[b], &h) || !fp16_exact(rq.dm32[b], &h);
+                    while (SB > 32 && (rq.d32[b] != rq.d32[b / (SB / 32) * (SB / 32)] ||
+                                       rq.dm32[b] != rq.dm32[b / (SB / 32) * (SB / 32)]))
+                        SB /= 2;
+                }
+                for (int g = 0; g < K / 16; g++) has_m |= rq.dm32[g / 2] * (float)rq.cm16[g] != 0.0f;
             }
-            panels[p] = (q8panel_t){hi, g32 ? 32 : 16, lo, has_m, 0, 0}; /* nib, z: the range for now */
+            panels[p] = (q8panel_t){hi, g32 ? 32 : 16, lo, has_m, SB, 0, 0, 0}; /* nib, z: the range for now */
         }
-        free(q);
-        free(s4);
-        free(m16);
+        row_free(&rq);
     }
     /* one zero point for the weight (the kernel subtracts z * sum xq, precomputed per call): the
      * smallest power of two >= -min q; panels without negative values keep z = 0 */
@@ -353,34 +423,45 @@ void ratchet_q8_plan(const part_q8_t *parts, int nparts, int K, q8panel_t *panel
         panels[p].qoff = qo;
         panels[p].soff = so;
         qo += (int64_t)K * PN / (panels[p].nib ? 2 : 1);
-        so += (int64_t)(K / panels[p].G) * (1 + panels[p].has_m) * PN;
+        so += (int64_t)(K / panels[p].SB) * (1 + panels[p].has_m) * (2 + panels[p].SB / panels[p].G) * PN;
     }
-    sizes[0] = qo;
+    sizes[0] = bad ? -1 : qo;
     sizes[1] = so;
     sizes[2] = zw;
 }
 
-/* Write each panel as planned: Q (u = q + z in the VNNI order, nibbles or bytes) and SM (per
- * group: s[16], then M[16] if the panel has offsets). */
-void ratchet_pack_q8(const part_q8_t *parts, int nparts, int K, const q8panel_t *panels, uint8_t *Q, float *SM,
+/* Write each panel as planned: Q (u = q + z in the VNNI order, nibbles or bytes) and SM, per
+ * super-group of SB weights: D[16] (fp16), D_m[16] if the panel has offsets, then per group c[16]
+ * (int8) and c_m[16]: the scale s = D * c and the offset m = D_m * c_m of each row. */
+void ratchet_pack_q8(const part_q8_t *parts, int nparts, int K, const q8panel_t *panels, uint8_t *Q, uint8_t *SM,
                      int threads) {
     const int N = total_rows(parts, nparts), NPAN = (N + PN - 1) / PN;
 #pragma omp parallel num_threads(threads)
     {
-        int8_t *q = malloc((size_t)K);
-        float *s4 = malloc(sizeof(float) * (size_t)(K / 4)), *m16 = malloc(sizeof(float) * (size_t)(K / 16));
+        rowq8_t rq = row_alloc(K);
 #pragma omp for schedule(static)
         for (int p = 0; p < NPAN; p++) {
             const q8panel_t *pn = &panels[p];
-            const int G = pn->G, NG = K / G, C = G / 4, nib = pn->nib, z = pn->z, SG = (1 + pn->has_m) * PN;
-            uint8_t *qp = Q + pn->qoff;
-            float *sp = SM + pn->soff;
+            const int G = pn->G, NG = K / G, C = G / 4, nib = pn->nib, z = pn->z, hm = pn->has_m;
+            const int GPS = pn->SB / G, SBB = (1 + hm) * (2 + GPS) * PN; /* bytes per super-group */
+            uint8_t *qp = Q + pn->qoff, *sp = SM + pn->soff;
             for (int r = 0; r < PN; r++) {
-                row_q8w(parts, N, p * PN + r, K, q, s4, m16);
+                row_q8w(parts, N, p * PN + r, K, &rq);
                 for (int g = 0; g < NG; g++) {
-                    sp[g * SG + r] = s4[g * G / 4];
-                    if (pn->has_m) sp[g * SG + PN + r] = m16[g * G / 16];
-                    const int8_t *qg = q + g * G;
+                    uint8_t *sbp = sp + (long)(g / GPS) * SBB;
+                    if (g % GPS == 0) {
+                        uint16_t h;
+                        fp16_exact(rq.d32[g * G / 32], &h);
+                        memcpy(sbp + 2 * r, &h, 2);
+                        if (hm) {
+                            fp16_exact(rq.dm32[g * G / 32], &h);
+                            memcpy(sbp + 2 * PN + 2 * r, &h, 2);
+                        }
+                    }
+                    int8_t *cp = (int8_t *)sbp + (1 + hm) * 2 * PN + (g % GPS) * (1 + hm) * PN;
+                    cp[r] = rq.c16[g * G / 16];
+                    if (hm) cp[PN + r] = rq.cm16[g * G / 16];
+                    const int8_t *qg = rq.q + g * G;
                     uint8_t *dst = qp + (long)g * G * PN / (nib ? 2 : 1);
                     for (int c = 0; c < (nib ? C / 2 : C); c++)
                         for (int j = 0; j < 4; j++) {
@@ -390,9 +471,7 @@ void ratchet_pack_q8(const part_q8_t *parts, int nparts, int K, const q8panel_t 
                 }
             }
         }
-        free(q);
-        free(s4);
-        free(m16);
+        row_free(&rq);
     }
 }
 
@@ -425,16 +504,28 @@ static inline __attribute__((always_inline)) __m512i dpbusd_bcast(__m512i acc, _
 
 /* G, nib, b16, has_m and tt are literals at every call (panel_any), so each combination compiles to
  * its own fully unrolled loop with the accumulators in registers */
-static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, const float *SM, int z,
+static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, const uint8_t *SM, int z,
                                                              const xtile_t *xs, int K, const int G, const int nib,
-                                                             const int b16, const int has_m, float *y, int N,
+                                                             const int b16, const int has_m, int SB, float *y, int N,
                                                              int nvalid, const int tt) {
     __m512 acc[TT];
     #pragma GCC unroll 8
     for (int t = 0; t < tt; t++) acc[t] = _mm512_setzero_ps();
-    const int C = G / 4, NG = K / G, SG = (1 + has_m) * PN;
+    const int C = G / 4, NG = K / G, GPS = SB / G, SBB = (1 + has_m) * (2 + GPS) * PN;
     const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512 Dv = _mm512_setzero_ps(), Dmv = _mm512_setzero_ps();
     for (int g = 0; g < NG; g++) {
+        const uint8_t *sbp = SM + (long)(g / GPS) * SBB;
+        if (g % GPS == 0) { /* a super-group's D and D_m (fp16 -> fp32, exact) */
+            Dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sbp));
+            if (has_m) Dmv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sbp + 2 * PN)));
+        }
+        /* s = D * c and m = D_m * c_m: the format's own products (d * sc), exact as to_q8w's */
+        const int8_t *cp = (const int8_t *)sbp + (1 + has_m) * 2 * PN + (g % GPS) * (1 + has_m) * PN;
+        const __m512 sv = _mm512_mul_ps(Dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)cp))));
+        const __m512 mv = has_m ? _mm512_mul_ps(Dmv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                         _mm_loadu_si128((const __m128i *)(cp + PN)))))
+                                : _mm512_setzero_ps();
         __m512i W[8];
         if (nib) {
             const __m512i *qv = (const __m512i *)(Q + (long)g * G * 8);
@@ -449,7 +540,6 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
             #pragma GCC unroll 8
             for (int c = 0; c < C; c++) W[c] = _mm512_loadu_si512(qv + c);
         }
-        const __m512 sv = _mm512_loadu_ps(SM + g * SG);
         /* one integer chain per token, the tokens interleaved (tt independent chains in flight),
          * starting from -z * sum xq (16 bits: added after the high bytes' products are scaled) */
         __m512i I[TT];
@@ -477,8 +567,7 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
             const float dx = G == 32 ? xs->d32[g * tt + t] : xs->d32[g / 2 * tt + t];
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I[t]), _mm512_mul_ps(sv, _mm512_set1_ps(dx)), acc[t]);
             if (has_m)
-                acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(SM + g * SG + PN),
-                                         _mm512_set1_ps(G == 32 ? xs->sx32[g * tt + t] : xs->sx16[g * tt + t]), acc[t]);
+                acc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(G == 32 ? xs->sx32[g * tt + t] : xs->sx16[g * tt + t]), acc[t]);
         }
     }
     const __mmask16 mask = (__mmask16)((1u << nvalid) - 1);
@@ -487,13 +576,21 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
 }
 #else
 /* portable C (and the AVX-VNNI build, which the compiler vectorizes): the same sequence per lane */
-static inline void panel_tile(const uint8_t *Q, const float *SM, int z, const xtile_t *xs, int K, const int G,
-                              const int nib, const int b16, const int has_m, float *y, int N, int nvalid, const int tt) {
+static inline void panel_tile(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, const int G,
+                              const int nib, const int b16, const int has_m, int SB, float *y, int N, int nvalid,
+                              const int tt) {
     float acc[TT][PN];
     for (int t = 0; t < tt; t++)
         for (int l = 0; l < PN; l++) acc[t][l] = 0.0f;
-    const int C = G / 4, NG = K / G, SG = (1 + has_m) * PN;
+    const int C = G / 4, NG = K / G, GPS = SB / G, SBB = (1 + has_m) * (2 + GPS) * PN;
     for (int g = 0; g < NG; g++) {
+        const uint8_t *sbp = SM + (long)(g / GPS) * SBB;
+        const int8_t *cp = (const int8_t *)sbp + (1 + has_m) * 2 * PN + (g % GPS) * (1 + has_m) * PN;
+        float sv[PN], mv[PN];
+        for (int l = 0; l < PN; l++) {
+            sv[l] = load_fp16(sbp + 2 * l) * (float)cp[l];
+            mv[l] = has_m ? load_fp16(sbp + 2 * PN + 2 * l) * (float)cp[PN + l] : 0.0f;
+        }
         uint8_t w[32 * PN]; /* [C][PN][4] unsigned weights of the group */
         if (nib) {
             const uint8_t *qg = Q + (long)g * G * 8;
@@ -504,7 +601,6 @@ static inline void panel_tile(const uint8_t *Q, const float *SM, int z, const xt
         } else {
             memcpy(w, Q + (long)g * G * 16, (size_t)G * PN);
         }
-        const float *sv = SM + g * SG, *mv = SM + g * SG + PN;
         for (int t = 0; t < tt; t++) {
             const int32_t zq = z ? (G == 32 ? xs->zq32[g * tt + t] : xs->zq16[g * tt + t]) : 0;
             const float dx = G == 32 ? xs->d32[g * tt + t] : xs->d32[g / 2 * tt + t];
@@ -531,14 +627,14 @@ static inline void panel_tile(const uint8_t *Q, const float *SM, int z, const xt
 
 #define TILE_CASES(G, NIB, B16, HM)                                                                                  \
     switch (tt) { /* literal tile sizes: the accumulators live in registers */                                    \
-    case 1: panel_tile(Q, SM, z, xs, K, G, NIB, B16, HM, y, N, nvalid, 1); break;                                 \
-    case 2: panel_tile(Q, SM, z, xs, K, G, NIB, B16, HM, y, N, nvalid, 2); break;                                 \
-    case 3: panel_tile(Q, SM, z, xs, K, G, NIB, B16, HM, y, N, nvalid, 3); break;                                 \
-    case 4: panel_tile(Q, SM, z, xs, K, G, NIB, B16, HM, y, N, nvalid, 4); break;                                 \
-    case 5: panel_tile(Q, SM, z, xs, K, G, NIB, B16, HM, y, N, nvalid, 5); break;                                 \
-    case 6: panel_tile(Q, SM, z, xs, K, G, NIB, B16, HM, y, N, nvalid, 6); break;                                 \
-    case 7: panel_tile(Q, SM, z, xs, K, G, NIB, B16, HM, y, N, nvalid, 7); break;                                 \
-    default: panel_tile(Q, SM, z, xs, K, G, NIB, B16, HM, y, N, nvalid, TT); break;                               \
+    case 1: panel_tile(Q, SM, z, xs, K, G, NIB, B16, HM, SB, y, N, nvalid, 1); break;                                 \
+    case 2: panel_tile(Q, SM, z, xs, K, G, NIB, B16, HM, SB, y, N, nvalid, 2); break;                                 \
+    case 3: panel_tile(Q, SM, z, xs, K, G, NIB, B16, HM, SB, y, N, nvalid, 3); break;                                 \
+    case 4: panel_tile(Q, SM, z, xs, K, G, NIB, B16, HM, SB, y, N, nvalid, 4); break;                                 \
+    case 5: panel_tile(Q, SM, z, xs, K, G, NIB, B16, HM, SB, y, N, nvalid, 5); break;                                 \
+    case 6: panel_tile(Q, SM, z, xs, K, G, NIB, B16, HM, SB, y, N, nvalid, 6); break;                                 \
+    case 7: panel_tile(Q, SM, z, xs, K, G, NIB, B16, HM, SB, y, N, nvalid, 7); break;                                 \
+    default: panel_tile(Q, SM, z, xs, K, G, NIB, B16, HM, SB, y, N, nvalid, TT); break;                               \
     }
 #define HM_CASES(G, NIB, B16)                                                                                        \
     if (has_m) {                                                                                                   \
@@ -547,8 +643,8 @@ static inline void panel_tile(const uint8_t *Q, const float *SM, int z, const xt
         TILE_CASES(G, NIB, B16, 0)                                                                                 \
     }
 
-static void panel_any(const uint8_t *Q, const float *SM, int z, const xtile_t *xs, int K, int G, int nib, int b16,
-                      int has_m, float *y, int N, int nvalid, int tt) {
+static void panel_any(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, int G, int nib, int b16,
+                      int has_m, int SB, float *y, int N, int nvalid, int tt) {
     if (G == 32) {
         if (nib) {
             if (b16) HM_CASES(32, 1, 1) else HM_CASES(32, 1, 0)
@@ -567,7 +663,7 @@ static void panel_any(const uint8_t *Q, const float *SM, int z, const xtile_t *x
 /* y [M, N] = x [M, K] @ w.T, activations of `bits` (8 or 16), w packed by ratchet_pack_q8 with zero
  * point zw (ratchet_q8_plan's sizes[2]) */
 void ratchet_mm_q8(const float *x, int M, int K, int bits, int zw, const q8panel_t *panels, const uint8_t *Q,
-                   const float *SM, float *y, int N, int threads) {
+                   const uint8_t *SM, float *y, int N, int threads) {
     if (M <= 0 || N <= 0) return;
     const int NPAN = (N + PN - 1) / PN, NB = K / 32, NT = (M + TT - 1) / TT;
     /* per token, then token-interleaved per tile of TT: x bytes (hi, lo), d32, sx32, zq16, zq32, sx16 */
@@ -612,7 +708,7 @@ void ratchet_mm_q8(const float *x, int M, int K, int bits, int zw, const q8panel
             const q8panel_t *pn = &panels[p];
             const int nvalid = MIN(PN, N - p * PN);
             for (int ti = 0; ti < NT; ti++)
-                panel_any(Q + pn->qoff, SM + pn->soff, pn->z, &tiles[ti], K, pn->G, pn->nib, bits == 16, pn->has_m,
+                panel_any(Q + pn->qoff, SM + pn->soff, pn->z, &tiles[ti], K, pn->G, pn->nib, bits == 16, pn->has_m, pn->SB,
                           y + (long)ti * TT * N + p * PN, N, nvalid, MIN(TT, M - ti * TT));
         }
     }

@@ -165,20 +165,25 @@ class BlockWeight:
     def pack_q8(self, lib: ctypes.CDLL) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """The integer modes' layout (kernels/matmul_int8.c), built on first use and kept: per panel
         of 16 output rows its weights' integer values made unsigned (two per byte where they fit 4
-        bits: the 4-bit formats), in the VNNI order, and a scale and an offset per row and group of
-        G = 32 weights (16 where the format changes scale within 32). Returns (panels [P, 4] int64:
-        the kernel's q8panel_t; Q uint8; SM fp32; the weight's zero point). Memory beside the mmapped file: ~0.75
-        byte per weight for 4-bit formats, ~1.25 for the others."""
+        bits: the 4-bit formats), in the VNNI order, and the format's own factors: per row an fp16 D
+        (and D_m) per super-group of up to 256 weights and an int8 multiplier c (and c_m) per group of
+        G = 32 weights (16 where the format changes scale within 32), s = D * c exactly as the format
+        computes it. Returns (panels [P, 5] int64: the kernel's q8panel_t; Q uint8; SM uint8; the
+        weight's zero point). Memory beside the mmapped file: ~0.58 byte per weight for Q4_K, ~1.07 for
+        Q6_K, 0.59 for Q4_0."""
         if id(lib) not in self._q8:
             n, k = self.shape
             npan = (n + 15) // 16
             parts = (kernels.Part * len(self.parts))(*(p.c_part() for p in self.parts))
-            panels = np.zeros((npan, 4), np.int64)  # q8panel_t: int32 nib, G, z, has_m; int64 qoff, soff
+            panels = np.zeros((npan, 5), np.int64)  # q8panel_t: int32 nib, G, z, has_m, SB, pad; int64 qoff, soff
             sizes = np.zeros(3, np.int64)
             lib.ratchet_q8_plan(parts, len(self.parts), k, panels.ctypes.data, sizes.ctypes.data,
                                 torch.get_num_threads())
+            if sizes[0] < 0:  # a format row's to_q8w broke its contract (d, dm fp16 values)
+                types = "+".join(p.type_name for p in self.parts)
+                raise RuntimeError(f"integer packing of a {types} weight: a scale factor is not an fp16 value")
             q = np.empty(int(sizes[0]), np.uint8)
-            sm = np.empty(int(sizes[1]), np.float32)
+            sm = np.empty(int(sizes[1]), np.uint8)
             lib.ratchet_pack_q8(parts, len(self.parts), k, panels.ctypes.data, q.ctypes.data, sm.ctypes.data,
                                 torch.get_num_threads())
             # the arrays, and the kernel's arguments after x's (zero point, pointers), ready for each call

@@ -79,18 +79,24 @@ def test_activation_blocks_match_the_reference_bit_for_bit(lib, bits):
 
 @pytest.mark.parametrize("type_name", INT_TYPES)
 def test_integer_form_rebuilds_gguf_py_weights(lib, type_name):
-    """to_q8w's (q, s, m) are the format's own numbers: s * q + m is gguf-py's weight (to fp32 rounding)."""
+    """to_q8w's (q, d, dm, c, c_m) are the format's own numbers: d * c * q + dm * c_m is gguf-py's
+    weight (to fp32 rounding), with d and dm fp16 values (the packed layout stores them as fp16)."""
     t = SUPPORTED_TYPES.index(type_name)
     assert lib.ratchet_type_has_q8(t)
     k = 512
     raw = random_raw(type_name, 3, k, seed=1)
     blck = {"Q2_K": 256, "Q3_K": 256, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}.get(type_name, 32)
     q = np.zeros((3, k), np.int8)
-    s4 = np.zeros((3, k // 4), np.float32)
-    m16 = np.zeros((3, k // 16), np.float32)
+    d, dm = np.zeros((3, k // blck), np.float32), np.zeros((3, k // blck), np.float32)
+    c16, cm16 = np.zeros((3, k // 16), np.int8), np.zeros((3, k // 16), np.int8)
     for r in range(3):
-        lib.ratchet_to_q8w(t, raw[r].ctypes.data, q[r].ctypes.data, s4[r].ctypes.data, m16[r].ctypes.data, k // blck)
-    rebuilt = np.repeat(s4, 4, axis=1).astype(np.float64) * q + np.repeat(m16, 16, axis=1)
+        lib.ratchet_to_q8w(t, raw[r].ctypes.data, q[r].ctypes.data, d[r].ctypes.data, dm[r].ctypes.data,
+                           c16[r].ctypes.data, cm16[r].ctypes.data, k // blck)
+    for f in (d, dm):
+        assert np.array_equal(f.astype(np.float16).astype(np.float32), f)
+    s = np.repeat(d, blck, axis=1) * np.repeat(c16, 16, axis=1).astype(np.float32)  # fp32, as the kernel
+    m = np.repeat(dm, blck, axis=1) * np.repeat(cm16, 16, axis=1).astype(np.float32)
+    rebuilt = s.astype(np.float64) * q + m
     ref = gguf_py(type_name, raw).reshape(3, k)
     np.testing.assert_allclose(rebuilt, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
 
@@ -129,24 +135,28 @@ def test_matmul_matches_the_integer_reference_and_is_batch_invariant(lib, type_n
 # per format: (two weights per byte, G, zero point) that the packer must read off the values
 LAYOUT = {"Q4_0": (1, 32, 8), "Q4_1": (1, 32, 0), "Q5_0": (0, 32, 16), "Q5_1": (0, 32, 0), "Q8_0": (0, 32, 128),
           "Q2_K": (1, 16, 0), "Q3_K": (1, 16, 4), "Q4_K": (1, 32, 0), "Q5_K": (0, 32, 0), "Q6_K": (0, 16, 32)}
+SUPER = {"Q2_K": 256, "Q3_K": 256, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}  # the others: one d per 32 weights
 
 
 @pytest.mark.parametrize("type_name", INT_TYPES)
 def test_packing_reads_each_panels_layout_from_its_values(type_name):
     """4-bit values are kept two per byte (the weight bytes are half of N * K), scales that change
-    within 32 weights give groups of 16, negative values a power-of-two zero point, offsets a row
-    of M; the integer form still rebuilds the weights (the matmul tests)."""
+    within 32 weights give groups of 16, negative values a power-of-two zero point, offsets their
+    own factors; one fp16 D per row and super-group (the K-quants' 256 weights), an int8 multiplier
+    per row and group; the integer form still rebuilds the weights (the matmul tests)."""
     k, n = 512, 40
     w = BlockWeight.from_gguf(type_name, random_raw(type_name, n, k, seed=7), k)
     panels, q, sm, zw = w.pack_q8(kernels.load())
     nib, g, z = LAYOUT[type_name]
-    assert panels.shape == (3, 4)
-    flags = panels[:, :2].view(np.int32)  # [nib, G, z, has_m] per panel
+    assert panels.shape == (3, 5)
+    flags = panels[:, :3].view(np.int32)  # [nib, G, z, has_m, SB, pad] per panel
+    sb = SUPER.get(type_name, 32)
     assert (flags[:, 0] == nib).all() and (flags[:, 1] == g).all() and zw == z
-    assert (flags[:, 2] == z).all()
+    assert (flags[:, 2] == z).all() and (flags[:, 4] == sb).all()
     assert (flags[:, 3] == (type_name in ("Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K"))).all()
     assert q.nbytes == 3 * 16 * k // (2 if nib else 1)
-    assert sm.size == 3 * (k // g) * 16 * (1 + int(flags[0, 3]))
+    # per row: 2 bytes of D per super-group, 1 byte of c per group; twice that with offsets
+    assert sm.nbytes == 3 * 16 * (2 * (k // sb) + k // g) * (1 + int(flags[0, 3]))
 
 
 def test_panels_of_one_weight_choose_their_own_layout(lib):
