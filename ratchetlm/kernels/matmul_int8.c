@@ -8,21 +8,26 @@
  * 32767); each half goes through the same int8 products, I = 256 * I_hi + I_lo.
  *
  * Weights: a format's to_q8w (ggml_types.h, one column of the type table) rewrites a row's blocks as
- *   w[k] = s[g] * q[k] + m[g]        q int8, one scale s and offset m per group g of G = 32 or 16 weights
- * which is the format's own dequantization formula regrouped (Q4_0: q = nibble - 8, s = d; Q4_K:
- * q = nibble, s = d * sc, m = -dmin * mn; ...): no weight is re-quantized. At its first integer-mode
- * use a weight is packed once (ratchet_q8_plan, ratchet_pack_q8) in panels of 16 output rows: per
- * group the values are made unsigned, u = q + z with z = 0 or the power of two >= -min(q) (so
- * w = s * u + (m - z * s), the offset exact), and laid out in the VNNI order (one 64-byte vector =
- * 4 consecutive weights of each of the 16 rows). A panel whose u all fit 4 bits (Q4_0, Q4_1, Q4_K,
- * Q2_K, Q3_K) keeps two weights per byte (0.5 byte per weight; the kernel splits the nibbles in
- * registers), others one byte; G is 32 unless a row of the panel changes scale or offset within 32
- * weights (Q6_K, Q3_K, Q2_K: G = 16). Both choices are read from the values, per panel, never from
- * the format's name. Per group and row: the scale s and the offset M = m - z * s (fp32).
+ *   w[k] = s[g] * q[k] + m[g],  s[g] = D * c[g],  m[g] = D_m * c_m[g]
+ * q int8; per group g of G = 32 or 16 weights a scale and an offset, each the product of the
+ * block's fp16 factor (D = d, D_m = -dmin or the block's min) and a small integer multiplier (a
+ * K-quant's 6-bit sub-scale; 1 for the 32-weight formats): the format's own dequantization formula
+ * regrouped (Q4_0: q = nibble - 8, s = d; Q4_K: q = nibble, s = d * sc, m = -dmin * mn; ...), so no
+ * weight is re-quantized. At its first integer-mode use a weight is packed once (ratchet_q8_plan,
+ * ratchet_pack_q8) in panels of 16 output rows: the values made unsigned, u = q + z with z = 0 or
+ * the power of two >= -min(q), laid out in the VNNI order (one 64-byte vector = 4 consecutive
+ * weights of each of the 16 rows) in vb bits per value: 4 (two per byte; the kernel splits the
+ * nibbles in registers: Q4_0, Q4_1, Q4_K, Q2_K, Q3_K), 5 or 6 (nibbles plus a plane of the high bit
+ * or two: Q5_*, Q6_K), else 8 (bytes: Q8_0); G is 32 unless a row of the panel changes its
+ * multipliers within 32 weights (Q6_K, Q3_K, Q2_K: G = 16); beside the values, per row, one fp16 D
+ * (and D_m) per super-group of SB weights (256 for the K-quants: the span over which d stays) and an
+ * int8 c (and c_m) per group. Every choice is read from the values, per panel, never from the
+ * format's name. Bytes per weight: Q4_K 0.58 (file 0.56), Q6_K 0.82 (0.82), Q8_0 1.09 (1.06).
  *
  * Output row n, token t, per group g (I exact in int32; unsigned weight bytes times signed
- * activation bytes is exactly what vpdpbusd multiplies, so no correction term is needed):
- *   I = sum_{k in g} u[n, k] xq[k];  acc = fma(float(I), s[n, g] * dx[t, g], acc);  acc = fma(M[n, g], dx[t, g] * sum_{k in g} xq[k], acc)
+ * activation bytes is exactly what vpdpbusd multiplies; the zero point comes off as z * sum xq):
+ *   I = sum_{k in g} u[n, k] xq[k] - z sum_{k in g} xq[k];  acc = fma(float(I), s[n, g] * dx[t, g], acc);
+ *   acc = fma(m[n, g], dx[t, g] * sum_{k in g} xq[k], acc)
  * in increasing g: one scalar sequence per output (16 outputs are the 16 lanes of a vector;
  * nothing is reduced across lanes). Register tiles: a group's weight vectors are loaded (and
  * unpacked) once and used for up to TT tokens, each with its own accumulator. The sequence per
@@ -282,7 +287,7 @@ typedef struct {
 } part_q8_t; /* same layout as part_t in matmul.c */
 
 typedef struct {
-    int32_t nib;   /* 1: two weights per byte */
+    int32_t vb;    /* bits per stored value: 4 (nibbles), 5 or 6 (nibbles + a 1- or 2-bit plane), 8 (bytes) */
     int32_t G;     /* weights per group (one scale multiplier c, one offset multiplier): 32 or 16 */
     int32_t z;     /* zero point: 0 or a power of two (u = q + z for every weight of the panel) */
     int32_t has_m; /* 1: the groups have offsets (D_m and c_m beside D and c) */
@@ -371,7 +376,7 @@ static int fp16_exact(float f, uint16_t *h) {
 
 /* Decide each panel's layout from its values: G (32 unless a row changes its multipliers within
  * 32 weights), SB (the longest span, up to 256, over which every row keeps its d and dm), z (0, or
- * the smallest power of two >= -min q: u = q + z <= 255 as q <= 127), nibbles (every u <= 15),
+ * the smallest power of two >= -min q: u = q + z <= 255 as q <= 127), the bits per value (vb),
  * offsets (any dm * cm != 0); and its offsets in Q and SM. Returns the sizes of Q and SM (bytes) in
  * sizes[0], sizes[1] (sizes[0] = -1: a d or dm that is not an fp16 value), the zero point in sizes[2]. */
 void ratchet_q8_plan(const part_q8_t *parts, int nparts, int K, q8panel_t *panels, int64_t *sizes, int threads) {
@@ -401,7 +406,7 @@ void ratchet_q8_plan(const part_q8_t *parts, int nparts, int K, q8panel_t *panel
                 }
                 for (int g = 0; g < K / 16; g++) has_m |= rq.dm32[g / 2] * (float)rq.cm16[g] != 0.0f;
             }
-            panels[p] = (q8panel_t){hi, g32 ? 32 : 16, lo, has_m, SB, 0, 0, 0}; /* nib, z: the range for now */
+            panels[p] = (q8panel_t){hi, g32 ? 32 : 16, lo, has_m, SB, 0, 0, 0}; /* vb, z: the range for now */
         }
         row_free(&rq);
     }
@@ -415,14 +420,15 @@ void ratchet_q8_plan(const part_q8_t *parts, int nparts, int K, q8panel_t *panel
         }
     for (int p = 0; p < NPAN; p++) {
         const int z = panels[p].z < 0 ? zw : 0;
-        panels[p].nib = panels[p].nib + z <= 15;
+        const int umax = panels[p].vb + z; /* u in [0, umax] */
+        panels[p].vb = umax <= 15 ? 4 : umax <= 31 && panels[p].G == 32 ? 5 : umax <= 63 ? 6 : 8;
         panels[p].z = z;
     }
     int64_t qo = 0, so = 0;
     for (int p = 0; p < NPAN; p++) {
         panels[p].qoff = qo;
         panels[p].soff = so;
-        qo += (int64_t)K * PN / (panels[p].nib ? 2 : 1);
+        qo += (int64_t)K * PN * panels[p].vb / 8;
         so += (int64_t)(K / panels[p].SB) * (1 + panels[p].has_m) * (2 + panels[p].SB / panels[p].G) * PN;
     }
     sizes[0] = bad ? -1 : qo;
@@ -430,7 +436,34 @@ void ratchet_q8_plan(const part_q8_t *parts, int nparts, int K, q8panel_t *panel
     sizes[2] = zw;
 }
 
-/* Write each panel as planned: Q (u = q + z in the VNNI order, nibbles or bytes) and SM, per
+/* One row r's G values of a group into the group's bytes, u = q + z, in the VNNI order: item (c, r, j)
+ * = weight 4 c + j of row r, c < C = G / 4, i.e. vector c holds 4 consecutive weights of each of the
+ * 16 rows. vb = 8: the C vectors as bytes. vb = 4, 5, 6: C / 2 vectors of nibbles (vector c < C / 2
+ * holds item c in its low and item c + C / 2 in its high nibble), then for vb = 6 C / 4 vectors whose
+ * bits 2j..2j+1 are bits 4..5 of item 4p + j (p the plane vector), for vb = 5 one vector whose bit j
+ * is bit 4 of item j. */
+static void plane_pack(const int8_t *qg, int z, int G, int vb, int r, uint8_t *dst) {
+    const int C = G / 4;
+    for (int c = 0; c < C; c++)
+        for (int j = 0; j < 4; j++) {
+            const int u = qg[4 * c + j] + z, i = (r * 4 + j);  /* byte i of a vector */
+            if (vb == 8) {
+                dst[c * 64 + i] = (uint8_t)u;
+                continue;
+            }
+            uint8_t *nb = dst + (c % (C / 2)) * 64 + i;
+            *nb = (uint8_t)(c < C / 2 ? (*nb & 0xF0) | (u & 0x0F) : (*nb & 0x0F) | ((u & 0x0F) << 4));
+            uint8_t *pl = dst + C / 2 * 64;
+            if (vb == 6) {
+                uint8_t *b = pl + (c / 4) * 64 + i;
+                *b = (uint8_t)((*b & ~(3 << (2 * (c % 4)))) | (((u >> 4) & 3) << (2 * (c % 4))));
+            } else if (vb == 5) {
+                pl[i] = (uint8_t)((pl[i] & ~(1 << c)) | (((u >> 4) & 1) << c));
+            }
+        }
+}
+
+/* Write each panel as planned: Q (u = q + z in the VNNI order, see plane_pack) and SM, per
  * super-group of SB weights: D[16] (fp16), D_m[16] if the panel has offsets, then per group c[16]
  * (int8) and c_m[16]: the scale s = D * c and the offset m = D_m * c_m of each row. */
 void ratchet_pack_q8(const part_q8_t *parts, int nparts, int K, const q8panel_t *panels, uint8_t *Q, uint8_t *SM,
@@ -442,7 +475,7 @@ void ratchet_pack_q8(const part_q8_t *parts, int nparts, int K, const q8panel_t 
 #pragma omp for schedule(static)
         for (int p = 0; p < NPAN; p++) {
             const q8panel_t *pn = &panels[p];
-            const int G = pn->G, NG = K / G, C = G / 4, nib = pn->nib, z = pn->z, hm = pn->has_m;
+            const int G = pn->G, NG = K / G, vb = pn->vb, z = pn->z, hm = pn->has_m;
             const int GPS = pn->SB / G, SBB = (1 + hm) * (2 + GPS) * PN; /* bytes per super-group */
             uint8_t *qp = Q + pn->qoff, *sp = SM + pn->soff;
             for (int r = 0; r < PN; r++) {
@@ -461,13 +494,7 @@ void ratchet_pack_q8(const part_q8_t *parts, int nparts, int K, const q8panel_t 
                     int8_t *cp = (int8_t *)sbp + (1 + hm) * 2 * PN + (g % GPS) * (1 + hm) * PN;
                     cp[r] = rq.c16[g * G / 16];
                     if (hm) cp[PN + r] = rq.cm16[g * G / 16];
-                    const int8_t *qg = rq.q + g * G;
-                    uint8_t *dst = qp + (long)g * G * PN / (nib ? 2 : 1);
-                    for (int c = 0; c < (nib ? C / 2 : C); c++)
-                        for (int j = 0; j < 4; j++) {
-                            const int v = qg[4 * c + j] + z;
-                            dst[(c * PN + r) * 4 + j] = (uint8_t)(nib ? v | ((qg[4 * (c + C / 2) + j] + z) << 4) : v);
-                        }
+                    plane_pack(rq.q + g * G, z, G, vb, r, qp + (long)g * G * PN * vb / 8);
                 }
             }
         }
@@ -502,10 +529,10 @@ static inline __attribute__((always_inline)) __m512i dpbusd_bcast(__m512i acc, _
     return acc;
 }
 
-/* G, nib, b16, has_m and tt are literals at every call (panel_any), so each combination compiles to
+/* G, vb, b16, has_m and tt are literals at every call (panel_any), so each combination compiles to
  * its own fully unrolled loop with the accumulators in registers */
 static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, const uint8_t *SM, int z,
-                                                             const xtile_t *xs, int K, const int G, const int nib,
+                                                             const xtile_t *xs, int K, const int G, const int vb,
                                                              const int b16, const int has_m, int SB, float *y, int N,
                                                              int nvalid, const int tt) {
     __m512 acc[TT];
@@ -527,13 +554,30 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
                                                          _mm_loadu_si128((const __m128i *)(cp + PN)))))
                                 : _mm512_setzero_ps();
         __m512i W[8];
-        if (nib) {
-            const __m512i *qv = (const __m512i *)(Q + (long)g * G * 8);
+        if (vb < 8) { /* nibbles, then bits 4 (and 5) from the plane: W |= (plane shifted) & mask, one ternlog */
+            const __m512i *qv = (const __m512i *)(Q + (long)g * G * PN * vb / 8);
             #pragma GCC unroll 8
             for (int v = 0; v < C / 2; v++) {
                 const __m512i b = _mm512_loadu_si512(qv + v);
                 W[v] = _mm512_and_si512(b, m4);
                 W[v + C / 2] = _mm512_and_si512(_mm512_srli_epi16(b, 4), m4);
+            }
+            if (vb == 6) { /* item 4p + j: bits 2j..2j+1 of plane p to bits 4..5 (16-bit shifts: the mask drops what crosses bytes) */
+                const __m512i m30 = _mm512_set1_epi8(0x30);
+                #pragma GCC unroll 8
+                for (int c = 0; c < C; c++) {
+                    const __m512i pl = _mm512_loadu_si512(qv + C / 2 + c / 4);
+                    const int j = c % 4;
+                    const __m512i sh = j < 2 ? _mm512_slli_epi16(pl, 4 - 2 * j) : j == 2 ? pl : _mm512_srli_epi16(pl, 2);
+                    W[c] = _mm512_ternarylogic_epi32(sh, m30, W[c], 0xEA); /* (sh & m30) | W */
+                }
+            } else if (vb == 5) { /* item j: bit j of the plane to bit 4 */
+                const __m512i m10 = _mm512_set1_epi8(0x10), pl = _mm512_loadu_si512(qv + C / 2);
+                #pragma GCC unroll 8
+                for (int c = 0; c < C; c++) {
+                    const __m512i sh = c < 4 ? _mm512_slli_epi16(pl, 4 - c) : c == 4 ? pl : _mm512_srli_epi16(pl, c - 4);
+                    W[c] = _mm512_ternarylogic_epi32(sh, m10, W[c], 0xEA);
+                }
             }
         } else {
             const __m512i *qv = (const __m512i *)(Q + (long)g * G * 16);
@@ -577,7 +621,7 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
 #else
 /* portable C (and the AVX-VNNI build, which the compiler vectorizes): the same sequence per lane */
 static inline void panel_tile(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, const int G,
-                              const int nib, const int b16, const int has_m, int SB, float *y, int N, int nvalid,
+                              const int vb, const int b16, const int has_m, int SB, float *y, int N, int nvalid,
                               const int tt) {
     float acc[TT][PN];
     for (int t = 0; t < tt; t++)
@@ -592,12 +636,16 @@ static inline void panel_tile(const uint8_t *Q, const uint8_t *SM, int z, const 
             mv[l] = has_m ? load_fp16(sbp + 2 * PN + 2 * l) * (float)cp[PN + l] : 0.0f;
         }
         uint8_t w[32 * PN]; /* [C][PN][4] unsigned weights of the group */
-        if (nib) {
-            const uint8_t *qg = Q + (long)g * G * 8;
+        if (vb < 8) { /* the layout of plane_pack */
+            const uint8_t *qg = Q + (long)g * G * PN * vb / 8, *pl = qg + C / 2 * 64;
             for (int i = 0; i < C / 2 * PN * 4; i++) {
                 w[i] = qg[i] & 0x0F;
                 w[i + C / 2 * PN * 4] = qg[i] >> 4;
             }
+            for (int c = 0; c < C && vb > 4; c++)
+                for (int i = 0; i < 64; i++)
+                    w[c * 64 + i] |= (uint8_t)(vb == 6 ? ((pl[(c / 4) * 64 + i] >> (2 * (c % 4))) & 3) << 4
+                                                       : ((pl[i] >> c) & 1) << 4);
         } else {
             memcpy(w, Q + (long)g * G * 16, (size_t)G * PN);
         }
@@ -625,37 +673,45 @@ static inline void panel_tile(const uint8_t *Q, const uint8_t *SM, int z, const 
 }
 #endif
 
-#define TILE_CASES(G, NIB, B16, HM)                                                                                  \
+#define TILE_CASES(G, VB, B16, HM)                                                                                  \
     switch (tt) { /* literal tile sizes: the accumulators live in registers */                                    \
-    case 1: panel_tile(Q, SM, z, xs, K, G, NIB, B16, HM, SB, y, N, nvalid, 1); break;                                 \
-    case 2: panel_tile(Q, SM, z, xs, K, G, NIB, B16, HM, SB, y, N, nvalid, 2); break;                                 \
-    case 3: panel_tile(Q, SM, z, xs, K, G, NIB, B16, HM, SB, y, N, nvalid, 3); break;                                 \
-    case 4: panel_tile(Q, SM, z, xs, K, G, NIB, B16, HM, SB, y, N, nvalid, 4); break;                                 \
-    case 5: panel_tile(Q, SM, z, xs, K, G, NIB, B16, HM, SB, y, N, nvalid, 5); break;                                 \
-    case 6: panel_tile(Q, SM, z, xs, K, G, NIB, B16, HM, SB, y, N, nvalid, 6); break;                                 \
-    case 7: panel_tile(Q, SM, z, xs, K, G, NIB, B16, HM, SB, y, N, nvalid, 7); break;                                 \
-    default: panel_tile(Q, SM, z, xs, K, G, NIB, B16, HM, SB, y, N, nvalid, TT); break;                               \
+    case 1: panel_tile(Q, SM, z, xs, K, G, VB, B16, HM, SB, y, N, nvalid, 1); break;                                 \
+    case 2: panel_tile(Q, SM, z, xs, K, G, VB, B16, HM, SB, y, N, nvalid, 2); break;                                 \
+    case 3: panel_tile(Q, SM, z, xs, K, G, VB, B16, HM, SB, y, N, nvalid, 3); break;                                 \
+    case 4: panel_tile(Q, SM, z, xs, K, G, VB, B16, HM, SB, y, N, nvalid, 4); break;                                 \
+    case 5: panel_tile(Q, SM, z, xs, K, G, VB, B16, HM, SB, y, N, nvalid, 5); break;                                 \
+    case 6: panel_tile(Q, SM, z, xs, K, G, VB, B16, HM, SB, y, N, nvalid, 6); break;                                 \
+    case 7: panel_tile(Q, SM, z, xs, K, G, VB, B16, HM, SB, y, N, nvalid, 7); break;                                 \
+    default: panel_tile(Q, SM, z, xs, K, G, VB, B16, HM, SB, y, N, nvalid, TT); break;                               \
     }
-#define HM_CASES(G, NIB, B16)                                                                                        \
+#define HM_CASES(G, VB, B16)                                                                                        \
     if (has_m) {                                                                                                   \
-        TILE_CASES(G, NIB, B16, 1)                                                                                 \
+        TILE_CASES(G, VB, B16, 1)                                                                                 \
     } else {                                                                                                       \
-        TILE_CASES(G, NIB, B16, 0)                                                                                 \
+        TILE_CASES(G, VB, B16, 0)                                                                                 \
     }
 
-static void panel_any(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, int G, int nib, int b16,
+#define B16_CASES(G, VB)                                                                                           \
+    if (b16) {                                                                                                     \
+        HM_CASES(G, VB, 1)                                                                                         \
+    } else {                                                                                                       \
+        HM_CASES(G, VB, 0)                                                                                         \
+    }
+
+static void panel_any(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, int G, int vb, int b16,
                       int has_m, int SB, float *y, int N, int nvalid, int tt) {
-    if (G == 32) {
-        if (nib) {
-            if (b16) HM_CASES(32, 1, 1) else HM_CASES(32, 1, 0)
-        } else {
-            if (b16) HM_CASES(32, 0, 1) else HM_CASES(32, 0, 0)
+    if (G == 32) { /* 5-bit planes only with G = 32 (the plan gives G = 16 six) */
+        switch (vb) {
+        case 4: B16_CASES(32, 4) break;
+        case 5: B16_CASES(32, 5) break;
+        case 6: B16_CASES(32, 6) break;
+        default: B16_CASES(32, 8) break;
         }
     } else {
-        if (nib) {
-            if (b16) HM_CASES(16, 1, 1) else HM_CASES(16, 1, 0)
-        } else {
-            if (b16) HM_CASES(16, 0, 1) else HM_CASES(16, 0, 0)
+        switch (vb) {
+        case 4: B16_CASES(16, 4) break;
+        case 6: B16_CASES(16, 6) break;
+        default: B16_CASES(16, 8) break;
         }
     }
 }
@@ -708,7 +764,7 @@ void ratchet_mm_q8(const float *x, int M, int K, int bits, int zw, const q8panel
             const q8panel_t *pn = &panels[p];
             const int nvalid = MIN(PN, N - p * PN);
             for (int ti = 0; ti < NT; ti++)
-                panel_any(Q + pn->qoff, SM + pn->soff, pn->z, &tiles[ti], K, pn->G, pn->nib, bits == 16, pn->has_m, pn->SB,
+                panel_any(Q + pn->qoff, SM + pn->soff, pn->z, &tiles[ti], K, pn->G, pn->vb, bits == 16, pn->has_m, pn->SB,
                           y + (long)ti * TT * N + p * PN, N, nvalid, MIN(TT, M - ti * TT));
         }
     }

@@ -132,42 +132,43 @@ def test_matmul_matches_the_integer_reference_and_is_batch_invariant(lib, type_n
         assert same_bits(block_matmul(x, w, lib=lib, numerics=mode, threads=threads), full)
 
 
-# per format: (two weights per byte, G, zero point) that the packer must read off the values
-LAYOUT = {"Q4_0": (1, 32, 8), "Q4_1": (1, 32, 0), "Q5_0": (0, 32, 16), "Q5_1": (0, 32, 0), "Q8_0": (0, 32, 128),
-          "Q2_K": (1, 16, 0), "Q3_K": (1, 16, 4), "Q4_K": (1, 32, 0), "Q5_K": (0, 32, 0), "Q6_K": (0, 16, 32)}
+# per format: (bits per stored value, G, zero point) that the packer must read off the values
+LAYOUT = {"Q4_0": (4, 32, 8), "Q4_1": (4, 32, 0), "Q5_0": (5, 32, 16), "Q5_1": (5, 32, 0), "Q8_0": (8, 32, 128),
+          "Q2_K": (4, 16, 0), "Q3_K": (4, 16, 4), "Q4_K": (4, 32, 0), "Q5_K": (5, 32, 0), "Q6_K": (6, 16, 32)}
 SUPER = {"Q2_K": 256, "Q3_K": 256, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}  # the others: one d per 32 weights
 
 
 @pytest.mark.parametrize("type_name", INT_TYPES)
 def test_packing_reads_each_panels_layout_from_its_values(type_name):
-    """4-bit values are kept two per byte (the weight bytes are half of N * K), scales that change
+    """4-bit values are kept two per byte (the weight bytes are half of N * K), 5- and 6-bit ones as
+    nibbles plus a plane of their high bits (5/8 or 6/8 of N * K), bytes beyond; scales that change
     within 32 weights give groups of 16, negative values a power-of-two zero point, offsets their
     own factors; one fp16 D per row and super-group (the K-quants' 256 weights), an int8 multiplier
     per row and group; the integer form still rebuilds the weights (the matmul tests)."""
     k, n = 512, 40
     w = BlockWeight.from_gguf(type_name, random_raw(type_name, n, k, seed=7), k)
     panels, q, sm, zw = w.pack_q8(kernels.load())
-    nib, g, z = LAYOUT[type_name]
+    vb, g, z = LAYOUT[type_name]
     assert panels.shape == (3, 5)
-    flags = panels[:, :3].view(np.int32)  # [nib, G, z, has_m, SB, pad] per panel
+    flags = panels[:, :3].view(np.int32)  # [vb, G, z, has_m, SB, pad] per panel
     sb = SUPER.get(type_name, 32)
-    assert (flags[:, 0] == nib).all() and (flags[:, 1] == g).all() and zw == z
+    assert (flags[:, 0] == vb).all() and (flags[:, 1] == g).all() and zw == z
     assert (flags[:, 2] == z).all() and (flags[:, 4] == sb).all()
     assert (flags[:, 3] == (type_name in ("Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K"))).all()
-    assert q.nbytes == 3 * 16 * k // (2 if nib else 1)
+    assert q.nbytes == 3 * 16 * k * vb // 8
     # per row: 2 bytes of D per super-group, 1 byte of c per group; twice that with offsets
     assert sm.nbytes == 3 * 16 * (2 * (k // sb) + k // g) * (1 + int(flags[0, 3]))
 
 
 def test_panels_of_one_weight_choose_their_own_layout(lib):
     """A fused weight of 4-bit rows (Q4_K) and 6-bit rows (Q6_K): the Q4_K panels stay nibbles with
-    G = 32, the Q6_K panels bytes with G = 16; the result still matches the reference and a row's bits
+    G = 32, the Q6_K panels 6 bits (nibbles and a 2-bit plane) with G = 16; the result still matches the reference and a row's bits
     do not depend on the rows beside it."""
     k = 256
     fused = BlockWeight.cat([BlockWeight.from_gguf("Q4_K", random_raw("Q4_K", 32, k, seed=8), k),
                              BlockWeight.from_gguf("Q6_K", random_raw("Q6_K", 20, k, seed=9), k)])
     panels = fused.pack_q8(lib)[0][:, :2].view(np.int32)
-    assert panels[:, 0].tolist() == [1, 1, 0, 0] and panels[:, 1].tolist() == [32, 32, 16, 16]
+    assert panels[:, 0].tolist() == [4, 4, 6, 6] and panels[:, 1].tolist() == [32, 32, 16, 16]
     torch.manual_seed(4)
     x = torch.randn(11, k)
     for mode in BITS:
