@@ -164,13 +164,13 @@ class BlockWeight:
 
     def pack_q8(self, lib: ctypes.CDLL) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """The integer modes' layout (kernels/matmul_int8.c), built on first use and kept: per panel
-        of 16 output rows its weights' integer values made unsigned (two per byte where they fit 4
-        bits: the 4-bit formats), in the VNNI order, and the format's own factors: per row an fp16 D
-        (and D_m) per super-group of up to 256 weights and an int8 multiplier c (and c_m) per group of
-        G = 32 weights (16 where the format changes scale within 32), s = D * c exactly as the format
-        computes it. Returns (panels [P, 5] int64: the kernel's q8panel_t; Q uint8; SM uint8; the
-        weight's zero point). Memory beside the mmapped file: ~0.58 byte per weight for Q4_K, ~1.07 for
-        Q6_K, 0.59 for Q4_0."""
+        of 16 output rows its weights' integer values made unsigned, in the VNNI order, in 4 bits
+        (nibbles), 5 or 6 (nibbles and a plane of the high bits) or 8, and the format's own factors:
+        per row an fp16 D (and D_m) per super-group of up to 256 weights and an int8 multiplier c (and
+        c_m) per group of G = 32 weights (16 where the format changes scale within 32), s = D * c
+        exactly as the format computes it. Returns (panels [P, 5] int64: the kernel's q8panel_t; Q
+        uint8; SM uint8; the weight's zero point). Bytes per weight about the file's: Q4_K 0.58 (file
+        0.56), Q6_K 0.82 (0.82), Q5_K 0.70 (0.69), Q4_0 0.59 (0.56), Q8_0 1.09 (1.06)."""
         if id(lib) not in self._q8:
             n, k = self.shape
             npan = (n + 15) // 16
