@@ -162,8 +162,8 @@ def test_packing_reads_each_panels_layout_from_its_values(type_name):
 
 def test_panels_of_one_weight_choose_their_own_layout(lib):
     """A fused weight of 4-bit rows (Q4_K) and 6-bit rows (Q6_K): the Q4_K panels stay nibbles with
-    G = 32, the Q6_K panels 6 bits (nibbles and a 2-bit plane) with G = 16; the result still matches the reference and a row's bits
-    do not depend on the rows beside it."""
+    G = 32, the Q6_K panels 6 bits (nibbles and a 2-bit plane) with G = 16; the result still matches
+    the reference and a row's bits do not depend on the rows beside it."""
     k = 256
     fused = BlockWeight.cat([BlockWeight.from_gguf("Q4_K", random_raw("Q4_K", 32, k, seed=8), k),
                              BlockWeight.from_gguf("Q6_K", random_raw("Q6_K", 20, k, seed=9), k)])
