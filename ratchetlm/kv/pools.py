@@ -80,7 +80,7 @@ class Pools:
         t = self.stacked[pool]
         m = self._layer[pool]
         dst = t[layer if m is None else m[layer]]  # type: ignore[index]
-        dst.index_copy_(0, slots, values.to(t.dtype))
+        dst.index_copy_(0, slots, values if values.dtype == t.dtype else values.to(t.dtype))
         self.bytes_written += values.numel() * t.element_size()
 
     def copy_rows(self, pool: str, values: torch.Tensor, slots: torch.Tensor) -> None:

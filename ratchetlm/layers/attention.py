@@ -49,6 +49,8 @@ class AttentionBatch:
     _grouped: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
     _keys: _KeyInputs | None = None  # what the windowed views are cut from
     _windows: dict[int, AttentionBatch] = field(default_factory=dict)
+    _slot_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # see slot_rows_ptr
+    _fixed_mask: torch.Tensor | None = None  # see fixed_order_mask
 
     def grouped_mask(self, g: int, dtype: torch.dtype) -> torch.Tensor | None:
         """``mask`` with each query row repeated for the ``g`` heads of a KV group: ``[B, 1, g*n, L]``
@@ -59,6 +61,23 @@ class AttentionBatch:
         if key not in self._grouped:
             self._grouped[key] = self.mask.repeat(1, 1, g, 1).to(dtype)
         return self._grouped[key]
+
+    def slot_rows_ptr(self, row: int) -> int:
+        """Address of ``ctx_slots[row]`` as one contiguous ``[B, max_ctx]`` int64 array (the fixed-order
+        kernel's input): made once per forward and slot group, not per layer."""
+        assert self.ctx_slots is not None
+        if row not in self._slot_rows:
+            self._slot_rows[row] = self.ctx_slots[row].contiguous()
+        return self._slot_rows[row].data_ptr()
+
+    def fixed_order_mask(self) -> torch.Tensor | None:
+        """``mask`` as ``[B, max_new, L]`` contiguous fp32 (the fixed-order kernel's input), once per forward."""
+        if self.mask is None:
+            return None
+        if self._fixed_mask is None:
+            self._fixed_mask = self.mask.reshape(self.num_seqs, self.max_new, -1).contiguous()
+            assert self._fixed_mask.dtype == torch.float32
+        return self._fixed_mask
 
     def windowed(self, window: int | None) -> AttentionBatch:
         """The view a layer with this sliding window attends through (``None``: this full view).
@@ -265,17 +284,16 @@ def _fixed_order_attention(
     assert lib is not None and batch.seq_meta is not None
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     t, h, d = q.shape
-    ctx = batch.ctx_slots is not None
-    kc, vc = batch.cache.layer_kv(layer) if ctx and batch.cache is not None else (None, None)
-    assert not ctx or (kc is not None and vc is not None and kc.is_contiguous() and vc.is_contiguous())
-    slots = None
+    kc = vc = None
+    slots = 0
     if batch.ctx_slots is not None and batch.cache is not None:
-        slots = batch.ctx_slots[batch.cache.slot_row(layer)].contiguous()  # [B, max_ctx]
-    mask = None if batch.mask is None else batch.mask.reshape(batch.num_seqs, batch.max_new, -1).contiguous()
-    assert mask is None or mask.dtype == torch.float32
+        kc, vc = batch.cache.layer_kv(layer)
+        assert kc.is_contiguous() and vc.is_contiguous()
+        slots = batch.slot_rows_ptr(batch.cache.slot_row(layer))
+    mask = batch.fixed_order_mask()
     out = torch.empty_like(q)
     lib.ratchet_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), 0 if kc is None else kc.data_ptr(),
-                          0 if vc is None else vc.data_ptr(), 0 if slots is None else slots.data_ptr(), batch.max_ctx,
+                          0 if vc is None else vc.data_ptr(), slots, batch.max_ctx,
                           batch.seq_meta.data_ptr(), batch.max_new, 0 if mask is None else mask.data_ptr(),
                           batch.num_seqs, h, k.shape[1], d, scale, softcap or 0.0, out.data_ptr(),
                           torch.get_num_threads())

@@ -350,8 +350,10 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocks is None:
             return F.linear(x, self.weight, self.bias)
-        if usable(x.reshape(-1, x.shape[-1])):
-            y = block_matmul(x.reshape(-1, x.shape[-1]), self.blocks, numerics=self.numerics).view(*x.shape[:-1], -1)
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (no reshape/view dispatch for 2-D: batch 1 cost)
+        if usable(x2):
+            y = block_matmul(x2, self.blocks, numerics=self.numerics)
+            y = y if x2 is x else y.view(*x.shape[:-1], -1)
             return y if self.bias is None else y + self.bias
         return F.linear(x, _dequantized(self.blocks, x), self.bias)  # slow path: autograd, other dtypes
 

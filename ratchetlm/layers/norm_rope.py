@@ -113,5 +113,7 @@ def _rotate(
     rd = cos.shape[-1]
     if rd < x.shape[-1]:  # partial rotary: the tail of each head passes through unrotated
         return torch.cat([_rotate(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
+    if x.dtype == torch.float32:  # the same ops without two no-op conversions (they show at batch 1)
+        return x * cos + x.roll(rd // 2, dims=-1) * sin
     xf = x.float()
     return (xf * cos + xf.roll(rd // 2, dims=-1) * sin).to(x.dtype)

@@ -63,24 +63,26 @@ class DecoderLayer(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],  # ([num_tokens, 1, rotary_dim],) * 2
         batch: AttentionBatch,
     ) -> torch.Tensor:
+        # Submodules are called through .forward: nn.Module.__call__'s hook dispatch costs about a
+        # microsecond a call, seven calls a layer, and at batch 1 decode a step is mostly such costs.
         t = x.shape[0]
-        qkv = self.qkv(self.input_norm(x))
+        qkv = self.qkv.forward(self.input_norm.forward(x))
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
-            k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
+            q = self.q_norm.forward(q.view(t, self.num_heads, self.head_dim))
+            k = self.k_norm.forward(k.view(t, self.num_kv_heads, self.head_dim))
             q, k = RotaryEmbedding.rotate(cos_sin, q, k)
         else:  # Q and K heads are adjacent in the fused output: rotate them as one tensor
             qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
             q, k = RotaryEmbedding.rotate_packed(cos_sin, qk).split([self.num_heads, self.num_kv_heads], dim=1)
         attn = paged_attention(self.index, q, k, v, batch, self.scale, self.window, self.softcap,
                                fixed_order=self.fixed_order_attention)
-        h = self.tp.all_reduce(self.o_proj(attn.reshape(t, self.q_size)))  # row-parallel: sum the ranks' parts
-        x = x + (h if self.attn_out_norm is None else self.attn_out_norm(h))
-        gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
-        h = self.tp.all_reduce(self.down(self.act(gate) * up))
-        return x + (h if self.mlp_out_norm is None else self.mlp_out_norm(h))
+        h = self.tp.all_reduce(self.o_proj.forward(attn.reshape(t, self.q_size)))  # row-parallel: sum the ranks' parts
+        x = x + (h if self.attn_out_norm is None else self.attn_out_norm.forward(h))
+        gate, up = self.gate_up.forward(self.post_norm.forward(x)).chunk(2, dim=-1)
+        h = self.tp.all_reduce(self.down.forward(self.act(gate) * up))
+        return x + (h if self.mlp_out_norm is None else self.mlp_out_norm.forward(h))
 
 
 class LlamaModel(nn.Module):
@@ -116,10 +118,11 @@ class LlamaModel(nn.Module):
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         cos_sin = self.rope.cos_sin(batch.positions)
         local = cos_sin if self.local_rope is None else self.local_rope.cos_sin(batch.positions)
-        for layer in self.layers[: num_layers or len(self.layers)]:
+        layers = self.layers if not num_layers else self.layers[:num_layers]  # (a slice builds a ModuleList)
+        for layer in layers:
             assert isinstance(layer, DecoderLayer)
-            x = layer(x, local if layer.window is not None else cos_sin, batch)
-        return self.norm(x)
+            x = layer.forward(x, local if layer.window is not None else cos_sin, batch)  # (see DecoderLayer.forward)
+        return self.norm.forward(x)
 
     def set_numerics(self, numerics: str) -> int:
         """The matmul numerics of every block weight ("exact" | "int8" | "int16", layers/block_quant.py);
