@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ratchetlm import kernels
 from ratchetlm.layers.rope_scaling import RopeScaling, rope_frequencies
 
 
@@ -20,15 +24,86 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # one fused op, same values as the three-step form below (checked in tests/core/test_layers.py)
+            # one fused op, same values as the three-step form below (checked in tests/core/test_layers.py);
+            # on CPU the C kernel, bit-identical to it (kernels/norm.c), where it can
             w = self.weight + self.offset if self.offset else self.weight
-            return F.rms_norm(x, self.weight.shape, w, self.eps)
+            y = _kernel_rms_norm(x, w, self.eps)
+            return F.rms_norm(x, self.weight.shape, w, self.eps) if y is None else y
         # Normalise in fp32 (as HF does) and cast back, so bf16 runs match the reference closely.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:  # Gemma: the scale is applied in fp32, then cast (HF's order)
             return (xf * (self.offset + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
+
+    def forward_residual(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + h, self(x + h))``: a residual add and the norm after it, one kernel call on CPU fp32."""
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and h.shape == x.shape:
+            w = self.weight + self.offset if self.offset else self.weight
+            y = _kernel_rms_norm(x, w, self.eps, h)
+            if y is not None:
+                return y
+        x = x + h
+        return x, self.forward(x)
+
+
+# torch sums a row of this many elements or more in parallel chunks when it is the only row (another
+# order): such rows stay with torch
+TORCH_GRAIN = 32768
+_lanes: list[int] = []  # torch's sum lane count as kernels/norm.c replays it; 0: no match (use torch)
+
+
+def _norm_lanes() -> int:
+    """The vector width with which kernels/norm.c reproduces ``torch.rms_norm`` bit for bit on this
+    torch build: tried on random rows of several widths and magnitudes once per process; 0 if none."""
+    if not _lanes:
+        _lanes.append(0)
+        lib = kernels.load()
+        if lib is not None:
+            g = torch.Generator().manual_seed(0)
+            for lanes in (8, 16):
+                if all(_matches_torch(lib, lanes, dim, g) for dim in (7, 17, 64, 100, 576, 2048, 4099)):
+                    _lanes[0] = lanes
+                    break
+    return _lanes[0]
+
+
+def _matches_torch(lib: ctypes.CDLL, lanes: int, dim: int, g: torch.Generator) -> bool:
+    x = torch.randn(16, dim, generator=g) * torch.logspace(-3, 3, 16)[:, None]
+    w = torch.randn(dim, generator=g)
+    out = torch.empty_like(x)
+    lib.ratchet_rms_norm(x.data_ptr(), None, None, w.data_ptr(), 16, dim, 1e-6, lanes, out.data_ptr(), 1)
+    return torch.equal(out, F.rms_norm(x, (dim,), w, 1e-6))
+
+
+def _kernel_rms_norm(
+    x: torch.Tensor,  # [..., dim] fp32
+    w: torch.Tensor,  # [dim] fp32
+    eps: float,
+    h: torch.Tensor | None = None,  # [..., dim] fp32: normalise x + h, and return it too
+) -> Any:  # rms_norm(x) | (x + h, rms_norm(x + h)) | None where the kernel cannot run
+    """``torch.rms_norm`` through kernels/norm.c (CPU, fp32, no autograd): bit-identical, one call."""
+    if x.device.type != "cpu" or w.shape[0] >= TORCH_GRAIN or torch.is_grad_enabled() and (
+            x.requires_grad or w.requires_grad or (h is not None and h.requires_grad)):
+        return None
+    lanes = _norm_lanes()
+    if not lanes:
+        return None
+    lib = kernels.load()
+    assert lib is not None
+    x, w = x.contiguous(), w.contiguous()
+    dim = w.shape[0]
+    assert x.shape[-1] == dim and w.dim() == 1, (x.shape, w.shape)
+    out = torch.empty_like(x)
+    if h is None:
+        lib.ratchet_rms_norm(x.data_ptr(), None, None, w.data_ptr(), x.numel() // dim, dim, eps, lanes,
+                             out.data_ptr(), torch.get_num_threads())
+        return out
+    h = h.contiguous()
+    s = torch.empty_like(x)
+    lib.ratchet_rms_norm(x.data_ptr(), h.data_ptr(), s.data_ptr(), w.data_ptr(), x.numel() // dim, dim, eps, lanes,
+                         out.data_ptr(), torch.get_num_threads())
+    return s, out
 
 
 class RotaryEmbedding:

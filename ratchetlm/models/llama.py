@@ -79,8 +79,8 @@ class DecoderLayer(nn.Module):
         attn = paged_attention(self.index, q, k, v, batch, self.scale, self.window, self.softcap,
                                fixed_order=self.fixed_order_attention)
         h = self.tp.all_reduce(self.o_proj.forward(attn.reshape(t, self.q_size)))  # row-parallel: sum the ranks' parts
-        x = x + (h if self.attn_out_norm is None else self.attn_out_norm.forward(h))
-        gate, up = self.gate_up.forward(self.post_norm.forward(x)).chunk(2, dim=-1)
+        x, hn = self.post_norm.forward_residual(x, h if self.attn_out_norm is None else self.attn_out_norm.forward(h))
+        gate, up = self.gate_up.forward(hn).chunk(2, dim=-1)
         h = self.tp.all_reduce(self.down.forward(self.act(gate) * up))
         return x + (h if self.mlp_out_norm is None else self.mlp_out_norm.forward(h))
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from ratchetlm.layers.norm_rope import RMSNorm, RotaryEmbedding
+from ratchetlm import kernels
+from ratchetlm.layers.norm_rope import RMSNorm, RotaryEmbedding, _norm_lanes
 
 
 def test_rmsnorm_fused_equals_three_step_definition():
@@ -21,6 +23,28 @@ def test_rmsnorm_fused_equals_three_step_definition():
     xf = xb.float()
     refb = normb.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
     assert torch.equal(normb(xb), refb)
+
+
+def test_rmsnorm_kernel_equals_torch_bit_for_bit():
+    """kernels/norm.c replays torch.rms_norm's summation order: the same bits at every width (shorter
+    than a vector, scalar tails, every level of the cascade sum), magnitude and row count (one
+    thread and the parallel loop), with a Gemma weight offset, and with the residual add fused in."""
+    assert kernels.load() is None or _norm_lanes() > 0, "the kernel must reproduce this torch build"
+    g = torch.Generator().manual_seed(1)
+    for dim, rows in [(1, 3), (5, 2), (8, 1), (9, 4), (31, 2), (64, 1), (576, 1), (576, 130), (960, 3),
+                      (2050, 2), (16384 + 24, 2), (32000, 1)]:
+        for offset in (0.0, 1.0):
+            norm = RMSNorm(dim, 1e-6, offset)
+            x = torch.randn(rows, dim, generator=g) * 10 ** (8 * torch.rand(rows, 1, generator=g) - 4)
+            h = torch.randn(rows, dim, generator=g)
+            with torch.inference_mode():
+                norm.weight.copy_(torch.randn(dim, generator=g))
+                w = norm.weight + offset
+                assert torch.equal(norm(x), F.rms_norm(x, (dim,), w, 1e-6)), (dim, rows, offset)
+                s, y = norm.forward_residual(x, h)
+                assert torch.equal(s, x + h) and torch.equal(y, F.rms_norm(x + h, (dim,), w, 1e-6)), (dim, rows)
+                x3 = x.view(rows, 1, dim).expand(rows, 2, dim)  # non-contiguous, 3-D
+                assert torch.equal(norm(x3), F.rms_norm(x3, (dim,), w, 1e-6))
 
 
 def _rotate_half_reference(x, positions, theta, d):
