@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # one fused op, same values as the three-step form below (checked in tests/core/test_layers.py);
-            # on CPU the C kernel, bit-identical to it (kernels/norm.c), where it can
+            # on CPU the C kernel, bit-identical to it (kernels/norm_rope.c), where it can
             w = self.weight + self.offset if self.offset else self.weight
             y = _kernel_rms_norm(x, w, self.eps)
             return F.rms_norm(x, self.weight.shape, w, self.eps) if y is None else y
@@ -50,11 +50,11 @@ class RMSNorm(nn.Module):
 # torch sums a row of this many elements or more in parallel chunks when it is the only row (another
 # order): such rows stay with torch
 TORCH_GRAIN = 32768
-_lanes: list[int] = []  # torch's sum lane count as kernels/norm.c replays it; 0: no match (use torch)
+_lanes: list[int] = []  # torch's sum lane count as kernels/norm_rope.c replays it; 0: no match (use torch)
 
 
 def _norm_lanes() -> int:
-    """The vector width with which kernels/norm.c reproduces ``torch.rms_norm`` bit for bit on this
+    """The vector width with which kernels/norm_rope.c reproduces ``torch.rms_norm`` bit for bit on this
     torch build: tried on random rows of several widths and magnitudes once per process; 0 if none."""
     if not _lanes:
         _lanes.append(0)
@@ -82,7 +82,7 @@ def _kernel_rms_norm(
     eps: float,
     h: torch.Tensor | None = None,  # [..., dim] fp32: normalise x + h, and return it too
 ) -> Any:  # rms_norm(x) | (x + h, rms_norm(x + h)) | None where the kernel cannot run
-    """``torch.rms_norm`` through kernels/norm.c (CPU, fp32, no autograd): bit-identical, one call."""
+    """``torch.rms_norm`` through kernels/norm_rope.c (CPU, fp32, no autograd): bit-identical, one call."""
     if x.device.type != "cpu" or w.shape[0] >= TORCH_GRAIN or torch.is_grad_enabled() and (
             x.requires_grad or w.requires_grad or (h is not None and h.requires_grad)):
         return None
@@ -186,9 +186,19 @@ def _rotate(
     sin: torch.Tensor,  # [num_tokens, 1, rotary_dim] fp32, first half negated (see _build)
 ) -> torch.Tensor:
     rd = cos.shape[-1]
+    if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 3 and x.stride(-1) == 1 \
+            and x.stride(-2) == x.shape[-1] and cos.is_contiguous() and sin.is_contiguous() \
+            and not (torch.is_grad_enabled() and x.requires_grad):
+        lib = kernels.load()
+        if lib is not None:  # kernels/norm_rope.c: the same three roundings per value, one call instead of four ops
+            assert cos.shape == sin.shape == (x.shape[0], 1, rd), (cos.shape, x.shape)
+            out = torch.empty(x.shape, dtype=x.dtype)
+            lib.ratchet_rope(x.data_ptr(), x.shape[0], x.shape[1], x.shape[2], x.stride(0), cos.data_ptr(),
+                             sin.data_ptr(), rd, out.data_ptr())
+            return out
     if rd < x.shape[-1]:  # partial rotary: the tail of each head passes through unrotated
         return torch.cat([_rotate(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
-    if x.dtype == torch.float32:  # the same ops without two no-op conversions (they show at batch 1)
+    if x.dtype == torch.float32:  # the same ops without two no-op conversions
         return x * cos + x.roll(rd // 2, dims=-1) * sin
     xf = x.float()
     return (xf * cos + xf.roll(rd // 2, dims=-1) * sin).to(x.dtype)

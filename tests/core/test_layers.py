@@ -26,7 +26,7 @@ def test_rmsnorm_fused_equals_three_step_definition():
 
 
 def test_rmsnorm_kernel_equals_torch_bit_for_bit():
-    """kernels/norm.c replays torch.rms_norm's summation order: the same bits at every width (shorter
+    """kernels/norm_rope.c replays torch.rms_norm's summation order: the same bits at every width (shorter
     than a vector, scalar tails, every level of the cascade sum), magnitude and row count (one
     thread and the parallel loop), with a Gemma weight offset, and with the residual add fused in."""
     assert kernels.load() is None or _norm_lanes() > 0, "the kernel must reproduce this torch build"
@@ -67,3 +67,18 @@ def test_rope_packed_and_separate_equal_rotate_half_definition():
     assert torch.equal(rk, _rotate_half_reference(k, positions, 10000.0, 64))
     packed = RotaryEmbedding.rotate_packed(cs, torch.cat([q, k], dim=1))
     assert torch.equal(packed, torch.cat([rq, rk], dim=1))
+
+
+def test_rope_kernel_equals_torch_ops_bit_for_bit():
+    """kernels/norm_rope.c rotates as torch's ``x * cos + roll(x) * sin`` (the tail of a partial rotary
+    copied), on a strided view of a fused QKV row as the model passes it."""
+    torch.manual_seed(0)
+    for head_dim, rotary in ((64, 64), (128, 64), (80, 32)):
+        rope = RotaryEmbedding(head_dim, 10000.0, 512, rotary_dim=rotary)
+        positions = torch.tensor([0, 5, 17, 300, 3, 511])
+        cos, sin = rope.cos_sin(positions)
+        qkv = torch.randn(6, 13 * head_dim) * 100
+        x = qkv[:, : 12 * head_dim].view(6, 12, head_dim)  # rows 13 heads apart
+        xr = x[..., :rotary]
+        ref = torch.cat([xr * cos + xr.roll(rotary // 2, dims=-1) * sin, x[..., rotary:]], dim=-1)
+        assert torch.equal(RotaryEmbedding.rotate_packed((cos, sin), x), ref), (head_dim, rotary)

@@ -1,7 +1,9 @@
-/* RMSNorm of fp32 rows, bit-identical to torch.rms_norm on CPU, optionally after a residual add.
+/* RMSNorm and RoPE of fp32 rows (layers/norm_rope.py), bit-identical to the torch ops they replace.
  *
- * Why: at batch-1 decode torch.rms_norm is seven small ops (pow, sum, div, add, rsqrt, mul, mul),
- * ~10-20 us a call where the arithmetic takes well under one; a model calls it twice a layer.
+ * RMSNorm: torch.rms_norm on CPU, optionally after a residual add.
+ *
+ * Why: at batch-1 decode torch.rms_norm is seven small ops (pow, sum, div, add, rsqrt, mul, mul) and
+ * RoPE four, ~10-20 us a call where the arithmetic takes well under one; every layer calls them.
  *
  * Bit-identity: every step is one IEEE float operation in torch's order, except the sum of squares,
  * where torch's order is that of its cascade sum (aten/src/ATen/native/cpu/SumKernel.cpp, contiguous
@@ -93,4 +95,23 @@ void ratchet_rms_norm(const float *x, const float *h, float *sum_out, const floa
         float *o = out + r * dim;
         for (int64_t e = 0; e < dim; e++) o[e] = (xr[e] * inv) * w[e];
     }
+}
+
+/* RoPE (neox, rotate-half) of x [t, heads, head_dim] (row stride x_t between tokens, heads contiguous),
+ * the first rd dims of each head turning, the rest copied: torch's x * cos + roll(x, rd / 2) * sin
+ * (layers/norm_rope.py: sin's first half negated), three roundings per value, in that order.
+ * cos, sin [t, rd]; out [t, heads, head_dim] contiguous. */
+void ratchet_rope(const float *x, int64_t t, int64_t heads, int64_t head_dim, int64_t x_t, const float *cos,
+                  const float *sin, int64_t rd, float *out) {
+    const int64_t half = rd / 2;
+    for (int64_t i = 0; i < t; i++)
+        for (int64_t h = 0; h < heads; h++) {
+            const float *xr = x + i * x_t + h * head_dim, *c = cos + i * rd, *s = sin + i * rd;
+            float *o = out + (i * heads + h) * head_dim;
+            for (int64_t j = 0; j < rd; j++) {
+                const float a = xr[j] * c[j], b = xr[j < half ? j + half : j - half] * s[j];
+                o[j] = a + b;
+            }
+            for (int64_t j = rd; j < head_dim; j++) o[j] = xr[j];
+        }
 }
