@@ -63,10 +63,26 @@ class DecoderLayer(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],  # ([num_tokens, 1, rotary_dim],) * 2
         batch: AttentionBatch,
     ) -> torch.Tensor:
+        x, h = self.forward_split(x, None, cos_sin, batch)
+        return x + h
+
+    def forward_split(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        h: torch.Tensor | None,  # [num_tokens, hidden] or None: the input is x + h (x)
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        batch: AttentionBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (x, h): the output is x + h
+        """:meth:`forward` on a residual stream kept as a pair whose sum is not formed yet: the last add
+        of a layer happens in the next layer's first norm (one kernel call, kernels/norm_rope.c)."""
         # Submodules are called through .forward: nn.Module.__call__'s hook dispatch costs about a
         # microsecond a call, seven calls a layer, and at batch 1 decode a step is mostly such costs.
         t = x.shape[0]
-        qkv = self.qkv.forward(self.input_norm.forward(x))
+        if h is None:
+            hn = self.input_norm.forward(x)
+        else:
+            x, hn = self.input_norm.forward_residual(x, h)
+        qkv = self.qkv.forward(hn)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -82,7 +98,7 @@ class DecoderLayer(nn.Module):
         x, hn = self.post_norm.forward_residual(x, h if self.attn_out_norm is None else self.attn_out_norm.forward(h))
         gate, up = self.gate_up.forward(hn).chunk(2, dim=-1)
         h = self.tp.all_reduce(self.down.forward(self.act(gate) * up))
-        return x + (h if self.mlp_out_norm is None else self.mlp_out_norm.forward(h))
+        return x, (h if self.mlp_out_norm is None else self.mlp_out_norm.forward(h))
 
 
 class LlamaModel(nn.Module):
@@ -119,10 +135,11 @@ class LlamaModel(nn.Module):
         cos_sin = self.rope.cos_sin(batch.positions)
         local = cos_sin if self.local_rope is None else self.local_rope.cos_sin(batch.positions)
         layers = self.layers if not num_layers else self.layers[:num_layers]  # (a slice builds a ModuleList)
+        h = None
         for layer in layers:
             assert isinstance(layer, DecoderLayer)
-            x = layer.forward(x, local if layer.window is not None else cos_sin, batch)  # (see DecoderLayer.forward)
-        return self.norm.forward(x)
+            x, h = layer.forward_split(x, h, local if layer.window is not None else cos_sin, batch)
+        return self.norm.forward(x) if h is None else self.norm.forward_residual(x, h)[1]
 
     def set_numerics(self, numerics: str) -> int:
         """The matmul numerics of every block weight ("exact" | "int8" | "int16", layers/block_quant.py);
