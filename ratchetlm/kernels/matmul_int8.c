@@ -21,8 +21,9 @@
  * or two: Q5_*, Q6_K), else 8 (bytes: Q8_0); G is 32 unless a row of the panel changes its
  * multipliers within 32 weights (Q6_K, Q3_K, Q2_K: G = 16); beside the values, per row, one fp16 D
  * (and D_m) per super-group of SB weights (256 for the K-quants: the span over which d stays) and an
- * int8 c (and c_m) per group. Every choice is read from the values, per panel, never from the
- * format's name. Bytes per weight: Q4_K 0.58 (file 0.56), Q6_K 0.82 (0.82), Q8_0 1.09 (1.06).
+ * int8 c (and c_m) per group, none where every multiplier is 1 (a "unit" panel: the 32-weight
+ * formats, s = D, also saving the multiply per group). Every choice is read from the values, per
+ * panel, never from the format's name. Bytes per weight: Q4_K 0.58 (file 0.56), Q6_K 0.82 (0.82), Q8_0 1.09 (1.06).
  *
  * Output row n, token t, per group g (I exact in int32; unsigned weight bytes times signed
  * activation bytes is exactly what vpdpbusd multiplies; the zero point comes off as z * sum xq):
@@ -292,7 +293,7 @@ typedef struct {
     int32_t z;     /* zero point: 0 or a power of two (u = q + z for every weight of the panel) */
     int32_t has_m; /* 1: the groups have offsets (D_m and c_m beside D and c) */
     int32_t SB;    /* weights per super-group (one fp16 D and D_m per row): 256, 128, 64 or 32 */
-    int32_t pad;
+    int32_t unit;  /* 1: every multiplier is 1 (the 32-weight formats): per group only D (and D_m), s = D */
     int64_t qoff;  /* byte offset of the panel's weights in Q */
     int64_t soff;  /* byte offset of its factors in SM */
 } q8panel_t;
@@ -325,8 +326,8 @@ static void row_free(rowq8_t *r) {
 static void row_q8w(const part_q8_t *parts, int N, int row, int K, rowq8_t *r) {
     if (row >= N) {
         memset(r->q, 0, (size_t)K);
-        memset(r->c16, 0, (size_t)K / 16);
-        memset(r->cm16, 0, (size_t)K / 16);
+        memset(r->c16, 1, (size_t)K / 16); /* s = 0 * 1: a zero row that keeps a unit panel unit */
+        memset(r->cm16, 1, (size_t)K / 16);
         for (int b = 0; b < K / 32; b++) r->d32[b] = r->dm32[b] = 0.0f;
         return;
     }
@@ -387,7 +388,7 @@ void ratchet_q8_plan(const part_q8_t *parts, int nparts, int K, q8panel_t *panel
         rowq8_t rq = row_alloc(K);
 #pragma omp for schedule(static)
         for (int p = 0; p < NPAN; p++) {
-            int g32 = 1, lo = 0, hi = 0, has_m = 0, SB = 256;
+            int g32 = 1, lo = 0, hi = 0, has_m = 0, SB = 256, c1 = 1, cm1 = 1;
             while (K % SB) SB /= 2;
             for (int r = 0; r < PN; r++) {
                 row_q8w(parts, N, p * PN + r, K, &rq);
@@ -404,9 +405,14 @@ void ratchet_q8_plan(const part_q8_t *parts, int nparts, int K, q8panel_t *panel
                                        rq.dm32[b] != rq.dm32[b / (SB / 32) * (SB / 32)]))
                         SB /= 2;
                 }
-                for (int g = 0; g < K / 16; g++) has_m |= rq.dm32[g / 2] * (float)rq.cm16[g] != 0.0f;
+                for (int g = 0; g < K / 16; g++) {
+                    has_m |= rq.dm32[g / 2] * (float)rq.cm16[g] != 0.0f;
+                    c1 &= rq.c16[g] == 1;
+                    cm1 &= rq.cm16[g] == 1;
+                }
             }
-            panels[p] = (q8panel_t){hi, g32 ? 32 : 16, lo, has_m, SB, 0, 0, 0}; /* vb, z: the range for now */
+            /* unit: no multipliers stored (vb, z: the range for now) */
+            panels[p] = (q8panel_t){hi, g32 ? 32 : 16, lo, has_m, SB, g32 && c1 && (cm1 || !has_m), 0, 0};
         }
         row_free(&rq);
     }
@@ -423,13 +429,15 @@ void ratchet_q8_plan(const part_q8_t *parts, int nparts, int K, q8panel_t *panel
         const int umax = panels[p].vb + z; /* u in [0, umax] */
         panels[p].vb = umax <= 15 ? 4 : umax <= 31 && panels[p].G == 32 ? 5 : umax <= 63 ? 6 : 8;
         panels[p].z = z;
+        panels[p].unit &= panels[p].vb != 6; /* (no kernel variant for 6-bit unit panels) */
+        if (panels[p].unit) panels[p].SB = panels[p].G;
     }
     int64_t qo = 0, so = 0;
     for (int p = 0; p < NPAN; p++) {
         panels[p].qoff = qo;
         panels[p].soff = so;
         qo += (int64_t)K * PN * panels[p].vb / 8;
-        so += (int64_t)(K / panels[p].SB) * (1 + panels[p].has_m) * (2 + panels[p].SB / panels[p].G) * PN;
+        so += (int64_t)(K / panels[p].SB) * (1 + panels[p].has_m) * (2 + (panels[p].unit ? 0 : panels[p].SB / panels[p].G)) * PN;
     }
     sizes[0] = bad ? -1 : qo;
     sizes[1] = so;
@@ -476,7 +484,7 @@ void ratchet_pack_q8(const part_q8_t *parts, int nparts, int K, const q8panel_t 
         for (int p = 0; p < NPAN; p++) {
             const q8panel_t *pn = &panels[p];
             const int G = pn->G, NG = K / G, vb = pn->vb, z = pn->z, hm = pn->has_m;
-            const int GPS = pn->SB / G, SBB = (1 + hm) * (2 + GPS) * PN; /* bytes per super-group */
+            const int GPS = pn->SB / G, SBB = (1 + hm) * (2 + (pn->unit ? 0 : GPS)) * PN; /* bytes per super-group */
             uint8_t *qp = Q + pn->qoff, *sp = SM + pn->soff;
             for (int r = 0; r < PN; r++) {
                 row_q8w(parts, N, p * PN + r, K, &rq);
@@ -492,8 +500,8 @@ void ratchet_pack_q8(const part_q8_t *parts, int nparts, int K, const q8panel_t 
                         }
                     }
                     int8_t *cp = (int8_t *)sbp + (1 + hm) * 2 * PN + (g % GPS) * (1 + hm) * PN;
-                    cp[r] = rq.c16[g * G / 16];
-                    if (hm) cp[PN + r] = rq.cm16[g * G / 16];
+                    if (!pn->unit) cp[r] = rq.c16[g * G / 16];
+                    if (!pn->unit && hm) cp[PN + r] = rq.cm16[g * G / 16];
                     plane_pack(rq.q + g * G, z, G, vb, r, qp + (long)g * G * PN * vb / 8);
                 }
             }
@@ -540,12 +548,13 @@ static inline __attribute__((always_inline)) __m512i dpbusd_bcast(__m512i acc, _
  * its own fully unrolled loop with the accumulators in registers */
 static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, const uint8_t *SM, int z,
                                                              const xtile_t *xs, int K, const int G, const int vb,
-                                                             const int b16, const int has_m, int SB, float *y, int N,
+                                                             const int b16, const int has_m, const int unit, int SB,
+                                                             float *y, int N,
                                                              int nvalid, const int tt) {
     __m512 acc[TT];
     #pragma GCC unroll 8
     for (int t = 0; t < tt; t++) acc[t] = _mm512_setzero_ps();
-    const int C = G / 4, NG = K / G, GPS = SB / G, SBB = (1 + has_m) * (2 + GPS) * PN;
+    const int C = G / 4, NG = K / G, GPS = SB / G, SBB = (1 + has_m) * (2 + (unit ? 0 : GPS)) * PN;
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512 Dv = _mm512_setzero_ps(), Dmv = _mm512_setzero_ps();
     for (int g = 0; g < NG; g++) {
@@ -559,10 +568,10 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
         }
         /* s = D * c and m = D_m * c_m: the format's own products (d * sc), exact as to_q8w's */
         const int8_t *cp = (const int8_t *)sbp + (1 + has_m) * 2 * PN + (g % GPS) * (1 + has_m) * PN;
-        const __m512 sv = _mm512_mul_ps(Dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)cp))));
-        const __m512 mv = has_m ? _mm512_mul_ps(Dmv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                         _mm_loadu_si128((const __m128i *)(cp + PN)))))
-                                : _mm512_setzero_ps();
+        const __m512 sv = unit ? Dv : _mm512_mul_ps(Dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)cp))));
+        const __m512 mv = !has_m ? _mm512_setzero_ps()
+                          : unit ? Dmv
+                                 : _mm512_mul_ps(Dmv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(cp + PN)))));
         __m512i W[8];
         if (vb < 8) { /* nibbles, then bits 4 (and 5) from the plane: W |= (plane shifted) & mask, one ternlog */
             const __m512i *qv = (const __m512i *)qg;
@@ -631,19 +640,19 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
 #else
 /* portable C (and the AVX-VNNI build, which the compiler vectorizes): the same sequence per lane */
 static inline void panel_tile(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, const int G,
-                              const int vb, const int b16, const int has_m, int SB, float *y, int N, int nvalid,
-                              const int tt) {
+                              const int vb, const int b16, const int has_m, const int unit, int SB, float *y, int N,
+                              int nvalid, const int tt) {
     float acc[TT][PN];
     for (int t = 0; t < tt; t++)
         for (int l = 0; l < PN; l++) acc[t][l] = 0.0f;
-    const int C = G / 4, NG = K / G, GPS = SB / G, SBB = (1 + has_m) * (2 + GPS) * PN;
+    const int C = G / 4, NG = K / G, GPS = SB / G, SBB = (1 + has_m) * (2 + (unit ? 0 : GPS)) * PN;
     for (int g = 0; g < NG; g++) {
         const uint8_t *sbp = SM + (long)(g / GPS) * SBB;
         const int8_t *cp = (const int8_t *)sbp + (1 + has_m) * 2 * PN + (g % GPS) * (1 + has_m) * PN;
         float sv[PN], mv[PN];
         for (int l = 0; l < PN; l++) {
-            sv[l] = load_fp16(sbp + 2 * l) * (float)cp[l];
-            mv[l] = has_m ? load_fp16(sbp + 2 * PN + 2 * l) * (float)cp[PN + l] : 0.0f;
+            sv[l] = load_fp16(sbp + 2 * l) * (unit ? 1.0f : (float)cp[l]);
+            mv[l] = has_m ? load_fp16(sbp + 2 * PN + 2 * l) * (unit ? 1.0f : (float)cp[PN + l]) : 0.0f;
         }
         uint8_t w[32 * PN]; /* [C][PN][4] unsigned weights of the group */
         if (vb < 8) { /* the layout of plane_pack */
@@ -683,45 +692,51 @@ static inline void panel_tile(const uint8_t *Q, const uint8_t *SM, int z, const 
 }
 #endif
 
-#define TILE_CASES(G, VB, B16, HM)                                                                                  \
+#define TILE_CASES(G, VB, B16, HM, U)                                                                                  \
     switch (tt) { /* literal tile sizes: the accumulators live in registers */                                    \
-    case 1: panel_tile(Q, SM, z, xs, K, G, VB, B16, HM, SB, y, N, nvalid, 1); break;                                 \
-    case 2: panel_tile(Q, SM, z, xs, K, G, VB, B16, HM, SB, y, N, nvalid, 2); break;                                 \
-    case 3: panel_tile(Q, SM, z, xs, K, G, VB, B16, HM, SB, y, N, nvalid, 3); break;                                 \
-    case 4: panel_tile(Q, SM, z, xs, K, G, VB, B16, HM, SB, y, N, nvalid, 4); break;                                 \
-    case 5: panel_tile(Q, SM, z, xs, K, G, VB, B16, HM, SB, y, N, nvalid, 5); break;                                 \
-    case 6: panel_tile(Q, SM, z, xs, K, G, VB, B16, HM, SB, y, N, nvalid, 6); break;                                 \
-    case 7: panel_tile(Q, SM, z, xs, K, G, VB, B16, HM, SB, y, N, nvalid, 7); break;                                 \
-    default: panel_tile(Q, SM, z, xs, K, G, VB, B16, HM, SB, y, N, nvalid, TT); break;                               \
+    case 1: panel_tile(Q, SM, z, xs, K, G, VB, B16, HM, U, SB, y, N, nvalid, 1); break;                                 \
+    case 2: panel_tile(Q, SM, z, xs, K, G, VB, B16, HM, U, SB, y, N, nvalid, 2); break;                                 \
+    case 3: panel_tile(Q, SM, z, xs, K, G, VB, B16, HM, U, SB, y, N, nvalid, 3); break;                                 \
+    case 4: panel_tile(Q, SM, z, xs, K, G, VB, B16, HM, U, SB, y, N, nvalid, 4); break;                                 \
+    case 5: panel_tile(Q, SM, z, xs, K, G, VB, B16, HM, U, SB, y, N, nvalid, 5); break;                                 \
+    case 6: panel_tile(Q, SM, z, xs, K, G, VB, B16, HM, U, SB, y, N, nvalid, 6); break;                                 \
+    case 7: panel_tile(Q, SM, z, xs, K, G, VB, B16, HM, U, SB, y, N, nvalid, 7); break;                                 \
+    default: panel_tile(Q, SM, z, xs, K, G, VB, B16, HM, U, SB, y, N, nvalid, TT); break;                               \
     }
-#define HM_CASES(G, VB, B16)                                                                                        \
+#define HM_CASES(G, VB, B16, U)                                                                                        \
     if (has_m) {                                                                                                   \
-        TILE_CASES(G, VB, B16, 1)                                                                                 \
+        TILE_CASES(G, VB, B16, 1, U)                                                                                 \
     } else {                                                                                                       \
-        TILE_CASES(G, VB, B16, 0)                                                                                 \
+        TILE_CASES(G, VB, B16, 0, U)                                                                                 \
     }
 
-#define B16_CASES(G, VB)                                                                                           \
+#define B16_CASES(G, VB, U)                                                                                           \
     if (b16) {                                                                                                     \
-        HM_CASES(G, VB, 1)                                                                                         \
+        HM_CASES(G, VB, 1, U)                                                                                         \
     } else {                                                                                                       \
-        HM_CASES(G, VB, 0)                                                                                         \
+        HM_CASES(G, VB, 0, U)                                                                                         \
     }
 
 static void panel_any(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, int G, int vb, int b16,
-                      int has_m, int SB, float *y, int N, int nvalid, int tt) {
-    if (G == 32) { /* 5-bit planes only with G = 32 (the plan gives G = 16 six) */
+                      int has_m, int unit, int SB, float *y, int N, int nvalid, int tt) {
+    if (G == 32 && unit) { /* the 32-weight formats: 4, 5 or 8 bits */
         switch (vb) {
-        case 4: B16_CASES(32, 4) break;
-        case 5: B16_CASES(32, 5) break;
-        case 6: B16_CASES(32, 6) break;
-        default: B16_CASES(32, 8) break;
+        case 4: B16_CASES(32, 4, 1) break;
+        case 5: B16_CASES(32, 5, 1) break;
+        default: B16_CASES(32, 8, 1) break;
+        }
+    } else if (G == 32) { /* 5-bit planes only with G = 32 (the plan gives G = 16 six) */
+        switch (vb) {
+        case 4: B16_CASES(32, 4, 0) break;
+        case 5: B16_CASES(32, 5, 0) break;
+        case 6: B16_CASES(32, 6, 0) break;
+        default: B16_CASES(32, 8, 0) break;
         }
     } else {
         switch (vb) {
-        case 4: B16_CASES(16, 4) break;
-        case 6: B16_CASES(16, 6) break;
-        default: B16_CASES(16, 8) break;
+        case 4: B16_CASES(16, 4, 0) break;
+        case 6: B16_CASES(16, 6, 0) break;
+        default: B16_CASES(16, 8, 0) break;
         }
     }
 }
@@ -774,8 +789,8 @@ void ratchet_mm_q8(const float *x, int M, int K, int bits, int zw, const q8panel
             const q8panel_t *pn = &panels[p];
             const int nvalid = MIN(PN, N - p * PN);
             for (int ti = 0; ti < NT; ti++)
-                panel_any(Q + pn->qoff, SM + pn->soff, pn->z, &tiles[ti], K, pn->G, pn->vb, bits == 16, pn->has_m, pn->SB,
-                          y + (long)ti * TT * N + p * PN, N, nvalid, MIN(TT, M - ti * TT));
+                panel_any(Q + pn->qoff, SM + pn->soff, pn->z, &tiles[ti], K, pn->G, pn->vb, bits == 16, pn->has_m,
+                          pn->unit, pn->SB, y + (long)ti * TT * N + p * PN, N, nvalid, MIN(TT, M - ti * TT));
         }
     }
     free(raw);

@@ -175,7 +175,7 @@ class BlockWeight:
             n, k = self.shape
             npan = (n + 15) // 16
             parts = (kernels.Part * len(self.parts))(*(p.c_part() for p in self.parts))
-            panels = np.zeros((npan, 5), np.int64)  # q8panel_t: int32 nib, G, z, has_m, SB, pad; int64 qoff, soff
+            panels = np.zeros((npan, 5), np.int64)  # q8panel_t: int32 vb, G, z, has_m, SB, unit; int64 qoff, soff
             sizes = np.zeros(3, np.int64)
             lib.ratchet_q8_plan(parts, len(self.parts), k, panels.ctypes.data, sizes.ctypes.data,
                                 torch.get_num_threads())

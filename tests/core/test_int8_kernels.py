@@ -150,14 +150,17 @@ def test_packing_reads_each_panels_layout_from_its_values(type_name):
     panels, q, sm, zw = w.pack_q8(kernels.load())
     vb, g, z = LAYOUT[type_name]
     assert panels.shape == (3, 5)
-    flags = panels[:, :3].view(np.int32)  # [vb, G, z, has_m, SB, pad] per panel
+    flags = panels[:, :3].view(np.int32)  # [vb, G, z, has_m, SB, unit] per panel
     sb = SUPER.get(type_name, 32)
     assert (flags[:, 0] == vb).all() and (flags[:, 1] == g).all() and zw == z
     assert (flags[:, 2] == z).all() and (flags[:, 4] == sb).all()
     assert (flags[:, 3] == (type_name in ("Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K"))).all()
     assert q.nbytes == 3 * 16 * k * vb // 8
     # per row: 2 bytes of D per super-group, 1 byte of c per group; twice that with offsets
-    assert sm.nbytes == 3 * 16 * (2 * (k // sb) + k // g) * (1 + int(flags[0, 3]))
+    # (the 32-weight formats' multipliers are all 1: not stored, "unit" panels)
+    unit = type_name not in SUPER
+    assert (flags[:, 5] == unit).all()
+    assert sm.nbytes == 3 * 16 * (2 * (k // sb) + (0 if unit else k // g)) * (1 + int(flags[0, 3]))
 
 
 def test_panels_of_one_weight_choose_their_own_layout(lib):
