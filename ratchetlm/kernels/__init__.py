@@ -114,6 +114,14 @@ class Part(ctypes.Structure):
                 ("row_bytes", ctypes.c_int64), ("rowmap", ctypes.c_void_p)]
 
 
+class Q8Weight(ctypes.Structure):
+    """A packed integer-mode weight and its activation bits, one pointer per call (``q8weight_t`` in
+    matmul_int8.c): the batch-1 decode of a small model makes ~120 such calls a token."""
+
+    _fields_ = [("K", ctypes.c_int32), ("bits", ctypes.c_int32), ("zw", ctypes.c_int32), ("N", ctypes.c_int32),
+                ("panels", ctypes.c_void_p), ("Q", ctypes.c_void_p), ("SM", ctypes.c_void_p)]
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     lib.ratchet_kernel_isa.restype = ctypes.c_char_p
@@ -142,6 +150,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ratchet_pack_q8.restype = None
     lib.ratchet_mm_q8.argtypes = [p, i, i, i, i, p, p, p, p, i, i]
     lib.ratchet_mm_q8.restype = None
+    lib.ratchet_mm_q8w.argtypes = [p, i, p, p, i]
+    lib.ratchet_mm_q8w.restype = None
     fl = ctypes.c_float
     lib.ratchet_attention.argtypes = [p, p, p, p, p, p, i, p, i, p, i, i, i, i, fl, fl, p, i]
     lib.ratchet_attention.restype = None

@@ -797,3 +797,15 @@ void ratchet_mm_q8(const float *x, int M, int K, int bits, int zw, const q8panel
     free(til);
     free(tiles);
 }
+
+/* the same with the weight's arguments in one struct (kernels/__init__.py Q8Weight): fewer ctypes
+ * conversions per call on the Python side */
+typedef struct {
+    int32_t K, bits, zw, N;
+    const q8panel_t *panels;
+    const uint8_t *Q, *SM;
+} q8weight_t;
+
+void ratchet_mm_q8w(const float *x, int M, const q8weight_t *w, float *y, int threads) {
+    ratchet_mm_q8(x, M, w->K, w->bits, w->zw, w->panels, w->Q, w->SM, y, w->N, threads);
+}

@@ -109,6 +109,7 @@ class BlockWeight:
     parts: tuple[BlockPart, ...]
     _c: list = field(default_factory=list, repr=False)  # cached ctypes array of the parts
     _q8: dict = field(default_factory=dict, repr=False)  # int8-mode packing per kernel build (pack_q8)
+    _handles: dict = field(default_factory=dict, repr=False)  # q8_call's per (kernel build, bits)
 
     def __post_init__(self) -> None:
         assert self.parts and all(p.k == self.parts[0].k for p in self.parts), "parts must share K"
@@ -192,6 +193,16 @@ class BlockWeight:
             for p in self.parts:  # never read again by this weight's integer matmuls (layers/mapped_pages.py)
                 release_pages(p.data)
         return self._q8[id(lib)][0]
+
+    def q8_call(self, lib: ctypes.CDLL, bits: int) -> tuple:
+        """(C function, weight handle, N) for ``y = x @ self.T`` in the integer mode of ``bits``, packed
+        for ``lib``: one struct pointer per call instead of the packing's arguments (Linear.forward)."""
+        if (id(lib), bits) not in self._handles:  # the struct lives with the weight (its arrays in self._q8)
+            panels, q, sm, zw = self.pack_q8(lib)
+            n, k = self.shape
+            self._handles[id(lib), bits] = kernels.Q8Weight(k, bits, zw, n, panels.ctypes.data, q.ctypes.data,
+                                                            sm.ctypes.data)
+        return lib.ratchet_mm_q8w, ctypes.addressof(self._handles[id(lib), bits]), self.shape[0]
 
     def dequantize(self) -> torch.Tensor:  # [N, K] fp32: exactly the weights the kernels multiply
         return torch.cat([p.dequantize() for p in self.parts])
@@ -338,21 +349,37 @@ class Linear(nn.Linear):
 
     blocks: BlockWeight | None = None
     numerics: str = "exact"  # see block_matmul; set for a whole model by set_numerics()
+    _q8_call: tuple | None = None  # (C function, weight handle, N, numerics) once the integer packing exists
 
     def use_blocks(self, w: BlockWeight) -> None:
         assert w.shape == (self.out_features, self.in_features), (w.shape, self.out_features, self.in_features)
         self.blocks = w
+        self._q8_call = None
         self.weight = None  # type: ignore[assignment]  # no dense copy
 
     def dense_weight(self) -> torch.Tensor:  # [out, in]: the weight, dequantized if need be
         return self.weight if self.blocks is None else self.blocks.dequantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q8 = self._q8_call
+        if (q8 is not None and q8[3] is self.numerics and x.dim() == 2 and x.dtype is torch.float32
+                and x.device.type == "cpu" and not (x.requires_grad and torch.is_grad_enabled())):
+            # integer modes, the packed weight known: block_matmul's integer branch with its checks done
+            # once (about 2 us a call of Python and ctypes less: a batch-1 step of the bundled model
+            # makes ~120 of these calls)
+            fn, handle, n, _ = q8
+            x = x.contiguous()
+            y = torch.empty(x.shape[0], n, dtype=torch.float32)
+            fn(x.data_ptr(), x.shape[0], handle, y.data_ptr(), torch.get_num_threads())
+            return y if self.bias is None else y + self.bias
         if self.blocks is None:
             return F.linear(x, self.weight, self.bias)
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (no reshape/view dispatch for 2-D: batch 1 cost)
         if usable(x2):
             y = block_matmul(x2, self.blocks, numerics=self.numerics)
+            lib = kernels.load()
+            if lib is not None and self.numerics in ACTIVATION_BITS and self.blocks.int8_capable:
+                self._q8_call = (*self.blocks.q8_call(lib, ACTIVATION_BITS[self.numerics]), self.numerics)
             y = y if x2 is x else y.view(*x.shape[:-1], -1)
             return y if self.bias is None else y + self.bias
         return F.linear(x, _dequantized(self.blocks, x), self.bias)  # slow path: autograd, other dtypes
@@ -413,6 +440,8 @@ def set_numerics(module: nn.Module, numerics: str) -> int:
     for sub in module.modules():
         if isinstance(sub, (Linear, Embedding)) and sub.blocks is not None:
             sub.numerics = numerics
+            if isinstance(sub, Linear):
+                sub._q8_call = None  # rebuilt at the next integer-mode call
             n += numerics in ACTIVATION_BITS and sub.blocks.int8_capable
     return n
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ratchetlm import kernels
-from ratchetlm.layers.block_quant import SUPPORTED_TYPES, BlockWeight, block_matmul
+from ratchetlm.layers.block_quant import SUPPORTED_TYPES, BlockWeight, Linear, block_matmul, set_numerics
 
 from .test_block_kernels import gguf_py, random_raw, same_bits
 
@@ -274,3 +274,22 @@ def test_fixed_order_attention_row_depends_only_on_its_visible_keys():
     got = paged_attention(0, q[:20], k[:20], v[:20], batch, 0.125, fixed_order=True)
     assert same_bits(got[4:], prefill([0, 1, 2, *range(4, 20)])[3:])
 
+
+
+def test_linear_integer_fast_path_is_block_matmul_and_follows_numerics():
+    """Linear keeps a one-pointer handle to its packed weight after the first integer-mode call; the
+    calls through it give block_matmul's bits, and a change of numerics (set_numerics) is obeyed."""
+    k, n = 256, 40
+    w = BlockWeight.from_gguf("Q4_K", random_raw("Q4_K", n, k, seed=11), k)
+    lin = Linear(k, n, bias=False)
+    lin.use_blocks(w)
+    torch.manual_seed(5)
+    x = torch.randn(3, k)
+    with torch.inference_mode():
+        for mode in ("int16", "exact", "int8", "int16"):
+            set_numerics(lin, mode)
+            ref = block_matmul(x, w, numerics=mode)
+            first, again = lin(x), lin(x)  # the first call builds the handle (integer modes), the second uses it
+            assert same_bits(first, ref) and same_bits(again, ref), mode
+            assert same_bits(lin(x.view(1, 3, k)).view(3, n), ref)  # other ranks take the general path
+            assert (lin._q8_call is not None) == (mode != "exact")
