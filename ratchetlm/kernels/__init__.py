@@ -148,8 +148,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ratchet_q8_plan.restype = None
     lib.ratchet_pack_q8.argtypes = [p, i, i, p, p, p, i]
     lib.ratchet_pack_q8.restype = None
-    lib.ratchet_mm_q8.argtypes = [p, i, i, i, i, p, p, p, p, i, i]
-    lib.ratchet_mm_q8.restype = None
     lib.ratchet_mm_q8w.argtypes = [p, i, p, p, i]
     lib.ratchet_mm_q8w.restype = None
     fl = ctypes.c_float

@@ -743,8 +743,8 @@ static void panel_any(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t 
 
 /* y [M, N] = x [M, K] @ w.T, activations of `bits` (8 or 16), w packed by ratchet_pack_q8 with zero
  * point zw (ratchet_q8_plan's sizes[2]) */
-void ratchet_mm_q8(const float *x, int M, int K, int bits, int zw, const q8panel_t *panels, const uint8_t *Q,
-                   const uint8_t *SM, float *y, int N, int threads) {
+static void mm_q8(const float *x, int M, int K, int bits, int zw, const q8panel_t *panels, const uint8_t *Q,
+                  const uint8_t *SM, float *y, int N, int threads) {
     if (M <= 0 || N <= 0) return;
     const int NPAN = (N + PN - 1) / PN, NB = K / 32, NT = (M + TT - 1) / TT;
     /* per token, then token-interleaved per tile of TT: x bytes (hi, lo), d32, sx32, zq16, zq32, sx16 */
@@ -798,8 +798,8 @@ void ratchet_mm_q8(const float *x, int M, int K, int bits, int zw, const q8panel
     free(tiles);
 }
 
-/* the same with the weight's arguments in one struct (kernels/__init__.py Q8Weight): fewer ctypes
- * conversions per call on the Python side */
+/* the entry point: the weight's arguments in one struct (kernels/__init__.py Q8Weight, built once per
+ * weight), so a call from Python converts 5 arguments, not 11 */
 typedef struct {
     int32_t K, bits, zw, N;
     const q8panel_t *panels;
@@ -807,5 +807,5 @@ typedef struct {
 } q8weight_t;
 
 void ratchet_mm_q8w(const float *x, int M, const q8weight_t *w, float *y, int threads) {
-    ratchet_mm_q8(x, M, w->K, w->bits, w->zw, w->panels, w->Q, w->SM, y, w->N, threads);
+    mm_q8(x, M, w->K, w->bits, w->zw, w->panels, w->Q, w->SM, y, w->N, threads);
 }

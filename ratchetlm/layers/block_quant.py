@@ -187,16 +187,15 @@ class BlockWeight:
             sm = np.empty(int(sizes[1]), np.uint8)
             lib.ratchet_pack_q8(parts, len(self.parts), k, panels.ctypes.data, q.ctypes.data, sm.ctypes.data,
                                 torch.get_num_threads())
-            # the arrays, and the kernel's arguments after x's (zero point, pointers), ready for each call
-            self._q8[id(lib)] = (panels, q, sm, int(sizes[2])), (int(sizes[2]), panels.ctypes.data, q.ctypes.data,
-                                                                  sm.ctypes.data)
+            self._q8[id(lib)] = panels, q, sm, int(sizes[2])
             for p in self.parts:  # never read again by this weight's integer matmuls (layers/mapped_pages.py)
                 release_pages(p.data)
-        return self._q8[id(lib)][0]
+        return self._q8[id(lib)]
 
     def q8_call(self, lib: ctypes.CDLL, bits: int) -> tuple:
         """(C function, weight handle, N) for ``y = x @ self.T`` in the integer mode of ``bits``, packed
-        for ``lib``: one struct pointer per call instead of the packing's arguments (Linear.forward)."""
+        for ``lib``: one struct pointer per call instead of the packing's arguments (block_matmul, and
+        Linear.forward's shortcut to it)."""
         if (id(lib), bits) not in self._handles:  # the struct lives with the weight (its arrays in self._q8)
             panels, q, sm, zw = self.pack_q8(lib)
             n, k = self.shape
@@ -239,10 +238,9 @@ def block_matmul(
     assert k == wk and x.dtype == torch.float32 and x.device.type == "cpu", (x.shape, w.shape, x.dtype)
     nt = threads or torch.get_num_threads()
     if numerics in ACTIVATION_BITS and w.int8_capable:  # first: the per-call Python cost shows at one row
-        if id(lib) not in w._q8:
-            w.pack_q8(lib)
+        fn, handle, _ = w.q8_call(lib, ACTIVATION_BITS[numerics])
         y = torch.empty(m, n, dtype=torch.float32)
-        lib.ratchet_mm_q8(x.data_ptr(), m, k, ACTIVATION_BITS[numerics], *w._q8[id(lib)][1], y.data_ptr(), n, nt)
+        fn(x.data_ptr(), m, handle, y.data_ptr(), nt)
         return y
     parts = w.c_parts()
     if lib is not kernels.load():  # another build: rebuild the parts (same layout, fresh array)
