@@ -39,11 +39,11 @@ def hf_logits_fn(model) -> LogitsFn:  # noqa: ANN001 - any HF causal LM
 
     @torch.inference_mode()
     def fn(ids: list[int], pos: list[int]) -> torch.Tensor:
-        n = len(ids)
-        causal = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
-        out = model(input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]), attention_mask=causal,
-                    use_cache=False)
-        return out.logits[0].float()
+        n, dev = len(ids), next(model.parameters()).device
+        causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()[None, None]
+        out = model(input_ids=torch.tensor([ids], device=dev), position_ids=torch.tensor([pos], device=dev),
+                    attention_mask=causal, use_cache=False)
+        return out.logits[0].float().cpu()
 
     return fn
 

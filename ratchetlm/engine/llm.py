@@ -60,9 +60,11 @@ class LLM:
                 raise ValueError("give speculative or speculative_config (vLLM's name), not both")
             kwargs.setdefault("decoding", "speculative")
             kwargs["decoding_options"] = dict(spec)
-        if wedlm is not None or kwargs.get("decoding") == "wedlm":
+        if wedlm is not None:
+            if kwargs.get("decoding_options") and kwargs.get("decoding") == "wedlm":
+                raise ValueError("give wedlm={...} or decoding_options, not both")
             kwargs.setdefault("decoding", "wedlm")
-            kwargs["decoding_options"] = dict(wedlm or {})
+            kwargs["decoding_options"] = dict(wedlm)
         self.config = EngineConfig(model=model, **kwargs)
         dtype = self.config.dtype_choice()
         log.info("%s", dtype.describe())  # once per engine: what runs, and why (engine/dtype.py)

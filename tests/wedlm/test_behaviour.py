@@ -143,3 +143,15 @@ def test_streamed_text_and_stats(trained):
     assert 1 <= m["wedlm_avg_window"] <= 32
     agg = llm.engine.strategy.metrics()
     assert agg["wedlm_forwards"] >= m["wedlm_forwards"]
+
+
+def test_llm_keeps_decoding_options_given_by_their_field_name(tiny):
+    """``LLM(decoding="wedlm", decoding_options=...)`` (EngineConfig's own names) decodes with those
+    options, as ``wedlm={...}`` does; both at once is an error, not a silent choice."""
+    opts = {"window_size": 4, "entropy_threshold": 0.2}
+    for kw in ({"decoding": "wedlm", "decoding_options": opts}, {"wedlm": opts}):
+        llm = LLM(str(tiny.path), dtype="float32", progress=False, numerics="exact", max_model_len=256, **kw)
+        cfg = llm.engine.strategy.cfg
+        assert (cfg.window_size, cfg.entropy_threshold) == (4, 0.2), kw
+    with pytest.raises(ValueError, match="not both"):
+        LLM(str(tiny.path), dtype="float32", progress=False, wedlm=opts, decoding="wedlm", decoding_options=opts)
