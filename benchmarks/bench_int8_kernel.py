@@ -5,9 +5,6 @@ AMD EPYC Zen 4 core does 236 G int8 MAC/s with 512-bit vpdpbusd, half that for i
 Best of many short runs (a shared machine preempts long ones), the compute bound shows at 8+ rows.
 
     python benchmarks/bench_int8_kernel.py [--shape 2048x2048] [--types Q4_0 Q4_1 Q8_0 Q4_K Q6_K] [--threads 1]
-
-Where the CPU has AMX-INT8 (Intel Xeon 4th gen+) each integer mode is measured twice: as the engine
-runs it (tiles from the AMX threshold's row count up) and with tiles off ("/vnni": vpdpbusd only).
 """
 
 from __future__ import annotations
@@ -19,7 +16,6 @@ import time
 import numpy as np
 import torch
 
-from ratchetlm import kernels
 from ratchetlm.layers.block_quant import BlockWeight, block_matmul, set_blas_rows
 
 ROWS = (1, 2, 4, 8, 16, 32)
@@ -58,23 +54,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     set_blas_rows(0)  # the block kernels at every row count
     n, k = map(int, args.shape.split("x"))
-    amx = kernels.amx()
-    print(f"load {os.getloadavg()[0]:.1f}; {n}x{k}, {args.threads} thread(s); int8 ISA {kernels.int8_isa()}, AMX "
-          f"{'on from ' + str(kernels.amx_min_rows()) + ' rows' if amx else 'off'}; ms per matmul (best) / ratio to "
-          f"1 row / G MAC/s")
+    print(f"load {os.getloadavg()[0]:.1f}; {n}x{k}, {args.threads} thread(s); ms per matmul (best) / ratio to 1 row "
+          f"/ G MAC/s")
     with torch.inference_mode():
         for type_name in args.types:
             w = random_weight(type_name, n, k)
-            runs = [(m, True) for m in args.modes] + [(m, False) for m in args.modes if amx and m != "exact"]
-            for mode, tiles in runs:
-                kernels.amx(tiles if amx else None)
+            for mode in args.modes:
                 xs = [torch.randn(r, k) for r in ROWS]
                 ms = [best_ms(lambda x=x, w=w, mode=mode: block_matmul(x, w, numerics=mode)) for x in xs]
                 cells = " ".join(f"{m:7.3f} {m / ms[0]:5.2f}x {r * n * k / m / 1e6:5.0f}" for r, m in zip(ROWS, ms,
                                                                                                       strict=True))
-                name = mode if tiles or not amx else mode + "/vnni"
-                print(f"{type_name:5} {name:11} {cells}", flush=True)
-            kernels.amx(amx or None)
+                print(f"{type_name:5} {mode:6} {cells}", flush=True)
 
 
 if __name__ == "__main__":

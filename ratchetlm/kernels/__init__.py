@@ -150,8 +150,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ratchet_pack_q8.restype = None
     lib.ratchet_mm_q8w.argtypes = [p, i, p, p, i]
     lib.ratchet_mm_q8w.restype = None
-    lib.ratchet_amx.argtypes, lib.ratchet_amx.restype = [i, i], i
-    lib.ratchet_amx_min_rows.argtypes, lib.ratchet_amx_min_rows.restype = [], i
     fl = ctypes.c_float
     lib.ratchet_attention.argtypes = [p, p, p, p, p, p, i, p, i, p, i, i, i, i, fl, fl, p, i]
     lib.ratchet_attention.restype = None
@@ -171,21 +169,3 @@ def int8_isa() -> str | None:
     """Integer dot product the int8 mode uses ('avx512vnni', 'avxvnni', 'scalar'), None if unavailable."""
     lib = load()
     return None if lib is None else lib.ratchet_int8_isa().decode()
-
-
-def amx(enable: bool | None = None, min_rows: int = 0) -> bool:
-    """Whether the integer modes' matmuls use AMX-INT8 tiles (Intel Xeon 4th gen+, Linux; a build with
-    them and a process the OS granted the tile state) for calls of at least ``min_rows`` rows.
-    ``enable``: None asks (the OS, the first time), False turns them off, True back on where allowed;
-    ``min_rows`` > 0 sets the threshold. Results are bit-identical either way (matmul_int8.c), so this
-    is a speed switch: benchmarks compare the two paths with it."""
-    lib = load()
-    if lib is None:
-        return False
-    return bool(lib.ratchet_amx(-1 if enable is None else int(enable), min_rows))
-
-
-def amx_min_rows() -> int:
-    """The smallest call (rows) that takes the AMX path when it is on."""
-    lib = load()
-    return 0 if lib is None else int(lib.ratchet_amx_min_rows())

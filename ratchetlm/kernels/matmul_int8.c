@@ -37,10 +37,6 @@
  */
 #include <math.h>
 #include <stdlib.h>
-#if defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 #include "ggml_types.h"
 
@@ -60,32 +56,6 @@
 #endif
 
 const char *ratchet_int8_isa(void) { return INT8_ISA; }
-
-/* AMX (see panel_amx): used where the build has it, Linux grants this process the tile state
- * (arch_prctl ARCH_REQ_XCOMP_PERM, once) and a call has at least amx_min_rows rows. One row fills a
- * sixteenth of a tile: vpdpbusd is faster there. Bit-identical either way, so the switch is only speed. */
-static int amx_state __attribute__((unused)) = -1; /* -1: not asked yet, 0: off, 1: on */
-static int amx_min_rows = 4;
-
-/* want -1: query (asks the OS the first time), 0: off, 1: on if the OS grants it; min_rows > 0 sets the
- * smallest call that uses it. Returns 1 if AMX is on. */
-int ratchet_amx(int want, int min_rows) {
-    if (min_rows > 0) amx_min_rows = min_rows;
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
-    if (want == 0) {
-        __atomic_store_n(&amx_state, 0, __ATOMIC_RELEASE);
-    } else if (want == 1 || __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE) < 0) {
-        const int ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-        __atomic_store_n(&amx_state, ok, __ATOMIC_RELEASE);
-    }
-    return __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
-#else
-    (void)want;
-    return 0;
-#endif
-}
-
-int ratchet_amx_min_rows(void) { return amx_min_rows; }
 
 /* ------------------------------------------------------------ activations */
 
@@ -574,44 +544,6 @@ static inline __attribute__((always_inline)) __m512i dpbusd_bcast(__m512i acc, _
     return acc;
 }
 
-/* A group's G unsigned weights of the 16 rows as C = G / 4 vectors in the VNNI order (plane_pack's
- * layout undone in registers): nibbles split, then bits 4 (and 5) merged from the plane */
-static inline __attribute__((always_inline)) void unpack_group(const uint8_t *qg, const int G, const int vb,
-                                                               __m512i W[8]) {
-    const int C = G / 4;
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
-    if (vb < 8) { /* nibbles, then bits 4 (and 5) from the plane: W |= (plane shifted) & mask, one ternlog */
-        const __m512i *qv = (const __m512i *)qg;
-        #pragma GCC unroll 8
-        for (int v = 0; v < C / 2; v++) {
-            const __m512i b = _mm512_loadu_si512(qv + v);
-            W[v] = _mm512_and_si512(b, m4);
-            W[v + C / 2] = _mm512_and_si512(_mm512_srli_epi16(b, 4), m4);
-        }
-        if (vb == 6) { /* item 4p + j: bits 2j..2j+1 of plane p to bits 4..5 (16-bit shifts: the mask drops what crosses bytes) */
-            const __m512i m30 = _mm512_set1_epi8(0x30);
-            #pragma GCC unroll 8
-            for (int c = 0; c < C; c++) {
-                const __m512i pl = _mm512_loadu_si512(qv + C / 2 + c / 4);
-                const int j = c % 4;
-                const __m512i sh = j < 2 ? _mm512_slli_epi16(pl, 4 - 2 * j) : j == 2 ? pl : _mm512_srli_epi16(pl, 2);
-                W[c] = _mm512_ternarylogic_epi32(sh, m30, W[c], 0xEA); /* (sh & m30) | W */
-            }
-        } else if (vb == 5) { /* item j: bit j of the plane to bit 4 */
-            const __m512i m10 = _mm512_set1_epi8(0x10), pl = _mm512_loadu_si512(qv + C / 2);
-            #pragma GCC unroll 8
-            for (int c = 0; c < C; c++) {
-                const __m512i sh = c < 4 ? _mm512_slli_epi16(pl, 4 - c) : c == 4 ? pl : _mm512_srli_epi16(pl, c - 4);
-                W[c] = _mm512_ternarylogic_epi32(sh, m10, W[c], 0xEA);
-            }
-        }
-    } else {
-        const __m512i *qv = (const __m512i *)qg;
-        #pragma GCC unroll 8
-        for (int c = 0; c < C; c++) W[c] = _mm512_loadu_si512(qv + c);
-    }
-}
-
 /* G, vb, b16, has_m and tt are literals at every call (panel_any), so each combination compiles to
  * its own fully unrolled loop with the accumulators in registers */
 static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, const uint8_t *SM, int z,
@@ -623,6 +555,7 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
     #pragma GCC unroll 8
     for (int t = 0; t < tt; t++) acc[t] = _mm512_setzero_ps();
     const int C = G / 4, NG = K / G, GPS = SB / G, SBB = (1 + has_m) * (2 + (unit ? 0 : GPS)) * PN;
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512 Dv = _mm512_setzero_ps(), Dmv = _mm512_setzero_ps();
     for (int g = 0; g < NG; g++) {
         const uint8_t *sbp = SM + (long)(g / GPS) * SBB, *qg = Q + (long)g * G * PN * vb / 8;
@@ -640,7 +573,36 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
                           : unit ? Dmv
                                  : _mm512_mul_ps(Dmv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(cp + PN)))));
         __m512i W[8];
-        unpack_group(qg, G, vb, W);
+        if (vb < 8) { /* nibbles, then bits 4 (and 5) from the plane: W |= (plane shifted) & mask, one ternlog */
+            const __m512i *qv = (const __m512i *)qg;
+            #pragma GCC unroll 8
+            for (int v = 0; v < C / 2; v++) {
+                const __m512i b = _mm512_loadu_si512(qv + v);
+                W[v] = _mm512_and_si512(b, m4);
+                W[v + C / 2] = _mm512_and_si512(_mm512_srli_epi16(b, 4), m4);
+            }
+            if (vb == 6) { /* item 4p + j: bits 2j..2j+1 of plane p to bits 4..5 (16-bit shifts: the mask drops what crosses bytes) */
+                const __m512i m30 = _mm512_set1_epi8(0x30);
+                #pragma GCC unroll 8
+                for (int c = 0; c < C; c++) {
+                    const __m512i pl = _mm512_loadu_si512(qv + C / 2 + c / 4);
+                    const int j = c % 4;
+                    const __m512i sh = j < 2 ? _mm512_slli_epi16(pl, 4 - 2 * j) : j == 2 ? pl : _mm512_srli_epi16(pl, 2);
+                    W[c] = _mm512_ternarylogic_epi32(sh, m30, W[c], 0xEA); /* (sh & m30) | W */
+                }
+            } else if (vb == 5) { /* item j: bit j of the plane to bit 4 */
+                const __m512i m10 = _mm512_set1_epi8(0x10), pl = _mm512_loadu_si512(qv + C / 2);
+                #pragma GCC unroll 8
+                for (int c = 0; c < C; c++) {
+                    const __m512i sh = c < 4 ? _mm512_slli_epi16(pl, 4 - c) : c == 4 ? pl : _mm512_srli_epi16(pl, c - 4);
+                    W[c] = _mm512_ternarylogic_epi32(sh, m10, W[c], 0xEA);
+                }
+            }
+        } else {
+            const __m512i *qv = (const __m512i *)qg;
+            #pragma GCC unroll 8
+            for (int c = 0; c < C; c++) W[c] = _mm512_loadu_si512(qv + c);
+        }
         /* one integer chain per token, the tokens interleaved (tt independent chains in flight),
          * starting from -z * sum xq (16 bits: added after the high bytes' products are scaled) */
         __m512i I[TT];
@@ -675,164 +637,6 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
     #pragma GCC unroll 8
     for (int t = 0; t < tt; t++) _mm512_mask_storeu_ps(y + (long)t * N, mask, acc[t]);
 }
-
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
-/* AMX-INT8 (Intel Xeon 4th gen+): one tile product per group computes the same integer sums for up to
- * 16 tokens at once. C[t][n] = sum_k A[t][k] B[k / 4][4 n + k % 4] with A = the tokens' activation
- * bytes of the group (rows = tokens, G signed bytes each: read in place, stride = a token's buffer)
- * and B = the group's unsigned weights in exactly the VNNI order plane_pack writes (G / 4 rows of 64
- * bytes): tdpbsud (signed A, unsigned B). The sums are exact int32, so I, and the float sequence the
- * epilogue runs on it (the same instructions as panel_tile's), are bit-identical to the vpdpbusd
- * path: which of the two a call takes (by its row count) changes no bit of any row.
- * Tiles: 0 C (the only, or the high bytes'), 1 C of the low bytes (16 bits), 4 A, 5 A of the low
- * bytes, 6 B. */
-#define HAVE_AMX 1
-typedef struct __attribute__((aligned(64))) {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tilecfg_t;
-
-static void amx_config(int tm, int G) {
-    tilecfg_t c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int i = 0; i < 4; i++) { /* C tiles: tm tokens x 16 int32 */
-        c.rows[i] = (uint8_t)tm;
-        c.colsb[i] = 64;
-    }
-    c.rows[4] = c.rows[5] = (uint8_t)tm; /* A: tm tokens x G bytes */
-    c.colsb[4] = c.colsb[5] = (uint16_t)G;
-    c.rows[6] = (uint8_t)(G / 4); /* B: G / 4 rows of 4 weights x 16 outputs */
-    c.colsb[6] = 64;
-    _tile_loadconfig(&c);
-}
-
-/* the epilogue of group g for tm tokens: panel_tile's float sequence on the tile's integers */
-static inline __attribute__((always_inline)) void amx_epilogue(const uint8_t *SM, int z, const xtile_t *xs, int g,
-                                                               const int G, const int b16, const int has_m,
-                                                               const int unit, int SB, const int32_t *ch,
-                                                               const int32_t *cl, __m512 *acc, int tm) {
-    const int GPS = SB / G, SBB = (1 + has_m) * (2 + (unit ? 0 : GPS)) * PN;
-    const uint8_t *sbp = SM + (long)(g / GPS) * SBB;
-    const __m512 Dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sbp));
-    const int8_t *cp = (const int8_t *)sbp + (1 + has_m) * 2 * PN + (g % GPS) * (1 + has_m) * PN;
-    const __m512 sv = unit ? Dv : _mm512_mul_ps(Dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)cp))));
-    __m512 mv = _mm512_setzero_ps();
-    if (has_m) {
-        const __m512 Dmv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sbp + 2 * PN)));
-        mv = unit ? Dmv : _mm512_mul_ps(Dmv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(cp + PN)))));
-    }
-    for (int t = 0; t < tm; t++) {
-        const int32_t zq = G == 32 ? xs->zq32[g * tm + t] : xs->zq16[g * tm + t];
-        __m512i I = _mm512_load_si512((const __m512i *)(ch + 16 * t));
-        if (b16) {
-            I = _mm512_slli_epi32(I, 8);
-            if (z) I = _mm512_add_epi32(I, _mm512_set1_epi32(zq));
-            I = _mm512_add_epi32(I, _mm512_load_si512((const __m512i *)(cl + 16 * t)));
-        } else if (z) {
-            I = _mm512_add_epi32(I, _mm512_set1_epi32(zq));
-        }
-        const float dx = G == 32 ? xs->d32[g * tm + t] : xs->d32[g / 2 * tm + t];
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(sv, _mm512_set1_ps(dx)), acc[t]);
-        if (has_m)
-            acc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(G == 32 ? xs->sx32[g * tm + t] : xs->sx16[g * tm + t]), acc[t]);
-    }
-}
-
-/* Groups per chunk: a chunk's unpacked weights (KC * G * 16 bytes) and tile sums (KC * 1 KB, twice
- * for 16 bits) stay in L1 / L2 between the phases */
-#define KC 32
-
-/* In chunks of KC groups, three phases, so that no load waits on a store just issued (a tile load of
- * vector stores, or a vector load of a tile store, stalls until the store drains): the vector unit
- * unpacks the chunk's weights (4-6 bits) into wscr; the tile unit multiplies each group (tdpbsud
- * into tile 0, and 1 for the low bytes) and stores the sums to cscr; the vector unit runs the
- * epilogues in increasing g. */
-static inline __attribute__((always_inline)) void panel_amx(const uint8_t *Q, const uint8_t *SM, int z,
-                                                            const xtile_t *xs, const int8_t *xa, const int8_t *xla,
-                                                            long xstride, int K, const int G, const int vb,
-                                                            const int b16, const int has_m, const int unit, int SB,
-                                                            float *y, int N, int nvalid, int tm, uint8_t *wscr,
-                                                            int32_t *cscr) {
-    __m512 acc[16];
-    for (int t = 0; t < tm; t++) acc[t] = _mm512_setzero_ps();
-    const int C = G / 4, NG = K / G;
-    for (int g0 = 0; g0 < NG; g0 += KC) {
-        const int g1 = MIN(NG, g0 + KC);
-        const uint8_t *B = Q + (long)g0 * G * PN; /* bytes in place, or unpacked into wscr */
-        if (vb < 8) {
-            B = wscr;
-            for (int g = g0; g < g1; g++) {
-                const uint8_t *qg = Q + (long)g * G * PN * vb / 8;
-                #pragma GCC unroll 8
-                for (int o = 0; o < G * PN * vb / 8; o += 64) _mm_prefetch((const char *)qg + Q_AHEAD + o, _MM_HINT_T0);
-                __m512i W[8];
-                unpack_group(qg, G, vb, W);
-                #pragma GCC unroll 8
-                for (int c = 0; c < C; c++) _mm512_store_si512((__m512i *)(wscr + (long)(g - g0) * G * PN + 64 * c), W[c]);
-            }
-        }
-        for (int g = g0; g < g1; g++) {
-            int32_t *cg = cscr + (long)(g - g0) * (b16 ? 512 : 256);
-            _tile_loadd(6, B + (long)(g - g0) * G * PN, 64);
-            _tile_loadd(4, xa + (long)g * G, xstride);
-            _tile_zero(0);
-            _tile_dpbsud(0, 4, 6);
-            _tile_stored(0, cg, 64);
-            if (b16) {
-                _tile_loadd(5, xla + (long)g * G, xstride);
-                _tile_zero(1);
-                _tile_dpbsud(1, 5, 6);
-                _tile_stored(1, cg + 256, 64);
-            }
-        }
-        for (int g = g0; g < g1; g++) {
-            const int32_t *cg = cscr + (long)(g - g0) * (b16 ? 512 : 256);
-            amx_epilogue(SM, z, xs, g, G, b16, has_m, unit, SB, cg, cg + 256, acc, tm);
-        }
-    }
-    const __mmask16 mask = (__mmask16)((1u << nvalid) - 1);
-    for (int t = 0; t < tm; t++) _mm512_mask_storeu_ps(y + (long)t * N, mask, acc[t]);
-}
-
-#define AMX_CALL(G, VB, B16, HM, U) \
-    panel_amx(Q, SM, z, xs, xa, xla, xstride, K, G, VB, B16, HM, U, SB, y, N, nvalid, tm, wscr, cscr)
-#define AMX_HM(G, VB, B16, U)                                                                                          \
-    if (has_m) AMX_CALL(G, VB, B16, 1, U);                                                                             \
-    else AMX_CALL(G, VB, B16, 0, U);
-#define AMX_B16(G, VB, U)                                                                                              \
-    if (b16) {                                                                                                         \
-        AMX_HM(G, VB, 1, U)                                                                                            \
-    } else {                                                                                                           \
-        AMX_HM(G, VB, 0, U)                                                                                            \
-    }
-
-static void panel_amx_any(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, const int8_t *xa,
-                          const int8_t *xla, long xstride, int K, int G, int vb, int b16, int has_m, int unit, int SB,
-                          float *y, int N, int nvalid, int tm, uint8_t *wscr, int32_t *cscr) {
-    if (G == 32 && unit) {
-        switch (vb) {
-        case 4: AMX_B16(32, 4, 1) break;
-        case 5: AMX_B16(32, 5, 1) break;
-        default: AMX_B16(32, 8, 1) break;
-        }
-    } else if (G == 32) {
-        switch (vb) {
-        case 4: AMX_B16(32, 4, 0) break;
-        case 5: AMX_B16(32, 5, 0) break;
-        case 6: AMX_B16(32, 6, 0) break;
-        default: AMX_B16(32, 8, 0) break;
-        }
-    } else {
-        switch (vb) {
-        case 4: AMX_B16(16, 4, 0) break;
-        case 6: AMX_B16(16, 6, 0) break;
-        default: AMX_B16(16, 8, 0) break;
-        }
-    }
-}
-#endif /* AMX */
 #else
 /* portable C (and the AVX-VNNI build, which the compiler vectorizes): the same sequence per lane */
 static inline void panel_tile(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, const int G,
@@ -942,13 +746,7 @@ static void panel_any(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t 
 static void mm_q8(const float *x, int M, int K, int bits, int zw, const q8panel_t *panels, const uint8_t *Q,
                   const uint8_t *SM, float *y, int N, int threads) {
     if (M <= 0 || N <= 0) return;
-#ifdef HAVE_AMX
-    const int amx = M >= amx_min_rows && ratchet_amx(-1, 0);
-#else
-    const int amx = 0;
-#endif
-    const int TC = amx ? 16 : TT; /* tokens per tile: an AMX tile's 16 rows, else a register tile's TT */
-    const int NPAN = (N + PN - 1) / PN, NB = K / 32, NT = (M + TC - 1) / TC;
+    const int NPAN = (N + PN - 1) / PN, NB = K / 32, NT = (M + TT - 1) / TT;
     /* per token, then token-interleaved per tile of TT: x bytes (hi, lo), d32, sx32, zq16, zq32, sx16 */
     const long per = (long)K / 4 * (bits == 16 ? 2 : 1) + (long)NB * 7;
     int32_t *raw = malloc(sizeof(int32_t) * (size_t)M * per), *til = malloc(sizeof(int32_t) * (size_t)M * per);
@@ -974,7 +772,7 @@ static void mm_q8(const float *x, int M, int K, int bits, int zw, const q8panel_
         }
 #pragma omp for schedule(static)
         for (int ti = 0; ti < NT; ti++) { /* interleave: item i of token t0 + t at [i][tt] */
-            const int t0 = ti * TC, tt = MIN(TC, M - t0);
+            const int t0 = ti * TT, tt = MIN(TT, M - t0);
             int32_t *dst = til + (long)t0 * per;
             for (int t = 0; t < tt; t++) {
                 const int32_t *src = raw + (long)(t0 + t) * per;
@@ -986,38 +784,14 @@ static void mm_q8(const float *x, int M, int K, int bits, int zw, const q8panel_
                                   rest + 4 * NB * tt, rest + 2 * NB * tt, (const float *)(rest + NB * tt),
                                   (const float *)(rest + 5 * NB * tt)};
         }
-#ifdef HAVE_AMX
-        int cfg = -1; /* this thread's tile shape (tm, G): configured when it changes, released at the end */
-        uint8_t *wscr = amx ? aligned_alloc(64, (size_t)KC * 32 * PN) : NULL;
-        int32_t *cscr = amx ? aligned_alloc(64, sizeof(int32_t) * (size_t)KC * 512) : NULL;
-#endif
 #pragma omp for schedule(static)
         for (int p = 0; p < NPAN; p++) {
             const q8panel_t *pn = &panels[p];
             const int nvalid = MIN(PN, N - p * PN);
-            for (int ti = 0; ti < NT; ti++) {
-                const int tm = MIN(TC, M - ti * TC);
-                float *yt = y + (long)ti * TC * N + p * PN;
-#ifdef HAVE_AMX
-                if (amx) {
-                    if (cfg != tm * 64 + pn->G) amx_config(tm, pn->G);
-                    cfg = tm * 64 + pn->G;
-                    const int8_t *xa = (const int8_t *)(raw + (long)ti * TC * per); /* token rows in place */
-                    panel_amx_any(Q + pn->qoff, SM + pn->soff, pn->z, &tiles[ti], xa, bits == 16 ? xa + K : NULL,
-                                  per * 4, K, pn->G, pn->vb, bits == 16, pn->has_m, pn->unit, pn->SB, yt, N, nvalid, tm,
-                                  wscr, cscr);
-                    continue;
-                }
-#endif
+            for (int ti = 0; ti < NT; ti++)
                 panel_any(Q + pn->qoff, SM + pn->soff, pn->z, &tiles[ti], K, pn->G, pn->vb, bits == 16, pn->has_m,
-                          pn->unit, pn->SB, yt, N, nvalid, tm);
-            }
+                          pn->unit, pn->SB, y + (long)ti * TT * N + p * PN, N, nvalid, MIN(TT, M - ti * TT));
         }
-#ifdef HAVE_AMX
-        if (cfg >= 0) _tile_release();
-        free(wscr);
-        free(cscr);
-#endif
     }
     free(raw);
     free(til);

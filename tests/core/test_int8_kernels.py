@@ -293,27 +293,3 @@ def test_linear_integer_fast_path_is_block_matmul_and_follows_numerics():
             assert same_bits(first, ref) and same_bits(again, ref), mode
             assert same_bits(lin(x.view(1, 3, k)).view(3, n), ref)  # other ranks take the general path
             assert (lin._q8_call is not None) == (mode != "exact")
-
-
-@pytest.mark.parametrize("mode", list(BITS))
-@pytest.mark.parametrize("type_name", INT_TYPES)
-def test_amx_tiles_equal_the_vnni_path_bit_for_bit(type_name, mode):
-    """Where the CPU has AMX-INT8 (Intel Xeon 4th gen+) the integer modes multiply calls of several
-    rows with tile products: the same exact int32 sums and the same float epilogue as vpdpbusd, so
-    every row's bits equal the vector path's, at every row count (16-row tiles, partial tiles)."""
-    if not kernels.amx():
-        pytest.skip("no AMX-INT8 on this machine (or the OS refused the tile state)")
-    k = 96 if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") else 512
-    w = BlockWeight.from_gguf(type_name, random_raw(type_name, 37, k, seed=5), k)
-    torch.manual_seed(6)
-    x = torch.randn(35, k)
-    x[9] *= 100.0
-    before = kernels.amx_min_rows()
-    try:
-        kernels.amx(False)
-        vnni = block_matmul(x, w, numerics=mode)
-        assert kernels.amx(True, min_rows=2)
-        for rows in (2, 3, 16, 17, 35):
-            assert same_bits(block_matmul(x[:rows], w, numerics=mode), vnni[:rows]), rows
-    finally:
-        kernels.amx(True, min_rows=before)
