@@ -22,6 +22,7 @@ from ratchetlm.layers.attention import AttentionBatch, paged_attention
 from ratchetlm.layers.block_quant import BlockWeight, Embedding, Linear, set_numerics
 from ratchetlm.layers.norm_rope import RMSNorm, RotaryEmbedding
 from ratchetlm.models.config import ModelConfig
+from ratchetlm.models.decode_chain import DecodeChain
 from ratchetlm.models.families import FAMILIES, FUSED_PARTS
 from ratchetlm.parallel.shard import COLUMN, TPShard
 
@@ -106,6 +107,8 @@ class LlamaModel(nn.Module):
     ``tp``: the slice of a tensor-parallel rank (parallel/shard.py); default the whole model."""
 
     numerics = "exact"  # the block weights' numerics mode (set_numerics)
+    decode_chain = True  # batch-1 integer-mode decode through models/decode_chain.py where it applies
+    _chain: DecodeChain | None = None
 
     def __init__(self, cfg: ModelConfig, tp: TPShard | None = None) -> None:
         super().__init__()
@@ -134,6 +137,13 @@ class LlamaModel(nn.Module):
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         cos_sin = self.rope.cos_sin(batch.positions)
         local = cos_sin if self.local_rope is None else self.local_rope.cos_sin(batch.positions)
+        n = num_layers or len(self.layers)
+        chain = self._chain
+        if (chain is not None and x.shape[0] == 1 and batch.num_seqs == 1 and batch.mask is None
+                and (batch.cache is None or batch.cache.dtype == torch.float32) and chain.ready()):
+            # one sequence, one token: the same kernels without the Python (models/decode_chain.py)
+            xs, hs = chain.run(x, cos_sin, batch, n)
+            return self.norm.forward_residual(xs, hs)[1]
         layers = self.layers if not num_layers else self.layers[:num_layers]  # (a slice builds a ModuleList)
         h = None
         for layer in layers:
@@ -150,6 +160,7 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             layer.fixed_order_attention = numerics != "exact"
+        self._chain = DecodeChain.build(self) if self.decode_chain else None
         return n
 
     def set_context_len(self, n: int) -> None:
