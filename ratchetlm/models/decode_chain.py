@@ -1,4 +1,5 @@
-"""Batch-1 decode of the decoder stack as a fixed chain of kernel calls on preallocated buffers.
+"""A forward of one sequence (a decode step, a verify chain or tree: up to 32 new tokens) through the
+decoder stack as a fixed chain of kernel calls on preallocated buffers.
 
 At one new token a layer's kernels take ~80 us on the bundled 135M model and the Python around
 them (module calls, views, allocations, argument checks) took longer. In the integer numerics modes
@@ -6,10 +7,10 @@ on CPU every op of :meth:`DecoderLayer.forward_split` is already one C kernel (R
 residual add, the packed integer matmuls, RoPE, fixed-order attention), so this chain calls the
 same kernels with the same arguments in the same order, minus the Python: the results are
 bit-identical to the layer-by-layer path (tests/core/test_decode_chain.py), so batch invariance
-(speculative == plain decoding) still holds with verify forwards taking the general path.
+(speculative == plain decoding, alone == in a batch) holds whichever path a forward takes.
 
 It applies only where every op has that kernel form (see :meth:`DecodeChain.build`); otherwise, or
-for any step that is not one sequence with one new token, the model keeps its general path.
+for a forward of several sequences or more rows, the model keeps its general path.
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ def _ptr(t: torch.Tensor) -> int:
 
 
 class DecodeChain:
-    """The kernel calls of one batch-1 decode step through every layer; see the module docstring."""
+    """The kernel calls of one forward of one sequence (up to MAX_ROWS new tokens: a decode step, a
+    verify chain or tree) through every layer; see the module docstring."""
+
+    MAX_ROWS = 32
 
     def __init__(self, model: LlamaModel, lib: ctypes.CDLL, lanes: int) -> None:
         cfg = model.config
@@ -47,17 +51,26 @@ class DecodeChain:
         self.nh, self.nkv, self.hd = layer0.num_heads, layer0.num_kv_heads, layer0.head_dim
         self.q_size, self.kv_size = layer0.q_size, layer0.kv_size
         self.dim, self.eps = cfg.hidden_size, layer0.input_norm.eps
-        f32 = torch.float32
-        # [1, ...] buffers reused every step (outputs of one kernel, inputs of the next)
-        self.xs = [torch.empty(1, self.dim, dtype=f32) for _ in range(2)]  # residual stream, ping-pong
-        self.hn = torch.empty(1, self.dim, dtype=f32)  # normed input of a matmul
-        self.qkv = torch.empty(1, self.q_size + 2 * self.kv_size, dtype=f32)
-        self.rot = torch.empty(1, self.nh + self.nkv, self.hd, dtype=f32)  # rotated Q and K heads
-        self.attn = torch.empty(1, self.nh, self.hd, dtype=f32)
-        self.o = torch.empty(1, self.dim, dtype=f32)
-        self.down = torch.empty(1, self.dim, dtype=f32)
-        self.gate_up = torch.empty(1, 2 * layer0.tp.ni, dtype=f32)
-        self.act = torch.empty(1, layer0.tp.ni, dtype=f32)
+        f32, T, ni = torch.float32, self.MAX_ROWS, layer0.tp.ni
+        # [MAX_ROWS, ...] buffers reused every step (outputs of one kernel, inputs of the next); a step of
+        # T rows uses their first T rows (contiguous views)
+        self.xs = [torch.empty(T, self.dim, dtype=f32) for _ in range(2)]  # residual stream, ping-pong
+        self.hn = torch.empty(T, self.dim, dtype=f32)  # normed input of a matmul
+        self.qkv = torch.empty(T, self.q_size + 2 * self.kv_size, dtype=f32)
+        self.rot = torch.empty(T, self.nh + self.nkv, self.hd, dtype=f32)  # rotated Q and K heads, side by side
+        self.qb = torch.empty(T, self.nh, self.hd, dtype=f32)  # contiguous Q, K, V (attention's inputs) where
+        self.kb = torch.empty(T, self.nkv, self.hd, dtype=f32)  # the fused layouts are not (T > 1)
+        self.vb = torch.empty(T, self.nkv, self.hd, dtype=f32)
+        self.attn = torch.empty(T, self.nh, self.hd, dtype=f32)
+        self.o = torch.empty(T, self.dim, dtype=f32)
+        self.down = torch.empty(T, self.dim, dtype=f32)
+        self.qk_norm = cfg.qk_norm  # Qwen3: per-head norms of Q and K before RoPE: their inputs and outputs
+        self.qsrc = torch.empty(T, self.q_size, dtype=f32)
+        self.ksrc = torch.empty(T, self.kv_size, dtype=f32)
+        self.qn = torch.empty(T, self.nh, self.hd, dtype=f32)
+        self.kn = torch.empty(T, self.nkv, self.hd, dtype=f32)
+        self.gate_up = torch.empty(T, 2 * ni, dtype=f32)
+        self.act = torch.empty(T, ni, dtype=f32)
         # per layer: the norm weights' addresses (the layers give scale, soft-cap and Linear handles)
         self.norm_w = [(_ptr(ly.input_norm.weight), _ptr(ly.post_norm.weight)) for ly in self.layers]
         self._calls: list[tuple] = []  # per layer ((fn, handle) of qkv, o_proj, gate_up, down); see ready()
@@ -66,15 +79,15 @@ class DecodeChain:
     @classmethod
     def build(cls, model: LlamaModel) -> DecodeChain | None:
         """A chain for ``model`` if every op of its layers has the single-kernel form at batch 1 (CPU fp32,
-        integer numerics, plain Llama layers: no biases, QK-norms, sandwich norms, norm offsets, sliding
-        windows, tensor parallelism or GELU), else None."""
+        integer numerics, Llama-shaped layers, with Qwen2's Q/K/V biases and Qwen3's QK-norms; no sandwich
+        norms, norm offsets, sliding windows, tensor parallelism or GELU), else None."""
         from ratchetlm.layers.block_quant import Linear
 
         cfg = model.config
         lib = kernels.load()
         if lib is None or model.numerics == "exact" or model.tp.size != 1 or cfg.hidden_act != "silu":
             return None
-        if cfg.qk_norm or cfg.sandwich_norms or cfg.norm_offset or cfg.attention_bias:
+        if cfg.sandwich_norms or cfg.norm_offset:
             return None
         if cfg.hidden_size >= norm_rope.TORCH_GRAIN:
             return None
@@ -84,11 +97,12 @@ class DecodeChain:
         for ly in _layers(model):
             if ly.window is not None or not ly.fixed_order_attention:
                 return None
-            for p in (ly.input_norm.weight, ly.post_norm.weight):
-                if p.dtype != torch.float32 or p.device.type != "cpu":
+            norms = [ly.input_norm, ly.post_norm] + ([ly.q_norm, ly.k_norm] if cfg.qk_norm else [])
+            for p in [n.weight for n in norms if n is not None] + ([ly.qkv.bias] if ly.qkv.bias is not None else []):
+                if p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_contiguous():
                     return None
             for lin in (ly.qkv, ly.o_proj, ly.gate_up, ly.down):
-                if not isinstance(lin, Linear) or lin.bias is not None:
+                if not isinstance(lin, Linear) or (lin.bias is not None and lin is not ly.qkv):
                     return None
         return cls(model, lib, lanes)
 
@@ -109,49 +123,83 @@ class DecodeChain:
 
     def run(
         self,
-        x: torch.Tensor,  # [1, hidden] the embedded token
-        cos_sin: tuple[torch.Tensor, torch.Tensor],  # ([1, 1, rotary_dim],) * 2
+        x: torch.Tensor,  # [T, hidden] the embedded tokens of one sequence, T <= MAX_ROWS
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # ([T, 1, rotary_dim],) * 2
         batch: AttentionBatch,
         num_layers: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (x, h): the stream after the layers is x + h (fresh tensors)
         lib, lanes, eps, dim, nt = self.lib, self.lanes, self.eps, self.dim, torch.get_num_threads()
+        t = x.shape[0]
         cos, sin = (c.contiguous() for c in cos_sin)
-        rd = cos.shape[-1]
-        nh, nkv, hd = self.nh, self.nkv, self.hd
-        xs, hn, qkv, rot, attn, o, down, gu, act = (self.xs, self.hn, self.qkv, self.rot, self.attn, self.o,
-                                                   self.down, self.gate_up, self.act)
-        q_ptr, rot_ptr, attn_ptr = _ptr(qkv), _ptr(rot), _ptr(attn)
-        k_ptr, v_ptr = rot_ptr + 4 * nh * hd, q_ptr + 4 * (self.q_size + self.kv_size)
-        k = rot[:, nh:]  # [1, nkv, hd] views the sink writes
-        v = qkv[:, self.q_size + self.kv_size:].view(1, nkv, hd)
+        rd, cos_p, sin_p = cos.shape[-1], _ptr(cos), _ptr(sin)
+        nh, nkv, hd, qs, kvs = self.nh, self.nkv, self.hd, self.q_size, self.kv_size
+        xs = [b[:t] for b in self.xs]
+        hn, qkv, rot, attn = self.hn[:t], self.qkv[:t], self.rot[:t], self.attn[:t]
+        o, down, gu, act = self.o[:t], self.down[:t], self.gate_up[:t], self.act[:t]
+        qb, kb, vb = self.qb[:t], self.kb[:t], self.vb[:t]
+        qkv_p, rot_p, attn_p, hn_p, gu_p, act_p = _ptr(qkv), _ptr(rot), _ptr(attn), _ptr(hn), _ptr(gu), _ptr(act)
+        xs_p = [_ptr(b) for b in xs]
+        # attention's Q, K, V: in place where contiguous (one row), else copied into qb / kb / vb (as
+        # _fixed_order_attention's .contiguous() does)
+        v = qkv[:, qs + kvs:].view(t, nkv, hd)
+        if self.qk_norm:
+            q_p, k_p, k = _ptr(qb), _ptr(kb), kb
+        elif t == 1:
+            q_p, k_p, k = rot_p, rot_p + 4 * nh * hd, rot[:, nh:]
+        else:
+            q_p, k_p, k = _ptr(qb), _ptr(kb), rot[:, nh:]
+        v_p = qkv_p + 4 * (qs + kvs) if t == 1 else _ptr(vb)
         gate, up = gu.chunk(2, dim=-1)
         cache, meta = batch.cache, batch.seq_meta
-        assert meta is not None and batch.num_seqs == 1 and batch.max_new == 1 and batch.mask is None
+        assert meta is not None and batch.num_seqs == 1 and batch.max_new == t <= self.MAX_ROWS
+        mask = batch.fixed_order_mask()
+        mask_p = 0 if mask is None else _ptr(mask)
         x = x.contiguous()
-        x_ptr, h_ptr, nxt = _ptr(x), 0, 0  # the stream is x (+ h); residual sums go to xs[nxt], never in place
+        x_p, h_p, nxt = _ptr(x), 0, 0  # the stream is x (+ h); residual sums go to xs[nxt], never in place
         for i in range(num_layers):
             ly = self.layers[i]
             w_in, w_post = self.norm_w[i]
             (qkv_fn, qkv_w), (o_fn, o_w), (gu_fn, gu_w), (d_fn, d_w) = self._calls[i]
-            if h_ptr:  # the previous layer's last residual add, fused into this norm
-                lib.ratchet_rms_norm(x_ptr, h_ptr, _ptr(xs[nxt]), w_in, 1, dim, eps, lanes, _ptr(hn), nt)
-                x_ptr, nxt = _ptr(xs[nxt]), nxt ^ 1
+            if h_p:  # the previous layer's last residual add, fused into this norm
+                lib.ratchet_rms_norm(x_p, h_p, xs_p[nxt], w_in, t, dim, eps, lanes, hn_p, nt)
+                x_p, nxt = xs_p[nxt], nxt ^ 1
             else:
-                lib.ratchet_rms_norm(x_ptr, None, None, w_in, 1, dim, eps, lanes, _ptr(hn), nt)
-            qkv_fn(_ptr(hn), 1, qkv_w, q_ptr, nt)
-            lib.ratchet_rope(q_ptr, 1, nh + nkv, hd, self.q_size + 2 * self.kv_size, _ptr(cos), _ptr(sin), rd, rot_ptr)
+                lib.ratchet_rms_norm(x_p, None, None, w_in, t, dim, eps, lanes, hn_p, nt)
+            qkv_fn(hn_p, t, qkv_w, qkv_p, nt)
+            if ly.qkv.bias is not None:  # Qwen2 (Linear.forward's y + bias, in place)
+                torch.add(qkv, ly.qkv.bias, out=qkv)
+            if self.qk_norm:  # Qwen3: norm each head of Q and of K, then rotate each (RotaryEmbedding.rotate)
+                assert ly.q_norm is not None and ly.k_norm is not None
+                qsrc, ksrc = qkv_p, qkv_p + 4 * qs
+                if t > 1:  # the norms read contiguous heads
+                    self.qsrc[:t].copy_(qkv[:, :qs])
+                    self.ksrc[:t].copy_(qkv[:, qs:qs + kvs])
+                    qsrc, ksrc = _ptr(self.qsrc), _ptr(self.ksrc)
+                qn, kn = _ptr(self.qn), _ptr(self.kn)
+                lib.ratchet_rms_norm(qsrc, None, None, _ptr(ly.q_norm.weight), t * nh, hd, ly.q_norm.eps, lanes, qn, nt)
+                lib.ratchet_rms_norm(ksrc, None, None, _ptr(ly.k_norm.weight), t * nkv, hd, ly.k_norm.eps, lanes, kn,
+                                     nt)
+                lib.ratchet_rope(qn, t, nh, hd, nh * hd, cos_p, sin_p, rd, q_p)
+                lib.ratchet_rope(kn, t, nkv, hd, nkv * hd, cos_p, sin_p, rd, k_p)
+            else:  # Q and K heads adjacent in the fused output: rotated as one (RotaryEmbedding.rotate_packed)
+                lib.ratchet_rope(qkv_p, t, nh + nkv, hd, qs + 2 * kvs, cos_p, sin_p, rd, rot_p)
+                if t > 1:
+                    qb.copy_(rot[:, :nh])
+                    kb.copy_(rot[:, nh:])
+            if t > 1:
+                vb.copy_(v)
             batch.sink.write(i, **({"k": k, "v": v} if cache is None else cache.rows(i, k, v)))
             kc = vc = slots = 0
             if batch.ctx_slots is not None and cache is not None:
                 kt, vt = cache.layer_kv(i)
                 kc, vc, slots = _ptr(kt), _ptr(vt), batch.slot_rows_ptr(cache.slot_row(i))
-            lib.ratchet_attention(rot_ptr, k_ptr, v_ptr, kc, vc, slots, batch.max_ctx, _ptr(meta), 1, 0, 1, nh, nkv,
-                                  hd, ly.scale, ly.softcap or 0.0, attn_ptr, nt)
-            o_fn(attn_ptr, 1, o_w, _ptr(o), nt)
-            lib.ratchet_rms_norm(x_ptr, _ptr(o), _ptr(xs[nxt]), w_post, 1, dim, eps, lanes, _ptr(hn), nt)
-            x_ptr, nxt = _ptr(xs[nxt]), nxt ^ 1
-            gu_fn(_ptr(hn), 1, gu_w, _ptr(gu), nt)
+            lib.ratchet_attention(q_p, k_p, v_p, kc, vc, slots, batch.max_ctx, _ptr(meta), t, mask_p, 1, nh, nkv,
+                                  hd, ly.scale, ly.softcap or 0.0, attn_p, nt)
+            o_fn(attn_p, t, o_w, _ptr(o), nt)
+            lib.ratchet_rms_norm(x_p, _ptr(o), xs_p[nxt], w_post, t, dim, eps, lanes, hn_p, nt)
+            x_p, nxt = xs_p[nxt], nxt ^ 1
+            gu_fn(hn_p, t, gu_w, gu_p, nt)
             torch.mul(F.silu(gate), up, out=act)
-            d_fn(_ptr(act), 1, d_w, _ptr(down), nt)
-            h_ptr = _ptr(down)
+            d_fn(act_p, t, d_w, _ptr(down), nt)
+            h_p = _ptr(down)
         return xs[nxt ^ 1].clone(), down.clone()

@@ -7,11 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ratchetlm import LLM
+from ratchetlm import LLM, SamplingParams
+from ratchetlm.decoding.base import Proposal
 from ratchetlm.models.decode_chain import DecodeChain
 from tests.models.tiny import engine_logits, hf_model, write_gguf
 
 PROMPT = "The ratchet only moves forward: committed tokens are never taken back."
+
 
 
 def _decode_logits(llm: LLM, chain: bool, monkeypatch) -> tuple[dict[int, torch.Tensor], int]:
@@ -42,11 +44,64 @@ def test_chain_steps_are_bit_identical_to_the_layer_path(numerics, monkeypatch):
         assert torch.equal(on[pos], off[pos]), pos
 
 
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_chain_of_each_family_is_bit_identical(tmp_path, arch, monkeypatch):
+    """Llama, Qwen2 (Q/K/V biases) and Qwen3 (QK-norms) GGUFs chain their decode steps, bit-identically."""
+    llm = LLM(str(write_gguf(tmp_path / "m.gguf", hf_model(arch), "Q8_0")), progress=False, numerics="int16",
+              kv_cache_blocks=16)
+    assert llm.engine.model._chain is not None
+    on, ran = _decode_logits(llm, True, monkeypatch)
+    off, _ = _decode_logits(llm, False, monkeypatch)
+    assert ran == 12 and all(torch.equal(on[p], off[p]) for p in on)
+
+
 def test_chain_is_built_only_where_every_op_is_one_kernel(tmp_path, llm_fp32):
     assert llm_fp32.engine.model._chain is None  # exact mode: torch's ops, HF-identical
-    for arch, overrides in (("LlamaForCausalLM", {}), ("Qwen2ForCausalLM", {}),
-                            ("Qwen3ForCausalLM", {}), ("MistralForCausalLM", {"sliding_window": 24})):
-        path = write_gguf(tmp_path / f"{arch}-{len(overrides)}.gguf", hf_model(arch, **overrides), "Q8_0")
+    for arch, overrides in (("MistralForCausalLM", {"sliding_window": 24}), ("Gemma2ForCausalLM", {
+            "sliding_window": 24, "query_pre_attn_scalar": 16})):  # windows, sandwich norms: the general path
+        path = write_gguf(tmp_path / f"{arch}.gguf", hf_model(arch, **overrides), "Q8_0")
         llm = LLM(str(path), progress=False, numerics="int8", kv_cache_blocks=16)
-        plain = arch == "LlamaForCausalLM"  # Q/K/V biases, QK-norms, a window: the general path
-        assert (llm.engine.model._chain is not None) == plain, (arch, overrides)
+        assert llm.engine.model._chain is None, arch
+
+
+def _verify_logits(llm: LLM, chain: bool, monkeypatch) -> tuple[list[torch.Tensor], list[int]]:
+    """A 20-token prefill, then a staged tree-shaped proposal of 6 rows on top of it (two branches:
+    rows 0-1-2 and 0-3-4-5), as speculative verification runs it; the logits of every row of both
+    forwards, and the row counts the chain ran."""
+    model, eng = llm.engine.model, llm.engine
+    rows: list[int] = []
+    run = DecodeChain.run
+    monkeypatch.setattr(DecodeChain, "run", lambda self, x, *a: rows.append(x.shape[0]) or run(self, x, *a))
+    model.decode_chain = chain
+    try:
+        model.set_numerics(model.numerics)
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1))  # the first forward packs the weights
+        rows.clear()
+        ids = llm.encode(PROMPT + " " + PROMPT)[:20]
+        sid = eng.add_request(ids, SamplingParams(max_tokens=8, temperature=0))
+        seq = eng.seqs[sid]
+        eng.scheduler.schedule()
+        eng.blocks.grow(seq, len(ids) + 6)
+        pre = eng.runner.execute([seq], [Proposal(ids, list(range(20)), list(range(20)))]).logits[0]
+        seq.num_cached = 20
+        tree = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0],
+                             [1, 0, 0, 1, 0, 0], [1, 0, 0, 1, 1, 0], [1, 0, 0, 1, 1, 1]], dtype=torch.bool)
+        p = Proposal([5, 6, 7, 8, 9, 10], [20, 21, 22, 21, 22, 23], list(range(6)), mask=tree, direct_write=False)
+        ver = eng.runner.execute([seq], [p]).logits[0]
+        eng.abort(sid)
+        eng.release(sid)
+        return [pre, ver], rows
+    finally:
+        model.decode_chain = True
+        model.set_numerics(model.numerics)
+
+
+def test_chain_prefill_and_tree_verify_are_bit_identical(monkeypatch):
+    """Several rows of one sequence (a short prefill, a staged verify tree over cached context) chain
+    too, and equal the layer path bit for bit: verify == plain decoding still holds with both chained."""
+    llm = LLM(progress=False, numerics="int16", kv_cache_blocks=32)
+    on, rows = _verify_logits(llm, True, monkeypatch)
+    off, rows_off = _verify_logits(llm, False, monkeypatch)
+    assert rows == [20, 6] and rows_off == []
+    for a, b in zip(on, off, strict=True):
+        assert torch.equal(a, b)
