@@ -1,5 +1,5 @@
-"""A forward of one sequence (a decode step, a verify chain or tree: up to 32 new tokens) through the
-decoder stack as a fixed chain of kernel calls on preallocated buffers.
+"""A forward of up to 64 new tokens (decode steps of a batch, verify chains and trees, short prefills)
+through the decoder stack as a fixed chain of kernel calls on preallocated buffers.
 
 At one new token a layer's kernels take ~80 us on the bundled 135M model and the Python around
 them (module calls, views, allocations, argument checks) took longer. In the integer numerics modes
@@ -10,7 +10,7 @@ bit-identical to the layer-by-layer path (tests/core/test_decode_chain.py), so b
 (speculative == plain decoding, alone == in a batch) holds whichever path a forward takes.
 
 It applies only where every op has that kernel form (see :meth:`DecodeChain.build`); otherwise, or
-for a forward of several sequences or more rows, the model keeps its general path.
+for a forward of more rows, the model keeps its general path.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ def _ptr(t: torch.Tensor) -> int:
 
 
 class DecodeChain:
-    """The kernel calls of one forward of one sequence (up to MAX_ROWS new tokens: a decode step, a
-    verify chain or tree) through every layer; see the module docstring."""
+    """The kernel calls of one forward of up to MAX_ROWS new tokens (packed over its sequences) through
+    every layer; see the module docstring."""
 
-    MAX_ROWS = 32
+    MAX_ROWS = 64
 
     def __init__(self, model: LlamaModel, lib: ctypes.CDLL, lanes: int) -> None:
         cfg = model.config
@@ -123,7 +123,7 @@ class DecodeChain:
 
     def run(
         self,
-        x: torch.Tensor,  # [T, hidden] the embedded tokens of one sequence, T <= MAX_ROWS
+        x: torch.Tensor,  # [T, hidden] the embedded new tokens, packed over the sequences; T <= MAX_ROWS
         cos_sin: tuple[torch.Tensor, torch.Tensor],  # ([T, 1, rotary_dim],) * 2
         batch: AttentionBatch,
         num_layers: int,
@@ -151,7 +151,7 @@ class DecodeChain:
         v_p = qkv_p + 4 * (qs + kvs) if t == 1 else _ptr(vb)
         gate, up = gu.chunk(2, dim=-1)
         cache, meta = batch.cache, batch.seq_meta
-        assert meta is not None and batch.num_seqs == 1 and batch.max_new == t <= self.MAX_ROWS
+        assert meta is not None and t <= self.MAX_ROWS
         mask = batch.fixed_order_mask()
         mask_p = 0 if mask is None else _ptr(mask)
         x = x.contiguous()
@@ -193,8 +193,8 @@ class DecodeChain:
             if batch.ctx_slots is not None and cache is not None:
                 kt, vt = cache.layer_kv(i)
                 kc, vc, slots = _ptr(kt), _ptr(vt), batch.slot_rows_ptr(cache.slot_row(i))
-            lib.ratchet_attention(q_p, k_p, v_p, kc, vc, slots, batch.max_ctx, _ptr(meta), t, mask_p, 1, nh, nkv,
-                                  hd, ly.scale, ly.softcap or 0.0, attn_p, nt)
+            lib.ratchet_attention(q_p, k_p, v_p, kc, vc, slots, batch.max_ctx, _ptr(meta), batch.max_new, mask_p,
+                                  batch.num_seqs, nh, nkv, hd, ly.scale, ly.softcap or 0.0, attn_p, nt)
             o_fn(attn_p, t, o_w, _ptr(o), nt)
             lib.ratchet_rms_norm(x_p, _ptr(o), xs_p[nxt], w_post, t, dim, eps, lanes, hn_p, nt)
             x_p, nxt = xs_p[nxt], nxt ^ 1

@@ -139,9 +139,9 @@ class LlamaModel(nn.Module):
         local = cos_sin if self.local_rope is None else self.local_rope.cos_sin(batch.positions)
         n = num_layers or len(self.layers)
         chain = self._chain
-        if (chain is not None and x.shape[0] <= chain.MAX_ROWS and batch.num_seqs == 1
+        if (chain is not None and x.shape[0] <= chain.MAX_ROWS
                 and (batch.cache is None or batch.cache.dtype == torch.float32) and chain.ready()):
-            # one sequence, a few tokens: the same kernels without the Python (models/decode_chain.py)
+            # a few new tokens: the same kernels without the layer-by-layer Python (models/decode_chain.py)
             xs, hs = chain.run(x, cos_sin, batch, n)
             return self.norm.forward_residual(xs, hs)[1]
         layers = self.layers if not num_layers else self.layers[:num_layers]  # (a slice builds a ModuleList)

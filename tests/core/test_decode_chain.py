@@ -105,3 +105,31 @@ def test_chain_prefill_and_tree_verify_are_bit_identical(monkeypatch):
     assert rows == [20, 6] and rows_off == []
     for a, b in zip(on, off, strict=True):
         assert torch.equal(a, b)
+
+
+def test_chain_batched_decode_is_bit_identical(monkeypatch):
+    """Decode steps of several sequences (their tokens packed, each attending its own context) chain as
+    one forward, and every sequence's logprobs equal the layer path's."""
+    llm = LLM(progress=False, numerics="int16", kv_cache_blocks=64)
+    model = llm.engine.model
+    prompts = [PROMPT, "def fib(n):", "Once upon a time"]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=5)
+    rows: list[int] = []
+    run = DecodeChain.run
+    monkeypatch.setattr(DecodeChain, "run", lambda self, x, *a: rows.append(x.shape[0]) or run(self, x, *a))
+
+    def outputs():
+        outs = llm.generate(prompts, params)
+        return [(o.outputs[0].token_ids, [sorted((k, v.logprob) for k, v in d.items()) for d in o.outputs[0].logprobs])
+                for o in outs]
+
+    on = outputs()
+    try:
+        model.decode_chain = False
+        model.set_numerics(model.numerics)
+        assert 3 in rows
+        rows.clear()
+        assert outputs() == on and not rows
+    finally:
+        model.decode_chain = True
+        model.set_numerics(model.numerics)
