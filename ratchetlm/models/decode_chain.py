@@ -78,9 +78,9 @@ class DecodeChain:
 
     @classmethod
     def build(cls, model: LlamaModel) -> DecodeChain | None:
-        """A chain for ``model`` if every op of its layers has the single-kernel form at batch 1 (CPU fp32,
-        integer numerics, Llama-shaped layers, with Qwen2's Q/K/V biases and Qwen3's QK-norms; no sandwich
-        norms, norm offsets, sliding windows, tensor parallelism or GELU), else None."""
+        """A chain for ``model`` if every op of its layers is one C kernel (CPU fp32, integer numerics,
+        Llama-shaped layers, with Qwen2's Q/K/V biases and Qwen3's QK-norms; no sandwich norms, norm
+        offsets, sliding windows, tensor parallelism or GELU), else None."""
         from ratchetlm.layers.block_quant import Linear
 
         cfg = model.config
