@@ -107,7 +107,7 @@ class LlamaModel(nn.Module):
     ``tp``: the slice of a tensor-parallel rank (parallel/shard.py); default the whole model."""
 
     numerics = "exact"  # the block weights' numerics mode (set_numerics)
-    decode_chain = True  # batch-1 integer-mode decode through models/decode_chain.py where it applies
+    decode_chain = True  # integer-mode forwards of up to 64 new tokens through models/decode_chain.py where it applies
     _chain: DecodeChain | None = None
 
     def __init__(self, cfg: ModelConfig, tp: TPShard | None = None) -> None:
@@ -137,12 +137,11 @@ class LlamaModel(nn.Module):
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         cos_sin = self.rope.cos_sin(batch.positions)
         local = cos_sin if self.local_rope is None else self.local_rope.cos_sin(batch.positions)
-        n = num_layers or len(self.layers)
         chain = self._chain
         if (chain is not None and x.shape[0] <= chain.MAX_ROWS
                 and (batch.cache is None or batch.cache.dtype == torch.float32) and chain.ready()):
             # a few new tokens: the same kernels without the layer-by-layer Python (models/decode_chain.py)
-            xs, hs = chain.run(x, cos_sin, batch, n)
+            xs, hs = chain.run(x, cos_sin, batch, num_layers or len(self.layers))
             return self.norm.forward_residual(xs, hs)[1]
         layers = self.layers if not num_layers else self.layers[:num_layers]  # (a slice builds a ModuleList)
         h = None

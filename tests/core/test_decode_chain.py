@@ -1,8 +1,12 @@
-"""The batch-1 decode chain (models/decode_chain.py): in the integer modes a decode step of one
-sequence calls the layer kernels without the layer-by-layer Python, and its logits are bit-identical
-to the general path's, step after step; it is built only where every op has that kernel form."""
+"""The decode chain (models/decode_chain.py): in the integer modes a forward of up to 64 new tokens
+(decode steps alone or batched, a short prefill, a staged verify tree) calls the layer kernels
+without the layer-by-layer Python, and its logits are bit-identical to the general path's; it is
+built only where every op has that kernel form."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -15,30 +19,43 @@ from tests.models.tiny import engine_logits, hf_model, write_gguf
 PROMPT = "The ratchet only moves forward: committed tokens are never taken back."
 
 
-
-def _decode_logits(llm: LLM, chain: bool, monkeypatch) -> tuple[dict[int, torch.Tensor], int]:
-    """Prefill logits and 12 single-token decode steps (engine_logits), with the chain on or off;
-    and how many steps the chain ran."""
-    model = llm.engine.model
-    calls = []
+def _chain_rows(monkeypatch) -> list[int]:
+    """The row counts of the forwards the chain runs from now on."""
+    rows: list[int] = []
     run = DecodeChain.run
-    monkeypatch.setattr(DecodeChain, "run", lambda self, *a: calls.append(1) or run(self, *a))
-    model.decode_chain = chain
+    monkeypatch.setattr(DecodeChain, "run", lambda self, x, *a: rows.append(x.shape[0]) or run(self, x, *a))
+    return rows
+
+
+@contextlib.contextmanager
+def _chain(llm: LLM, on: bool) -> Iterator[None]:
+    """The model with its chain on or off (rebuilt by set_numerics; weights repacked at first use)."""
+    model = llm.engine.model
+    model.decode_chain = on
     try:
         model.set_numerics(model.numerics)
-        ids = llm.encode(PROMPT)
-        return engine_logits(llm, ids, rows=[0, len(ids) - 13], n_decode=12), len(calls)
+        yield
     finally:
         model.decode_chain = True
         model.set_numerics(model.numerics)
 
 
+def _decode_logits(llm: LLM) -> dict[int, torch.Tensor]:
+    """Prefill logits and 12 single-token decode steps (engine_logits)."""
+    ids = llm.encode(PROMPT)
+    return engine_logits(llm, ids, rows=[0, len(ids) - 13], n_decode=12)
+
+
 @pytest.mark.parametrize("numerics", ["int8", "int16"])
 def test_chain_steps_are_bit_identical_to_the_layer_path(numerics, monkeypatch):
     llm = LLM(progress=False, numerics=numerics, kv_cache_blocks=32)
-    on, ran = _decode_logits(llm, True, monkeypatch)
-    off, ran_off = _decode_logits(llm, False, monkeypatch)
-    assert ran == 12 and ran_off == 0  # every decode step took the chain, none with it off
+    rows = _chain_rows(monkeypatch)
+    with _chain(llm, True):
+        on, ran = _decode_logits(llm), len(rows)
+    rows.clear()
+    with _chain(llm, False):
+        off = _decode_logits(llm)
+    assert ran == 12 and not rows  # every decode step took the chain, none with it off
     assert on.keys() == off.keys()
     for pos in on:
         assert torch.equal(on[pos], off[pos]), pos
@@ -50,8 +67,11 @@ def test_chain_of_each_family_is_bit_identical(tmp_path, arch, monkeypatch):
     llm = LLM(str(write_gguf(tmp_path / "m.gguf", hf_model(arch), "Q8_0")), progress=False, numerics="int16",
               kv_cache_blocks=16)
     assert llm.engine.model._chain is not None
-    on, ran = _decode_logits(llm, True, monkeypatch)
-    off, _ = _decode_logits(llm, False, monkeypatch)
+    rows = _chain_rows(monkeypatch)
+    with _chain(llm, True):
+        on, ran = _decode_logits(llm), len(rows)
+    with _chain(llm, False):
+        off = _decode_logits(llm)
     assert ran == 12 and all(torch.equal(on[p], off[p]) for p in on)
 
 
@@ -64,46 +84,40 @@ def test_chain_is_built_only_where_every_op_is_one_kernel(tmp_path, llm_fp32):
         assert llm.engine.model._chain is None, arch
 
 
-def _verify_logits(llm: LLM, chain: bool, monkeypatch) -> tuple[list[torch.Tensor], list[int]]:
+def _prefill_and_tree_logits(llm: LLM) -> list[torch.Tensor]:
     """A 20-token prefill, then a staged tree-shaped proposal of 6 rows on top of it (two branches:
-    rows 0-1-2 and 0-3-4-5), as speculative verification runs it; the logits of every row of both
-    forwards, and the row counts the chain ran."""
-    model, eng = llm.engine.model, llm.engine
-    rows: list[int] = []
-    run = DecodeChain.run
-    monkeypatch.setattr(DecodeChain, "run", lambda self, x, *a: rows.append(x.shape[0]) or run(self, x, *a))
-    model.decode_chain = chain
-    try:
-        model.set_numerics(model.numerics)
-        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1))  # the first forward packs the weights
-        rows.clear()
-        ids = llm.encode(PROMPT + " " + PROMPT)[:20]
-        sid = eng.add_request(ids, SamplingParams(max_tokens=8, temperature=0))
-        seq = eng.seqs[sid]
-        eng.scheduler.schedule()
-        eng.blocks.grow(seq, len(ids) + 6)
-        pre = eng.runner.execute([seq], [Proposal(ids, list(range(20)), list(range(20)))]).logits[0]
-        seq.num_cached = 20
-        tree = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0],
-                             [1, 0, 0, 1, 0, 0], [1, 0, 0, 1, 1, 0], [1, 0, 0, 1, 1, 1]], dtype=torch.bool)
-        p = Proposal([5, 6, 7, 8, 9, 10], [20, 21, 22, 21, 22, 23], list(range(6)), mask=tree, direct_write=False)
-        ver = eng.runner.execute([seq], [p]).logits[0]
-        eng.abort(sid)
-        eng.release(sid)
-        return [pre, ver], rows
-    finally:
-        model.decode_chain = True
-        model.set_numerics(model.numerics)
+    rows 0-1-2 and 0-3-4-5), as speculative verification runs it: the logits of every row of both."""
+    eng = llm.engine
+    ids = llm.encode(PROMPT + " " + PROMPT)[:20]
+    sid = eng.add_request(ids, SamplingParams(max_tokens=8, temperature=0))
+    seq = eng.seqs[sid]
+    eng.scheduler.schedule()
+    eng.blocks.grow(seq, len(ids) + 6)
+    pre = eng.runner.execute([seq], [Proposal(ids, list(range(20)), list(range(20)))]).logits[0]
+    seq.num_cached = 20
+    tree = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0],
+                         [1, 0, 0, 1, 0, 0], [1, 0, 0, 1, 1, 0], [1, 0, 0, 1, 1, 1]], dtype=torch.bool)
+    p = Proposal([5, 6, 7, 8, 9, 10], [20, 21, 22, 21, 22, 23], list(range(6)), mask=tree, direct_write=False)
+    ver = eng.runner.execute([seq], [p]).logits[0]
+    eng.abort(sid)
+    eng.release(sid)
+    return [pre, ver]
 
 
 def test_chain_prefill_and_tree_verify_are_bit_identical(monkeypatch):
     """Several rows of one sequence (a short prefill, a staged verify tree over cached context) chain
     too, and equal the layer path bit for bit: verify == plain decoding still holds with both chained."""
     llm = LLM(progress=False, numerics="int16", kv_cache_blocks=32)
-    on, rows = _verify_logits(llm, True, monkeypatch)
-    off, rows_off = _verify_logits(llm, False, monkeypatch)
-    assert rows == [20, 6] and rows_off == []
-    for a, b in zip(on, off, strict=True):
+    rows = _chain_rows(monkeypatch)
+    logits = {}
+    for on in (True, False):
+        with _chain(llm, on):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1))  # the first forward packs the weights
+            rows.clear()
+            logits[on] = _prefill_and_tree_logits(llm), list(rows)
+    (on_logits, on_rows), (off_logits, off_rows) = logits[True], logits[False]
+    assert on_rows == [20, 6] and off_rows == []
+    for a, b in zip(on_logits, off_logits, strict=True):
         assert torch.equal(a, b)
 
 
@@ -111,12 +125,9 @@ def test_chain_batched_decode_is_bit_identical(monkeypatch):
     """Decode steps of several sequences (their tokens packed, each attending its own context) chain as
     one forward, and every sequence's logprobs equal the layer path's."""
     llm = LLM(progress=False, numerics="int16", kv_cache_blocks=64)
-    model = llm.engine.model
     prompts = [PROMPT, "def fib(n):", "Once upon a time"]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=5)
-    rows: list[int] = []
-    run = DecodeChain.run
-    monkeypatch.setattr(DecodeChain, "run", lambda self, x, *a: rows.append(x.shape[0]) or run(self, x, *a))
+    rows = _chain_rows(monkeypatch)
 
     def outputs():
         outs = llm.generate(prompts, params)
@@ -124,12 +135,7 @@ def test_chain_batched_decode_is_bit_identical(monkeypatch):
                 for o in outs]
 
     on = outputs()
-    try:
-        model.decode_chain = False
-        model.set_numerics(model.numerics)
-        assert 3 in rows
-        rows.clear()
+    assert 3 in rows
+    rows.clear()
+    with _chain(llm, False):
         assert outputs() == on and not rows
-    finally:
-        model.decode_chain = True
-        model.set_numerics(model.numerics)
