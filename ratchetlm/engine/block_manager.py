@@ -268,9 +268,13 @@ class BlockManager:
         """Slot of each position (-1 past the blocks the scheduler reserved, or in a released block:
         such a row is never committed — an accepted row is always at ``num_cached + i``)."""
         table = self._t(seq)
+        bs = self.block_size
+        if len(positions) <= 64:  # a verify's few rows: list arithmetic beats the tensor ops below
+            lim = len(table) * bs
+            return torch.tensor([table[p // bs] * bs + p % bs if p < lim and table[p // bs] >= 0 else -1
+                                 for p in positions], dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
         tab = torch.tensor(table, dtype=torch.long)
-        bs = self.block_size
         block = tab[(pos // bs).clamp(max=max(len(table) - 1, 0))]
         held = (pos < len(table) * bs) & (block >= 0)
         return torch.where(held, block * bs + pos % bs, torch.full_like(pos, -1))
@@ -282,7 +286,11 @@ class BlockManager:
         table = self._t(seq)
         assert end <= len(table) * self.block_size, "positions beyond the block table"
         assert released or start >= end or table[start // self.block_size] >= 0, "positions in released blocks"
+        bs = self.block_size
+        if end - start <= 64:  # a decode step's or a verify's few rows: list arithmetic beats six tensor ops
+            return torch.tensor([table[p // bs] * bs + p % bs if table[p // bs] >= 0 else -1
+                                 for p in range(start, end)], dtype=torch.long, device=device)
         pos = torch.arange(start, end)
-        blocks = torch.tensor(table, dtype=torch.long)[pos // self.block_size]
-        out = blocks * self.block_size + pos % self.block_size
+        blocks = torch.tensor(table, dtype=torch.long)[pos // bs]
+        out = blocks * bs + pos % bs
         return (out.masked_fill_(blocks < 0, -1) if released else out).to(device)

@@ -144,7 +144,7 @@ class ModelRunner:
         ids: list[int] = []
         pos: list[int] = []
         slot_parts: list[torch.Tensor] = []
-        stage_parts: list[torch.Tensor] = []
+        stage_index: list[int] = []  # per row its staging row, -1 = written directly
         stage_base: list[int] = []
         rows: list[int] = []
         n_staged = 0
@@ -156,14 +156,14 @@ class ModelRunner:
             pos += p.positions
             if p.direct_write:
                 slot_parts.append(self.blocks.slots(seq, seq.num_cached, seq.num_cached + n))
-                stage_parts.append(torch.full((n,), -1, dtype=torch.long))
+                stage_index += [-1] * n
                 stage_base.append(-1)
             else:
                 fits = n_staged + n <= self.staging.capacity
                 overflow |= not fits
                 # a staged row's slot is its position's: where it goes if a commit names it
                 slot_parts.append(self.blocks.position_slots(seq, p.positions) if fits else self._no_slots(n))
-                stage_parts.append(torch.arange(n_staged, n_staged + n) if fits else torch.full((n,), -1))
+                stage_index += range(n_staged, n_staged + n) if fits else [-1] * n
                 stage_base.append(n_staged if fits else -1)
                 n_staged += n if fits else 0
         if overflow:
@@ -171,7 +171,8 @@ class ModelRunner:
         plan = ForwardPlan(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
                            [len(p.token_ids) for p in proposals], [self.context_slots(s) for s in seqs],
                            self.context_starts(seqs), [p.mask for p in proposals], torch.cat(slot_parts, dim=-1),
-                           torch.cat(stage_parts) if n_staged or overflow else None, rows, num_layers)
+                           torch.tensor(stage_index, dtype=torch.long) if n_staged or overflow else None, rows,
+                           num_layers)
         hidden, all_logits = self.forward(plan)
         self.num_forwards += 1
         self.last_hidden = list(hidden.split(plan.new_lens))

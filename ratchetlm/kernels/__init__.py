@@ -27,7 +27,7 @@ import torch  # noqa: F401  (must be loaded before the kernel library: shared Op
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("dequant.c", "matmul.c", "matmul_int8.c", "attention.c",
-                                                           "norm_rope.c"))
+                                                           "norm_rope.c", "argmax.c"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("ggml_types.h", "units_avx512.h"))
 # -ffp-contract=off: dequantization must round exactly like gguf-py's numpy code (no fused d * q + m).
 _FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
@@ -157,6 +157,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ratchet_rms_norm.restype = None
     lib.ratchet_rope.argtypes = [p, i64, i64, i64, i64, p, p, i64, p]
     lib.ratchet_rope.restype = None
+    lib.ratchet_argmax_rows.argtypes = [p, i64, i64, i64, p]
+    lib.ratchet_argmax_rows.restype = None
 
 
 def isa() -> str | None:

@@ -15,6 +15,7 @@ write point.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -40,17 +41,29 @@ class AttentionBatch:
     ctx_slots: torch.Tensor | None  # [G, B, max_ctx] int64 committed context slots per slot group (0: padding)
     pad_index: torch.Tensor  # [B, max_new] int64 index into packed tokens (0 where padded)
     unpad_index: torch.Tensor  # [num_tokens] int64 index into the flattened [B * max_new] grid
-    mask: torch.Tensor | None  # [B, 1, max_new, max_ctx + max_new] additive float (0 / -inf); None: see is_causal
+    # the additive mask, made on first use (the ``mask`` property) by this function; None: see is_causal
+    mask_fn: Callable[[], torch.Tensor] | None
     is_causal: bool  # only meaningful when mask is None: True = causal among new tokens, False = all visible
     num_seqs: int
     max_new: int
     max_ctx: int
     seq_meta: torch.Tensor | None = None  # [B, 3] int32 (context rows, first packed token, new tokens) per seq, CPU
+    # every sequence's new tokens causal among themselves and no window: the fixed-order kernel's own
+    # rule (context rows of seq_meta, new keys up to the query) is the mask, so it needs none built
+    plain_causal: bool = False
+    _mask: torch.Tensor | None = None
     _grouped: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
     _keys: _KeyInputs | None = None  # what the windowed views are cut from
     _windows: dict[int, AttentionBatch] = field(default_factory=dict)
     _slot_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # see slot_rows_ptr
     _fixed_mask: torch.Tensor | None = None  # see fixed_order_mask
+
+    @property
+    def mask(self) -> torch.Tensor | None:  # [B, 1, max_new, max_ctx + max_new] additive float (0 / -inf)
+        """None where ``is_causal`` says it all; else built once per forward, when a layer first asks."""
+        if self._mask is None and self.mask_fn is not None:
+            self._mask = self.mask_fn()
+        return self._mask
 
     def grouped_mask(self, g: int, dtype: torch.dtype) -> torch.Tensor | None:
         """``mask`` with each query row repeated for the ``g`` heads of a KV group: ``[B, 1, g*n, L]``
@@ -71,8 +84,9 @@ class AttentionBatch:
         return self._slot_rows[row].data_ptr()
 
     def fixed_order_mask(self) -> torch.Tensor | None:
-        """``mask`` as ``[B, max_new, L]`` contiguous fp32 (the fixed-order kernel's input), once per forward."""
-        if self.mask is None:
+        """``mask`` as ``[B, max_new, L]`` contiguous fp32 (the fixed-order kernel's input), once per forward;
+        None where the kernel's causal rule is the mask (``plain_causal``)."""
+        if self.plain_causal or self.mask is None:
             return None
         if self._fixed_mask is None:
             self._fixed_mask = self.mask.reshape(self.num_seqs, self.max_new, -1).contiguous()
@@ -168,13 +182,12 @@ def _build(
     if causal and window is not None:  # ... and no key is window or more positions behind its query
         causal = int(keys.new_positions[0].max() - keys.new_positions[0].min()) < window
     see_all = b == 1 and max_new == 1
-    mask = None
-    if not (causal or see_all):
+
+    def build_mask() -> torch.Tensor:  # [B, 1, max_new, max_ctx + max_new] additive float
         mask = torch.zeros(b, 1, max_new, max_ctx + max_new, dtype=torch.bool)
         for i, (c, n, nm) in enumerate(zip(ctx_lens, new_lens, keys.new_masks, strict=True)):
             mask[i, 0, :n, :c] = True
             nm = torch.ones(n, n, dtype=torch.bool).tril_() if nm is None else nm
-            assert nm.shape == (n, n), f"new-token mask must be [{n}, {n}], got {tuple(nm.shape)}"
             mask[i, 0, :n, max_ctx : max_ctx + n] = nm.cpu()
             if window is not None:  # key position > query position - window
                 q_pos = keys.new_positions[i]
@@ -183,7 +196,10 @@ def _build(
             # Padding query rows attend to one real key so softmax stays finite; their output is dropped.
             mask[i, 0, n:, max_ctx] = True
         # Additive float mask: SDPA's CPU kernels are markedly faster with it than with a bool mask.
-        mask = torch.zeros(mask.shape, dtype=keys.dtype).masked_fill_(~mask, float("-inf")).to(device)
+        return torch.zeros(mask.shape, dtype=keys.dtype).masked_fill_(~mask, float("-inf")).to(device)
+
+    for nm, n in zip(keys.new_masks, new_lens, strict=True):  # checked now, whoever builds the mask
+        assert nm is None or nm.shape == (n, n), f"new-token mask must be [{n}, {n}], got {tuple(nm.shape)}"
     ctx = None
     if max_ctx > 0:
         ctx = torch.zeros(ctx_slots[0].shape[0], b, max_ctx, dtype=torch.long)
@@ -200,12 +216,13 @@ def _build(
         ctx_slots=ctx,
         pad_index=pad_index,
         unpad_index=unpad_index,
-        mask=mask,
+        mask_fn=None if causal or see_all else build_mask,
         is_causal=causal and max_new > 1,
         num_seqs=b,
         max_new=max_new,
         max_ctx=max_ctx,
         seq_meta=torch.tensor([ctx_lens, keys.starts, new_lens], dtype=torch.int32).T.contiguous(),
+        plain_causal=window is None and all(nm is None for nm in keys.new_masks),
     )
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ratchetlm import LLM, SamplingParams, kernels
+from ratchetlm.layers import norm_rope
 from ratchetlm.layers.block_quant import SUPPORTED_TYPES, BlockWeight, Linear, block_matmul, type_sizes
 
 VARIANTS = {"native": ["-march=native"], "avx2": ["-mavx2", "-mfma", "-mf16c"], "portable": []}
@@ -223,6 +224,7 @@ def test_switch_off_and_compiler_missing_fall_back_to_dense(monkeypatch, tmp_pat
     assert all(layer.qkv.blocks is None and layer.qkv.weight is not None for layer in off.engine.model.layers)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(kernels, "_compiler", lambda: None)
+    monkeypatch.setattr(norm_rope, "_lanes", [])  # found without a library here: not kept for later tests
     kernels.load.cache_clear()
     try:
         with caplog.at_level(logging.WARNING):

@@ -60,3 +60,21 @@ def test_slot_mapping_follows_block_table():
     s = Sequence(0, [1], 1, SamplingParams())
     s.block_table = [5, 2, 7]
     assert bm.slots(s, 2, 9).tolist() == [22, 23, 8, 9, 10, 11, 28]
+
+
+def test_slots_short_and_long_ranges_follow_one_rule():
+    """A few rows (list arithmetic) and many (tensor ops) give the same slots: ``table[p // bs] * bs
+    + p % bs``, -1 in a released block (``released``) or past the table (``position_slots``)."""
+    bs = 4
+    bm = BlockManager(num_blocks=64, block_size=bs)
+    s = Sequence(0, [1], 1, SamplingParams())
+    s.block_table = [9, -1, 0, 3] + list(range(10, 40))  # block 1 released (a sliding window's)
+
+    def want(p: int) -> int:
+        b = s.block_table[p // bs] if p < len(s.block_table) * bs else -1
+        return -1 if b < 0 else b * bs + p % bs
+
+    for start, end in [(2, 13), (8, 80), (8, 8 + 64), (8, 8 + 65), (0, 120), (0, 64)]:
+        assert bm.slots(s, start, end, released=True).tolist() == [want(p) for p in range(start, end)]
+    for positions in [[0, 5, 9, 200], list(range(3, 70)), list(range(60, 140, 3))]:
+        assert bm.position_slots(s, positions).tolist() == [want(p) for p in positions]

@@ -94,3 +94,42 @@ def test_no_nan_from_any_finite_logits(values, temperature, top_p, top_k, min_p)
 def test_non_finite_parameters_are_refused(name, value):
     with pytest.raises(ValueError, match=f"{name} must be a finite number"):
         SamplingParams(**{name: value})
+
+
+def _argmax_cases() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    vocab = torch.randn(5, 49152, generator=g)
+    ties = torch.zeros(3, 37)
+    ties[0, [4, 9, 30]] = 2.0  # ties: the first wins
+    ties[1, [0, 36]] = float("inf")
+    ties[2] = -float("inf")  # all -inf: index 0
+    zeros = torch.tensor([[-0.0, 0.0, -0.0], [-1.0, -0.0, 0.0]])  # -0.0 == 0.0: the first of them
+    nan = torch.randn(4, 100, generator=g)
+    nan[0, 7] = nan[0, 50] = float("nan")  # the first NaN
+    nan[1, 99] = float("nan")  # in the scalar tail
+    nan[2, 3] = float("nan")
+    nan[2, 10] = float("inf")
+    odd = [torch.randn(2, n, generator=g) for n in (1, 15, 16, 17, 33)]
+    strided = torch.randn(6, 64, generator=g)[::2, :40]  # rows evenly strided, not contiguous
+    return [vocab, ties, zeros, nan, strided, torch.randn(2, 3, 71, generator=g), *odd]
+
+
+@pytest.mark.parametrize("arch", [None, []], ids=["native", "portable"])
+def test_argmax_kernel_equals_torch(arch):
+    """kernels/argmax.c gives torch.argmax's indices: first of the maximum, the first NaN, any shape."""
+    from ratchetlm import kernels
+    from ratchetlm.layers import sampler
+
+    lib = kernels.load() if arch is None else kernels.compile_library(arch)
+    if lib is None:
+        pytest.skip("no C compiler")
+    for x in _argmax_cases():
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.empty(rows.shape[0], dtype=torch.long)
+        lib.ratchet_argmax_rows(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), out.data_ptr())
+        assert torch.equal(out, rows.argmax(dim=-1)), x.shape
+        if arch is None:
+            assert torch.equal(sampler.argmax(x), x.argmax(dim=-1)), x.shape
+    # greedy sampling goes through it
+    x = _argmax_cases()[0]
+    assert torch.equal(sample(x, SamplingParams(temperature=0), None), x.argmax(dim=-1))

@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 
 from ratchetlm.decoding.speculative.proposers import PAD
-from ratchetlm.decoding.speculative.tree_attention import pack, parent_rows, unpack_verified
+from ratchetlm.decoding.speculative.tree_attention import pack, parent_rows, verified_tokens
 from ratchetlm.decoding.speculative.verify import DraftTree, NodeRule, residual_rule
+from ratchetlm.layers.sampler import argmax
 
 
 def trees_from_beams(beams: list[torch.Tensor]) -> list[DraftTree]:  # beams[i]: [M_i, C_i] with PAD
@@ -92,15 +93,16 @@ def candidates(tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, C]
 
 def greedy_verify(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:  # logits [1 + L, V]
     """Greedy verification through the seed's verified beam: every root-to-leaf candidate is
-    accepted as far as it agrees with ``unpack_verified``'s target tokens and the longest wins
-    (candidates agreeing that far share those nodes, since siblings differ). Returns the accepted
+    accepted as far as it agrees with the target tokens of ``unpack_verified`` (``verified_tokens``:
+    no scores needed) and the longest wins (candidates agreeing that far share those nodes, since
+    siblings differ). Returns the accepted
     node path and the target's next token — exactly :func:`verify.greedy_accept`'s result."""
     beam, umap = candidates(tree)  # [M, C] each
-    verified, _ = unpack_verified(logits[None], umap[None], beam[None])
+    verified, _, _ = verified_tokens(logits[None], umap[None])
     agree = ((beam == verified[0]) & (umap >= 0)).long().cumprod(dim=1).sum(dim=1)  # [M] accepted length
     m = int(agree.argmax())
     path = umap[m, : int(agree[m])].tolist()
-    return path, int(logits[1 + path[-1] if path else 0].argmax())
+    return path, int(argmax(logits[1 + path[-1] if path else 0]))
 
 
 def sample_verify(tree: DraftTree, probs: torch.Tensor, gen: torch.Generator | None,
