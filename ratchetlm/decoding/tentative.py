@@ -60,8 +60,8 @@ def chain_limit(runner: Any) -> int:
 def verify_tree(seq: Sequence, tree: DraftTree, logits: torch.Tensor, room: int) -> tuple[Commit, list[int]]:
     """``logits``: ``[1 + L, V]`` raw rows (root, then one per node). Returns the commit (accepted
     path + correction/bonus token, cut at a stop token and at ``room``) and the accepted node path.
-    Both rules go through the seed's tree API (draft_tree.py): greedy reads the verified beam,
-    sampling judges each candidate entry on its parent row's distribution."""
+    Both rules are draft_tree.py's: greedy walks the tree by the target's greedy tokens (what the
+    seed's verified beam gives), sampling judges each candidate entry on its parent row's distribution."""
     x = target_logits(logits, seq.controls, row_paths(tree) if seq.controls is not None else None)
     if seq.params.greedy:
         path, nxt = greedy_verify(tree, x)

@@ -21,9 +21,13 @@ from ratchetlm.kv.staging import StagingBuffer
 
 
 class KVSink(Protocol):
-    """Where a forward's new rows go. Called once per layer per forward, in layer order."""
+    """Where a forward's new rows go. Called once per layer per forward, in layer order — or, by a
+    forward that reads its own new rows from itself (the decode chain), once for all layers after
+    them (``write_layers``)."""
 
     def write(self, layer: Hashable, **rows: torch.Tensor) -> None: ...
+
+    def write_layers(self, **rows: torch.Tensor) -> None: ...
 
 
 class StepSink:
@@ -61,6 +65,19 @@ class StepSink:
         if self.staging is not None:
             self.staging.stage(layer, rows)
 
+    def write_layers(self, **rows: torch.Tensor) -> None:
+        """Layers ``0 .. n - 1`` at once: ``rows[pool]`` is ``[n, num_tokens, *row_shape]`` (pools whose
+        layers are numbered from 0). One copy per pool instead of one per pool and layer: at one new
+        token the per-layer calls cost more than the copies."""
+        group = self.pools.group
+        for pool, values in rows.items():
+            assert self.pools.layer_index(pool, values.shape[0] - 1) == values.shape[0] - 1, pool
+            idx, slots = self._direct[group[pool]]
+            if slots.numel():
+                self.pools.copy_rows(pool, values if idx is None else values.index_select(1, idx), slots)
+        if self.staging is not None:
+            self.staging.stage_layers(rows)
+
 
 class DirectSink(StepSink):
     """Writes straight into the persistent pools by slot mapping (prefill, draft caches)."""
@@ -73,4 +90,7 @@ class NullSink:
     """Computes without writing anything (pure scoring / reference runs: no cache at all)."""
 
     def write(self, layer: Hashable, **rows: torch.Tensor) -> None:
+        return None
+
+    def write_layers(self, **rows: torch.Tensor) -> None:
         return None

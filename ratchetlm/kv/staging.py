@@ -193,10 +193,42 @@ class StagingBuffer:
         except Exception:  # any staging failure: the plain path recomputes these tokens
             self._abandon("stage_fail")
             return
+        self._mark(1)
+
+    def stage_layers(self, rows: Mapping[str, torch.Tensor]) -> None:
+        """:meth:`stage` for layers ``0 .. n - 1`` at once (``rows[pool]``: ``[n, num_tokens, *row_shape]``)."""
+        if not self.usable:
+            return
+        if not all(has_real_storage(v) for v in rows.values()):
+            self._abandon("fake_tensor")
+            return
+        idx = self._idx
+        if idx.numel() == 0:
+            return
+        n = 0
+        try:
+            for pool, values in rows.items():
+                n = values.shape[0]
+                if self.fault_stage_pool == pool or isinstance(self.fault_stage_layer, int) and \
+                        0 <= self.fault_stage_layer < n:
+                    raise RuntimeError(f"injected staging fault in {pool}")
+                buf = self._buffer(pool)
+                if not self._keep_all:
+                    values = values[:, self._keep]
+                buf[:n].index_copy_(1, idx, values.to(buf.dtype))
+                if pool not in self.staged_pools:
+                    self.staged_pools.append(pool)
+        except Exception:  # any staging failure: the plain path recomputes these tokens
+            self._abandon("stage_fail")
+            return
+        self._mark(n)
+
+    def _mark(self, layers: int) -> None:
+        """This forward's rows are staged (``layers`` more layers of them)."""
         if not self._marked:
-            self._staged[idx] = True
+            self._staged[self._idx] = True
             self._marked = True
-        self.metrics.stage_operations += int(idx.numel())
+        self.metrics.stage_operations += layers * int(self._idx.numel())
 
     def commit(self, rows: torch.Tensor) -> None:
         """Copy staged ``rows`` ([n] buffer indices) to their destination slots in every pool and

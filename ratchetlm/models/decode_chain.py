@@ -57,10 +57,13 @@ class DecodeChain:
         self.xs = [torch.empty(T, self.dim, dtype=f32) for _ in range(2)]  # residual stream, ping-pong
         self.hn = torch.empty(T, self.dim, dtype=f32)  # normed input of a matmul
         self.qkv = torch.empty(T, self.q_size + 2 * self.kv_size, dtype=f32)
-        self.rot = torch.empty(T, self.nh + self.nkv, self.hd, dtype=f32)  # rotated Q and K heads, side by side
-        self.qb = torch.empty(T, self.nh, self.hd, dtype=f32)  # contiguous Q, K, V (attention's inputs) where
-        self.kb = torch.empty(T, self.nkv, self.hd, dtype=f32)  # the fused layouts are not (T > 1)
-        self.vb = torch.empty(T, self.nkv, self.hd, dtype=f32)
+        self.qb = torch.empty(T, self.nh, self.hd, dtype=f32)  # rotated Q (attention's input)
+        # every layer's new K (rotated) and V, [layers, T, nkv, hd]: attention reads them here, and the
+        # sink takes them for all layers at once after the stack (write_layers: one copy per pool, where
+        # a write per layer cost ~15-25 us of Python each)
+        L = len(self.layers)
+        self.k_all = torch.empty(L, T, self.nkv, self.hd, dtype=f32)
+        self.v_all = torch.empty(L, T, self.nkv, self.hd, dtype=f32)
         self.attn = torch.empty(T, self.nh, self.hd, dtype=f32)
         self.o = torch.empty(T, self.dim, dtype=f32)
         self.down = torch.empty(T, self.dim, dtype=f32)
@@ -134,21 +137,14 @@ class DecodeChain:
         rd, cos_p, sin_p = cos.shape[-1], _ptr(cos), _ptr(sin)
         nh, nkv, hd, qs, kvs = self.nh, self.nkv, self.hd, self.q_size, self.kv_size
         xs = [b[:t] for b in self.xs]
-        hn, qkv, rot, attn = self.hn[:t], self.qkv[:t], self.rot[:t], self.attn[:t]
+        hn, qkv, attn = self.hn[:t], self.qkv[:t], self.attn[:t]
         o, down, gu, act = self.o[:t], self.down[:t], self.gate_up[:t], self.act[:t]
-        qb, kb, vb = self.qb[:t], self.kb[:t], self.vb[:t]
-        qkv_p, rot_p, attn_p, hn_p, gu_p, act_p = _ptr(qkv), _ptr(rot), _ptr(attn), _ptr(hn), _ptr(gu), _ptr(act)
+        k_all, v_all = self.k_all[:num_layers, :t], self.v_all[:num_layers, :t]  # [L, t, nkv, hd]
+        qkv_p, attn_p, hn_p, gu_p, act_p, q_p = _ptr(qkv), _ptr(attn), _ptr(hn), _ptr(gu), _ptr(act), _ptr(self.qb)
         xs_p = [_ptr(b) for b in xs]
-        # attention's Q, K, V: in place where contiguous (one row), else copied into qb / kb / vb (as
-        # _fixed_order_attention's .contiguous() does)
+        kv_stride = 4 * self.MAX_ROWS * nkv * hd  # bytes from one layer's K (V) rows to the next's
+        k0, v0 = _ptr(self.k_all), _ptr(self.v_all)
         v = qkv[:, qs + kvs:].view(t, nkv, hd)
-        if self.qk_norm:
-            q_p, k_p, k = _ptr(qb), _ptr(kb), kb
-        elif t == 1:
-            q_p, k_p, k = rot_p, rot_p + 4 * nh * hd, rot[:, nh:]
-        else:
-            q_p, k_p, k = _ptr(qb), _ptr(kb), rot[:, nh:]
-        v_p = qkv_p + 4 * (qs + kvs) if t == 1 else _ptr(vb)
         gate, up = gu.chunk(2, dim=-1)
         cache, meta = batch.cache, batch.seq_meta
         assert meta is not None and t <= self.MAX_ROWS
@@ -159,6 +155,7 @@ class DecodeChain:
         for i in range(num_layers):
             ly = self.layers[i]
             w_in, w_post = self.norm_w[i]
+            k_p, v_p = k0 + i * kv_stride, v0 + i * kv_stride  # this layer's K, V: [t, nkv, hd] contiguous
             (qkv_fn, qkv_w), (o_fn, o_w), (gu_fn, gu_w), (d_fn, d_w) = self._calls[i]
             if h_p:  # the previous layer's last residual add, fused into this norm
                 lib.ratchet_rms_norm(x_p, h_p, xs_p[nxt], w_in, t, dim, eps, lanes, hn_p, nt)
@@ -181,14 +178,11 @@ class DecodeChain:
                                      nt)
                 lib.ratchet_rope(qn, t, nh, hd, nh * hd, cos_p, sin_p, rd, q_p)
                 lib.ratchet_rope(kn, t, nkv, hd, nkv * hd, cos_p, sin_p, rd, k_p)
-            else:  # Q and K heads adjacent in the fused output: rotated as one (RotaryEmbedding.rotate_packed)
-                lib.ratchet_rope(qkv_p, t, nh + nkv, hd, qs + 2 * kvs, cos_p, sin_p, rd, rot_p)
-                if t > 1:
-                    qb.copy_(rot[:, :nh])
-                    kb.copy_(rot[:, nh:])
-            if t > 1:
-                vb.copy_(v)
-            batch.sink.write(i, **({"k": k, "v": v} if cache is None else cache.rows(i, k, v)))
+            else:  # Q and K heads of the fused output (RotaryEmbedding.rotate_packed rotates them as one;
+                # each head on its own, so two calls give the same bits), into attention's contiguous inputs
+                lib.ratchet_rope(qkv_p, t, nh, hd, qs + 2 * kvs, cos_p, sin_p, rd, q_p)
+                lib.ratchet_rope(qkv_p + 4 * qs, t, nkv, hd, qs + 2 * kvs, cos_p, sin_p, rd, k_p)
+            v_all[i].copy_(v)
             kc = vc = slots = 0
             if batch.ctx_slots is not None and cache is not None:
                 kt, vt = cache.layer_kv(i)
@@ -202,4 +196,6 @@ class DecodeChain:
             torch.mul(F.silu(gate), up, out=act)
             d_fn(act_p, t, d_w, _ptr(down), nt)
             h_p = _ptr(down)
+        # the new rows of every layer, once: attention above read them from k_all / v_all, never the cache
+        batch.sink.write_layers(k=k_all, v=v_all)
         return xs[nxt ^ 1].clone(), down.clone()

@@ -139,3 +139,45 @@ def test_chain_batched_decode_is_bit_identical(monkeypatch):
     rows.clear()
     with _chain(llm, False):
         assert outputs() == on and not rows
+
+
+def test_chain_writes_and_stages_the_cache_as_the_layer_path(monkeypatch):
+    """The chain hands the sink every layer's rows at once after the stack (write_layers): prefill and
+    decode rows land in their slots, verify rows are staged and the accepted ones committed (no
+    fallback), and the cache then holds exactly what the layer-by-layer path writes."""
+    llm = LLM(progress=False, numerics="int16", kv_cache_blocks=64, decoding="speculative",
+              decoding_options={"method": "ngram", "verify_token_cost": 0.0})  # draft on every match
+    eng = llm.engine
+    ids = llm.encode(" ".join([PROMPT] * 3))
+    rows = _chain_rows(monkeypatch)
+    cache: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
+    for on in (True, False):
+        with _chain(llm, on):
+            before = eng.runner.staging.metrics.tokens_committed
+            sid = eng.add_request(ids, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+            seq = eng.seqs[sid]
+            while seq.num_output_tokens < 24:
+                eng.step()
+            slots = eng.runner.context_slots(seq)  # [num_cached]
+            cache[on] = eng.cache.k[:, slots].clone(), eng.cache.v[:, slots].clone()
+            assert eng.runner.staging.metrics.tokens_committed > before  # verify rows were staged and kept
+            eng.abort(sid)
+            eng.release(sid)
+        if on:
+            assert any(r > 1 for r in rows) and eng.runner.staging.metrics.fallback_count == 0
+    assert torch.equal(cache[True][0], cache[False][0]) and torch.equal(cache[True][1], cache[False][1])
+
+
+def test_chain_staging_fault_falls_back_to_recompute():
+    """A staging failure in the chain's all-layers write abandons the forward's staging (counted once)
+    and the tokens stay those of plain decoding (the next step recomputes their K/V)."""
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    base = LLM(progress=False, numerics="int16", kv_cache_blocks=64)
+    ids = base.encode(" ".join([PROMPT] * 3))
+    plain = base.generate([ids], params)[0]
+    llm = LLM(progress=False, numerics="int16", kv_cache_blocks=64, decoding="speculative",
+              decoding_options={"method": "ngram", "verify_token_cost": 0.0})
+    staging = llm.engine.runner.staging
+    staging.fault_stage_layer = 3
+    assert llm.generate([ids], params)[0].outputs[0].token_ids == plain.outputs[0].token_ids
+    assert staging.metrics.fallback_stage_fail > 0 and staging.metrics.tokens_committed == 0

@@ -86,18 +86,30 @@ def ngram_candidates(tokens: list[int], min_n: int, max_n: int, m: int, c: int) 
     of the sequence's longest suffix n-gram, ``min_n <= n <= max_n``, each with its match length
     ``n``. Longer matches come first; within one length, the most recent occurrence first (recent
     context is the likeliest copy source when editing code). Shorter n-grams only fill candidates
-    the longer ones left open."""
+    the longer ones left open.
+
+    Every occurrence ends on a copy of the last token: one vector comparison finds those, and each
+    is extended backwards (at most ``max_n`` tokens) in Python — a few tens of microseconds per
+    step, where a window comparison per n took ~130 us on a 400-token sequence with no match."""
+    t = len(tokens)
+    top = min(max_n, t - 1)
+    if top < min_n:
+        return []
     arr = np.asarray(tokens, dtype=np.int64)
-    t = arr.shape[0]
+    ends = np.flatnonzero(arr[: t - 1] == arr[t - 1])[::-1].tolist()  # most recent first; each followed by a token
+    found = []  # (end, match length <= top)
+    for e in ends:
+        n = 1
+        while n < top and e - n >= 0 and tokens[e - n] == tokens[t - 1 - n]:
+            n += 1
+        found.append((e, n))
     out: list[tuple[int, list[int]]] = []
     seen: set[tuple[int, ...]] = set()
-    for n in range(min(max_n, t - 1), min_n - 1, -1):
-        suffix = arr[t - n :]
-        # windows starting at s in [0, t - n - 1]: the occurrence must be followed by >= 1 token
-        win = np.lib.stride_tricks.sliding_window_view(arr[: t - 1], n)  # [t - n, n]
-        starts = np.flatnonzero((win == suffix).all(axis=1))[::-1]
-        for s in starts:
-            cont = arr[s + n : s + n + c].tolist()
+    for n in range(top, min_n - 1, -1):
+        for e, length in found:
+            if length < n:
+                continue
+            cont = tokens[e + 1 : e + 1 + c]
             key = tuple(cont)
             if key in seen:
                 continue

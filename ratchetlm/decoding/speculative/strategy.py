@@ -9,8 +9,9 @@ prefill (more than one uncached token) and sequences without a draft use the pla
 catch-up path (direct writes), so speculative and plain rows mix freely in one batch.
 
 All drafting sequences' beams are packed by one ``pack`` call (draft_tree.py). Greedy verification
-reads the seed's verified beam (``tree_attention.unpack_verified``); sampling judges each candidate
-entry on its parent row (``tree_attention.parent_rows``, the same mapping).
+walks the tree by the target's greedy tokens (the result of the seed's verified beam,
+``tree_attention.unpack_verified``, without building it); sampling judges each candidate entry on its
+parent row (``tree_attention.parent_rows``, the same mapping).
 
 Speculative chunk verify (SCV, ``chunk_size = k > 0``): a forward verifies only the next k levels
 of a draft. When the verifier's next token is a draft node that forward did not carry (the chunk's

@@ -110,20 +110,6 @@ def unpack(
     return out[rows, unpack_map]
 
 
-def verified_tokens(
-    logits: torch.Tensor,  # [B, 1 + L, V] target logits: row 0 the root, row 1 + n packed node n
-    unpack_map: torch.Tensor,  # [B, M, C] int64 node of each beam entry, -1 = not verified (absent)
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # verified_beam [B, M, C]; parent rows, their ok mask
-    """The target's greedy token at every beam position: read from the row of its parent (the root
-    for c = 0, node ``unpack_map[m, c - 1]`` otherwise); -1 where that parent was not verified.
-    Greedy verification needs only this (no log-softmax over the vocabulary)."""
-    rows = parent_rows(unpack_map)  # [B, M, C]
-    ok = rows >= 0
-    rows = rows.clamp(min=0)
-    greedy = argmax(logits)  # [B, 1 + L]
-    return torch.where(ok, unpack(greedy, rows), torch.full_like(rows, -1)), rows, ok
-
-
 def unpack_verified(
     logits: torch.Tensor,  # [B, 1 + L, V] target logits: row 0 the root, row 1 + n packed node n
     unpack_map: torch.Tensor,  # [B, M, C] int64 node of each beam entry, -1 = not verified (absent)
@@ -134,7 +120,11 @@ def unpack_verified(
     not verified, the verified token is -1 and the score -inf."""
     b = unpack_map.shape[0]
     dev = unpack_map.device
-    verified_beam, rows, ok = verified_tokens(logits, unpack_map)
+    rows = parent_rows(unpack_map)  # [B, M, C]
+    ok = rows >= 0
+    rows = rows.clamp(min=0)
+    greedy = argmax(logits)  # [B, 1 + L]
+    verified_beam = torch.where(ok, unpack(greedy, rows), torch.full_like(rows, -1))
     x = logits.float()
     top = x.amax(dim=-1, keepdim=True)  # [B, 1 + L, 1]; log p = (x - top) - log sum exp(x - top), as log_softmax
     lse = torch.log(torch.exp(x - top).sum(dim=-1))  # [B, 1 + L]
