@@ -27,10 +27,16 @@ from ratchetlm.models.families import FAMILIES, FUSED_PARTS
 from ratchetlm.parallel.shard import COLUMN, TPShard
 
 ACTIVATION = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+# MLP rows per call in the integer modes: bounds a long prefill's working memory (peak RSS) while the
+# matmuls stay compute bound (each chunk re-reads the weights: ~2% of a 512-token prefill at 1B)
+MLP_ROWS = 128
 
 
 class DecoderLayer(nn.Module):
     fixed_order_attention = False  # set by LlamaModel.set_numerics (the int8 mode)
+    # rows the MLP takes at a time (set by set_numerics: MLP_ROWS in the integer modes, where a row's
+    # result does not depend on the rows beside it; None: all at once, as the exact mode's BLAS needs)
+    mlp_rows: int | None = None
 
     def __init__(self, cfg: ModelConfig, index: int, tp: TPShard | None = None) -> None:
         super().__init__()
@@ -97,9 +103,17 @@ class DecoderLayer(nn.Module):
                                fixed_order=self.fixed_order_attention)
         h = self.tp.all_reduce(self.o_proj.forward(attn.reshape(t, self.q_size)))  # row-parallel: sum the ranks' parts
         x, hn = self.post_norm.forward_residual(x, h if self.attn_out_norm is None else self.attn_out_norm.forward(h))
-        gate, up = self.gate_up.forward(hn).chunk(2, dim=-1)
-        h = self.tp.all_reduce(self.down.forward(self.act(gate) * up))
+        c = self.mlp_rows
+        if c is None or t <= c:
+            h = self.mlp(hn)
+        else:  # a long prefill: gate/up of all rows at once would be [t, 2 * ffn] fp32 (64 MB at 512 rows, 1B)
+            h = torch.cat([self.mlp(hn[i : i + c]) for i in range(0, t, c)])
+        h = self.tp.all_reduce(h)
         return x, (h if self.mlp_out_norm is None else self.mlp_out_norm.forward(h))
+
+    def mlp(self, hn: torch.Tensor) -> torch.Tensor:  # [rows, hidden] normed -> [rows, hidden] (this rank's part)
+        gate, up = self.gate_up.forward(hn).chunk(2, dim=-1)
+        return self.down.forward(self.act(gate) * up)
 
 
 class LlamaModel(nn.Module):
@@ -159,6 +173,7 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             layer.fixed_order_attention = numerics != "exact"
+            layer.mlp_rows = None if numerics == "exact" else MLP_ROWS
         self._chain = DecodeChain.build(self) if self.decode_chain else None
         return n
 

@@ -174,3 +174,30 @@ def test_default_numerics_is_the_integer_mode_where_the_weights_have_integers(ll
     eng = LLMEngine(EngineConfig(dtype="float32", progress=False, kv_cache_blocks=8), llm_default.engine.model,
                     llm_default.model_config)
     assert eng.cfg.numerics == "int16"
+
+
+def test_long_prefill_mlp_in_row_chunks_is_bit_identical(llm_int8, monkeypatch):
+    """A prefill longer than MLP_ROWS runs its MLP MLP_ROWS rows at a time (bounding peak memory); the
+    rows do not depend on each other in the integer modes, so every logit equals the one-call MLP's."""
+    from ratchetlm.models import llama
+    from tests.models.tiny import engine_logits
+
+    ids = (llm_int8.encode(" ".join(PROMPTS)) * 4)[:300]
+    rows = [0, 127, 128, 250, 299]
+    layers = llm_int8.engine.model.layers
+    assert all(ly.mlp_rows == llama.MLP_ROWS < 300 for ly in layers)
+    calls: list[int] = []
+    mlp = llama.DecoderLayer.mlp
+    monkeypatch.setattr(llama.DecoderLayer, "mlp", lambda self, hn: calls.append(hn.shape[0]) or mlp(self, hn))
+    chunked = engine_logits(llm_int8, ids, rows)
+    assert calls[: 3] == [128, 128, 44]
+    try:
+        for ly in layers:
+            ly.mlp_rows = None
+        calls.clear()
+        whole = engine_logits(llm_int8, ids, rows)
+        assert calls[0] == 300
+    finally:
+        for ly in layers:
+            ly.mlp_rows = llama.MLP_ROWS
+    assert chunked.keys() == whole.keys() and all(torch.equal(chunked[r], whole[r]) for r in chunked)
