@@ -30,3 +30,10 @@ def test_bad_value_is_named(cls, options, field):
 def test_known_options_pass_through():
     assert WeDLMConfig.from_options({"window_size": 4, "entropy_threshold": None}) == WeDLMConfig(4, None)
     assert SpecConfig.from_options({"method": "ngram", "depth": 3}).depth == 3
+
+
+def test_default_depth_per_method():
+    """n-gram drafts may reach 8 tokens (its gain schedule cuts them), MTP verifies 1, the rest 4."""
+    assert SpecConfig.from_options({"method": "ngram"}).depth == 8
+    assert SpecConfig.from_options({"method": "mtp"}).depth == 1
+    assert SpecConfig.from_options({"method": "draft"}).depth == 4
