@@ -172,31 +172,17 @@ class StagingBuffer:
     def stage(self, layer: Hashable, rows: Mapping[str, torch.Tensor]) -> None:
         """Store this layer's rows (``rows[pool]``: ``[num_tokens, *row_shape]``) at the forward's
         explicit indices (any order)."""
-        if not self.usable:
-            return
-        if not all(has_real_storage(v) for v in rows.values()):
-            self._abandon("fake_tensor")
-            return
-        idx = self._idx
-        if idx.numel() == 0:
-            return
-        try:
-            if self.fault_stage_layer == layer or self.fault_stage_pool in rows:
-                raise RuntimeError(f"injected staging fault at layer {layer}")
-            for pool, values in rows.items():
-                buf = self._buffer(pool)
-                if not self._keep_all:
-                    values = values[self._keep]
-                buf[self.pools.layer_index(pool, layer)].index_copy_(0, idx, values.to(buf.dtype))
-                if pool not in self.staged_pools:
-                    self.staged_pools.append(pool)
-        except Exception:  # any staging failure: the plain path recomputes these tokens
-            self._abandon("stage_fail")
-            return
-        self._mark(1)
+        self._stage({pool: v.unsqueeze(0) for pool, v in rows.items()},
+                    lambda pool: self.pools.layer_index(pool, layer), self.fault_stage_layer == layer)
 
     def stage_layers(self, rows: Mapping[str, torch.Tensor]) -> None:
         """:meth:`stage` for layers ``0 .. n - 1`` at once (``rows[pool]``: ``[n, num_tokens, *row_shape]``)."""
+        n, f = max((v.shape[0] for v in rows.values()), default=0), self.fault_stage_layer
+        self._stage(rows, lambda pool: 0, isinstance(f, int) and 0 <= f < n)
+
+    def _stage(self, rows: Mapping[str, torch.Tensor], first: Callable[[str], int], fault: bool) -> None:
+        """``rows[pool]``: ``[n, num_tokens, *row_shape]`` for the pool's layers ``first(pool) ..``
+        ``+ n - 1``; ``fault``: the test hook names one of them."""
         if not self.usable:
             return
         if not all(has_real_storage(v) for v in rows.values()):
@@ -207,15 +193,14 @@ class StagingBuffer:
             return
         n = 0
         try:
+            if fault or self.fault_stage_pool in rows:
+                raise RuntimeError("injected staging fault")
             for pool, values in rows.items():
-                n = values.shape[0]
-                if self.fault_stage_pool == pool or isinstance(self.fault_stage_layer, int) and \
-                        0 <= self.fault_stage_layer < n:
-                    raise RuntimeError(f"injected staging fault in {pool}")
+                n, i = values.shape[0], first(pool)
                 buf = self._buffer(pool)
                 if not self._keep_all:
                     values = values[:, self._keep]
-                buf[:n].index_copy_(1, idx, values.to(buf.dtype))
+                buf[i : i + n].index_copy_(1, idx, values.to(buf.dtype))
                 if pool not in self.staged_pools:
                     self.staged_pools.append(pool)
         except Exception:  # any staging failure: the plain path recomputes these tokens

@@ -19,7 +19,8 @@ class SpecConfig:
     ``depth`` C: draft tokens per candidate (default: 1 for "mtp" — DeepSeek-V4's MTP module, verified
     in the static ``S = 2`` decode shape —, 8 for "ngram", whose gain schedule drafts that far only
     where earlier continuations of the same match length kept agreeing (measured on a 2-core CPU in
-    the int16 mode, two runs: code 1.71x / 1.86x vs depth 4's 1.29x / 1.80x, never slower), else 4). ``min_n``/``max_n``: n-gram match lengths.
+    the int16 mode, two runs: code 1.71x / 1.86x vs depth 4's 1.29x / 1.80x, never slower), else 4).
+    ``min_n``/``max_n``: n-gram match lengths.
     ``draft_layers``: layers of the self-draft (target's first N + final norm + head).
     ``chunk_size``: speculative chunk verify (SCV, the NWOR/SCV design) — a forward verifies at most
     this many levels of the draft; when they are all accepted and the target's next token is the
