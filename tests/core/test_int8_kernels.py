@@ -276,6 +276,34 @@ def test_fixed_order_attention_row_depends_only_on_its_visible_keys():
 
 
 
+def test_fixed_order_attention_of_causal_batches_needs_no_mask():
+    """Sequences whose new tokens are causal among themselves (decode steps of a batch, prefill chunks)
+    attend through the kernel's own rule (context rows, then new keys up to the query), without a
+    mask: the same bits as with the mask built, which is then never made."""
+    from ratchetlm.kv.cache import KVCache
+    from ratchetlm.kv.sink import NullSink
+    from ratchetlm.layers.attention import build_attention_batch, paged_attention
+
+    torch.manual_seed(2)
+    h, hkv, d = 6, 2, 32
+    cache = KVCache(1, 16, 16, hkv, d, torch.float32, "cpu")
+    cache.k.normal_()
+    cache.v.normal_()
+    ctx = [torch.randperm(256)[:n] for n in (37, 0, 5)]
+    new_lens = [1, 4, 3]
+    t = sum(new_lens)
+    q, k, v = torch.randn(t, h, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
+
+    def attend(plain: bool) -> tuple[torch.Tensor, bool]:
+        batch = build_attention_batch(torch.zeros(t, dtype=torch.long), new_lens, ctx, [None] * 3, NullSink(), cache)
+        assert batch.plain_causal
+        batch.plain_causal = plain
+        return paged_attention(0, q, k, v, batch, 0.125, fixed_order=True), batch._mask is not None
+
+    (plain, built), (masked, built_masked) = attend(True), attend(False)
+    assert same_bits(plain, masked) and not built and built_masked
+
+
 def test_linear_integer_fast_path_is_block_matmul_and_follows_numerics():
     """Linear keeps a one-pointer handle to its packed weight after the first integer-mode call; the
     calls through it give block_matmul's bits, and a change of numerics (set_numerics) is obeyed."""
