@@ -12,7 +12,8 @@ the same number of threads and the same KV budget:
 * ``llama.cpp``: llama-cpp-python's C API (greedy argmax, sequences batched in one ``llama_decode``);
 * ``hf``: HF transformers' own GGUF loader, fp32, ``generate`` with left padding.
 
-Measured per engine: load seconds (construct until ready), peak RSS, decode tok/s at each batch size
+Measured per engine: load seconds (construct until ready), peak RSS (also less the KV cache, and less
+the process's RSS after its imports: the model's own share, over the file), decode tok/s at each batch size
 (``(N - 1)`` new tokens per sequence over the time from every sequence's first token to the last
 token, so prompt prefill is excluded; EOS banned; HF, which does not stream, over the time between
 an ``N``-token and a 1-token generation), prefill tok/s of a ``--prompt-tokens`` prompt (one
@@ -53,6 +54,15 @@ def _median(f: Callable[[], float], repeats: int) -> float:
 
 def _peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # KiB on Linux
+
+
+def _rss_gb() -> float:
+    """This process's resident set now (GiB; Linux /proc, else the peak so far)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(x.split()[1]) for x in f if x.startswith("VmRSS:")) / 1024**2
+    except (OSError, StopIteration):
+        return _peak_rss_gb()
 
 
 # ---------------------------------------------------------------- workers (one engine per process)
@@ -192,6 +202,11 @@ def worker(a: argparse.Namespace, job: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(a.threads)
+    if a.worker.startswith("ratchetlm"):
+        import ratchetlm.engine.llm  # noqa: F401  (the interpreter's part of the peak: imports, before any model)
+    elif a.worker == "llama.cpp":
+        import llama_cpp  # noqa: F401
+    base_rss = _rss_gb()
     sizes = [int(b) for b in a.batch_sizes.split(",")]
     ctx = max(a.prompt_tokens + 8, max(map(len, job["prompts"])) + a.max_tokens + 8)
     t = time.perf_counter()
@@ -231,6 +246,7 @@ def worker(a: argparse.Namespace, job: dict[str, Any]) -> dict[str, Any]:
     result["prefill"] = _median(prefill, a.repeats)
     result["check"] = [runner.generate([p], 32, stop_at_eos=True)[0] for p in job["prompts"][1:4]]
     result["peak_rss_gb"] = _peak_rss_gb()
+    result["base_rss_gb"] = base_rss
     return result
 
 
@@ -309,12 +325,13 @@ def _report(a: argparse.Namespace, path: Any, results: list[dict[str, Any]]) -> 
     print(f"\n{os.path.basename(path)} ({size:.2f} GB), {a.threads} threads, medians of {a.repeats}; decode: "
           f"{a.max_tokens - 1} tokens per sequence after the first, EOS banned; prefill: {a.prompt_tokens}-token "
           f"prompt; load avg {os.getloadavg()[0]:.1f}")
-    head = ["engine", "load s", "peak RSS GB", "(RSS-KV)/file"] + [f"decode b{b} tok/s" for b in sizes] + [
-        "prefill tok/s"]
+    head = ["engine", "load s", "peak RSS GiB", "(RSS-KV)/file", "(RSS-base-KV)/file"] + [
+        f"decode b{b} tok/s" for b in sizes] + ["prefill tok/s"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in results:
-        cells = [r["engine"], f"{r['load_s']:.2f}", f"{r['peak_rss_gb']:.2f}",
-                 f"{(r['peak_rss_gb'] - r['kv_bytes'] / 1024**3) / (size / 1.073741824):.2f}x"]
+        peak, kv, file = r["peak_rss_gb"], r["kv_bytes"] / 1024**3, size / 1.073741824  # GiB
+        cells = [r["engine"], f"{r['load_s']:.2f}", f"{peak:.2f}", f"{(peak - kv) / file:.2f}x",
+                 f"{(peak - r['base_rss_gb'] - kv) / file:.2f}x"]
         for b in sizes:
             v = r["decode"][b]
             ratio = f" ({v / peer['decode'][b]:.2f}x)" if peer and r is not peer else ""
@@ -327,7 +344,8 @@ def _report(a: argparse.Namespace, path: Any, results: list[dict[str, Any]]) -> 
         if hf and r["engine"].startswith("ratchetlm"):
             same = sum(x == y for x, y in zip(r["check"], hf["check"], strict=True))
             print(f"{r['engine']}: greedy tokens identical to HF on {same}/{len(hf['check'])} prompts")
-    print("(ratios vs llama.cpp in parentheses; peak RSS counts the whole process: python + torch are ~0.25 GB)")
+    print("(ratios vs llama.cpp in parentheses; peak RSS (GiB) counts the whole process; base: its RSS after the "
+          "engine's imports, before any model (python + torch ~0.22 GiB))")
 
 
 if __name__ == "__main__":
