@@ -287,9 +287,8 @@ class BlockManager:
         assert end <= len(table) * self.block_size, "positions beyond the block table"
         assert released or start >= end or table[start // self.block_size] >= 0, "positions in released blocks"
         bs = self.block_size
-        if end - start <= 64:  # a decode step's or a verify's few rows: list arithmetic beats six tensor ops
-            return torch.tensor([table[p // bs] * bs + p % bs if table[p // bs] >= 0 else -1
-                                 for p in range(start, end)], dtype=torch.long, device=device)
+        if end - start <= 64:  # a decode step's or a verify's few rows: position_slots' list arithmetic
+            return self.position_slots(seq, list(range(start, end))).to(device)
         pos = torch.arange(start, end)
         blocks = torch.tensor(table, dtype=torch.long)[pos // bs]
         out = blocks * bs + pos % bs
