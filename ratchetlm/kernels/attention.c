@@ -13,8 +13,9 @@
  * padding a batch to more keys or more queries changes no bit.
  *
  * Work: the queries that share a KV head (the G heads of a group, every new row of the sequence)
- * are taken QT at a time, so each key vector loaded is used for QT queries; exp is a vector
- * polynomial on AVX-512 (expf in portable C).
+ * are taken QT at a time, so each key vector loaded is used for QT queries; the keys are transposed
+ * (one key per lane) by the thread that reads them, right before, into its own buffer; exp is a
+ * vector polynomial on AVX-512 (expf in portable C).
  *
  * Layouts: q, out [T, H, D] and this forward's kn, vn [T, Hkv, D] packed over the sequences; context
  * keys read in place from the cache layer kc, vc [slots, Hkv, D] by slot (query head h reads KV head
@@ -54,6 +55,54 @@ static inline __m512 exp_neg(__m512 x) {
 }
 #endif
 
+#if defined(__AVX512F__)
+/* r[j][d] -> r[d][j] for a 16 x 16 block (pure data movement: 64 shuffles instead of 256 scalar
+ * moves). Step 1 interleaves row pairs, step 2 row quads, so vector 4i + k holds in its 128-bit
+ * lane L the 4 rows 4i..4i+3 of column 4L + k; step 3 gathers each column's four lanes. */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 2]), e = _mm512_castps_pd(t[4 * i + 3]);
+        u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e));
+        u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
+    }
+    for (int k = 0; k < 4; k++) {
+        const __m512 v = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88), w = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xdd);
+        const __m512 v2 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88), w2 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xdd);
+        r[k] = _mm512_shuffle_f32x4(v, v2, 0x88);
+        r[8 + k] = _mm512_shuffle_f32x4(v, v2, 0xdd);
+        r[4 + k] = _mm512_shuffle_f32x4(w, w2, 0x88);
+        r[12 + k] = _mm512_shuffle_f32x4(w, w2, 0xdd);
+    }
+}
+/* Scores of keys j0..j0+15 (one per lane, from the transposed kb [D][LP]) for nq queries: two
+ * chains per query (even and odd d), added at the end: a fixed order */
+static inline __attribute__((always_inline)) void scores16(const float *kb, int LP, int j0, int D,
+                                                           const float *const *qr, const int nq, float scale, float *s) {
+    __m512 a[QT], c[QT];
+    for (int u = 0; u < nq; u++) a[u] = c[u] = _mm512_setzero_ps();
+    for (int d = 0; d + 1 < D; d += 2) {
+        const __m512 k0 = _mm512_load_ps(kb + (long)d * LP + j0), k1 = _mm512_load_ps(kb + (long)(d + 1) * LP + j0);
+        for (int u = 0; u < nq; u++) {
+            a[u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][d]), k0, a[u]);
+            c[u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][d + 1]), k1, c[u]);
+        }
+    }
+    if (D % 2)
+        for (int u = 0; u < nq; u++)
+            a[u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][D - 1]), _mm512_load_ps(kb + (long)(D - 1) * LP + j0), a[u]);
+    for (int u = 0; u < nq; u++)
+        _mm512_store_ps(s + (long)u * LP + j0, _mm512_mul_ps(_mm512_add_ps(a[u], c[u]), _mm512_set1_ps(scale)));
+}
+#endif
+
 static float lane_tree_sum(const float *l) { /* fixed tree over 16 lanes */
     float a[8];
     for (int i = 0; i < 8; i++) a[i] = l[i] + l[i + 8];
@@ -63,75 +112,91 @@ static float lane_tree_sum(const float *l) { /* fixed tree over 16 lanes */
 }
 
 typedef struct {
-    int b, hk, tq;
+    int b, hk, t0, t1; /* sequence, KV head, its query tiles [t0, t1) */
 } work_t;
+
+/* Keys [0, Lk) of sequence b, KV head hk, transposed: dst[d][LP] (LP = Lk rounded up to KL; zero
+ * padding), one key per lane. Context key j is cache row ctx_slots[b][j], new key j >= ctx packed row
+ * start + j - ctx. */
+static void transpose_keys(const float *kn, const float *kc, const int64_t *ctx_slots, int max_ctx, int b, int hk,
+                           int ctx, int start, int Lk, int Hkv, int D, float *dst) {
+    const int LP = (Lk + KL - 1) / KL * KL;
+    for (int j0 = 0; j0 < LP; j0 += KL) { /* KL key rows at a time (they stay in L1) */
+        const float *kr[KL];
+        for (int j = 0; j < KL; j++) {
+            const int jj = j0 + j;
+            kr[j] = jj >= Lk ? NULL
+                    : jj < ctx ? kc + (ctx_slots[(long)b * max_ctx + jj] * Hkv + hk) * D
+                               : kn + ((long)(start + jj - ctx) * Hkv + hk) * D;
+        }
+#if defined(__AVX512F__)
+        if (D % 16 == 0) { /* 16 x 16 blocks, transposed in registers */
+            for (int d0 = 0; d0 < D; d0 += 16) {
+                __m512 r[KL];
+                for (int j = 0; j < KL; j++) r[j] = kr[j] ? _mm512_loadu_ps(kr[j] + d0) : _mm512_setzero_ps();
+                transpose16(r);
+                for (int d = 0; d < 16; d++) _mm512_store_ps(dst + (long)(d0 + d) * LP + j0, r[d]);
+            }
+            continue;
+        }
+#endif
+        for (int d = 0; d < D; d++)
+            for (int j = 0; j < KL; j++) dst[(long)d * LP + j0 + j] = kr[j] ? kr[j][d] : 0.0f;
+    }
+}
 
 /* Keys of sequence b, in order: its ctx context rows (cache rows ctx_slots[b][j]), then its n new
  * tokens (packed rows start .. start + n - 1 of kn/vn). seq_meta[b] = (ctx, start, n). Visibility:
  * mask[b][i][j] (additive; context key j in column j, new key i2 in column max_ctx + i2), or without
- * a mask every context key and the new keys i2 <= i (causal). */
+ * a mask every context key and the new keys i2 <= i (causal).
+ * Work items are (sequence, KV head, a run of query tiles); each transposes the keys its tiles may see
+ * into a buffer of its thread just before using them (in cache), so a long context is not written
+ * out and read back for every head. A (sequence, head)'s tiles are split into runs only as far as
+ * the threads need work (a long prefill), each run transposing its own keys. */
 void ratchet_attention(const float *q, const float *kn, const float *vn, const float *kc, const float *vc,
                        const int64_t *ctx_slots, int max_ctx, const int32_t *seq_meta, int max_new, const float *mask,
                        int B, int H, int Hkv, int D, float scale, float softcap, float *out, int threads) {
     const int G = H / Hkv;
-    int LPmax = 0, nwork = 0;
-    long ktoff[B + 1];
-    ktoff[0] = 0;
+    int LPmax = 0, nwork = 0, pairs = 0;
     for (int b = 0; b < B; b++) {
         const int Lb = seq_meta[3 * b] + seq_meta[3 * b + 2], LP = (Lb + KL - 1) / KL * KL;
         LPmax = LP > LPmax ? LP : LPmax;
-        ktoff[b + 1] = ktoff[b] + (long)Hkv * D * LP;
-        nwork += Hkv * ((G * seq_meta[3 * b + 2] + QT - 1) / QT);
+        pairs += seq_meta[3 * b + 2] > 0 ? Hkv : 0;
+    }
+    const int runs = pairs >= 4 * threads ? 1 : (4 * threads + pairs - 1) / (pairs > 0 ? pairs : 1);
+    for (int b = 0; b < B; b++) {
+        const int nt = (G * seq_meta[3 * b + 2] + QT - 1) / QT;
+        nwork += Hkv * (nt < runs ? nt : runs);
     }
     work_t *work = malloc(sizeof(work_t) * (size_t)(nwork > 0 ? nwork : 1));
     nwork = 0;
-    for (int b = 0; b < B; b++)
+    for (int b = 0; b < B; b++) {
+        const int nt = (G * seq_meta[3 * b + 2] + QT - 1) / QT, nr = nt < runs ? nt : runs;
         for (int hk = 0; hk < Hkv; hk++)
-            for (int tq = 0; tq < (G * seq_meta[3 * b + 2] + QT - 1) / QT; tq++) work[nwork++] = (work_t){b, hk, tq};
-    /* K transposed per (b, kv head): kt[d][LP] (zero-padded keys), one key per lane */
-    float *kt = aligned_alloc(64, sizeof(float) * (size_t)(ktoff[B] > 0 ? ktoff[B] : 16));
+            for (int r = 0; r < nr; r++) work[nwork++] = (work_t){b, hk, (int)((long)nt * r / nr), (int)((long)nt * (r + 1) / nr)};
+    }
 #pragma omp parallel num_threads(threads)
     {
-#pragma omp for schedule(static) collapse(2)
-        for (int b = 0; b < B; b++)
-            for (int hk = 0; hk < Hkv; hk++) {
-                const int ctx = seq_meta[3 * b], start = seq_meta[3 * b + 1], Lb = ctx + seq_meta[3 * b + 2];
-                const int LP = (Lb + KL - 1) / KL * KL;
-                float *dst = kt + ktoff[b] + (long)hk * D * LP;
-                for (int j0 = 0; j0 < LP; j0 += KL) { /* KL key rows at a time (they stay in L1) */
-                    const float *kr[KL];
-                    for (int j = 0; j < KL; j++) {
-                        const int jj = j0 + j;
-                        kr[j] = jj >= Lb ? NULL
-                                : jj < ctx ? kc + (ctx_slots[(long)b * max_ctx + jj] * Hkv + hk) * D
-                                           : kn + ((long)(start + jj - ctx) * Hkv + hk) * D;
-                    }
-#if defined(__AVX512F__)
-                    if (D % 16 == 0) { /* 16 x 16 blocks: 16 rows' d0..d0+15 gathered per output vector */
-                        for (int d0 = 0; d0 < D; d0 += 16) {
-                            float blk[KL][16];
-                            for (int j = 0; j < KL; j++)
-                                _mm512_storeu_ps(blk[j], kr[j] ? _mm512_loadu_ps(kr[j] + d0) : _mm512_setzero_ps());
-                            for (int d = 0; d < 16; d++)
-                                for (int j = 0; j < KL; j++) dst[(long)(d0 + d) * LP + j0 + j] = blk[j][d];
-                        }
-                        continue;
-                    }
-#endif
-                    for (int d = 0; d < D; d++)
-                        for (int j = 0; j < KL; j++) dst[(long)d * LP + j0 + j] = kr[j] ? kr[j][d] : 0.0f;
-                }
-            }
+        float *kt = aligned_alloc(64, sizeof(float) * (size_t)D * (LPmax > 0 ? LPmax : 16));
         float *s = aligned_alloc(64, sizeof(float) * (size_t)QT * (LPmax > 0 ? LPmax : 16));
         float *acc = aligned_alloc(64, sizeof(float) * (size_t)QT * (D + 16));
         float *pc = aligned_alloc(64, sizeof(float) * (size_t)((LPmax > 0 ? LPmax : 16) + KL)); /* p > 0, compacted */
 #pragma omp for schedule(dynamic, 1)
         for (int w = 0; w < nwork; w++) {
-                    const int b = work[w].b, hk = work[w].hk, tq = work[w].tq;
-                    const int ctx = seq_meta[3 * b], start = seq_meta[3 * b + 1], n = seq_meta[3 * b + 2];
-                    const int L = ctx + n, LP = (L + KL - 1) / KL * KL, NQ = G * n;
+            const int b = work[w].b, hk = work[w].hk;
+            const int ctx = seq_meta[3 * b], start = seq_meta[3 * b + 1], n = seq_meta[3 * b + 2];
+            const int L = ctx + n, NQ = G * n;
+            /* the run's keys: all L with a mask, else up to the latest row among its queries */
+            int Lk = L;
+            if (!mask) {
+                const int e0 = work[w].t0 * QT, e1 = (work[w].t1 * QT < NQ ? work[w].t1 * QT : NQ) - 1;
+                Lk = e1 / n > e0 / n ? L : ctx + e1 % n + 1; /* one head's rows e0 % n .. e1 % n, else all */
+            }
+            const int LP = (Lk + KL - 1) / KL * KL;
+            transpose_keys(kn, kc, ctx_slots, max_ctx, b, hk, ctx, start, Lk, Hkv, D, kt);
+            const float *kb = kt;
+            for (int tq = work[w].t0; tq < work[w].t1; tq++) {
                     const int nq = NQ - tq * QT < QT ? NQ - tq * QT : QT;
-                    const float *kb = kt + ktoff[b] + (long)hk * D * LP;
                     const float *qr[QT], *mr[QT];
                     int row[QT], head[QT], lim[QT], limp = 0;
                     for (int u = 0; u < nq; u++) { /* query u of the tile: row i, head h of this group */
@@ -147,21 +212,12 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const f
                     /* scores, KL keys at a time for every query of the tile */
                     for (int j0 = 0; j0 < limp; j0 += KL) {
 #if defined(__AVX512F__)
-                        /* two chains per query (even and odd d), added at the end: a fixed order */
-                        __m512 a[QT], c[QT];
-                        for (int u = 0; u < QT; u++) a[u] = c[u] = _mm512_setzero_ps();
-                        for (int d = 0; d + 1 < D; d += 2) {
-                            const __m512 k0 = _mm512_load_ps(kb + (long)d * LP + j0), k1 = _mm512_load_ps(kb + (long)(d + 1) * LP + j0);
-                            for (int u = 0; u < nq; u++) {
-                                a[u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][d]), k0, a[u]);
-                                c[u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][d + 1]), k1, c[u]);
-                            }
+                        switch (nq) { /* a literal query count: the loops over queries unroll */
+                        case 1: scores16(kb, LP, j0, D, qr, 1, scale, s); break;
+                        case 2: scores16(kb, LP, j0, D, qr, 2, scale, s); break;
+                        case 3: scores16(kb, LP, j0, D, qr, 3, scale, s); break;
+                        default: scores16(kb, LP, j0, D, qr, QT, scale, s); break;
                         }
-                        if (D % 2)
-                            for (int u = 0; u < nq; u++)
-                                a[u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][D - 1]), _mm512_load_ps(kb + (long)(D - 1) * LP + j0), a[u]);
-                        for (int u = 0; u < nq; u++)
-                            _mm512_store_ps(s + (long)u * LP + j0, _mm512_mul_ps(_mm512_add_ps(a[u], c[u]), _mm512_set1_ps(scale)));
 #else
                         for (int u = 0; u < nq; u++) {
                             float a[KL], c[KL];
@@ -276,11 +332,12 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const f
                         float *o = out + ((long)(start + row[u]) * H + head[u]) * D;
                         for (int d = 0; d < D; d++) o[d] = acc[(long)u * (D + 16) + d] * inv[u];
                     }
+            }
         }
+        free(kt);
         free(s);
         free(acc);
         free(pc);
     }
-    free(kt);
     free(work);
 }
