@@ -17,6 +17,7 @@ from ratchetlm.engine.choices import ChoiceRun, choice_params, completion, reque
 from ratchetlm.engine.config import EngineConfig
 from ratchetlm.engine.engine_args import split_engine_args
 from ratchetlm.engine.llm_engine import LLMEngine
+from ratchetlm.layers.mapped_pages import trim_heap
 from ratchetlm.models.registry import load_model
 from ratchetlm.outputs import RequestOutput
 from ratchetlm.parallel.launch import start_tensor_parallel
@@ -85,6 +86,7 @@ class LLM:
             self.model_config = loaded.config
             self.engine = LLMEngine(self.config, loaded.model, loaded.config, tokenizer=self.tokenizer,
                                     parallel=parallel)
+            trim_heap()  # what loading parsed and dropped (the tokenizer's ~30 MB) back to the OS
         except BaseException:
             if parallel is not None:
                 parallel.close()

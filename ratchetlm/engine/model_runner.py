@@ -17,7 +17,10 @@ from ratchetlm.kv.cache import KVCache
 from ratchetlm.kv.sink import KVSink, NullSink, StepSink
 from ratchetlm.kv.staging import StagingBuffer, commit_proposal
 from ratchetlm.layers.attention import build_attention_batch
+from ratchetlm.layers.mapped_pages import trim_heap
 from ratchetlm.models.llama import LlamaModel
+
+TRIM_ROWS = 256  # a forward over this many new rows hands its freed activations back to the OS after it
 
 
 @dataclass
@@ -206,7 +209,10 @@ class ModelRunner:
                                       dtype=self.cache.dtype, ctx_starts=plan.ctx_starts)
         hidden = self.model(plan.ids.to(dev), batch, num_layers=plan.num_layers)
         rows = torch.tensor(plan.logit_rows, dtype=torch.long, device=dev)
-        return hidden, self.model.logits(hidden[rows]).cpu()
+        logits = self.model.logits(hidden[rows]).cpu()
+        if len(plan.ids) >= TRIM_ROWS and dev.type == "cpu":
+            trim_heap()  # its freed activations back to the OS, not kept in the heap (layers/mapped_pages.py)
+        return hidden, logits
 
     def commit_staged(self, seq: Sequence, stage_base: int, kv_rows: list[int], num_rows: int) -> bool:
         """Copy the accepted staged rows (of a proposal of ``num_rows`` rows) to their slots — the

@@ -89,6 +89,26 @@ class DecoderLayer(nn.Module):
             hn = self.input_norm.forward(x)
         else:
             x, hn = self.input_norm.forward_residual(x, h)
+        h = self.tp.all_reduce(self.o_proj.forward(self.attend(hn, cos_sin, batch)))  # row-parallel: ranks summed
+        x, hn = self.post_norm.forward_residual(x, h if self.attn_out_norm is None else self.attn_out_norm.forward(h))
+        del h  # (not held through the MLP: a long prefill's peak)
+        c = self.mlp_rows
+        if c is None or t <= c:
+            h = self.mlp(hn)
+        else:  # a long prefill: gate/up of all rows at once would be [t, 2 * ffn] fp32 (64 MB at 512 rows, 1B)
+            h = torch.cat([self.mlp(hn[i : i + c]) for i in range(0, t, c)])
+        h = self.tp.all_reduce(h)
+        return x, (h if self.mlp_out_norm is None else self.mlp_out_norm.forward(h))
+
+    def attend(
+        self,
+        hn: torch.Tensor,  # [num_tokens, hidden] normed
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        batch: AttentionBatch,
+    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim] (this rank's heads), before o_proj
+        """QKV, RoPE and attention. A method of its own so that Q, K, V and the fused projection are
+        freed when it returns, not held through the MLP (at a 512-token prefill of a 1B model ~15 MB)."""
+        t = hn.shape[0]
         qkv = self.qkv.forward(hn)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
@@ -101,15 +121,7 @@ class DecoderLayer(nn.Module):
             q, k = RotaryEmbedding.rotate_packed(cos_sin, qk).split([self.num_heads, self.num_kv_heads], dim=1)
         attn = paged_attention(self.index, q, k, v, batch, self.scale, self.window, self.softcap,
                                fixed_order=self.fixed_order_attention)
-        h = self.tp.all_reduce(self.o_proj.forward(attn.reshape(t, self.q_size)))  # row-parallel: sum the ranks' parts
-        x, hn = self.post_norm.forward_residual(x, h if self.attn_out_norm is None else self.attn_out_norm.forward(h))
-        c = self.mlp_rows
-        if c is None or t <= c:
-            h = self.mlp(hn)
-        else:  # a long prefill: gate/up of all rows at once would be [t, 2 * ffn] fp32 (64 MB at 512 rows, 1B)
-            h = torch.cat([self.mlp(hn[i : i + c]) for i in range(0, t, c)])
-        h = self.tp.all_reduce(h)
-        return x, (h if self.mlp_out_norm is None else self.mlp_out_norm.forward(h))
+        return attn.reshape(t, self.q_size)
 
     def mlp(self, hn: torch.Tensor) -> torch.Tensor:  # [rows, hidden] normed -> [rows, hidden] (this rank's part)
         gate, up = self.gate_up.forward(hn).chunk(2, dim=-1)

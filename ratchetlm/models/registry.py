@@ -92,7 +92,7 @@ def load_model(
         blocks = gguf_block_weights(reader, cfg) if reader is not None else hf_block_weights(source.path)
         in_blocks = model.attach_blocks(blocks)
     # dense tensors are allocated in the run dtype (a bf16 checkpoint is never expanded to fp32 first)
-    model = model.to_empty(device="cpu").to(dtype)
+    model = _materialize(model).to(dtype)
     if reader is not None:
         model.load_hf_weights(iter_gguf_weights(reader, cfg, progress, skip=in_blocks))
     else:
@@ -105,6 +105,13 @@ def load_model(
         raise ModelLoadError(f"numerics={numerics!r} needs quantized GGUF block weights on CPU in fp32 with the "
                              f"kernels built; {source.path} has none here (use numerics='exact')")
     return LoadedModel(model, cfg, tokenizer, source)
+
+
+def _materialize(model: LlamaModel) -> LlamaModel:
+    """``model.to_empty(device="cpu")``: uninitialised CPU storage for every meta tensor. Not through
+    ``torch.empty_like``, whose reference implementation for meta tensors imports torch.fx's symbolic
+    shapes and with them sympy: ~30 MB of resident memory, for nothing (the load takes as long)."""
+    return model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
 
 
 def _read_config(source: ModelSource) -> tuple[GGUFFile | None, ModelConfig]:
