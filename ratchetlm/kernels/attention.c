@@ -111,6 +111,13 @@ static float lane_tree_sum(const float *l) { /* fixed tree over 16 lanes */
     return a[0] + a[1];
 }
 
+#define RUN_TILES 16 /* fewest query tiles a run of a split (sequence, head) takes */
+
+static int run_count(int tiles, int runs) { /* runs for one (sequence, head) of `tiles` tiles */
+    const int most = tiles / RUN_TILES > 1 ? tiles / RUN_TILES : 1;
+    return tiles == 0 ? 0 : runs < most ? runs : most;
+}
+
 typedef struct {
     int b, hk, t0, t1; /* sequence, KV head, its query tiles [t0, t1) */
 } work_t;
@@ -152,7 +159,8 @@ static void transpose_keys(const float *kn, const float *kc, const int64_t *ctx_
  * Work items are (sequence, KV head, a run of query tiles); each transposes the keys its tiles may see
  * into a buffer of its thread just before using them (in cache), so a long context is not written
  * out and read back for every head. A (sequence, head)'s tiles are split into runs only as far as
- * the threads need work (a long prefill), each run transposing its own keys. */
+ * the threads need work and each run keeps RUN_TILES tiles or more (a long prefill; a verify step's
+ * few tiles share one transposition), each run transposing its own keys. */
 void ratchet_attention(const float *q, const float *kn, const float *vn, const float *kc, const float *vc,
                        const int64_t *ctx_slots, int max_ctx, const int32_t *seq_meta, int max_new, const float *mask,
                        int B, int H, int Hkv, int D, float scale, float softcap, float *out, int threads) {
@@ -166,12 +174,12 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const f
     const int runs = pairs >= 4 * threads ? 1 : (4 * threads + pairs - 1) / (pairs > 0 ? pairs : 1);
     for (int b = 0; b < B; b++) {
         const int nt = (G * seq_meta[3 * b + 2] + QT - 1) / QT;
-        nwork += Hkv * (nt < runs ? nt : runs);
+        nwork += Hkv * run_count(nt, runs);
     }
     work_t *work = malloc(sizeof(work_t) * (size_t)(nwork > 0 ? nwork : 1));
     nwork = 0;
     for (int b = 0; b < B; b++) {
-        const int nt = (G * seq_meta[3 * b + 2] + QT - 1) / QT, nr = nt < runs ? nt : runs;
+        const int nt = (G * seq_meta[3 * b + 2] + QT - 1) / QT, nr = run_count(nt, runs);
         for (int hk = 0; hk < Hkv; hk++)
             for (int r = 0; r < nr; r++) work[nwork++] = (work_t){b, hk, (int)((long)nt * r / nr), (int)((long)nt * (r + 1) / nr)};
     }

@@ -243,6 +243,27 @@ def test_fixed_order_attention_matches_sdpa_and_is_shape_invariant():
     assert same_bits(got[:5], full[:5]) and not same_bits(got[5], full[5])
 
 
+def test_fixed_order_attention_of_a_long_prefill_split_across_threads():
+    """A prefill long enough that each head's query tiles are split into runs (each transposing the
+    keys up to its own last row): SDPA's values, and every row bit for bit the row of a shorter
+    prefill (the runs fall elsewhere there)."""
+    from ratchetlm.kv.sink import NullSink
+    from ratchetlm.layers.attention import build_attention_batch, paged_attention
+
+    torch.manual_seed(3)
+    h, hkv, d, n = 6, 2, 64, 160
+
+    def attend(rows, fixed=True):
+        batch = build_attention_batch(torch.arange(rows), [rows], [torch.empty(0, dtype=torch.long)], [None],
+                                      NullSink(), None)
+        return paged_attention(0, q[:rows], k[:rows], v[:rows], batch, 0.125, fixed_order=fixed)
+
+    q, k, v = torch.randn(n, h, d), torch.randn(n, hkv, d), torch.randn(n, hkv, d)
+    full = attend(n)  # (2 KV heads: with any thread count each head's 120 tiles are split into runs)
+    torch.testing.assert_close(full, attend(n, fixed=False), rtol=1e-5, atol=1e-6)
+    assert same_bits(attend(97), full[:97])
+
+
 def test_fixed_order_attention_row_depends_only_on_its_visible_keys():
     """Bitwise: a query reading context keys from scattered cache slots (a decode / verify step)
     equals the same query at the end of a prefill of those keys, and a tree row that skips its
