@@ -28,8 +28,10 @@ from ratchetlm.parallel.shard import COLUMN, TPShard
 
 ACTIVATION = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 # MLP rows per call in the integer modes: bounds a long prefill's working memory (peak RSS) while the
-# matmuls stay compute bound (each chunk re-reads the weights: ~2% of a 512-token prefill at 1B)
-MLP_ROWS = 128
+# matmuls stay compute bound (each chunk re-reads the weights: ~4% of a 512-token prefill at 1B). 64,
+# not 128: 1B Q4_K_M's peak in the bench's pattern 1105 -> 1073 MiB at the same prefill speed (32: 1069,
+# a little slower)
+MLP_ROWS = 64
 
 
 class DecoderLayer(nn.Module):
