@@ -202,144 +202,144 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const f
             }
             const int LP = (Lk + KL - 1) / KL * KL;
             transpose_keys(kn, kc, ctx_slots, max_ctx, b, hk, ctx, start, Lk, Hkv, D, kt);
-            const float *kb = kt;
+            const float *kb = kt; /* this run's keys, [D][LP] */
             for (int tq = work[w].t0; tq < work[w].t1; tq++) {
-                    const int nq = NQ - tq * QT < QT ? NQ - tq * QT : QT;
-                    const float *qr[QT], *mr[QT];
-                    int row[QT], head[QT], lim[QT], limp = 0;
-                    for (int u = 0; u < nq; u++) { /* query u of the tile: row i, head h of this group */
-                        const int e = tq * QT + u;
-                        row[u] = e % n;
-                        head[u] = hk * G + e / n;
-                        qr[u] = q + ((long)(start + row[u]) * H + head[u]) * D;
-                        mr[u] = mask ? mask + ((long)b * max_new + row[u]) * (max_ctx + max_new) : NULL;
-                        lim[u] = mask ? L : ctx + row[u] + 1; /* keys [0, lim) may be visible */
-                        const int lp = (lim[u] + KL - 1) / KL * KL;
-                        limp = lp > limp ? lp : limp;
-                    }
-                    /* scores, KL keys at a time for every query of the tile */
-                    for (int j0 = 0; j0 < limp; j0 += KL) {
+                const int nq = NQ - tq * QT < QT ? NQ - tq * QT : QT;
+                const float *qr[QT], *mr[QT];
+                int row[QT], head[QT], lim[QT], limp = 0;
+                for (int u = 0; u < nq; u++) { /* query u of the tile: row i, head h of this group */
+                    const int e = tq * QT + u;
+                    row[u] = e % n;
+                    head[u] = hk * G + e / n;
+                    qr[u] = q + ((long)(start + row[u]) * H + head[u]) * D;
+                    mr[u] = mask ? mask + ((long)b * max_new + row[u]) * (max_ctx + max_new) : NULL;
+                    lim[u] = mask ? L : ctx + row[u] + 1; /* keys [0, lim) may be visible */
+                    const int lp = (lim[u] + KL - 1) / KL * KL;
+                    limp = lp > limp ? lp : limp;
+                }
+                /* scores, KL keys at a time for every query of the tile */
+                for (int j0 = 0; j0 < limp; j0 += KL) {
 #if defined(__AVX512F__)
-                        switch (nq) { /* a literal query count: the loops over queries unroll */
-                        case 1: scores16(kb, LP, j0, D, qr, 1, scale, s); break;
-                        case 2: scores16(kb, LP, j0, D, qr, 2, scale, s); break;
-                        case 3: scores16(kb, LP, j0, D, qr, 3, scale, s); break;
-                        default: scores16(kb, LP, j0, D, qr, QT, scale, s); break;
-                        }
-#else
-                        for (int u = 0; u < nq; u++) {
-                            float a[KL], c[KL];
-                            for (int l = 0; l < KL; l++) a[l] = c[l] = 0.0f;
-                            for (int d = 0; d + 1 < D; d += 2)
-                                for (int l = 0; l < KL; l++) {
-                                    a[l] = fmaf(qr[u][d], kb[(long)d * LP + j0 + l], a[l]);
-                                    c[l] = fmaf(qr[u][d + 1], kb[(long)(d + 1) * LP + j0 + l], c[l]);
-                                }
-                            if (D % 2)
-                                for (int l = 0; l < KL; l++) a[l] = fmaf(qr[u][D - 1], kb[(long)(D - 1) * LP + j0 + l], a[l]);
-                            for (int l = 0; l < KL; l++) s[(long)u * LP + j0 + l] = (a[l] + c[l]) * scale;
-                        }
-#endif
+                    switch (nq) { /* a literal query count: the loops over queries unroll */
+                    case 1: scores16(kb, LP, j0, D, qr, 1, scale, s); break;
+                    case 2: scores16(kb, LP, j0, D, qr, 2, scale, s); break;
+                    case 3: scores16(kb, LP, j0, D, qr, 3, scale, s); break;
+                    default: scores16(kb, LP, j0, D, qr, QT, scale, s); break;
                     }
-                    float inv[QT];
+#else
                     for (int u = 0; u < nq; u++) {
-                        float *su = s + (long)u * LP;
-                        const int lp = (lim[u] + KL - 1) / KL * KL;
-                        if (softcap > 0.0f)
-                            for (int j = 0; j < lim[u]; j++) su[j] = tanhf(su[j] / softcap) * softcap;
-                        if (mr[u]) { /* the mask's context columns, then its new-key columns */
-                            for (int j = 0; j < ctx && j < lim[u]; j++) su[j] = su[j] + mr[u][j];
-                            for (int j = ctx; j < lim[u]; j++) su[j] = su[j] + mr[u][max_ctx + j - ctx];
-                        }
-                        for (int j = lim[u]; j < lp; j++) su[j] = -INFINITY;
-                        float m = -INFINITY; /* a max: exact in any order */
-#if defined(__AVX512F__)
-                        __m512 mv = _mm512_set1_ps(-INFINITY);
-                        for (int j0 = 0; j0 < lp; j0 += KL) mv = _mm512_max_ps(mv, _mm512_load_ps(su + j0));
-                        m = _mm512_reduce_max_ps(mv);
-#else
-                        for (int j = 0; j < lp; j++) m = su[j] > m ? su[j] : m;
-#endif
-                        /* p_j = exp(s_j - max) in place; the keys with p_j > 0 summed by rank among them
-                         * (rank r in lane r % 16, in key order per lane), then a fixed tree: a key's lane
-                         * does not depend on the invisible keys before it (a tree draft's siblings) */
-                        float lanes[KL];
-                        for (int l = 0; l < KL; l++) lanes[l] = 0.0f;
-                        if (m > -INFINITY) {
-#if defined(__AVX512F__)
-                            int cnt = 0;
-                            for (int j0 = 0; j0 < lp; j0 += KL) {
-                                const __m512 p = exp_neg(_mm512_sub_ps(_mm512_load_ps(su + j0), _mm512_set1_ps(m)));
-                                _mm512_store_ps(su + j0, p);
-                                const __mmask16 nz = _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_NEQ_OQ);
-                                _mm512_storeu_ps(pc + cnt, _mm512_maskz_compress_ps(nz, p)); /* register form: the store form is slow on Zen 4 */
-                                cnt += __builtin_popcount(nz);
+                        float a[KL], c[KL];
+                        for (int l = 0; l < KL; l++) a[l] = c[l] = 0.0f;
+                        for (int d = 0; d + 1 < D; d += 2)
+                            for (int l = 0; l < KL; l++) {
+                                a[l] = fmaf(qr[u][d], kb[(long)d * LP + j0 + l], a[l]);
+                                c[l] = fmaf(qr[u][d + 1], kb[(long)(d + 1) * LP + j0 + l], c[l]);
                             }
-                            for (int j = cnt; j < (cnt + KL - 1) / KL * KL; j++) pc[j] = 0.0f;
-                            __m512 sum = _mm512_setzero_ps();
-                            for (int j0 = 0; j0 < cnt; j0 += KL) sum = _mm512_add_ps(sum, _mm512_loadu_ps(pc + j0));
-                            _mm512_storeu_ps(lanes, sum);
-#else
-                            int cnt = 0;
-                            for (int j = 0; j < lp; j++) {
-                                su[j] = su[j] == -INFINITY ? 0.0f : expf(su[j] - m);
-                                if (su[j] != 0.0f) lanes[cnt++ % KL] += su[j];
-                            }
-#endif
-                        } else {
-                            for (int j = 0; j < lp; j++) su[j] = 0.0f;
-                        }
-                        const float tot = lane_tree_sum(lanes);
-                        inv[u] = tot > 0.0f ? 1.0f / tot : 0.0f;
+                        if (D % 2)
+                            for (int l = 0; l < KL; l++) a[l] = fmaf(qr[u][D - 1], kb[(long)(D - 1) * LP + j0 + l], a[l]);
+                        for (int l = 0; l < KL; l++) s[(long)u * LP + j0 + l] = (a[l] + c[l]) * scale;
                     }
-                    /* weighted values, keys in increasing order per output; each value row loaded once
-                     * per tile, 64 dims at a time in registers */
-                    int lmax = 0;
-                    for (int u = 0; u < nq; u++) lmax = lim[u] > lmax ? lim[u] : lmax;
-                    for (int d0 = 0; d0 < D; d0 += 64) {
-                        const int dn = D - d0 < 64 ? D - d0 : 64;
+#endif
+                }
+                float inv[QT];
+                for (int u = 0; u < nq; u++) {
+                    float *su = s + (long)u * LP;
+                    const int lp = (lim[u] + KL - 1) / KL * KL;
+                    if (softcap > 0.0f)
+                        for (int j = 0; j < lim[u]; j++) su[j] = tanhf(su[j] / softcap) * softcap;
+                    if (mr[u]) { /* the mask's context columns, then its new-key columns */
+                        for (int j = 0; j < ctx && j < lim[u]; j++) su[j] = su[j] + mr[u][j];
+                        for (int j = ctx; j < lim[u]; j++) su[j] = su[j] + mr[u][max_ctx + j - ctx];
+                    }
+                    for (int j = lim[u]; j < lp; j++) su[j] = -INFINITY;
+                    float m = -INFINITY; /* a max: exact in any order */
 #if defined(__AVX512F__)
-                        if (dn == 64) {
-                            __m512 o[QT][4];
-                            for (int u = 0; u < QT; u++)
-                                for (int c = 0; c < 4; c++) o[u][c] = _mm512_setzero_ps();
-                            for (int j = 0; j < lmax; j++) {
-                                const float *vr = (j < ctx ? vc + (ctx_slots[(long)b * max_ctx + j] * Hkv + hk) * D
-                                                           : vn + ((long)(start + j - ctx) * Hkv + hk) * D) + d0;
-                                const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16),
-                                             v2 = _mm512_loadu_ps(vr + 32), v3 = _mm512_loadu_ps(vr + 48);
-                                for (int u = 0; u < nq; u++) {
-                                    const float p = s[(long)u * LP + j];
-                                    if (j >= lim[u] || p == 0.0f) continue;
-                                    const __m512 pv = _mm512_set1_ps(p);
-                                    o[u][0] = _mm512_fmadd_ps(pv, v0, o[u][0]);
-                                    o[u][1] = _mm512_fmadd_ps(pv, v1, o[u][1]);
-                                    o[u][2] = _mm512_fmadd_ps(pv, v2, o[u][2]);
-                                    o[u][3] = _mm512_fmadd_ps(pv, v3, o[u][3]);
-                                }
-                            }
-                            for (int u = 0; u < nq; u++)
-                                for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + (long)u * (D + 16) + d0 + 16 * c, o[u][c]);
-                            continue;
+                    __m512 mv = _mm512_set1_ps(-INFINITY);
+                    for (int j0 = 0; j0 < lp; j0 += KL) mv = _mm512_max_ps(mv, _mm512_load_ps(su + j0));
+                    m = _mm512_reduce_max_ps(mv);
+#else
+                    for (int j = 0; j < lp; j++) m = su[j] > m ? su[j] : m;
+#endif
+                    /* p_j = exp(s_j - max) in place; the keys with p_j > 0 summed by rank among them
+                     * (rank r in lane r % 16, in key order per lane), then a fixed tree: a key's lane
+                     * does not depend on the invisible keys before it (a tree draft's siblings) */
+                    float lanes[KL];
+                    for (int l = 0; l < KL; l++) lanes[l] = 0.0f;
+                    if (m > -INFINITY) {
+#if defined(__AVX512F__)
+                        int cnt = 0;
+                        for (int j0 = 0; j0 < lp; j0 += KL) {
+                            const __m512 p = exp_neg(_mm512_sub_ps(_mm512_load_ps(su + j0), _mm512_set1_ps(m)));
+                            _mm512_store_ps(su + j0, p);
+                            const __mmask16 nz = _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+                            _mm512_storeu_ps(pc + cnt, _mm512_maskz_compress_ps(nz, p)); /* register form: the store form is slow on Zen 4 */
+                            cnt += __builtin_popcount(nz);
+                        }
+                        for (int j = cnt; j < (cnt + KL - 1) / KL * KL; j++) pc[j] = 0.0f;
+                        __m512 sum = _mm512_setzero_ps();
+                        for (int j0 = 0; j0 < cnt; j0 += KL) sum = _mm512_add_ps(sum, _mm512_loadu_ps(pc + j0));
+                        _mm512_storeu_ps(lanes, sum);
+#else
+                        int cnt = 0;
+                        for (int j = 0; j < lp; j++) {
+                            su[j] = su[j] == -INFINITY ? 0.0f : expf(su[j] - m);
+                            if (su[j] != 0.0f) lanes[cnt++ % KL] += su[j];
                         }
 #endif
-                        for (int u = 0; u < nq; u++)
-                            for (int d = 0; d < dn; d++) acc[(long)u * (D + 16) + d0 + d] = 0.0f;
+                    } else {
+                        for (int j = 0; j < lp; j++) su[j] = 0.0f;
+                    }
+                    const float tot = lane_tree_sum(lanes);
+                    inv[u] = tot > 0.0f ? 1.0f / tot : 0.0f;
+                }
+                /* weighted values, keys in increasing order per output; each value row loaded once
+                 * per tile, 64 dims at a time in registers */
+                int lmax = 0;
+                for (int u = 0; u < nq; u++) lmax = lim[u] > lmax ? lim[u] : lmax;
+                for (int d0 = 0; d0 < D; d0 += 64) {
+                    const int dn = D - d0 < 64 ? D - d0 : 64;
+#if defined(__AVX512F__)
+                    if (dn == 64) {
+                        __m512 o[QT][4];
+                        for (int u = 0; u < QT; u++)
+                            for (int c = 0; c < 4; c++) o[u][c] = _mm512_setzero_ps();
                         for (int j = 0; j < lmax; j++) {
                             const float *vr = (j < ctx ? vc + (ctx_slots[(long)b * max_ctx + j] * Hkv + hk) * D
                                                        : vn + ((long)(start + j - ctx) * Hkv + hk) * D) + d0;
+                            const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16),
+                                         v2 = _mm512_loadu_ps(vr + 32), v3 = _mm512_loadu_ps(vr + 48);
                             for (int u = 0; u < nq; u++) {
                                 const float p = s[(long)u * LP + j];
                                 if (j >= lim[u] || p == 0.0f) continue;
-                                float *au = acc + (long)u * (D + 16) + d0;
-                                for (int d = 0; d < dn; d++) au[d] = fmaf(p, vr[d], au[d]);
+                                const __m512 pv = _mm512_set1_ps(p);
+                                o[u][0] = _mm512_fmadd_ps(pv, v0, o[u][0]);
+                                o[u][1] = _mm512_fmadd_ps(pv, v1, o[u][1]);
+                                o[u][2] = _mm512_fmadd_ps(pv, v2, o[u][2]);
+                                o[u][3] = _mm512_fmadd_ps(pv, v3, o[u][3]);
                             }
                         }
+                        for (int u = 0; u < nq; u++)
+                            for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + (long)u * (D + 16) + d0 + 16 * c, o[u][c]);
+                        continue;
                     }
-                    for (int u = 0; u < nq; u++) {
-                        float *o = out + ((long)(start + row[u]) * H + head[u]) * D;
-                        for (int d = 0; d < D; d++) o[d] = acc[(long)u * (D + 16) + d] * inv[u];
+#endif
+                    for (int u = 0; u < nq; u++)
+                        for (int d = 0; d < dn; d++) acc[(long)u * (D + 16) + d0 + d] = 0.0f;
+                    for (int j = 0; j < lmax; j++) {
+                        const float *vr = (j < ctx ? vc + (ctx_slots[(long)b * max_ctx + j] * Hkv + hk) * D
+                                                   : vn + ((long)(start + j - ctx) * Hkv + hk) * D) + d0;
+                        for (int u = 0; u < nq; u++) {
+                            const float p = s[(long)u * LP + j];
+                            if (j >= lim[u] || p == 0.0f) continue;
+                            float *au = acc + (long)u * (D + 16) + d0;
+                            for (int d = 0; d < dn; d++) au[d] = fmaf(p, vr[d], au[d]);
+                        }
                     }
+                }
+                for (int u = 0; u < nq; u++) {
+                    float *o = out + ((long)(start + row[u]) * H + head[u]) * D;
+                    for (int d = 0; d < D; d++) o[d] = acc[(long)u * (D + 16) + d] * inv[u];
+                }
             }
         }
         free(kt);
