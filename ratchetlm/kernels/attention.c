@@ -31,6 +31,13 @@
 
 #define KL 16 /* keys per vector of scores */
 #define QT 4  /* queries per tile */
+/* Software prefetch of context rows: a (sequence, KV head)'s keys and values are 64-256 byte pieces
+ * of cache rows spread over the slots, too short and too scattered for the hardware prefetcher, and
+ * a layer's K/V of a batch are usually out of cache (every other layer and the weights ran since).
+ * Keys: the next block of KL rows while one is transposed; values: V_AHEAD rows ahead. */
+#ifndef V_AHEAD
+#define V_AHEAD 8
+#endif
 
 #if defined(__AVX512F__)
 /* exp(x) for x <= 0 (and -inf): x = n ln2 + r, |r| <= ln2 / 2, 2^n * a degree-6 polynomial in r
@@ -138,6 +145,13 @@ static void transpose_keys(const float *kn, const float *kc, const int64_t *ctx_
         }
 #if defined(__AVX512F__)
         if (D % 16 == 0) { /* 16 x 16 blocks, transposed in registers */
+            for (int j = 0; j < KL; j++) { /* the next block's rows (scattered by slot: see K_AHEAD) */
+                const int jj = j0 + KL + j;
+                if (jj >= Lk) break;
+                const float *nr = jj < ctx ? kc + (ctx_slots[(long)b * max_ctx + jj] * Hkv + hk) * D
+                                           : kn + ((long)(start + jj - ctx) * Hkv + hk) * D;
+                for (int d = 0; d < D; d += 16) _mm_prefetch((const char *)(nr + d), _MM_HINT_T0);
+            }
             for (int d0 = 0; d0 < D; d0 += 16) {
                 __m512 r[KL];
                 for (int j = 0; j < KL; j++) r[j] = kr[j] ? _mm512_loadu_ps(kr[j] + d0) : _mm512_setzero_ps();
@@ -306,6 +320,12 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const f
                         for (int j = 0; j < lmax; j++) {
                             const float *vr = (j < ctx ? vc + (ctx_slots[(long)b * max_ctx + j] * Hkv + hk) * D
                                                        : vn + ((long)(start + j - ctx) * Hkv + hk) * D) + d0;
+                            if (j + V_AHEAD < lmax) {
+                                const int jn = j + V_AHEAD;
+                                const float *nr = (jn < ctx ? vc + (ctx_slots[(long)b * max_ctx + jn] * Hkv + hk) * D
+                                                            : vn + ((long)(start + jn - ctx) * Hkv + hk) * D) + d0;
+                                for (int c = 0; c < 64; c += 16) _mm_prefetch((const char *)(nr + c), _MM_HINT_T0);
+                            }
                             const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16),
                                          v2 = _mm512_loadu_ps(vr + 32), v3 = _mm512_loadu_ps(vr + 48);
                             for (int u = 0; u < nq; u++) {

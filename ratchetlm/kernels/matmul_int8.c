@@ -741,48 +741,64 @@ static void panel_any(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t 
     }
 }
 
+/* Token t's activation items (quantize_row, then the per-block numbers the kernel reads) at r [per]:
+ * x bytes (hi, lo), then d [NB], sx32 [NB], zq16 [2 NB], zq32 [NB], sx16 [2 NB] */
+static void prep_token(const float *x, int K, int bits, int zw, int32_t *r) {
+    const int NB = K / 32;
+    int32_t *xh = r, *xl = bits == 16 ? r + K / 4 : NULL;
+    int32_t *rest = r + (long)K / 4 * (bits == 16 ? 2 : 1), *q16 = rest + 2 * NB, *q32 = rest + 4 * NB;
+    float *d = (float *)rest, *sx32 = (float *)(rest + NB), *sx16 = (float *)(rest + 5 * NB);
+    quantize_row(x, K, bits, (int8_t *)xh, (int8_t *)xl, d, q16);
+    for (int b = 0; b < NB; b++) {
+        const int32_t s0 = q16[2 * b], s1 = q16[2 * b + 1];
+        sx32[b] = d[b] * (float)(s0 + s1);
+        sx16[2 * b] = d[b] * (float)s0;
+        sx16[2 * b + 1] = d[b] * (float)s1;
+        q32[b] = -zw * (s0 + s1); /* |sum xq| <= 32 * 32639: exact in int32 for zw <= 128 */
+        q16[2 * b] = -zw * s0;
+        q16[2 * b + 1] = -zw * s1;
+    }
+}
+
+/* Tile ti's tokens interleaved (item i of token t0 + t at [i][tt]; one token: the items as they are) */
+static xtile_t interleave_tile(const int32_t *raw, int32_t *til, int ti, int M, int K, int bits, long per) {
+    const int t0 = ti * TT, tt = MIN(TT, M - t0), NB = K / 32;
+    int32_t *dst = til + (long)t0 * per;
+    for (int t = 0; t < tt; t++) {
+        const int32_t *src = raw + (long)(t0 + t) * per;
+        for (long i = 0; i < per; i++) dst[i * tt + t] = src[i];
+    }
+    const long xw = (long)K / 4 * (bits == 16 ? 2 : 1);
+    int32_t *rest = dst + xw * tt;
+    return (xtile_t){dst, bits == 16 ? dst + (long)K / 4 * tt : NULL, (const float *)rest, rest + 4 * NB * tt,
+                     rest + 2 * NB * tt, (const float *)(rest + NB * tt), (const float *)(rest + 5 * NB * tt)};
+}
+
 /* y [M, N] = x [M, K] @ w.T, activations of `bits` (8 or 16), w packed by ratchet_pack_q8 with zero
- * point zw (ratchet_q8_plan's sizes[2]) */
+ * point zw (ratchet_q8_plan's sizes[2]). Up to one tile of tokens (decode, short verifies) the calling
+ * thread prepares the activations before the team starts: for so few tokens two more barriers (and
+ * the other thread idling through the one tile's interleave) cost more than the work they split
+ * (2 threads, 960 x 576, 8 rows: ~12 us of ~40 a call). Who prepares a token changes no value. */
 static void mm_q8(const float *x, int M, int K, int bits, int zw, const q8panel_t *panels, const uint8_t *Q,
                   const uint8_t *SM, float *y, int N, int threads) {
     if (M <= 0 || N <= 0) return;
     const int NPAN = (N + PN - 1) / PN, NB = K / 32, NT = (M + TT - 1) / TT;
-    /* per token, then token-interleaved per tile of TT: x bytes (hi, lo), d32, sx32, zq16, zq32, sx16 */
-    const long per = (long)K / 4 * (bits == 16 ? 2 : 1) + (long)NB * 7;
+    const long per = (long)K / 4 * (bits == 16 ? 2 : 1) + (long)NB * 7; /* words per token */
     int32_t *raw = malloc(sizeof(int32_t) * (size_t)M * per), *til = malloc(sizeof(int32_t) * (size_t)M * per);
     xtile_t *tiles = malloc(sizeof(xtile_t) * (size_t)NT);
+    const int serial_prep = NT == 1;
+    if (serial_prep) {
+        for (int t = 0; t < M; t++) prep_token(x + (long)t * K, K, bits, zw, raw + (long)t * per);
+        tiles[0] = interleave_tile(raw, til, 0, M, K, bits, per);
+    }
 #pragma omp parallel num_threads(threads)
     {
+        if (!serial_prep) {
 #pragma omp for schedule(static)
-        for (int t = 0; t < M; t++) { /* each token quantized on its own: nothing depends on M */
-            int32_t *r = raw + (long)t * per, *xh = r, *xl = bits == 16 ? r + K / 4 : NULL;
-            /* after the bytes: d [NB], sx32 [NB], zq16 [2 NB], zq32 [NB], sx16 [2 NB] */
-            int32_t *rest = r + (long)K / 4 * (bits == 16 ? 2 : 1), *q16 = rest + 2 * NB, *q32 = rest + 4 * NB;
-            float *d = (float *)rest, *sx32 = (float *)(rest + NB), *sx16 = (float *)(rest + 5 * NB);
-            quantize_row(x + (long)t * K, K, bits, (int8_t *)xh, (int8_t *)xl, d, q16);
-            for (int b = 0; b < NB; b++) {
-                const int32_t s0 = q16[2 * b], s1 = q16[2 * b + 1];
-                sx32[b] = d[b] * (float)(s0 + s1);
-                sx16[2 * b] = d[b] * (float)s0;
-                sx16[2 * b + 1] = d[b] * (float)s1;
-                q32[b] = -zw * (s0 + s1); /* |sum xq| <= 32 * 32639: exact in int32 for zw <= 128 */
-                q16[2 * b] = -zw * s0;
-                q16[2 * b + 1] = -zw * s1;
-            }
-        }
+            for (int t = 0; t < M; t++) /* each token quantized on its own: nothing depends on M */
+                prep_token(x + (long)t * K, K, bits, zw, raw + (long)t * per);
 #pragma omp for schedule(static)
-        for (int ti = 0; ti < NT; ti++) { /* interleave: item i of token t0 + t at [i][tt] */
-            const int t0 = ti * TT, tt = MIN(TT, M - t0);
-            int32_t *dst = til + (long)t0 * per;
-            for (int t = 0; t < tt; t++) {
-                const int32_t *src = raw + (long)(t0 + t) * per;
-                for (long i = 0; i < per; i++) dst[i * tt + t] = src[i];
-            }
-            const long xw = (long)K / 4 * (bits == 16 ? 2 : 1);
-            int32_t *rest = dst + xw * tt;
-            tiles[ti] = (xtile_t){dst, bits == 16 ? dst + (long)K / 4 * tt : NULL, (const float *)rest,
-                                  rest + 4 * NB * tt, rest + 2 * NB * tt, (const float *)(rest + NB * tt),
-                                  (const float *)(rest + 5 * NB * tt)};
+            for (int ti = 0; ti < NT; ti++) tiles[ti] = interleave_tile(raw, til, ti, M, K, bits, per);
         }
 #pragma omp for schedule(static)
         for (int p = 0; p < NPAN; p++) {
