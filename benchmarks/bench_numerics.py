@@ -14,6 +14,7 @@ weights untouched; what a kernel of that precision would give, to fp32 summation
 writing one. RULE: ``int8`` / ``int16`` (blocks of 32, as the kernels), ``int8/16`` (int8 in blocks of
 16), ``mixed:T`` (a block in int8 where its max |x| <= T x its row's rms, else int16), ``int8-at:KINDS``
 (int8 only in the comma-separated matmul kinds qkv, o, gate_up, down, head; int16 elsewhere).
+``MODE+kv16`` (e.g. ``int16+kv16``, ``exact+kv16``): MODE with ``kv_cache_dtype="float16"``.
 Measured 2026-11-26 on the default model (top-1 agreement / mean |d log p|): sim:int8 95.3% / 0.070
 (the int8 mode itself 95.5% / 0.072), sim:int16 100% / 0.0003, int8/16 96.1% / 0.052, mixed:2 99.05% /
 0.015 with 39% of the blocks in int8 (mixed:4: 81% of them, 98.5% / 0.028), int8-at:head 98.0% /
@@ -43,8 +44,10 @@ def window_logprobs(llm: LLM, ids: list[int], targets: list[int]) -> tuple[torch
     """Teacher-forced window: (top-1 token [n], log p of the target token [n]) at its first n = len(targets)
     positions (only these are kept: full [n, vocab] log-probs of every window would take gigabytes)."""
     model = llm.engine.model
+    # the engine's cache, written nowhere: only its element type matters (a half cache: attention reads the
+    # window's K/V rounded to half, as the cache would hold them)
     batch = build_attention_batch(torch.arange(len(ids)), [len(ids)], [torch.empty(0, dtype=torch.long)], [None],
-                                  NullSink(), None)
+                                  NullSink(), llm.engine.cache)
     with torch.inference_mode():
         lp = torch.log_softmax(model.logits(model(torch.tensor(ids), batch)).double(), dim=-1)[: len(targets)]
     return lp.argmax(-1), lp.gather(1, torch.tensor(targets)[:, None])[:, 0]
@@ -103,9 +106,10 @@ def main() -> None:
     lp: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     ids: list[int] = []
     for mode in ("exact", *args.modes):
-        undo = simulate(mode[4:]) if mode.startswith("sim:") else (lambda: None)
-        llm = LLM(args.model, progress=False, numerics="exact" if mode.startswith("sim:") else mode,
-                  kv_cache_blocks=16)
+        base, _, kv = mode.partition("+kv")  # MODE+kv16: MODE with a float16 KV cache
+        undo = simulate(base[4:]) if base.startswith("sim:") else (lambda: None)
+        llm = LLM(args.model, progress=False, numerics="exact" if base.startswith("sim:") else base,
+                  kv_cache_blocks=16, kv_cache_dtype={"": "auto", "16": "float16"}[kv])
         ids = llm.encode(Path(args.text).read_text())
         t = time.perf_counter()
         lp[mode] = [window_logprobs(llm, ids[s:s + args.window], ids[s + 1:s + 1 + args.window])

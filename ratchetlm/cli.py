@@ -9,7 +9,7 @@ import logging
 import sys
 from typing import Any
 
-from ratchetlm.engine.config import NUMERICS, EngineConfig
+from ratchetlm.engine.config import KV_CACHE_DTYPES, NUMERICS, EngineConfig
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C'd program
 
@@ -41,6 +41,8 @@ _ENGINE_HELP = {
     "gguf_kernels": "CPU fp32: GGUF (and 16-bit HF) weights stay in stored form, matmuls read them (true/false)",
     "numerics": "CPU block kernels: auto (int16 for a quantized GGUF, else exact) | exact (fp32 activations, "
                 "HF-identical) | int8 | int16 (integer activations, VNNI dot products)",
+    "kv_cache_dtype": "KV cache element type: auto (the run dtype) | float32 | float16 (half the KV memory and "
+                      "attention reads; K/V rounded to half once, as written)",
     "seed": "global RNG seed for unseeded sampling",
     "jump_forward": "structured outputs: commit grammar-forced tokens in the same forward as the next one (true/false)",
     "progress": "show progress bars (true/false)",
@@ -86,6 +88,8 @@ def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> N
             p.add_argument(flag, *short, type=int, default=default, help=_ENGINE_HELP[f.name])
         elif f.name == "numerics":
             p.add_argument(flag, type=str, default=default, choices=("auto", *NUMERICS), help=_ENGINE_HELP[f.name])
+        elif f.name == "kv_cache_dtype":
+            p.add_argument(flag, type=str, default=default, choices=tuple(KV_CACHE_DTYPES), help=_ENGINE_HELP[f.name])
         else:
             p.add_argument(flag, type=str, default=default, help=_ENGINE_HELP[f.name])
     p.add_argument("--speculative", type=json.loads, default=None,

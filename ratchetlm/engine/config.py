@@ -11,6 +11,7 @@ import torch
 from ratchetlm.engine.dtype import DTYPES, DtypeChoice, choose_dtype
 
 NUMERICS = ("exact", "int8", "int16")  # CPU block kernels' compute modes (layers/block_quant.py)
+KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,12 @@ class EngineConfig:
     # HF-identical (quality vs exact: docs/architecture.md); "auto" = int16 for a quantized GGUF on CPU
     # in fp32 (the fastest mode meeting the quality gates, README), exact otherwise
     numerics: str = "auto"
+    # the KV cache's element type. "float16" (llama.cpp's default) halves the cache's memory and the bytes
+    # attention reads a step, each K/V value rounded to half once, as it is written (attention reads a
+    # token's K/V as the cache holds them from the step that makes them on, so speculative == plain and
+    # alone == batched hold in the integer modes); "auto" = float16 in the integer numerics modes (they
+    # meet the quality gates with it: README) and the run dtype otherwise (fp32 on CPU: HF-identical)
+    kv_cache_dtype: str = "auto"
     seed: int = 0  # global RNG seed for unseeded sampling
     # structured outputs: tokens the grammar forces are verified and committed in the same forward as
     # the model's next token (same output, fewer forwards); False = one token per forward
@@ -75,6 +82,8 @@ class EngineConfig:
         if self.numerics in ("int8", "int16") and (not self.gguf_kernels or self.device != "cpu"):
             raise ValueError(f"numerics={self.numerics!r} runs on the CPU block kernels: it needs device='cpu' "
                              "and gguf_kernels=True")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         n = self.tensor_parallel_size
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {n!r}")
@@ -96,6 +105,13 @@ class EngineConfig:
 
     def torch_dtype(self) -> torch.dtype:
         return self.dtype_choice().dtype
+
+    def kv_dtype(self, run_dtype: torch.dtype, numerics: str) -> torch.dtype:
+        """The KV cache's element type for a run in ``run_dtype`` and ``numerics`` (the model's mode)."""
+        chosen = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        if chosen is not None:
+            return chosen
+        return torch.float16 if numerics in ("int8", "int16") and run_dtype == torch.float32 else run_dtype
 
     def with_model_numerics(self, model: Any) -> EngineConfig:
         """``numerics="auto"`` resolved to the mode ``model`` was loaded in (the loader decides:

@@ -29,7 +29,6 @@ RENAMED = {"kv_cache_memory_bytes": "kv_cache_bytes", "num_gpu_blocks_override":
 # vLLM name -> the values we can honour (anything else changes results: refused)
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "quantization": (None, "gguf"),  # GGUF block formats are read as stored; AWQ/GPTQ/fp8 are not
-    "kv_cache_dtype": ("auto",),  # the cache holds K/V in the run dtype
     "load_format": ("auto", "gguf", "safetensors"),
     "pipeline_parallel_size": (1,),
     "data_parallel_size": (1,),  # offline LLM: one engine (``ratchet serve --data-parallel-size``)

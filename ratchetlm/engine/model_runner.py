@@ -10,7 +10,7 @@ import torch
 
 from ratchetlm.decoding.base import Proposal
 from ratchetlm.engine.block_manager import BlockManager
-from ratchetlm.engine.config import EngineConfig
+from ratchetlm.engine.config import KV_CACHE_DTYPES, EngineConfig
 from ratchetlm.engine.layer_groups import GroupedBlocks, grouped_cache
 from ratchetlm.engine.sequence import Sequence
 from ratchetlm.kv.cache import KVCache
@@ -59,7 +59,12 @@ def build_runner(cfg: EngineConfig, model: Any, model_config: Any, dtype: torch.
     A model that mixes sliding-window and global layers gets a pool per kind (engine/layer_groups.py)."""
     make = getattr(model, "make_runner", None)
     if make is not None:
+        if cfg.kv_cache_dtype != "auto" and KV_CACHE_DTYPES[cfg.kv_cache_dtype] != dtype:
+            raise ValueError(f"kv_cache_dtype={cfg.kv_cache_dtype!r} is not supported by {type(model).__name__}'s "
+                             "cache layout (its cache holds the run dtype: use kv_cache_dtype='auto')")
         return make(cfg, dtype, device, max_model_len)
+    # from here on dtype is the cache's element type
+    run_dtype, dtype = dtype, cfg.kv_dtype(dtype, getattr(model, "numerics", cfg.numerics))
     model.set_context_len(max_model_len)
     kv_heads = model.tp.nkv  # this rank's KV heads (all of them without tensor parallelism)
     local = [i for i in range(model_config.num_layers) if model_config.layer_window(i) is not None]
@@ -84,16 +89,18 @@ def build_runner(cfg: EngineConfig, model: Any, model_config: Any, dtype: torch.
     if parallel is not None:
         from ratchetlm.parallel.runner import TPModelRunner
 
-        return TPModelRunner(*args, step_tokens=cfg.max_num_batched_tokens, group=parallel)
-    return ModelRunner(*args, step_tokens=cfg.max_num_batched_tokens)
+        return TPModelRunner(*args, step_tokens=cfg.max_num_batched_tokens, dtype=run_dtype, group=parallel)
+    return ModelRunner(*args, step_tokens=cfg.max_num_batched_tokens, dtype=run_dtype)
 
 
 class ModelRunner:
     """The llama family's runner: paged per-token K/V (:class:`KVCache` + :class:`BlockManager`)."""
 
     def __init__(self, model: LlamaModel, cache: KVCache, blocks: BlockManager | GroupedBlocks, device: torch.device,
-                 staging_capacity: int = 1024, max_model_len: int | None = None, step_tokens: int = 2048) -> None:
+                 staging_capacity: int = 1024, max_model_len: int | None = None, step_tokens: int = 2048,
+                 dtype: torch.dtype | None = None) -> None:
         self.model = model
+        self.dtype = dtype or cache.dtype  # the run's activations (the cache may hold K/V narrower)
         self.step_tokens = step_tokens  # most tokens one step feeds a sequence (max_num_batched_tokens)
         self.cache = cache
         self.blocks = blocks
@@ -206,7 +213,7 @@ class ModelRunner:
             sink = StepSink(self.cache, self.cache.by_group(plan.slot_mapping.to(dev)), self.staging, stage)
         positions = plan.positions.to(dev)
         batch = build_attention_batch(positions, plan.new_lens, plan.context_slots, plan.masks, sink, self.cache,
-                                      dtype=self.cache.dtype, ctx_starts=plan.ctx_starts)
+                                      dtype=self.dtype, ctx_starts=plan.ctx_starts)
         hidden = self.model(plan.ids.to(dev), batch, num_layers=plan.num_layers)
         rows = torch.tensor(plan.logit_rows, dtype=torch.long, device=dev)
         logits = self.model.logits(hidden[rows]).cpu()

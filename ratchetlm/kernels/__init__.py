@@ -151,7 +151,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ratchet_mm_q8w.argtypes = [p, i, p, p, i]
     lib.ratchet_mm_q8w.restype = None
     fl = ctypes.c_float
-    lib.ratchet_attention.argtypes = [p, p, p, p, p, p, i, p, i, p, i, i, i, i, fl, fl, p, i]
+    lib.ratchet_attention.argtypes = [p, p, p, p, p, p, i, p, i, p, i, i, i, i, fl, fl, i, p, i]
     lib.ratchet_attention.restype = None
     lib.ratchet_rms_norm.argtypes = [p, p, p, p, i64, i64, fl, i, p, i]
     lib.ratchet_rms_norm.restype = None

@@ -18,7 +18,8 @@
  * vector polynomial on AVX-512 (expf in portable C).
  *
  * Layouts: q, out [T, H, D] and this forward's kn, vn [T, Hkv, D] packed over the sequences; context
- * keys read in place from the cache layer kc, vc [slots, Hkv, D] by slot (query head h reads KV head
+ * keys read in place from the cache layer kc, vc [slots, Hkv, D] (fp32, or IEEE half with kv_half: a
+ * half cache, read widened exactly; see kv_row) by slot (query head h reads KV head
  * h / (H / Hkv)); nothing is gathered or padded.
  */
 #include <math.h>
@@ -129,32 +130,59 @@ typedef struct {
     int b, hk, t0, t1; /* sequence, KV head, its query tiles [t0, t1) */
 } work_t;
 
+/* Row j of sequence b's keys (or values) for KV head hk: context rows come from the cache layer (fp32,
+ * or IEEE half with kv_half), new rows from this forward's fp32 rows. With a half cache a new row is
+ * read rounded to half (round to nearest even, as the cache write rounds it), so every row is seen as
+ * the cache holds it: a token's K/V are the same numbers in the step that makes them and in every
+ * later one (speculative == plain decoding, alone == batched). */
+typedef struct {
+    const char *p;
+    int cached;
+} kvrow_t;
+
+static inline kvrow_t kv_row(const float *fresh, const void *cache, int kv_half, const int64_t *ctx_slots, int max_ctx,
+                             int b, int j, int ctx, int start, int Hkv, int hk, int D) {
+    if (j < ctx)
+        return (kvrow_t){(const char *)cache + (ctx_slots[(long)b * max_ctx + j] * Hkv + hk) * D * (kv_half ? 2L : 4L), 1};
+    return (kvrow_t){(const char *)(fresh + ((long)(start + j - ctx) * Hkv + hk) * D), 0};
+}
+
+static inline float kv_load1(kvrow_t r, int d, int kv_half) {
+    if (!kv_half) return ((const float *)r.p)[d];
+    if (r.cached) return (float)((const _Float16 *)r.p)[d];
+    return (float)(_Float16)((const float *)r.p)[d];
+}
+
+#if defined(__AVX512F__)
+static inline __m512 kv_load16(kvrow_t r, int d, int kv_half) {
+    if (!kv_half) return _mm512_loadu_ps((const float *)r.p + d);
+    if (r.cached) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)r.p + d)));
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(_mm512_loadu_ps((const float *)r.p + d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#endif
+
 /* Keys [0, Lk) of sequence b, KV head hk, transposed: dst[d][LP] (LP = Lk rounded up to KL; zero
  * padding), one key per lane. Context key j is cache row ctx_slots[b][j], new key j >= ctx packed row
  * start + j - ctx. */
-static void transpose_keys(const float *kn, const float *kc, const int64_t *ctx_slots, int max_ctx, int b, int hk,
-                           int ctx, int start, int Lk, int Hkv, int D, float *dst) {
+static void transpose_keys(const float *kn, const void *kc, int kv_half, const int64_t *ctx_slots, int max_ctx, int b,
+                           int hk, int ctx, int start, int Lk, int Hkv, int D, float *dst) {
     const int LP = (Lk + KL - 1) / KL * KL;
     for (int j0 = 0; j0 < LP; j0 += KL) { /* KL key rows at a time (they stay in L1) */
-        const float *kr[KL];
-        for (int j = 0; j < KL; j++) {
-            const int jj = j0 + j;
-            kr[j] = jj >= Lk ? NULL
-                    : jj < ctx ? kc + (ctx_slots[(long)b * max_ctx + jj] * Hkv + hk) * D
-                               : kn + ((long)(start + jj - ctx) * Hkv + hk) * D;
-        }
+        kvrow_t kr[KL];
+        for (int j = 0; j < KL; j++)
+            kr[j] = j0 + j >= Lk ? (kvrow_t){NULL, 0}
+                                 : kv_row(kn, kc, kv_half, ctx_slots, max_ctx, b, j0 + j, ctx, start, Hkv, hk, D);
 #if defined(__AVX512F__)
         if (D % 16 == 0) { /* 16 x 16 blocks, transposed in registers */
-            for (int j = 0; j < KL; j++) { /* the next block's rows (scattered by slot: see K_AHEAD) */
+            for (int j = 0; j < KL; j++) { /* the next block's rows (scattered by slot: see V_AHEAD) */
                 const int jj = j0 + KL + j;
                 if (jj >= Lk) break;
-                const float *nr = jj < ctx ? kc + (ctx_slots[(long)b * max_ctx + jj] * Hkv + hk) * D
-                                           : kn + ((long)(start + jj - ctx) * Hkv + hk) * D;
-                for (int d = 0; d < D; d += 16) _mm_prefetch((const char *)(nr + d), _MM_HINT_T0);
+                const kvrow_t nr = kv_row(kn, kc, kv_half, ctx_slots, max_ctx, b, jj, ctx, start, Hkv, hk, D);
+                for (int d = 0; d < D * (nr.cached && kv_half ? 2 : 4); d += 64) _mm_prefetch(nr.p + d, _MM_HINT_T0);
             }
             for (int d0 = 0; d0 < D; d0 += 16) {
                 __m512 r[KL];
-                for (int j = 0; j < KL; j++) r[j] = kr[j] ? _mm512_loadu_ps(kr[j] + d0) : _mm512_setzero_ps();
+                for (int j = 0; j < KL; j++) r[j] = kr[j].p ? kv_load16(kr[j], d0, kv_half) : _mm512_setzero_ps();
                 transpose16(r);
                 for (int d = 0; d < 16; d++) _mm512_store_ps(dst + (long)(d0 + d) * LP + j0, r[d]);
             }
@@ -162,7 +190,7 @@ static void transpose_keys(const float *kn, const float *kc, const int64_t *ctx_
         }
 #endif
         for (int d = 0; d < D; d++)
-            for (int j = 0; j < KL; j++) dst[(long)d * LP + j0 + j] = kr[j] ? kr[j][d] : 0.0f;
+            for (int j = 0; j < KL; j++) dst[(long)d * LP + j0 + j] = kr[j].p ? kv_load1(kr[j], d, kv_half) : 0.0f;
     }
 }
 
@@ -175,9 +203,9 @@ static void transpose_keys(const float *kn, const float *kc, const int64_t *ctx_
  * out and read back for every head. A (sequence, head)'s tiles are split into runs only as far as
  * the threads need work and each run keeps RUN_TILES tiles or more (a long prefill; a verify step's
  * few tiles share one transposition), each run transposing its own keys. */
-void ratchet_attention(const float *q, const float *kn, const float *vn, const float *kc, const float *vc,
+void ratchet_attention(const float *q, const float *kn, const float *vn, const void *kc, const void *vc,
                        const int64_t *ctx_slots, int max_ctx, const int32_t *seq_meta, int max_new, const float *mask,
-                       int B, int H, int Hkv, int D, float scale, float softcap, float *out, int threads) {
+                       int B, int H, int Hkv, int D, float scale, float softcap, int kv_half, float *out, int threads) {
     const int G = H / Hkv;
     int LPmax = 0, nwork = 0, pairs = 0;
     for (int b = 0; b < B; b++) {
@@ -215,7 +243,7 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const f
                 Lk = e1 / n > e0 / n ? L : ctx + e1 % n + 1; /* one head's rows e0 % n .. e1 % n, else all */
             }
             const int LP = (Lk + KL - 1) / KL * KL;
-            transpose_keys(kn, kc, ctx_slots, max_ctx, b, hk, ctx, start, Lk, Hkv, D, kt);
+            transpose_keys(kn, kc, kv_half, ctx_slots, max_ctx, b, hk, ctx, start, Lk, Hkv, D, kt);
             const float *kb = kt; /* this run's keys, [D][LP] */
             for (int tq = work[w].t0; tq < work[w].t1; tq++) {
                 const int nq = NQ - tq * QT < QT ? NQ - tq * QT : QT;
@@ -318,16 +346,15 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const f
                         for (int u = 0; u < QT; u++)
                             for (int c = 0; c < 4; c++) o[u][c] = _mm512_setzero_ps();
                         for (int j = 0; j < lmax; j++) {
-                            const float *vr = (j < ctx ? vc + (ctx_slots[(long)b * max_ctx + j] * Hkv + hk) * D
-                                                       : vn + ((long)(start + j - ctx) * Hkv + hk) * D) + d0;
+                            const kvrow_t vr = kv_row(vn, vc, kv_half, ctx_slots, max_ctx, b, j, ctx, start, Hkv, hk, D);
                             if (j + V_AHEAD < lmax) {
-                                const int jn = j + V_AHEAD;
-                                const float *nr = (jn < ctx ? vc + (ctx_slots[(long)b * max_ctx + jn] * Hkv + hk) * D
-                                                            : vn + ((long)(start + jn - ctx) * Hkv + hk) * D) + d0;
-                                for (int c = 0; c < 64; c += 16) _mm_prefetch((const char *)(nr + c), _MM_HINT_T0);
+                                const kvrow_t nr = kv_row(vn, vc, kv_half, ctx_slots, max_ctx, b, j + V_AHEAD, ctx, start,
+                                                          Hkv, hk, D);
+                                const int es = nr.cached && kv_half ? 2 : 4;
+                                for (int c = 0; c < 64 * es; c += 64) _mm_prefetch(nr.p + d0 * es + c, _MM_HINT_T0);
                             }
-                            const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16),
-                                         v2 = _mm512_loadu_ps(vr + 32), v3 = _mm512_loadu_ps(vr + 48);
+                            const __m512 v0 = kv_load16(vr, d0, kv_half), v1 = kv_load16(vr, d0 + 16, kv_half),
+                                         v2 = kv_load16(vr, d0 + 32, kv_half), v3 = kv_load16(vr, d0 + 48, kv_half);
                             for (int u = 0; u < nq; u++) {
                                 const float p = s[(long)u * LP + j];
                                 if (j >= lim[u] || p == 0.0f) continue;
@@ -346,13 +373,12 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const f
                     for (int u = 0; u < nq; u++)
                         for (int d = 0; d < dn; d++) acc[(long)u * (D + 16) + d0 + d] = 0.0f;
                     for (int j = 0; j < lmax; j++) {
-                        const float *vr = (j < ctx ? vc + (ctx_slots[(long)b * max_ctx + j] * Hkv + hk) * D
-                                                   : vn + ((long)(start + j - ctx) * Hkv + hk) * D) + d0;
+                        const kvrow_t vr = kv_row(vn, vc, kv_half, ctx_slots, max_ctx, b, j, ctx, start, Hkv, hk, D);
                         for (int u = 0; u < nq; u++) {
                             const float p = s[(long)u * LP + j];
                             if (j >= lim[u] || p == 0.0f) continue;
                             float *au = acc + (long)u * (D + 16) + d0;
-                            for (int d = 0; d < dn; d++) au[d] = fmaf(p, vr[d], au[d]);
+                            for (int d = 0; d < dn; d++) au[d] = fmaf(p, kv_load1(vr, d0 + d, kv_half), au[d]);
                         }
                     }
                 }

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -247,8 +248,12 @@ def paged_attention(
     batch.sink.write(layer, **({"k": k, "v": v} if batch.cache is None else batch.cache.rows(layer, k, v)))
     batch = batch.windowed(window)
     if fixed_order and q.dtype == torch.float32 and q.device.type == "cpu" and kernels.load() is not None and (
-            batch.cache is None or batch.cache.dtype == torch.float32):
+            batch.cache is None or batch.cache.dtype in (torch.float32, torch.float16)):
         return _fixed_order_attention(layer, q, k, v, batch, scale, softcap)
+    if batch.cache is not None and batch.cache.dtype != q.dtype:
+        # a narrower cache (kv_cache_dtype): attend to this forward's K/V as the cache holds them, so a
+        # token's K/V are the same numbers in the step that makes them and in every later one
+        k, v = k.to(batch.cache.dtype).to(q.dtype), v.to(batch.cache.dtype).to(q.dtype)
     t, h, d = q.shape
     hkv = k.shape[1]
     b, n = batch.num_seqs, batch.max_new
@@ -286,6 +291,11 @@ def paged_attention(
     return out if b == 1 else out.index_select(0, batch.unpad_index)
 
 
+def kv_half(cache: Any) -> bool:
+    """The cache holds IEEE half K/V (kernels/attention.c reads them widened, this forward's rounded)."""
+    return cache is not None and cache.dtype == torch.float16
+
+
 def _fixed_order_attention(
     layer: int,
     q: torch.Tensor,  # [num_tokens, H, D] packed
@@ -312,8 +322,8 @@ def _fixed_order_attention(
     lib.ratchet_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), 0 if kc is None else kc.data_ptr(),
                           0 if vc is None else vc.data_ptr(), slots, batch.max_ctx,
                           batch.seq_meta.data_ptr(), batch.max_new, 0 if mask is None else mask.data_ptr(),
-                          batch.num_seqs, h, k.shape[1], d, scale, softcap or 0.0, out.data_ptr(),
-                          torch.get_num_threads())
+                          batch.num_seqs, h, k.shape[1], d, scale, softcap or 0.0, int(kv_half(batch.cache)),
+                          out.data_ptr(), torch.get_num_threads())
     return out
 
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ratchetlm import kernels
 from ratchetlm.layers import norm_rope
-from ratchetlm.layers.attention import AttentionBatch
+from ratchetlm.layers.attention import AttentionBatch, kv_half
 
 if TYPE_CHECKING:
     from ratchetlm.models.llama import DecoderLayer, LlamaModel
@@ -148,6 +148,7 @@ class DecodeChain:
         gate, up = gu.chunk(2, dim=-1)
         cache, meta = batch.cache, batch.seq_meta
         assert meta is not None and t <= self.MAX_ROWS
+        half = int(kv_half(cache))
         mask = batch.fixed_order_mask()
         mask_p = 0 if mask is None else _ptr(mask)
         x = x.contiguous()
@@ -188,7 +189,7 @@ class DecodeChain:
                 kt, vt = cache.layer_kv(i)
                 kc, vc, slots = _ptr(kt), _ptr(vt), batch.slot_rows_ptr(cache.slot_row(i))
             lib.ratchet_attention(q_p, k_p, v_p, kc, vc, slots, batch.max_ctx, _ptr(meta), batch.max_new, mask_p,
-                                  batch.num_seqs, nh, nkv, hd, ly.scale, ly.softcap or 0.0, attn_p, nt)
+                                  batch.num_seqs, nh, nkv, hd, ly.scale, ly.softcap or 0.0, half, attn_p, nt)
             o_fn(attn_p, t, o_w, _ptr(o), nt)
             lib.ratchet_rms_norm(x_p, _ptr(o), xs_p[nxt], w_post, t, dim, eps, lanes, hn_p, nt)
             x_p, nxt = xs_p[nxt], nxt ^ 1

@@ -167,7 +167,7 @@ class LlamaModel(nn.Module):
         local = cos_sin if self.local_rope is None else self.local_rope.cos_sin(batch.positions)
         chain = self._chain
         if (chain is not None and x.shape[0] <= chain.MAX_ROWS
-                and (batch.cache is None or batch.cache.dtype == torch.float32) and chain.ready()):
+                and (batch.cache is None or batch.cache.dtype in (torch.float32, torch.float16)) and chain.ready()):
             # a few new tokens: the same kernels without the layer-by-layer Python (models/decode_chain.py)
             xs, hs = chain.run(x, cos_sin, batch, num_layers or len(self.layers))
             return self.norm.forward_residual(xs, hs)[1]

@@ -43,7 +43,7 @@ def test_mapped_arguments():
 
 
 @pytest.mark.parametrize("name, value", [
-    ("quantization", "awq"), ("kv_cache_dtype", "fp8"), ("enable_lora", True), ("pipeline_parallel_size", 2),
+    ("quantization", "awq"), ("enable_lora", True), ("pipeline_parallel_size", 2),
     ("rope_scaling", {"rope_type": "linear", "factor": 2.0}),
 ])
 def test_arguments_that_would_change_results_are_refused(name, value):
@@ -51,12 +51,20 @@ def test_arguments_that_would_change_results_are_refused(name, value):
         split_engine_args({name: value})
 
 
-@pytest.mark.parametrize("name, value", [("quantization", None), ("quantization", "gguf"), ("kv_cache_dtype", "auto"),
-                                         ("enable_lora", False), ("task", "generate")])
+@pytest.mark.parametrize("name, value", [("quantization", None), ("quantization", "gguf"), ("enable_lora", False),
+                                         ("task", "generate")])
 def test_their_neutral_values_are_accepted(name, value):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert split_engine_args({name: value}) == ({}, {})
+
+
+def test_kv_cache_dtype_is_a_field_and_fp8_is_refused():
+    from ratchetlm.engine.config import EngineConfig
+
+    assert split_engine_args({"kv_cache_dtype": "float16"}) == ({"kv_cache_dtype": "float16"}, {})
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, float16, got 'fp8'"):
+        EngineConfig(kv_cache_dtype="fp8")
 
 
 def test_unknown_argument_is_a_type_error():

@@ -48,6 +48,12 @@ def reference8(llm_int8, encoded8) -> list[list[int]]:
     return [run_engine(int8_engine(llm_int8), [p], GREEDY)[0] for p in encoded8]
 
 
+
+def test_the_engines_here_run_a_half_kv_cache(llm_int8):
+    """kv_cache_dtype="auto" in the integer modes: every equality below holds with K/V rounded to half as
+    written (tests/core/test_kv_cache_dtype.py has the kernel's oracle)."""
+    assert int8_engine(llm_int8).cache.k.dtype == torch.float16
+
 def test_config_and_cli_validate_numerics():
     with pytest.raises(ValueError, match="numerics must be"):
         EngineConfig(numerics="fp8")

@@ -46,7 +46,7 @@ class DraftModelProposer(Proposer):
     def __init__(self, cfg: Any, ctx: Any) -> None:
         super().__init__(cfg, ctx)
         runner = ctx.runner
-        dtype = runner.cache.dtype
+        dtype = runner.dtype
         try:
             loaded = load_model(cfg.draft_model, runner.device, dtype, progress=False)
         except ModelLoadError as e:

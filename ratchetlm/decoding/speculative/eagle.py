@@ -162,7 +162,7 @@ class EagleProposer(Proposer):
         if target.tp.size > 1:  # it reads the target's embedding and head rows, which are split over the ranks
             raise ValueError("speculative method='eagle' does not run with tensor_parallel_size > 1; use 'ngram', "
                              "'draft' (layer-skip) or 'draft_model'")
-        dtype, dev = runner.cache.dtype, runner.device
+        dtype, dev = runner.dtype, runner.device
         path = cfg.draft_model or BUNDLED_HEAD
         head = EagleHead.load(path)
         hc, tc = head.config, ctx.model_config
