@@ -14,7 +14,8 @@ weights untouched; what a kernel of that precision would give, to fp32 summation
 writing one. RULE: ``int8`` / ``int16`` (blocks of 32, as the kernels), ``int8/16`` (int8 in blocks of
 16), ``mixed:T`` (a block in int8 where its max |x| <= T x its row's rms, else int16), ``int8-at:KINDS``
 (int8 only in the comma-separated matmul kinds qkv, o, gate_up, down, head; int16 elsewhere).
-``MODE+kv16`` (e.g. ``int16+kv16``, ``exact+kv16``): MODE with ``kv_cache_dtype="float16"``.
+``MODE+kv16`` / ``MODE+kv32`` (e.g. ``int16+kv32``, ``exact+kv16``): MODE with ``kv_cache_dtype="float16"`` /
+``"float32"`` (plain MODE: ``"auto"``, float16 in the integer modes).
 Measured 2026-11-26 on the default model (top-1 agreement / mean |d log p|): sim:int8 95.3% / 0.070
 (the int8 mode itself 95.5% / 0.072), sim:int16 100% / 0.0003, int8/16 96.1% / 0.052, mixed:2 99.05% /
 0.015 with 39% of the blocks in int8 (mixed:4: 81% of them, 98.5% / 0.028), int8-at:head 98.0% /
@@ -106,10 +107,10 @@ def main() -> None:
     lp: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     ids: list[int] = []
     for mode in ("exact", *args.modes):
-        base, _, kv = mode.partition("+kv")  # MODE+kv16: MODE with a float16 KV cache
+        base, _, kv = mode.partition("+kv")  # MODE+kv16 / MODE+kv32: MODE with a float16 / float32 KV cache
         undo = simulate(base[4:]) if base.startswith("sim:") else (lambda: None)
         llm = LLM(args.model, progress=False, numerics="exact" if base.startswith("sim:") else base,
-                  kv_cache_blocks=16, kv_cache_dtype={"": "auto", "16": "float16"}[kv])
+                  kv_cache_blocks=16, kv_cache_dtype={"": "auto", "16": "float16", "32": "float32"}[kv])
         ids = llm.encode(Path(args.text).read_text())
         t = time.perf_counter()
         lp[mode] = [window_logprobs(llm, ids[s:s + args.window], ids[s + 1:s + 1 + args.window])
