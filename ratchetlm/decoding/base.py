@@ -101,12 +101,6 @@ class DecodeStrategy(ABC):
         every entry is None."""
         return [None] * len(seqs)
 
-    def observe_step_time(self, seconds: float) -> None:
-        """The engine step that just ended (every forward of it, the proposals, the commits) took
-        ``seconds`` of wall time; strategies that price their own work (speculative drafts) learn
-        from it."""
-        return None
-
     def on_preempt(self, seq: Sequence) -> None:
         """The sequence lost its KV and will be recomputed; drop private state."""
         seq.strategy_state.clear()

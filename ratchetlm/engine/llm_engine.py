@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -200,7 +199,6 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[StepOutput]:
-        t0 = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
@@ -218,7 +216,6 @@ class LLMEngine:
             seqs, budgets = [s for s, _ in left if s.seq_id in cont], [b for s, b in left if s.seq_id in cont]
             propose = _handing_out(cont)
         self.stats.steps += 1
-        self.strategy.observe_step_time(time.perf_counter() - t0)
         return list(outs.values())
 
     def _step_isolated(self, seqs: list[Sequence], budgets: list[int], propose: ProposeFn,

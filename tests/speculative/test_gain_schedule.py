@@ -179,11 +179,9 @@ def test_default_schedule_reads_the_measured_curve(spec_llm):
 
     assert SpecConfig().verify_token_cost is None
     ctx = type("Ctx", (), {"runner": spec_llm.engine.runner})()
-    price = verify_cost(SpecConfig(), ctx)  # the measured curve, refined by the engine's own steps
-    assert price.curve is cost_curve.measured(spec_llm.engine.model) and price.adaptive
-    fixed = verify_cost(SpecConfig(verify_token_cost=0.2), ctx)  # a fixed price: nothing measured
-    assert fixed.curve == cost_curve.CostCurve.linear(0.2) and not fixed.adaptive
-    assert NgramProposer(SpecConfig(), ctx).gain.cost.curve is cost_curve.measured(spec_llm.engine.model)
+    assert verify_cost(SpecConfig(), ctx) is cost_curve.measured(spec_llm.engine.model)
+    assert verify_cost(SpecConfig(verify_token_cost=0.2), ctx) == cost_curve.CostCurve.linear(0.2)
+    assert NgramProposer(SpecConfig(), ctx).gain.cost is cost_curve.measured(spec_llm.engine.model)
 
 
 def test_greedy_text_is_plain_greedy_whatever_the_curve(spec_llm, encoded, reference):
@@ -191,7 +189,6 @@ def test_greedy_text_is_plain_greedy_whatever_the_curve(spec_llm, encoded, refer
     free rows (every match drafted to full depth) and a curve that turns dear after 16 rows (the
     11 prompts' batch leaves room for a few drafts) all give plain greedy's tokens, batched."""
     from ratchetlm.decoding.speculative.cost_curve import CostCurve, measured
-    from ratchetlm.decoding.speculative.gain import as_price
 
     from .conftest import GREEDY, make_engine, run_engine
 
@@ -202,9 +199,9 @@ def test_greedy_text_is_plain_greedy_whatever_the_curve(spec_llm, encoded, refer
         eng = make_engine(spec_llm, "speculative", method="ngram", depth=6, depth_schedule="gain",
                           verify_token_cost=None)
         gain = eng.strategy.proposer.gain
-        assert gain.cost.curve is measured(spec_llm.engine.model)  # the default reads the measured curve
+        assert gain.cost is measured(spec_llm.engine.model)  # the default reads the measured curve
         if c is not None:
-            gain.cost = as_price(c)  # the curve alone
+            gain.cost = c
         assert run_engine(eng, encoded, GREEDY) == reference, name
         drafted[name] = eng.strategy.metrics()["spec_decode_num_draft_tokens"]
     assert drafted["free"] > drafted["kink"] > 0  # not vacuous: both drafted, the cheap curve more

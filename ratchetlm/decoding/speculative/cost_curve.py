@@ -9,10 +9,9 @@ switch point in layers/block_quant.py; :meth:`CostCurve.linear` is the old const
 pin so that their draft lengths do not depend on how busy the machine is).
 
 Only speed depends on the curve: it changes how many tokens are drafted, never which drafted
-tokens are accepted, so greedy text is the same whatever it says. It is the prior: once the engine
-has timed enough of its own steps, drafts are priced by those (step_price.py). Seeded speculative
-sampling draws the same tokens for the same draft lengths, so it repeats exactly with a fixed
-``verify_token_cost``.
+tokens are accepted, so greedy text is the same whatever it says. Seeded speculative sampling
+draws the same tokens for the same draft lengths, so it repeats exactly within a process (one
+measurement per model) and with a fixed ``verify_token_cost``.
 """
 
 from __future__ import annotations

@@ -45,7 +45,6 @@ from ratchetlm.decoding.speculative.cost_curve import CostCurve
 from ratchetlm.decoding.speculative.draft_cache import DraftCache, DraftSeqState
 from ratchetlm.decoding.speculative.gain import draft_value
 from ratchetlm.decoding.speculative.proposers import DraftBeam, Proposer, register_proposer, verify_cost
-from ratchetlm.decoding.speculative.step_price import StepPrice
 from ratchetlm.engine.sequence import Sequence
 from ratchetlm.kv.sink import DirectSink, KVSink, NullSink
 from ratchetlm.layers.attention import AttentionBatch, build_attention_batch
@@ -180,7 +179,7 @@ class EagleProposer(Proposer):
         self.draft = DraftCache(_STATE, 1, cfg.draft_kv_blocks or runner.blocks.num_blocks, runner.blocks.block_size,
                                 hc.num_kv_heads, hc.head_dim, dtype, dev)
         self.num_forwards = 0
-        self.verify_cost = verify_cost(cfg, ctx) if cfg.depth_schedule == "gain" else StepPrice(CostCurve.linear(0.0))
+        self.verify_cost = verify_cost(cfg, ctx) if cfg.depth_schedule == "gain" else CostCurve.linear(0.0)
 
     def _draft_vocab_head(self, target: LlamaModel, dtype: torch.dtype) -> Linear:
         """The target's head restricted to the draft vocabulary (rows in draft-vocab order; GGUF
@@ -306,8 +305,5 @@ class EagleProposer(Proposer):
                 out[i] = DraftBeam(torch.tensor([drafted[j][:d]]), torch.tensor([scores[j][:d]]))
         return out
 
-    def observe_step(self, batch: int, rows: int, drafting_seqs: int, seconds: float) -> None:
-        self.verify_cost.observe(batch, rows, drafting_seqs, seconds)
-
     def metrics(self) -> dict[str, float]:
-        return {"spec_draft_forwards": self.num_forwards, **self.draft.metrics(), **self.verify_cost.metrics()}
+        return {"spec_draft_forwards": self.num_forwards, **self.draft.metrics()}

@@ -16,9 +16,7 @@ schedule drafts the length ``d`` in ``[0, depth]`` maximising committed tokens p
 with the output for at least ``j`` tokens; ``share = C(B) / B`` is one sequence's part of a
 plain forward over ``B`` decoding sequences (at batch 1, ``share = 1``) and ``e`` the rows the
 step's earlier sequences already drafted, so the same rule drafts less in big batches, where a
-CPU verify is most compute bound. Once the engine has timed enough of its own plain and drafting
-steps, the price of the extra rows is what they measured instead of the curve's (step_price.py;
-never with a fixed ``verify_token_cost``).
+CPU verify is most compute bound.
 
 The estimate is judged after the fact: each step records the continuation the lookup found
 (drafted or not, full ``depth``), and once the committed tokens have passed it, how many of its
@@ -39,7 +37,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ratchetlm.decoding.speculative.cost_curve import CostCurve
-from ratchetlm.decoding.speculative.step_price import StepPrice
 
 PRIOR_WEIGHT = 2.0  # pseudo-observations of the strategy-wide rate in a sequence's estimate
 
@@ -90,9 +87,10 @@ def agreed_prefix(a: list[int], b: list[int]) -> int:
 
 
 class GainSchedule:
-    def __init__(self, max_n: int, depth: int, verify_token_cost: float | CostCurve | StepPrice) -> None:
+    def __init__(self, max_n: int, depth: int, verify_token_cost: float | CostCurve) -> None:
         self.max_n, self.depth = max_n, depth
-        self.cost = as_price(verify_token_cost)
+        self.cost = verify_token_cost if isinstance(verify_token_cost, CostCurve) else CostCurve.linear(
+            verify_token_cost)
         self.totals = AgreementCounts(max_n, depth)  # strategy-wide, the prior of every sequence
 
     def new_record(self) -> SequenceRecord:
@@ -124,21 +122,14 @@ class GainSchedule:
         return int(np.argmax(value))  # ties go to the shorter draft
 
 
-def as_price(cost: CostCurve | float | StepPrice) -> StepPrice:
-    """A number is ``verify_token_cost`` (the linear curve), a curve is priced as it is (scale 1)."""
-    if isinstance(cost, StepPrice):
-        return cost
-    return StepPrice(cost if isinstance(cost, CostCurve) else CostCurve.linear(cost))
-
-
-def draft_value(expected_tokens: float, draft_len: int, cost: CostCurve | float | StepPrice, batch: int,
+def draft_value(expected_tokens: float, draft_len: int, cost: CostCurve | float, batch: int,
                 drafted: int = 0) -> float:
     """Expected committed tokens per unit of forward cost for one of ``batch`` decoding sequences
     that drafts ``draft_len`` tokens (0 = a plain step) after the step's other sequences drafted
-    ``drafted`` rows; ``cost``: the cost curve (a number: ``verify_token_cost``, the linear one),
-    or a :class:`StepPrice` (the curve until the engine measured what its drafting steps cost)."""
-    price = as_price(cost)
-    share = price.curve(batch) / batch  # this sequence's part of a plain forward
+    ``drafted`` rows; ``cost``: the cost curve (a number: ``verify_token_cost``, the linear one)."""
+    c = cost if isinstance(cost, CostCurve) else CostCurve.linear(cost)
+    share = c(batch) / batch  # this sequence's part of a plain forward
     if not draft_len:
         return expected_tokens / share
-    return expected_tokens / (share + price.extra(batch, drafted, draft_len))
+    base = batch + drafted
+    return expected_tokens / (share + c(base + draft_len + 1) - c(base))

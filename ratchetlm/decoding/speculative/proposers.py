@@ -20,7 +20,6 @@ import torch
 
 from ratchetlm.decoding.speculative.cost_curve import CostCurve, measured
 from ratchetlm.decoding.speculative.gain import GainSchedule, PendingContinuation
-from ratchetlm.decoding.speculative.step_price import StepPrice
 from ratchetlm.engine.sequence import Sequence
 
 PAD = -1
@@ -54,11 +53,6 @@ class Proposer(ABC):
     def observe(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
         """Only if ``wants_features``: the target's final hidden states ``[n, hidden]`` (after its
         last norm) of positions ``start .. start + n - 1``, whose K/V this step commits."""
-        return None
-
-    def observe_step(self, batch: int, rows: int, drafting_seqs: int, seconds: float) -> None:
-        """A finished engine step of ``batch`` decoding sequences (``rows`` rows, ``drafting_seqs``
-        drafted) took ``seconds``: proposers that price drafts learn what steps cost here."""
         return None
 
     def metrics(self) -> dict[str, float]:
@@ -129,16 +123,15 @@ def ngram_candidates(tokens: list[int], min_n: int, max_n: int, m: int, c: int) 
 _GAIN = "spec_gain"  # strategy_state key: the gain schedule's record of this sequence
 
 
-def verify_cost(cfg: Any, ctx: Any) -> StepPrice:
-    """The gain schedule's price of verified rows: ``verify_token_cost`` if set (the linear model,
-    nothing measured), else the target model's measured cost curve (cost_curve.py) scaled by what
-    the engine's own steps cost (step_price.py)."""
+def verify_cost(cfg: Any, ctx: Any) -> CostCurve:
+    """The gain schedule's price of verified rows: ``verify_token_cost`` if set (the linear model),
+    else the target model's measured cost curve (cost_curve.py)."""
     if cfg.verify_token_cost is not None:
-        return StepPrice(CostCurve.linear(cfg.verify_token_cost))
+        return CostCurve.linear(cfg.verify_token_cost)
     runner = getattr(ctx, "runner", None)
     if runner is None or getattr(runner, "model", None) is None:
-        return StepPrice(CostCurve.linear(0.09), adaptive=True)
-    return StepPrice(measured(runner.model, getattr(runner, "device", "cpu")), adaptive=True)
+        return CostCurve.linear(0.09)
+    return measured(runner.model, getattr(runner, "device", "cpu"))
 
 
 @register_proposer("ngram")
@@ -152,13 +145,7 @@ class NgramProposer(Proposer):
         self.gain_skipped = 0  # steps whose n-gram match was not worth drafting
 
     def metrics(self) -> dict[str, float]:
-        if self.gain is None:
-            return {}
-        return {"spec_decode_gain_skipped_drafts": self.gain_skipped, **self.gain.cost.metrics()}
-
-    def observe_step(self, batch: int, rows: int, drafting_seqs: int, seconds: float) -> None:
-        if self.gain is not None:
-            self.gain.cost.observe(batch, rows, drafting_seqs, seconds)
+        return {} if self.gain is None else {"spec_decode_gain_skipped_drafts": self.gain_skipped}
 
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[DraftBeam | None]:
         out: list[DraftBeam | None] = []

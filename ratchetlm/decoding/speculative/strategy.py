@@ -92,11 +92,6 @@ class Speculative(DecodeStrategy):
         self.totals = SpecCounters()
         self.chunks = ChunkCounters()
         self.disabled_steps = 0  # steps decoded plainly because of disable_by_batch_size
-        # this step's shape for the draft price (step_price.py): (batch, rows, drafting sequences), or
-        # None when the step is not one the price learns from (prefill rows, grammar-forced chains,
-        # SCV continuations, a faulted step's re-runs)
-        self._step: tuple[int, int, int] | None = None
-        self._proposed = False  # propose() already ran in this step
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -168,18 +163,7 @@ class Speculative(DecodeStrategy):
         for (i, _), tree in zip(drafted, trees, strict=True):
             props[i] = self._tree_proposal(seqs[i], tree, budgets[i], True, max(tree.depth, default=-1) + 1, 0,
                                            forced=i in forced)
-        out = [p if p is not None else catch_up_proposal(s, b) for p, s, b in zip(props, seqs, budgets, strict=True)]
-        decoding = all(len(s.token_ids) - s.num_cached == 1 for s in seqs)
-        clean = decoding and not forced and not self._proposed
-        rows, drafting = sum(len(p.token_ids) for p in out), sum(p is not None for p in props)
-        self._step = (len(seqs), rows, drafting) if clean else None
-        self._proposed = True
-        return out
-
-    def observe_step_time(self, seconds: float) -> None:
-        if self._step is not None:
-            self.proposer.observe_step(*self._step, seconds)
-        self._step, self._proposed = None, False
+        return [p if p is not None else catch_up_proposal(s, b) for p, s, b in zip(props, seqs, budgets, strict=True)]
 
     @staticmethod
     def _grammar_cut(seq: Sequence, tokens: torch.Tensor) -> torch.Tensor:  # [M, C] with PAD
@@ -201,8 +185,6 @@ class Speculative(DecodeStrategy):
             ok = c is not None and c.length == len(s.token_ids) == s.num_cached + 1
             out.append(self._tree_proposal(s, c.draft, b, False, c.depth, c.accepted) if c is not None and ok
                        else None)
-        if any(p is not None for p in out):
-            self._step = None  # more forwards in this step: not the shape its time is of
         return out
 
     def _tree_proposal(self, seq: Sequence, draft: DraftTree, budget: int, first: bool, depth: int,
