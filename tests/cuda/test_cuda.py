@@ -80,6 +80,21 @@ def test_fp32_logits_and_greedy_match_hf_on_cuda(family):
         model.to("cpu")
 
 
+def test_half_kv_cache_on_cuda(family):
+    """kv_cache_dtype="float16" under fp32 activations: SDPA reads the cache widened and this forward's
+    K/V rounded the same way, so batched and speculative still equal alone."""
+    name, model, path = family
+    prompts = [_ids(p) for p in PROMPTS]
+    llm = LLM(str(path), device="cuda", dtype="float32", progress=False, kv_cache_blocks=64, block_size=8,
+              kv_cache_dtype="float16")
+    assert llm.engine.cache.k.dtype == torch.float16 and llm.engine.runner.dtype == torch.float32
+    alone = [_texts(llm, [p])[0] for p in prompts]
+    spec = LLM(str(path), device="cuda", dtype="float32", progress=False, kv_cache_blocks=64, block_size=8,
+               decoding="speculative", decoding_options=NGRAM, kv_cache_dtype="float16")
+    assert _texts(llm, prompts) == alone, name
+    assert _texts(spec, prompts) == alone, name
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_batched_and_speculative_equal_alone_on_cuda(family, dtype):
     name, model, path = family
