@@ -147,10 +147,60 @@ static inline kvrow_t kv_row(const float *fresh, const void *cache, int kv_half,
     return (kvrow_t){(const char *)(fresh + ((long)(start + j - ctx) * Hkv + hk) * D), 0};
 }
 
+/* IEEE half <-> float in plain C (no _Float16: older compilers lack it, and a failed build would
+ * disable every kernel). half_to_float is exact; float_to_half rounds to nearest even, as vcvtps2ph
+ * and torch's .half() do (the branch-light form of F. Giesen's public-domain float_to_half_fast3_rtne). */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu;
+    uint32_t m = h & 0x3ffu, bits;
+    if (e == 31) {
+        bits = sign | 0x7f800000u | (m << 13);
+    } else if (e) {
+        bits = sign | ((e + 112u) << 23) | (m << 13);
+    } else if (m) { /* subnormal: m * 2^-24, normalized */
+        uint32_t ex = 113u;
+        while (!(m & 0x400u)) {
+            m <<= 1;
+            ex--;
+        }
+        bits = sign | (ex << 23) | ((m & 0x3ffu) << 13);
+    } else {
+        bits = sign;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float round_to_half(float f) { /* f rounded to the nearest half, as a float */
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = x & 0x80000000u;
+    x ^= sign;
+    uint16_t o;
+    if (x >= (143u << 23)) { /* >= 2^16: inf (or nan) */
+        o = x > (255u << 23) ? 0x7e00 : 0x7c00;
+    } else if (x < (113u << 23)) { /* below 2^-14: a subnormal half, rounded by one float addition */
+        const uint32_t magic_bits = 126u << 23;
+        float magic, t;
+        memcpy(&magic, &magic_bits, 4);
+        memcpy(&t, &x, 4);
+        t += magic;
+        uint32_t tb;
+        memcpy(&tb, &t, 4);
+        o = (uint16_t)(tb - magic_bits);
+    } else {
+        const uint32_t odd = (x >> 13) & 1u;
+        x += (uint32_t)((15 - 127) << 23) + 0xfffu + odd;
+        o = (uint16_t)(x >> 13);
+    }
+    return half_to_float((uint16_t)(o | (sign >> 16)));
+}
+
 static inline float kv_load1(kvrow_t r, int d, int kv_half) {
     if (!kv_half) return ((const float *)r.p)[d];
-    if (r.cached) return (float)((const _Float16 *)r.p)[d];
-    return (float)(_Float16)((const float *)r.p)[d];
+    if (r.cached) return half_to_float(((const uint16_t *)r.p)[d]);
+    return round_to_half(((const float *)r.p)[d]);
 }
 
 #if defined(__AVX512F__)
