@@ -248,7 +248,7 @@ def paged_attention(
     batch.sink.write(layer, **({"k": k, "v": v} if batch.cache is None else batch.cache.rows(layer, k, v)))
     batch = batch.windowed(window)
     if fixed_order and q.dtype == torch.float32 and q.device.type == "cpu" and kernels.load() is not None and (
-            batch.cache is None or batch.cache.dtype in (torch.float32, torch.float16)):
+            kernel_reads(batch.cache)):
         return _fixed_order_attention(layer, q, k, v, batch, scale, softcap)
     if batch.cache is not None and batch.cache.dtype != q.dtype:
         # a narrower cache (kv_cache_dtype): attend to this forward's K/V as the cache holds them, so a
@@ -289,6 +289,11 @@ def paged_attention(
         out = _sdpa(qg, kp, vp, mask, False, scale, softcap)
         out = out.view(b, hkv, g, n, d).permute(0, 3, 1, 2, 4).reshape(b * n, h, d)  # [B * max_new, H, D]
     return out if b == 1 else out.index_select(0, batch.unpad_index)
+
+
+def kernel_reads(cache: Any) -> bool:
+    """kernels/attention.c can read this cache in place: none, fp32 or IEEE half K/V."""
+    return cache is None or cache.dtype in (torch.float32, torch.float16)
 
 
 def kv_half(cache: Any) -> bool:

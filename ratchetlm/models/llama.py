@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ratchetlm.layers.attention import AttentionBatch, paged_attention
+from ratchetlm.layers.attention import AttentionBatch, kernel_reads, paged_attention
 from ratchetlm.layers.block_quant import BlockWeight, Embedding, Linear, set_numerics
 from ratchetlm.layers.norm_rope import RMSNorm, RotaryEmbedding
 from ratchetlm.models.config import ModelConfig
@@ -167,7 +167,7 @@ class LlamaModel(nn.Module):
         local = cos_sin if self.local_rope is None else self.local_rope.cos_sin(batch.positions)
         chain = self._chain
         if (chain is not None and x.shape[0] <= chain.MAX_ROWS
-                and (batch.cache is None or batch.cache.dtype in (torch.float32, torch.float16)) and chain.ready()):
+                and kernel_reads(batch.cache) and chain.ready()):
             # a few new tokens: the same kernels without the layer-by-layer Python (models/decode_chain.py)
             xs, hs = chain.run(x, cos_sin, batch, num_layers or len(self.layers))
             return self.norm.forward_residual(xs, hs)[1]
