@@ -531,10 +531,11 @@ typedef struct {
  * int-to-float conversion run on the other pipes. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 /* Software prefetch of the packed values Q_AHEAD bytes ahead (and of the factors S_AHEAD ahead):
- * unpacking nibbles and planes costs enough instructions per byte that the out-of-order window no
- * longer keeps enough misses in flight. One thread, 16384 x 4096, one row: Q4_K 2.00 -> 1.46 ms,
- * Q6_K 3.18 -> 2.09 ms (2 KB and 8 KB ahead measured slower); bytes (Q8_0) measured slower with
- * it (T0 and T1), so they go without. */
+ * unpacking nibbles and planes, or the products of several tokens, cost enough instructions per byte
+ * that the out-of-order window no longer keeps enough misses in flight. One thread, 16384 x 4096, one
+ * row: Q4_K 2.00 -> 1.46 ms, Q6_K 3.18 -> 2.09 ms (2 KB and 8 KB ahead measured slower). Bytes
+ * (Q8_0), 2 threads, weights cold (more copies than the L3 holds, as in a forward), same process:
+ * 4-16 tokens 0.68-0.87x the time without it (1B and 135M shapes), 1-3 tokens 0.75-1.06x. */
 #define Q_AHEAD 4096
 #define S_AHEAD 1024
 /* acc += w (unsigned bytes) . x (4 signed bytes broadcast from memory into every lane): the broadcast is
@@ -560,7 +561,7 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
     for (int g = 0; g < NG; g++) {
         const uint8_t *sbp = SM + (long)(g / GPS) * SBB, *qg = Q + (long)g * G * PN * vb / 8;
         #pragma GCC unroll 8
-        for (int o = 0; o < G * PN * vb / 8 && vb < 8; o += 64) _mm_prefetch((const char *)qg + Q_AHEAD + o, _MM_HINT_T0);
+        for (int o = 0; o < G * PN * vb / 8; o += 64) _mm_prefetch((const char *)qg + Q_AHEAD + o, _MM_HINT_T0);
         if (g % GPS == 0) { /* a super-group's D and D_m (fp16 -> fp32, exact) */
             for (int o = 0; o < SBB; o += 64) _mm_prefetch((const char *)sbp + S_AHEAD + o, _MM_HINT_T0);
             Dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sbp));
