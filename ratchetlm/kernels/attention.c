@@ -14,7 +14,9 @@
  *
  * Work: the queries that share a KV head (the G heads of a group, every new row of the sequence)
  * are taken QT at a time, so each key vector loaded is used for QT queries; the keys are transposed
- * (one key per lane) by the thread that reads them, right before, into its own buffer; exp is a
+ * (one key per lane) by the thread that reads them, right before, into its own buffer (a half cache's
+ * keys as halves: a quarter of the shuffles, widened exactly as the scores load them; cold K/V, 2
+ * threads, 8 sequences: 0.80-0.96x the time at 70-300 keys, one thread 2000 keys 0.80x); exp is a
  * vector polynomial on AVX-512 (expf in portable C).
  *
  * Layouts: q, out [T, H, D] and this forward's kn, vn [T, Hkv, D] packed over the sequences; context
@@ -90,14 +92,44 @@ static inline void transpose16(__m512 r[16]) {
         r[12 + k] = _mm512_shuffle_f32x4(w, w2, 0xdd);
     }
 }
+/* r[j][d] -> r[d'][j] for 16 x 16 halves (16-bit items; 64 shuffles of 256 bits, a quarter of the
+ * work of transpose16 on the same keys widened): unpacks of 16-, 32- and 64-bit items, then the
+ * 128-bit halves. Vector i ends up holding column HALF_COL[i]. */
+static const int HALF_COL[16] = {0, 4, 2, 6, 1, 5, 3, 7, 8, 12, 10, 14, 9, 13, 11, 15};
+static inline void transpose16_h(__m256i r[16]) {
+    __m256i a[16], b[16], c[16];
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm256_unpacklo_epi16(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm256_unpackhi_epi16(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++)
+        for (int k = 0; k < 2; k++) {
+            b[4 * i + k] = _mm256_unpacklo_epi32(a[4 * i + k], a[4 * i + 2 + k]);
+            b[4 * i + 2 + k] = _mm256_unpackhi_epi32(a[4 * i + k], a[4 * i + 2 + k]);
+        }
+    for (int i = 0; i < 2; i++)
+        for (int k = 0; k < 4; k++) {
+            c[8 * i + k] = _mm256_unpacklo_epi64(b[8 * i + k], b[8 * i + 4 + k]);
+            c[8 * i + 4 + k] = _mm256_unpackhi_epi64(b[8 * i + k], b[8 * i + 4 + k]);
+        }
+    for (int k = 0; k < 8; k++) {
+        r[k] = _mm256_permute2x128_si256(c[k], c[8 + k], 0x20);
+        r[8 + k] = _mm256_permute2x128_si256(c[k], c[8 + k], 0x31);
+    }
+}
 /* Scores of keys j0..j0+15 (one per lane, from the transposed kb [D][LP]) for nq queries: two
  * chains per query (even and odd d), added at the end: a fixed order */
-static inline __attribute__((always_inline)) void scores16(const float *kb, int LP, int j0, int D,
+static inline __attribute__((always_inline)) __m512 key16(const float *kb, int kh, int LP, int d, int j0) {
+    if (kh) return _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)((const uint16_t *)kb + (long)d * LP + j0)));
+    return _mm512_load_ps(kb + (long)d * LP + j0);
+}
+/* kh: the transposed keys are halves ([D][LP] uint16, widened here: exact, so the same scores) */
+static inline __attribute__((always_inline)) void scores16(const float *kb, const int kh, int LP, int j0, int D,
                                                            const float *const *qr, const int nq, float scale, float *s) {
     __m512 a[QT], c[QT];
     for (int u = 0; u < nq; u++) a[u] = c[u] = _mm512_setzero_ps();
     for (int d = 0; d + 1 < D; d += 2) {
-        const __m512 k0 = _mm512_load_ps(kb + (long)d * LP + j0), k1 = _mm512_load_ps(kb + (long)(d + 1) * LP + j0);
+        const __m512 k0 = key16(kb, kh, LP, d, j0), k1 = key16(kb, kh, LP, d + 1, j0);
         for (int u = 0; u < nq; u++) {
             a[u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][d]), k0, a[u]);
             c[u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][d + 1]), k1, c[u]);
@@ -105,7 +137,7 @@ static inline __attribute__((always_inline)) void scores16(const float *kb, int 
     }
     if (D % 2)
         for (int u = 0; u < nq; u++)
-            a[u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][D - 1]), _mm512_load_ps(kb + (long)(D - 1) * LP + j0), a[u]);
+            a[u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][D - 1]), key16(kb, kh, LP, D - 1, j0), a[u]);
     for (int u = 0; u < nq; u++)
         _mm512_store_ps(s + (long)u * LP + j0, _mm512_mul_ps(_mm512_add_ps(a[u], c[u]), _mm512_set1_ps(scale)));
 }
@@ -230,6 +262,20 @@ static void transpose_keys(const float *kn, const void *kc, int kv_half, const i
                 const kvrow_t nr = kv_row(kn, kc, kv_half, ctx_slots, max_ctx, b, jj, ctx, start, Hkv, hk, D);
                 for (int d = 0; d < D * (nr.cached && kv_half ? 2 : 4); d += 64) _mm_prefetch(nr.p + d, _MM_HINT_T0);
             }
+            if (kv_half) { /* halves stay halves: dst is [D][LP] uint16 (scores16 widens them) */
+                uint16_t *dh = (uint16_t *)dst;
+                for (int d0 = 0; d0 < D; d0 += 16) {
+                    __m256i r[KL];
+                    for (int j = 0; j < KL; j++)
+                        r[j] = !kr[j].p     ? _mm256_setzero_si256()
+                               : kr[j].cached ? _mm256_loadu_si256((const __m256i *)((const uint16_t *)kr[j].p + d0))
+                                              : _mm512_cvtps_ph(_mm512_loadu_ps((const float *)kr[j].p + d0),
+                                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                    transpose16_h(r);
+                    for (int i = 0; i < 16; i++) _mm256_store_si256((__m256i *)(dh + (long)(d0 + HALF_COL[i]) * LP + j0), r[i]);
+                }
+                continue;
+            }
             for (int d0 = 0; d0 < D; d0 += 16) {
                 __m512 r[KL];
                 for (int j = 0; j < KL; j++) r[j] = kr[j].p ? kv_load16(kr[j], d0, kv_half) : _mm512_setzero_ps();
@@ -294,7 +340,10 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
             }
             const int LP = (Lk + KL - 1) / KL * KL;
             transpose_keys(kn, kc, kv_half, ctx_slots, max_ctx, b, hk, ctx, start, Lk, Hkv, D, kt);
-            const float *kb = kt; /* this run's keys, [D][LP] */
+            const float *kb = kt; /* this run's keys, [D][LP] (halves with kh) */
+#if defined(__AVX512F__)
+            const int kh = kv_half && D % 16 == 0; /* transpose_keys kept them halves */
+#endif
             for (int tq = work[w].t0; tq < work[w].t1; tq++) {
                 const int nq = NQ - tq * QT < QT ? NQ - tq * QT : QT;
                 const float *qr[QT], *mr[QT];
@@ -313,10 +362,10 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
                 for (int j0 = 0; j0 < limp; j0 += KL) {
 #if defined(__AVX512F__)
                     switch (nq) { /* a literal query count: the loops over queries unroll */
-                    case 1: scores16(kb, LP, j0, D, qr, 1, scale, s); break;
-                    case 2: scores16(kb, LP, j0, D, qr, 2, scale, s); break;
-                    case 3: scores16(kb, LP, j0, D, qr, 3, scale, s); break;
-                    default: scores16(kb, LP, j0, D, qr, QT, scale, s); break;
+                    case 1: kh ? scores16(kb, 1, LP, j0, D, qr, 1, scale, s) : scores16(kb, 0, LP, j0, D, qr, 1, scale, s); break;
+                    case 2: kh ? scores16(kb, 1, LP, j0, D, qr, 2, scale, s) : scores16(kb, 0, LP, j0, D, qr, 2, scale, s); break;
+                    case 3: kh ? scores16(kb, 1, LP, j0, D, qr, 3, scale, s) : scores16(kb, 0, LP, j0, D, qr, 3, scale, s); break;
+                    default: kh ? scores16(kb, 1, LP, j0, D, qr, QT, scale, s) : scores16(kb, 0, LP, j0, D, qr, QT, scale, s); break;
                     }
 #else
                     for (int u = 0; u < nq; u++) {
