@@ -1,0 +1,47 @@
+"""layers/huge_pages.py: packed weights cut from huge-page chunks are ordinary, separate, aligned memory."""
+
+import mmap
+
+import numpy as np
+import pytest
+
+from ratchetlm import kernels
+from ratchetlm.layers import huge_pages
+from ratchetlm.layers.block_quant import BlockWeight
+
+from .test_block_kernels import random_raw
+
+
+def mapping(a: np.ndarray) -> mmap.mmap | None:
+    """The anonymous mapping an array was cut from (np.frombuffer's base is a memoryview of it)."""
+    obj = getattr(a.base, "obj", None)
+    return obj if isinstance(obj, mmap.mmap) else None
+
+
+def test_arrays_are_aligned_separate_and_outlive_their_chunk() -> None:
+    sizes = [huge_pages.MIN_BYTES + 5, 3 * huge_pages.MIN_BYTES, huge_pages.CHUNK // 2 + 1, 100]
+    arrays = [huge_pages.empty(n) for n in sizes * 3]
+    for a, n in zip(arrays, sizes * 3, strict=True):
+        assert a.dtype == np.uint8 and a.shape == (n,) and a.flags.writeable
+        if n >= huge_pages.MIN_BYTES:
+            assert a.ctypes.data % huge_pages.ALIGN == 0
+            assert mapping(a) is not None  # cut from a mapping, not numpy's allocation
+    for i, a in enumerate(arrays):
+        a[:] = i
+    spans = sorted((a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays)
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:], strict=False))  # no overlap
+    assert all(bool((a == i).all()) for i, a in enumerate(arrays))
+    # fill chunks past the current one: earlier arrays keep their mapping and their bytes
+    rest = [huge_pages.empty(huge_pages.CHUNK // 4) for _ in range(9)]
+    assert len({id(mapping(r)) for r in rest}) >= 2
+    assert all(bool((a == i).all()) for i, a in enumerate(arrays))
+
+
+def test_packed_weights_live_in_huge_page_chunks() -> None:
+    lib = kernels.load()
+    if lib is None:
+        pytest.skip("no kernel library")
+    k = 2048  # Q4_K, 64 rows: a 72 KB packed value array, above MIN_BYTES
+    _, q, sm, _ = BlockWeight.from_gguf("Q4_K", random_raw("Q4_K", 64, k, seed=3), k).pack_q8(lib)
+    assert q.nbytes >= huge_pages.MIN_BYTES
+    assert mapping(q) is not None and q.ctypes.data % huge_pages.ALIGN == 0
