@@ -18,9 +18,12 @@ the tensors.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Iterable, Sequence
 
 import torch
+
+from ratchetlm.layers import huge_pages
 
 
 class Pools:
@@ -34,7 +37,13 @@ class Pools:
             dtype: torch.dtype, device: torch.device | str, group: str | None = None) -> torch.Tensor:
         """A zeroed pool; ``layers``: the layer keys, or a count ``n`` for keys ``0..n-1``."""
         n = layers if isinstance(layers, int) else len(layers)
-        t = torch.zeros((n, rows, *row_shape), dtype=dtype, device=device)
+        shape = (n, rows, *row_shape)
+        if torch.device(device).type == "cpu":  # huge pages: attention reads rows scattered over the pool
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            t = torch.frombuffer(huge_pages.empty(nbytes), dtype=dtype).view(shape).zero_() if nbytes else \
+                torch.zeros(shape, dtype=dtype)
+        else:
+            t = torch.zeros(shape, dtype=dtype, device=device)
         self.register(pool, t, None if isinstance(layers, int) else layers, group)
         return t
 

@@ -1,11 +1,14 @@
-"""layers/huge_pages.py: packed weights cut from huge-page chunks are ordinary, separate, aligned memory."""
+"""layers/huge_pages.py: packed weights and CPU KV pools are cut from huge-page chunks, and that memory is
+ordinary, separate and aligned."""
 
 import mmap
 
 import numpy as np
 import pytest
+import torch
 
 from ratchetlm import kernels
+from ratchetlm.kv.pools import Pools
 from ratchetlm.layers import huge_pages
 from ratchetlm.layers.block_quant import BlockWeight
 
@@ -45,3 +48,23 @@ def test_packed_weights_live_in_huge_page_chunks() -> None:
     _, q, sm, _ = BlockWeight.from_gguf("Q4_K", random_raw("Q4_K", 64, k, seed=3), k).pack_q8(lib)
     assert q.nbytes >= huge_pages.MIN_BYTES
     assert mapping(q) is not None and q.ctypes.data % huge_pages.ALIGN == 0
+
+
+def test_cpu_kv_pools_come_from_huge_page_chunks_zeroed_and_separate(monkeypatch: pytest.MonkeyPatch) -> None:
+    cut: list[np.ndarray] = []
+    real = huge_pages.empty
+
+    def empty(nbytes: int) -> np.ndarray:
+        cut.append(real(nbytes))
+        cut[-1][:] = 0xFF  # garbage: the pool must be zeroed all the same
+        return cut[-1]
+
+    monkeypatch.setattr(huge_pages, "empty", empty)
+    pools = Pools()
+    k = pools.add("k", 3, 40, (2, 8), torch.float16, "cpu")
+    v = pools.add("v", 3, 40, (2, 8), torch.bfloat16, "cpu")
+    assert len(cut) == 2 and k.data_ptr() == cut[0].ctypes.data and v.data_ptr() == cut[1].ctypes.data
+    assert k.shape == (3, 40, 2, 8) and k.dtype == torch.float16 and v.dtype == torch.bfloat16
+    assert not k.any() and not v.any()
+    k.fill_(1.0)
+    assert not v.any()
