@@ -1,21 +1,22 @@
-"""Packed weights in transparent huge pages.
+"""Packed weights and CPU KV pools in transparent huge pages.
 
 A decode step streams every packed weight once (116 MB a token for the default model in int16),
 and with 4 KiB pages that is a TLB miss every 4 KiB and a hardware prefetcher that stops at every
 page boundary. Linux backs a mapping with 2 MiB pages when asked (``madvise(MADV_HUGEPAGE)``; the
-common ``transparent_hugepage=madvise`` setting gives them to no one else). numpy asks for its own
-arrays of 4 MiB or more, so this matters for small weights (the default model's are 0.1-1 MB: 27 MB
-of its packed weights were in huge pages, 94 MB with this; at 1B shape 438 -> 684 MB). Measured on the
-integer matmul with cold weights, 2 threads, same process (the same bytes in 4 KiB pages vs here):
-1-2 tokens 0.86-0.93x the time on the default model's shapes and 0.81-0.99x at 1B shape, 4-16
-tokens 0.92-1.00x (compute bound there).
+common ``transparent_hugepage=madvise`` setting gives them to no one else). numpy already asks for
+its own arrays of ``NUMPY_HUGE`` (4 MiB) or more, so those stay numpy's; the smaller ones (the
+default model's packed weights are 0.1-1 MB; 27 MB of them were in huge pages, 94 MB with this)
+are cut from chunks of ``CHUNK`` bytes advised here (a bump allocator: a mapping of its own per
+weight would round each up to a huge page). Measured on the integer matmul with cold weights, 2
+threads, same process (the same bytes in 4 KiB pages vs here): 1-2 tokens 0.86-0.93x the time on the
+default model's shapes, 4-16 tokens 0.92-1.00x (compute bound there).
 
-Arrays are cut from chunks of ``CHUNK`` bytes (a bump allocator): a packed weight of the default
-model is 0.1-1 MB, and a mapping of its own per weight would round each up to a huge page. A chunk
-is unmapped when the last array cut from it is gone (each array keeps its chunk's ``mmap`` alive as
-its base); the chunk being filled is held here too, so a dropped model can leave up to one chunk's
-touched pages mapped until later weights fill it. Where the platform has no ``MADV_HUGEPAGE`` (or
-the kernel refuses it) the arrays are still valid memory, in ordinary pages.
+A chunk is unmapped when the last array cut from it is gone (each array keeps its chunk's ``mmap``
+alive as its base); the chunk being filled is held here too, so a dropped model can leave up to one
+chunk's touched pages mapped until later arrays fill it. A huge page is resident as a whole once
+touched, so each chunk can hold up to one partly used huge page (2 MiB) beyond its arrays. Where
+the platform has no ``MADV_HUGEPAGE`` (or the kernel refuses it) the arrays are still valid memory,
+in ordinary pages.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ import threading
 import numpy as np
 
 HUGE = 2 << 20  # the x86-64 / arm64 transparent huge page
-CHUNK = 16 * HUGE
+CHUNK = 8 * HUGE
 ALIGN = 64  # the kernels' vector loads
-MIN_BYTES = 64 << 10  # smaller arrays: numpy's own allocation (not worth a place in a chunk)
+MIN_BYTES = 64 << 10  # smaller arrays: numpy's (not worth a place in a chunk)
+NUMPY_HUGE = 4 << 20  # numpy advises huge pages for its own arrays from this size up (numpy >= 1.22 on Linux)
 
 _lock = threading.Lock()
 _chunk: tuple[mmap.mmap, int] | None = None  # the chunk being filled, its first huge-page boundary
@@ -39,25 +41,22 @@ def _mapping(nbytes: int) -> tuple[mmap.mmap, int]:
     """An anonymous mapping with room for ``nbytes`` from a huge-page boundary (returned as an offset)."""
     m = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     base = np.frombuffer(m, np.uint8, count=1).ctypes.data
-    start = -base % HUGE
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is not None:
         try:
             m.madvise(advice)
         except OSError:  # e.g. transparent_hugepage=never with a strict kernel: ordinary pages
             pass
-    return m, start
+    return m, -base % HUGE
 
 
 def empty(nbytes: int) -> np.ndarray:
-    """``np.empty(nbytes, np.uint8)``, 64-byte aligned, in huge pages where the system allows."""
+    """``np.empty(nbytes, np.uint8)``, in huge pages where the system allows (64-byte aligned when
+    cut from a chunk)."""
     global _chunk, _used
-    if nbytes < MIN_BYTES:
+    if nbytes < MIN_BYTES or nbytes >= NUMPY_HUGE:
         return np.empty(nbytes, np.uint8)
     size = -(-nbytes // ALIGN) * ALIGN
-    if size > CHUNK // 2:  # a big weight: a mapping of its own
-        m, start = _mapping(size)
-        return np.frombuffer(m, np.uint8, count=nbytes, offset=start)
     with _lock:
         if _chunk is None or _used + size > CHUNK:
             _chunk, _used = _mapping(CHUNK), 0

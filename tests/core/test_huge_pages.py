@@ -22,20 +22,22 @@ def mapping(a: np.ndarray) -> mmap.mmap | None:
 
 
 def test_arrays_are_aligned_separate_and_outlive_their_chunk() -> None:
-    sizes = [huge_pages.MIN_BYTES + 5, 3 * huge_pages.MIN_BYTES, huge_pages.CHUNK // 2 + 1, 100]
+    small, big = huge_pages.MIN_BYTES, huge_pages.NUMPY_HUGE
+    sizes = [small + 5, 3 * small, big - 1, 100, big]
     arrays = [huge_pages.empty(n) for n in sizes * 3]
     for a, n in zip(arrays, sizes * 3, strict=True):
         assert a.dtype == np.uint8 and a.shape == (n,) and a.flags.writeable
-        if n >= huge_pages.MIN_BYTES:
+        chunked = small <= n < big  # below: not worth it; above: numpy's own arrays get huge pages
+        assert (mapping(a) is not None) == chunked
+        if chunked:
             assert a.ctypes.data % huge_pages.ALIGN == 0
-            assert mapping(a) is not None  # cut from a mapping, not numpy's allocation
     for i, a in enumerate(arrays):
         a[:] = i
     spans = sorted((a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays)
     assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:], strict=False))  # no overlap
     assert all(bool((a == i).all()) for i, a in enumerate(arrays))
     # fill chunks past the current one: earlier arrays keep their mapping and their bytes
-    rest = [huge_pages.empty(huge_pages.CHUNK // 4) for _ in range(9)]
+    rest = [huge_pages.empty(big // 2) for _ in range(2 * huge_pages.CHUNK // big + 2)]
     assert len({id(mapping(r)) for r in rest}) >= 2
     assert all(bool((a == i).all()) for i, a in enumerate(arrays))
 
