@@ -136,6 +136,26 @@ def test_gain_schedule_drafts_by_the_curve():
     assert kink.length(rec, 4, 6, batch=1) == 2  # 1 + 2 drafts + 1 = 4 rows: the longest draft before the kink
 
 
+def test_length_is_the_best_draft_value_over_every_length():
+    """GainSchedule.length prices every length at once: the same choice as draft_value length by length
+    (ties to the shorter), on curves, batches, earlier drafts and evidence drawn at random."""
+    from ratchetlm.decoding.speculative.cost_curve import CostCurve
+    from ratchetlm.decoding.speculative.gain import draft_value
+
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        rows = (1, 2, 4, 8, 16, 32)
+        steps = rng.choice([0.0, 0.02, 0.3, 1.5], size=5)
+        curve = CostCurve(rows, tuple(np.concatenate([[1.0], 1.0 + np.cumsum(steps * np.diff(rows))])))
+        g = GainSchedule(4, 8, curve)
+        m, agreed = int(rng.integers(1, 5)), int(rng.integers(0, 9))
+        rec = _record_with(g, m=m, agreed=agreed, times=int(rng.integers(0, 12)))
+        max_depth, batch, drafted = int(rng.integers(0, 9)), int(rng.integers(1, 12)), int(rng.integers(0, 40))
+        gain = 1.0 + np.concatenate([[0.0], np.cumsum(g.agreement(rec, m)[:max_depth])])
+        expect = int(np.argmax([draft_value(float(x), d, curve, batch, drafted) for d, x in enumerate(gain)]))
+        assert g.length(rec, m, max_depth, batch, drafted) == expect, trial
+
+
 def test_a_step_prices_each_draft_after_the_rows_drafted_before_it():
     """Rows are cheap up to 5 here and dear beyond: at batch 2 the first sequence drafts the 2 tokens
     that still fit (2 rows + 2 drafts + 1), the second, priced after them, drafts nothing."""

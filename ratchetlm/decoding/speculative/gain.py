@@ -92,6 +92,7 @@ class GainSchedule:
         self.cost = verify_token_cost if isinstance(verify_token_cost, CostCurve) else CostCurve.linear(
             verify_token_cost)
         self.totals = AgreementCounts(max_n, depth)  # strategy-wide, the prior of every sequence
+        self._c = np.ones(1)  # [R + 1] self.cost(r) at r = 0..R (r = 0 read as 1; grown on demand)
 
     def new_record(self) -> SequenceRecord:
         return SequenceRecord(AgreementCounts(self.max_n, self.depth))
@@ -118,8 +119,17 @@ class GainSchedule:
         """The draft length in ``[0, max_depth]`` with the most expected tokens per unit of cost
         (``drafted``: rows the step's earlier sequences already drafted)."""
         gain = 1.0 + np.concatenate([[0.0], np.cumsum(self.agreement(rec, m)[:max_depth])])  # [max_depth + 1]
-        value = [draft_value(float(g), d, self.cost, batch, drafted) for d, g in enumerate(gain)]
+        base = batch + drafted
+        c = self.costs(base + max_depth + 1)
+        share = c[batch] / batch
+        # draft_value for every length at once (the same float operations; called every step)
+        value = gain / np.concatenate([[share], share + c[base + 2 : base + max_depth + 2] - c[base]])
         return int(np.argmax(value))  # ties go to the shorter draft
+
+    def costs(self, rows: int) -> np.ndarray:  # [>= rows + 1] the cost curve at 0..rows rows (0: as 1)
+        if len(self._c) <= rows:
+            self._c = np.array([self.cost(max(r, 1)) for r in range(2 * rows + 1)])
+        return self._c
 
 
 def draft_value(expected_tokens: float, draft_len: int, cost: CostCurve | float, batch: int,
