@@ -361,12 +361,15 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
                 /* scores, KL keys at a time for every query of the tile */
                 for (int j0 = 0; j0 < limp; j0 += KL) {
 #if defined(__AVX512F__)
-                    switch (nq) { /* a literal query count: the loops over queries unroll */
-                    case 1: kh ? scores16(kb, 1, LP, j0, D, qr, 1, scale, s) : scores16(kb, 0, LP, j0, D, qr, 1, scale, s); break;
-                    case 2: kh ? scores16(kb, 1, LP, j0, D, qr, 2, scale, s) : scores16(kb, 0, LP, j0, D, qr, 2, scale, s); break;
-                    case 3: kh ? scores16(kb, 1, LP, j0, D, qr, 3, scale, s) : scores16(kb, 0, LP, j0, D, qr, 3, scale, s); break;
-                    default: kh ? scores16(kb, 1, LP, j0, D, qr, QT, scale, s) : scores16(kb, 0, LP, j0, D, qr, QT, scale, s); break;
+/* literal query count and key width: the loops over queries unroll, the key loads are fixed */
+#define SCORES16(NQ) (kh ? scores16(kb, 1, LP, j0, D, qr, NQ, scale, s) : scores16(kb, 0, LP, j0, D, qr, NQ, scale, s))
+                    switch (nq) {
+                    case 1: SCORES16(1); break;
+                    case 2: SCORES16(2); break;
+                    case 3: SCORES16(3); break;
+                    default: SCORES16(QT); break;
                     }
+#undef SCORES16
 #else
                     for (int u = 0; u < nq; u++) {
                         float a[KL], c[KL];

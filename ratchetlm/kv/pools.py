@@ -18,7 +18,6 @@ the tensors.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable, Iterable, Sequence
 
 import torch
@@ -38,12 +37,9 @@ class Pools:
         """A zeroed pool; ``layers``: the layer keys, or a count ``n`` for keys ``0..n-1``."""
         n = layers if isinstance(layers, int) else len(layers)
         shape = (n, rows, *row_shape)
-        if torch.device(device).type == "cpu":  # huge pages: attention reads rows scattered over the pool
-            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            t = torch.frombuffer(huge_pages.empty(nbytes), dtype=dtype).view(shape).zero_() if nbytes else \
-                torch.zeros(shape, dtype=dtype)
-        else:
-            t = torch.zeros(shape, dtype=dtype, device=device)
+        # on the CPU in huge pages: attention reads rows scattered over the pool (layers/huge_pages.py)
+        t = huge_pages.zeros(shape, dtype) if torch.device(device).type == "cpu" else \
+            torch.zeros(shape, dtype=dtype, device=device)
         self.register(pool, t, None if isinstance(layers, int) else layers, group)
         return t
 

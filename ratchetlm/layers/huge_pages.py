@@ -21,10 +21,12 @@ in ordinary pages.
 
 from __future__ import annotations
 
+import math
 import mmap
 import threading
 
 import numpy as np
+import torch
 
 HUGE = 2 << 20  # the x86-64 / arm64 transparent huge page
 CHUNK = 8 * HUGE
@@ -64,3 +66,11 @@ def empty(nbytes: int) -> np.ndarray:
         out = np.frombuffer(m, np.uint8, count=nbytes, offset=start + _used)
         _used += size
         return out
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor whose memory comes from :func:`empty` (the CPU KV pools)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not nbytes:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(empty(nbytes), dtype=dtype).view(shape).zero_()
