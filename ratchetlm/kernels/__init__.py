@@ -27,7 +27,7 @@ import torch  # noqa: F401  (must be loaded before the kernel library: shared Op
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("dequant.c", "matmul.c", "matmul_int8.c", "attention.c",
-                                                           "norm_rope.c", "argmax.c"))
+                                                           "norm_rope.c", "argmax.c", "chain.c"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("ggml_types.h", "units_avx512.h"))
 # -ffp-contract=off: dequantization must round exactly like gguf-py's numpy code (no fused d * q + m).
 _FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
@@ -122,6 +122,34 @@ class Q8Weight(ctypes.Structure):
                 ("panels", ctypes.c_void_p), ("Q", ctypes.c_void_p), ("SM", ctypes.c_void_p)]
 
 
+_P, _F, _I = ctypes.c_void_p, ctypes.c_float, ctypes.c_int32
+
+
+class ChainLayer(ctypes.Structure):
+    """One decoder layer's constants for ``ratchet_chain`` (``chain_layer_t`` in chain.c)."""
+
+    _fields_ = [("w_in", _P), ("w_post", _P), ("qkv", _P), ("o", _P), ("gu", _P), ("down", _P), ("qkv_bias", _P),
+                ("q_norm", _P), ("k_norm", _P), ("q_eps", _F), ("k_eps", _F), ("scale", _F), ("softcap", _F),
+                ("kc", _P), ("vc", _P)]
+
+
+class ChainBuffers(ctypes.Structure):
+    """The model's shape and the chain's preallocated buffers (``chain_bufs_t`` in chain.c)."""
+
+    _fields_ = [("nh", _I), ("nkv", _I), ("hd", _I), ("dim", _I), ("ni", _I), ("lanes", _I), ("max_rows", _I),
+                ("qk_norm", _I), ("eps", _F), ("xs", _P * 2), ("hn", _P), ("qkv", _P), ("qb", _P), ("k_all", _P),
+                ("v_all", _P), ("attn", _P), ("o", _P), ("down", _P), ("qsrc", _P), ("ksrc", _P), ("qn", _P),
+                ("kn", _P), ("gu", _P), ("act", _P)]
+
+
+class ChainStep(ctypes.Structure):
+    """One forward's arguments to ``ratchet_chain`` (``chain_step_t`` in chain.c)."""
+
+    _fields_ = [("x", _P), ("cos", _P), ("sin", _P), ("slots", _P), ("meta", _P), ("mask", _P), ("t", _I),
+                ("rd", _I), ("max_ctx", _I), ("max_new", _I), ("B", _I), ("kv_half", _I), ("num_layers", _I),
+                ("threads", _I)]
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     lib.ratchet_kernel_isa.restype = ctypes.c_char_p
@@ -159,6 +187,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ratchet_rope.restype = None
     lib.ratchet_argmax_rows.argtypes = [p, i64, i64, i64, p]
     lib.ratchet_argmax_rows.restype = None
+    lib.ratchet_silu_mul.argtypes = [p, i64, i64, p, i]
+    lib.ratchet_silu_mul.restype = None
+    lib.ratchet_chain.argtypes = [p, p, p]
+    lib.ratchet_chain.restype = i
 
 
 def isa() -> str | None:

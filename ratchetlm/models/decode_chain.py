@@ -1,11 +1,12 @@
 """A forward of up to 64 new tokens (decode steps of a batch, verify chains and trees, short prefills)
-through the decoder stack as a fixed chain of kernel calls on preallocated buffers.
+through the decoder stack as one C call (kernels/chain.c) on preallocated buffers.
 
 At one new token a layer's kernels take ~80 us on the bundled 135M model and the Python around
 them (module calls, views, allocations, argument checks) took longer. In the integer numerics modes
 on CPU every op of :meth:`DecoderLayer.forward_split` is already one C kernel (RMSNorm with its
-residual add, the packed integer matmuls, RoPE, fixed-order attention), so this chain calls the
-same kernels with the same arguments in the same order, minus the Python: the results are
+residual add, the packed integer matmuls, RoPE, fixed-order attention, SwiGLU's silu * up), so the
+chain's C loop calls the same kernels with the same arguments in the same order, minus the Python
+(it was a loop of ctypes calls here until 2026-11-26: ~1 ms a batch-1 step more): the results are
 bit-identical to the layer-by-layer path (tests/core/test_decode_chain.py), so batch invariance
 (speculative == plain decoding, alone == in a batch) holds whichever path a forward takes.
 
@@ -16,16 +17,17 @@ for a forward of more rows, the model keeps its general path.
 from __future__ import annotations
 
 import ctypes
+import weakref
 from typing import TYPE_CHECKING, cast
 
 import torch
-import torch.nn.functional as F
 
 from ratchetlm import kernels
 from ratchetlm.layers import norm_rope
 from ratchetlm.layers.attention import AttentionBatch, kv_half
 
 if TYPE_CHECKING:
+    from ratchetlm.kv.cache import KVCache
     from ratchetlm.models.llama import DecoderLayer, LlamaModel
 
 
@@ -74,10 +76,16 @@ class DecodeChain:
         self.kn = torch.empty(T, self.nkv, self.hd, dtype=f32)
         self.gate_up = torch.empty(T, 2 * ni, dtype=f32)
         self.act = torch.empty(T, ni, dtype=f32)
-        # per layer: the norm weights' addresses (the layers give scale, soft-cap and Linear handles)
-        self.norm_w = [(_ptr(ly.input_norm.weight), _ptr(ly.post_norm.weight)) for ly in self.layers]
-        self._calls: list[tuple] = []  # per layer ((fn, handle) of qkv, o_proj, gate_up, down); see ready()
-        self._calls_for: str | None = None
+        b = self._bufs = kernels.ChainBuffers(self.nh, self.nkv, self.hd, self.dim, ni, lanes, T, int(self.qk_norm),
+                                              self.eps)
+        b.xs[0], b.xs[1] = (_ptr(t) for t in self.xs)
+        for name in ("hn", "qkv", "qb", "k_all", "v_all", "attn", "o", "down", "qsrc", "ksrc", "qn", "kn"):
+            setattr(b, name, _ptr(getattr(self, name)))
+        b.gu, b.act = _ptr(self.gate_up), _ptr(self.act)
+        self._step = kernels.ChainStep()
+        self._layers: ctypes.Array = (kernels.ChainLayer * 0)()  # per layer its constants; see ready()
+        self._layers_for: str | None = None
+        self._cache: weakref.ref[KVCache] | None = None  # the cache whose pools _layers holds
 
     @classmethod
     def build(cls, model: LlamaModel) -> DecodeChain | None:
@@ -111,18 +119,39 @@ class DecodeChain:
 
     def ready(self) -> bool:
         """Every matmul has its packed integer handle (made by its first general-path call) for the
-        model's current numerics; the (function, handle) pairs are then kept per layer."""
+        model's current numerics; the layers' constants then go into one ``ChainLayer`` array."""
         n = self.model.numerics
-        if self._calls_for is n:
+        if self._layers_for is n:
             return True
-        calls = []
+        q8s: list[list[tuple]] = []
         for ly in self.layers:
             q8 = [lin._q8_call for lin in (ly.qkv, ly.o_proj, ly.gate_up, ly.down)]
             if any(c is None or c[3] is not n for c in q8):
                 return False
-            calls.append(tuple((c[0], c[1]) for c in q8 if c is not None))
-        self._calls, self._calls_for = calls, n
+            q8s.append([c for c in q8 if c is not None])
+        arr = (kernels.ChainLayer * len(self.layers))()
+        for c, ly, handles in zip(arr, self.layers, q8s, strict=True):
+            assert all(q[0] is self.lib.ratchet_mm_q8w for q in handles)  # the chain calls that kernel itself
+            c.w_in, c.w_post = _ptr(ly.input_norm.weight), _ptr(ly.post_norm.weight)
+            c.qkv, c.o, c.gu, c.down = (q[1] for q in handles)
+            c.qkv_bias = _ptr(ly.qkv.bias) if ly.qkv.bias is not None else None
+            if ly.q_norm is not None and ly.k_norm is not None:
+                c.q_norm, c.k_norm, c.q_eps, c.k_eps = (_ptr(ly.q_norm.weight), _ptr(ly.k_norm.weight),
+                                                        ly.q_norm.eps, ly.k_norm.eps)
+            c.scale, c.softcap = ly.scale, ly.softcap or 0.0
+        self._layers, self._layers_for, self._cache = arr, n, None
         return True
+
+    def _with_cache(self, cache: KVCache | None) -> ctypes.Array:
+        """The layer array with ``cache``'s K/V pools (per layer; NULL without a cache), set when the
+        cache changes (a model may serve several engines, one at a time)."""
+        if (self._cache() if self._cache is not None else None) is not cache:
+            for i, c in enumerate(self._layers):
+                kt, vt = cache.layer_kv(i) if cache is not None else (None, None)
+                assert cache is None or cache.slot_row(i) == 0  # (no local pools: windows never chain)
+                c.kc, c.vc = (None, None) if kt is None or vt is None else (_ptr(kt), _ptr(vt))
+            self._cache = None if cache is None else weakref.ref(cache)
+        return self._layers
 
     def run(
         self,
@@ -131,72 +160,19 @@ class DecodeChain:
         batch: AttentionBatch,
         num_layers: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (x, h): the stream after the layers is x + h (fresh tensors)
-        lib, lanes, eps, dim, nt = self.lib, self.lanes, self.eps, self.dim, torch.get_num_threads()
         t = x.shape[0]
-        cos, sin = (c.contiguous() for c in cos_sin)
-        rd, cos_p, sin_p = cos.shape[-1], _ptr(cos), _ptr(sin)
-        nh, nkv, hd, qs, kvs = self.nh, self.nkv, self.hd, self.q_size, self.kv_size
-        xs = [b[:t] for b in self.xs]
-        hn, qkv, attn = self.hn[:t], self.qkv[:t], self.attn[:t]
-        o, down, gu, act = self.o[:t], self.down[:t], self.gate_up[:t], self.act[:t]
-        k_all, v_all = self.k_all[:num_layers, :t], self.v_all[:num_layers, :t]  # [L, t, nkv, hd]
-        qkv_p, attn_p, hn_p, gu_p, act_p, q_p = _ptr(qkv), _ptr(attn), _ptr(hn), _ptr(gu), _ptr(act), _ptr(self.qb)
-        xs_p = [_ptr(b) for b in xs]
-        kv_stride = 4 * self.MAX_ROWS * nkv * hd  # bytes from one layer's K (V) rows to the next's
-        k0, v0 = _ptr(self.k_all), _ptr(self.v_all)
-        v = qkv[:, qs + kvs:].view(t, nkv, hd)
-        gate, up = gu.chunk(2, dim=-1)
         cache, meta = batch.cache, batch.seq_meta
-        assert meta is not None and t <= self.MAX_ROWS
-        half = int(kv_half(cache))
-        mask = batch.fixed_order_mask()
-        mask_p = 0 if mask is None else _ptr(mask)
+        assert meta is not None and t <= self.MAX_ROWS and 0 < num_layers <= len(self.layers)
         x = x.contiguous()
-        x_p, h_p, nxt = _ptr(x), 0, 0  # the stream is x (+ h); residual sums go to xs[nxt], never in place
-        for i in range(num_layers):
-            ly = self.layers[i]
-            w_in, w_post = self.norm_w[i]
-            k_p, v_p = k0 + i * kv_stride, v0 + i * kv_stride  # this layer's K, V: [t, nkv, hd] contiguous
-            (qkv_fn, qkv_w), (o_fn, o_w), (gu_fn, gu_w), (d_fn, d_w) = self._calls[i]
-            if h_p:  # the previous layer's last residual add, fused into this norm
-                lib.ratchet_rms_norm(x_p, h_p, xs_p[nxt], w_in, t, dim, eps, lanes, hn_p, nt)
-                x_p, nxt = xs_p[nxt], nxt ^ 1
-            else:
-                lib.ratchet_rms_norm(x_p, None, None, w_in, t, dim, eps, lanes, hn_p, nt)
-            qkv_fn(hn_p, t, qkv_w, qkv_p, nt)
-            if ly.qkv.bias is not None:  # Qwen2 (Linear.forward's y + bias, in place)
-                torch.add(qkv, ly.qkv.bias, out=qkv)
-            if self.qk_norm:  # Qwen3: norm each head of Q and of K, then rotate each (RotaryEmbedding.rotate)
-                assert ly.q_norm is not None and ly.k_norm is not None
-                qsrc, ksrc = qkv_p, qkv_p + 4 * qs
-                if t > 1:  # the norms read contiguous heads
-                    self.qsrc[:t].copy_(qkv[:, :qs])
-                    self.ksrc[:t].copy_(qkv[:, qs:qs + kvs])
-                    qsrc, ksrc = _ptr(self.qsrc), _ptr(self.ksrc)
-                qn, kn = _ptr(self.qn), _ptr(self.kn)
-                lib.ratchet_rms_norm(qsrc, None, None, _ptr(ly.q_norm.weight), t * nh, hd, ly.q_norm.eps, lanes, qn, nt)
-                lib.ratchet_rms_norm(ksrc, None, None, _ptr(ly.k_norm.weight), t * nkv, hd, ly.k_norm.eps, lanes, kn,
-                                     nt)
-                lib.ratchet_rope(qn, t, nh, hd, nh * hd, cos_p, sin_p, rd, q_p)
-                lib.ratchet_rope(kn, t, nkv, hd, nkv * hd, cos_p, sin_p, rd, k_p)
-            else:  # Q and K heads of the fused output (RotaryEmbedding.rotate_packed rotates them as one;
-                # each head on its own, so two calls give the same bits), into attention's contiguous inputs
-                lib.ratchet_rope(qkv_p, t, nh, hd, qs + 2 * kvs, cos_p, sin_p, rd, q_p)
-                lib.ratchet_rope(qkv_p + 4 * qs, t, nkv, hd, qs + 2 * kvs, cos_p, sin_p, rd, k_p)
-            v_all[i].copy_(v)
-            kc = vc = slots = 0
-            if batch.ctx_slots is not None and cache is not None:
-                kt, vt = cache.layer_kv(i)
-                kc, vc, slots = _ptr(kt), _ptr(vt), batch.slot_rows_ptr(cache.slot_row(i))
-            lib.ratchet_attention(q_p, k_p, v_p, kc, vc, slots, batch.max_ctx, _ptr(meta), batch.max_new, mask_p,
-                                  batch.num_seqs, nh, nkv, hd, ly.scale, ly.softcap or 0.0, half, attn_p, nt)
-            o_fn(attn_p, t, o_w, _ptr(o), nt)
-            lib.ratchet_rms_norm(x_p, _ptr(o), xs_p[nxt], w_post, t, dim, eps, lanes, hn_p, nt)
-            x_p, nxt = xs_p[nxt], nxt ^ 1
-            gu_fn(hn_p, t, gu_w, gu_p, nt)
-            torch.mul(F.silu(gate), up, out=act)
-            d_fn(act_p, t, d_w, _ptr(down), nt)
-            h_p = _ptr(down)
-        # the new rows of every layer, once: attention above read them from k_all / v_all, never the cache
-        batch.sink.write_layers(k=k_all, v=v_all)
-        return xs[nxt ^ 1].clone(), down.clone()
+        cos, sin = (c.contiguous() for c in cos_sin)
+        mask = batch.fixed_order_mask()
+        st = self._step
+        st.x, st.cos, st.sin, st.meta = _ptr(x), _ptr(cos), _ptr(sin), _ptr(meta)
+        st.mask = None if mask is None else _ptr(mask)
+        st.slots = batch.slot_rows_ptr(0) if batch.ctx_slots is not None and cache is not None else None
+        st.t, st.rd, st.max_ctx, st.max_new, st.B = t, cos.shape[-1], batch.max_ctx, batch.max_new, batch.num_seqs
+        st.kv_half, st.num_layers, st.threads = int(kv_half(cache)), num_layers, torch.get_num_threads()
+        out = self.lib.ratchet_chain(ctypes.byref(self._bufs), self._with_cache(cache), ctypes.byref(st))
+        # the new rows of every layer, once: attention read them from k_all / v_all, never the cache
+        batch.sink.write_layers(k=self.k_all[:num_layers, :t], v=self.v_all[:num_layers, :t])
+        return self.xs[out][:t].clone(), self.down[:t].clone()

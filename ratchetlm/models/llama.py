@@ -21,6 +21,7 @@ from torch import nn
 from ratchetlm.layers.attention import AttentionBatch, kernel_reads, paged_attention
 from ratchetlm.layers.block_quant import BlockWeight, Embedding, Linear, set_numerics
 from ratchetlm.layers.norm_rope import RMSNorm, RotaryEmbedding
+from ratchetlm.layers.swiglu import silu_mul
 from ratchetlm.models.config import ModelConfig
 from ratchetlm.models.decode_chain import DecodeChain
 from ratchetlm.models.families import FAMILIES, FUSED_PARTS
@@ -39,6 +40,9 @@ class DecoderLayer(nn.Module):
     # rows the MLP takes at a time (set by set_numerics: MLP_ROWS in the integer modes, where a row's
     # result does not depend on the rows beside it; None: all at once, as the exact mode's BLAS needs)
     mlp_rows: int | None = None
+    # SwiGLU through kernels/chain.c's silu (layers/swiglu.py): set by set_numerics in the integer modes,
+    # where the decode chain computes it that way too
+    kernel_silu = False
 
     def __init__(self, cfg: ModelConfig, index: int, tp: TPShard | None = None) -> None:
         super().__init__()
@@ -126,7 +130,10 @@ class DecoderLayer(nn.Module):
         return attn.reshape(t, self.q_size)
 
     def mlp(self, hn: torch.Tensor) -> torch.Tensor:  # [rows, hidden] normed -> [rows, hidden] (this rank's part)
-        gate, up = self.gate_up.forward(hn).chunk(2, dim=-1)
+        gu = self.gate_up.forward(hn)
+        if self.kernel_silu:
+            return self.down.forward(silu_mul(gu))
+        gate, up = gu.chunk(2, dim=-1)
         return self.down.forward(self.act(gate) * up)
 
 
@@ -188,6 +195,7 @@ class LlamaModel(nn.Module):
             assert isinstance(layer, DecoderLayer)
             layer.fixed_order_attention = numerics != "exact"
             layer.mlp_rows = None if numerics == "exact" else MLP_ROWS
+            layer.kernel_silu = numerics != "exact" and self.config.hidden_act == "silu"
         self._chain = DecodeChain.build(self) if self.decode_chain else None
         return n
 
