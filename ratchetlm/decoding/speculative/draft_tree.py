@@ -20,8 +20,12 @@ from ratchetlm.layers.sampler import argmax
 def trees_from_beams(beams: list[torch.Tensor]) -> list[DraftTree]:  # beams[i]: [M_i, C_i] with PAD
     """All sequences' beams in one :func:`pack` over ``[B, max M, max C]`` (PAD-filled), each row's
     real, non-PAD nodes as a tree (parents read off ``unpack_map``: the entry before a node in any
-    candidate holding it). Chains take ``pack``'s cheap single-candidate path."""
+    candidate holding it). A step of chains alone (one candidate each) is read off directly: ``pack``
+    of a single candidate is its tokens in order, each the child of the one before."""
     m, c = max(bm.shape[0] for bm in beams), max(bm.shape[1] for bm in beams)
+    if m == 1:
+        chains = [[t for t in bm[0].tolist() if t != PAD] for bm in beams]
+        return [DraftTree(ch, list(range(-1, len(ch) - 1)), list(range(len(ch)))) for ch in chains]
     batch = torch.stack([torch.nn.functional.pad(bm, (0, c - bm.shape[1], 0, m - bm.shape[0]), value=PAD)
                          for bm in beams])  # [B, M, C]
     packed = pack(batch)
