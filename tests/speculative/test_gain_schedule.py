@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from ratchetlm.decoding.speculative.gain import GainSchedule, PendingContinuation
 from ratchetlm.decoding.speculative.proposers import NgramProposer
@@ -225,3 +226,20 @@ def test_greedy_text_is_plain_greedy_whatever_the_curve(spec_llm, encoded, refer
         assert run_engine(eng, encoded, GREEDY) == reference, name
         drafted[name] = eng.strategy.metrics()["spec_decode_num_draft_tokens"]
     assert drafted["free"] > drafted["kink"] > 0  # not vacuous: both drafted, the cheap curve more
+
+
+def test_the_probe_times_the_path_the_engines_forwards_take(monkeypatch):
+    """In the integer modes a forward of a few rows runs through the decode chain once every layer's
+    weights are packed; the probe must time that path, not the layer-by-layer one (whose Python
+    overhead made a one-row forward look dearer and every draft cheaper)."""
+    from ratchetlm import LLM
+    from ratchetlm.decoding.speculative import cost_curve
+    from ratchetlm.models.decode_chain import DecodeChain
+
+    llm = LLM(progress=False, numerics="int16", kv_cache_blocks=16)  # a fresh model: nothing packed yet
+    probes: list[int] = []
+    run = DecodeChain.run
+    monkeypatch.setattr(DecodeChain, "run", lambda self, x, cs, b, n: probes.append(n) or run(self, x, cs, b, n))
+    cost_curve.curve(llm.engine.model, torch.device("cpu"), rows=(1, 2), repeats=1)
+    # every probe forward (a warm-up and a timed run per row count) of PROBE_LAYERS layers took the chain
+    assert probes.count(cost_curve.PROBE_LAYERS) == 4

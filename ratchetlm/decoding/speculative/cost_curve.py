@@ -107,6 +107,11 @@ def curve(model: Any, device: torch.device, rows: tuple[int, ...] = ROWS, repeat
     only ever add time, so the minimum is the estimate least disturbed by them. Wall time, not the
     process's CPU time: with 2 threads a one-row forward keeps them less busy than 32 rows do, and
     CPU-time ratios came out up to 2x the wall-time ones on the default model."""
+    if probe_layers is not None:  # every layer once first: the probe must time the path the engine's
+        # forwards take, and the decode chain (models/decode_chain.py) runs only once every layer's
+        # integer weights are packed (at its first call); a probe of 4 layers never packed the rest
+        # and timed the layer-by-layer path, whose Python overhead flattened the curve
+        seconds(model, device, 1, 1, None, clock=clock)
     return from_times(rows, [seconds(model, device, r, repeats, probe_layers, clock=clock) for r in rows])
 
 
