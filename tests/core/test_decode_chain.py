@@ -121,6 +121,25 @@ def test_chain_prefill_and_tree_verify_are_bit_identical(monkeypatch):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_chain_rows_of_each_family_are_bit_identical(tmp_path, arch, monkeypatch):
+    """Several rows at once (a short prefill, a staged tree) through Qwen2's Q/K/V biases and Qwen3's
+    QK-norms (whose heads the chain first copies out of the fused projection when a forward has more
+    than one row) equal the layer path bit for bit."""
+    llm = LLM(str(write_gguf(tmp_path / "m.gguf", hf_model(arch), "Q8_0")), progress=False, numerics="int16",
+              kv_cache_blocks=32)
+    rows = _chain_rows(monkeypatch)
+    logits = {}
+    for on in (True, False):
+        with _chain(llm, on):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1))  # the first forward packs the weights
+            rows.clear()
+            logits[on] = _prefill_and_tree_logits(llm), list(rows)
+    assert logits[True][1] == [20, 6] and logits[False][1] == []
+    for a, b in zip(logits[True][0], logits[False][0], strict=True):
+        assert torch.equal(a, b)
+
+
 def test_chain_batched_decode_is_bit_identical(monkeypatch):
     """Decode steps of several sequences (their tokens packed, each attending its own context) chain as
     one forward, and every sequence's logprobs equal the layer path's."""
