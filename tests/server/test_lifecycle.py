@@ -47,7 +47,11 @@ def test_sigterm_drains_then_ends_streams_with_an_error_and_done():
         async with httpx.AsyncClient(timeout=120) as c:
             long = [asyncio.ensure_future(_stream(c, base, 900)) for _ in range(4)]
             short = [asyncio.ensure_future(_stream(c, base, 6)) for _ in range(2)]
-            while httpx.get(base + "/health").json()["requests_running"] < 6:
+            # every request admitted before the signal: running, or (a short one) already finished;
+            # waiting for 6 running raced with the short ones finishing on a fast engine (and hung)
+            deadline = time.monotonic() + 60
+            while httpx.get(base + "/health").json()["requests_running"] + sum(f.done() for f in short) < 6:
+                assert time.monotonic() < deadline, "the requests never all started"
                 await asyncio.sleep(0.05)
             srv.proc.send_signal(signal.SIGTERM)
             t0 = time.monotonic()
