@@ -2,8 +2,8 @@
 kernels/chain.c), the one the decode chain calls inside its layer loop, so the layer-by-layer path
 and the chain give the same bits (batch invariance holds whichever path a forward takes).
 
-Why not torch's SiLU there: its bits come from Sleef's vector exp with libm's exp on the tail of a
-row, which C cannot reproduce; the C kernel's exp is plain IEEE arithmetic (~1 ulp), the same bits
+Why not torch's SiLU there: its bits come from the exp of torch's own vectorised CPU kernel (Sleef),
+which this C cannot reproduce; the C kernel's exp is plain IEEE arithmetic (~1 ulp), the same bits
 vectorised or not. The exact mode keeps torch's ops (HF-identical)."""
 
 from __future__ import annotations
