@@ -49,7 +49,7 @@ class DecodeChain:
         cfg = model.config
         self.layers = _layers(model)
         layer0 = self.layers[0]
-        self.model, self.lib, self.lanes = model, lib, lanes
+        self.model, self.lib = model, lib
         self.nh, self.nkv, self.hd = layer0.num_heads, layer0.num_kv_heads, layer0.head_dim
         self.q_size, self.kv_size = layer0.q_size, layer0.kv_size
         self.dim, self.eps = cfg.hidden_size, layer0.input_norm.eps
