@@ -40,6 +40,13 @@
 
 #include "ggml_types.h"
 
+#ifdef _OPENMP
+#include <omp.h>
+#else /* a compiler without OpenMP: the parallel loops run on the calling thread */
+static inline int omp_get_num_threads(void) { return 1; }
+static inline int omp_get_thread_num(void) { return 0; }
+#endif
+
 #define MIN(a, b) ((a) < (b) ? (a) : (b))
 #define QA 32 /* activation block */
 #define PN 16 /* output rows per panel (vector lanes) */
@@ -742,65 +749,83 @@ static void panel_any(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t 
     }
 }
 
-/* Token t's activation items (quantize_row, then the per-block numbers the kernel reads) at r [per]:
- * x bytes (hi, lo), then d [NB], sx32 [NB], zq16 [2 NB], zq32 [NB], sx16 [2 NB] */
-static void prep_token(const float *x, int K, int bits, int zw, int32_t *r) {
-    const int NB = K / 32;
-    int32_t *xh = r, *xl = bits == 16 ? r + K / 4 : NULL;
-    int32_t *rest = r + (long)K / 4 * (bits == 16 ? 2 : 1), *q16 = rest + 2 * NB, *q32 = rest + 4 * NB;
-    float *d = (float *)rest, *sx32 = (float *)(rest + NB), *sx16 = (float *)(rest + 5 * NB);
-    quantize_row(x, K, bits, (int8_t *)xh, (int8_t *)xl, d, q16);
-    for (int b = 0; b < NB; b++) {
-        const int32_t s0 = q16[2 * b], s1 = q16[2 * b + 1];
-        sx32[b] = d[b] * (float)(s0 + s1);
-        sx16[2 * b] = d[b] * (float)s0;
-        sx16[2 * b + 1] = d[b] * (float)s1;
-        q32[b] = -zw * (s0 + s1); /* |sum xq| <= 32 * 32639: exact in int32 for zw <= 128 */
-        q16[2 * b] = -zw * s0;
-        q16[2 * b + 1] = -zw * s1;
-    }
-}
+/* A tile's activation items, token-interleaved (word [i][t] is token t's i-th item; the xtile_t fields
+ * in order): xh [K / 4], xl [K / 4] (16 bits only), then per 32-block d, sx32, zq16 (2), zq32, sx16 (2) */
+static long tile_words(int K, int bits) { return (long)K / 4 * (bits == 16 ? 2 : 1) + (long)(K / 32) * 7; }
 
-/* Tile ti's tokens interleaved (item i of token t0 + t at [i][tt]; one token: the items as they are) */
-static xtile_t interleave_tile(const int32_t *raw, int32_t *til, int ti, int M, int K, int bits, long per) {
-    const int t0 = ti * TT, tt = MIN(TT, M - t0), NB = K / 32;
-    int32_t *dst = til + (long)t0 * per;
-    for (int t = 0; t < tt; t++) {
-        const int32_t *src = raw + (long)(t0 + t) * per;
-        for (long i = 0; i < per; i++) dst[i * tt + t] = src[i];
-    }
-    const long xw = (long)K / 4 * (bits == 16 ? 2 : 1);
+static xtile_t tile_view(int32_t *dst, int K, int bits, int tt) {
+    const long xw = (long)K / 4 * (bits == 16 ? 2 : 1), NB = K / 32;
     int32_t *rest = dst + xw * tt;
     return (xtile_t){dst, bits == 16 ? dst + (long)K / 4 * tt : NULL, (const float *)rest, rest + 4 * NB * tt,
                      rest + 2 * NB * tt, (const float *)(rest + NB * tt), (const float *)(rest + 5 * NB * tt)};
 }
 
+/* Blocks [b0, b1) of the tile's tt tokens (token t at x + t K) quantized (quantize_row) and written
+ * straight into the tile's layout at dst, so a tile's preparation splits over threads by blocks. Each
+ * token's items depend on its own values only: who prepares which blocks changes no value. */
+#define PREP_CHUNK 64 /* blocks per quantize_row call (its outputs on the stack) */
+static void prep_tile_blocks(const float *x, int K, int bits, int zw, int32_t *dst, int tt, int b0, int b1) {
+    const int NB = K / 32;
+    const long xl_off = (long)K / 4 * tt, rest_off = (long)K / 4 * (bits == 16 ? 2 : 1) * tt;
+    int32_t xh[PREP_CHUNK * 8], xl[PREP_CHUNK * 8], q16[PREP_CHUNK * 2];
+    float d[PREP_CHUNK];
+    for (int c0 = b0; c0 < b1; c0 += PREP_CHUNK) {
+        const int nb = MIN(PREP_CHUNK, b1 - c0);
+        for (int t = 0; t < tt; t++) {
+            quantize_row(x + (long)t * K + (long)c0 * QA, nb * QA, bits, (int8_t *)xh, bits == 16 ? (int8_t *)xl : NULL,
+                         d, q16);
+            int32_t *wh = dst + (long)c0 * 8 * tt + t;
+            for (int i = 0; i < nb * 8; i++) wh[(long)i * tt] = xh[i];
+            if (bits == 16)
+                for (int i = 0; i < nb * 8; i++) wh[xl_off + (long)i * tt] = xl[i];
+            int32_t *rest = dst + rest_off + t;
+            float *d32 = (float *)rest, *sx32 = (float *)(rest + (long)NB * tt), *sx16 = (float *)(rest + 5L * NB * tt);
+            int32_t *zq16 = rest + 2L * NB * tt, *zq32 = rest + 4L * NB * tt;
+            for (int j = 0; j < nb; j++) {
+                const long b = c0 + j;
+                const int32_t s0 = q16[2 * j], s1 = q16[2 * j + 1];
+                d32[b * tt] = d[j];
+                sx32[b * tt] = d[j] * (float)(s0 + s1);
+                sx16[2 * b * tt] = d[j] * (float)s0;
+                sx16[(2 * b + 1) * tt] = d[j] * (float)s1;
+                zq32[b * tt] = -zw * (s0 + s1); /* |sum xq| <= 32 * 32639: exact in int32 for zw <= 128 */
+                zq16[2 * b * tt] = -zw * s0;
+                zq16[(2 * b + 1) * tt] = -zw * s1;
+            }
+        }
+    }
+}
+
+/* Tokens from which one tile's preparation is split over the threads (by blocks, one more barrier):
+ * at one token its ~0.5 us (K = 576) costs less than the barrier and the other thread's wake-up */
+#define PREP_SPLIT_MIN 2
+
 /* y [M, N] = x [M, K] @ w.T, activations of `bits` (8 or 16), w packed by ratchet_pack_q8 with zero
- * point zw (ratchet_q8_plan's sizes[2]). Up to one tile of tokens (decode, short verifies) the calling
- * thread prepares the activations before the team starts: for so few tokens two more barriers (and
- * the other thread idling through the one tile's interleave) cost more than the work they split
- * (2 threads, same-process A/B on the default model's shapes: 2-9% faster a call at 1 row, 1-2% at
- * 8). Who prepares a token changes no value. */
+ * point zw (ratchet_q8_plan's sizes[2]). Each tile of TT tokens is prepared (quantized, interleaved)
+ * by one thread, or, when the call is one tile of PREP_SPLIT_MIN+ tokens (decode at a batch, short
+ * verifies), by every thread, a range of blocks each; a one-token call is prepared by the calling
+ * thread before the team starts. Who prepares a token changes no value. */
 static void mm_q8(const float *x, int M, int K, int bits, int zw, const q8panel_t *panels, const uint8_t *Q,
                   const uint8_t *SM, float *y, int N, int threads) {
     if (M <= 0 || N <= 0) return;
     const int NPAN = (N + PN - 1) / PN, NB = K / 32, NT = (M + TT - 1) / TT;
-    const long per = (long)K / 4 * (bits == 16 ? 2 : 1) + (long)NB * 7; /* words per token */
-    int32_t *raw = malloc(sizeof(int32_t) * (size_t)M * per), *til = malloc(sizeof(int32_t) * (size_t)M * per);
+    const long per = tile_words(K, bits); /* words per token */
+    int32_t *til = malloc(sizeof(int32_t) * (size_t)M * per);
     xtile_t *tiles = malloc(sizeof(xtile_t) * (size_t)NT);
-    const int serial_prep = NT == 1;
-    if (serial_prep) {
-        for (int t = 0; t < M; t++) prep_token(x + (long)t * K, K, bits, zw, raw + (long)t * per);
-        tiles[0] = interleave_tile(raw, til, 0, M, K, bits, per);
-    }
+    for (int ti = 0; ti < NT; ti++) tiles[ti] = tile_view(til + (long)ti * TT * per, K, bits, MIN(TT, M - ti * TT));
+    const int split = NT == 1 && M >= PREP_SPLIT_MIN && threads > 1;
+    if (NT == 1 && !split) prep_tile_blocks(x, K, bits, zw, til, M, 0, NB);
 #pragma omp parallel num_threads(threads)
     {
-        if (!serial_prep) {
+        if (split) {
+            const int nth = omp_get_num_threads(), id = omp_get_thread_num();
+            prep_tile_blocks(x, K, bits, zw, til, M, (int)((long)NB * id / nth), (int)((long)NB * (id + 1) / nth));
+#pragma omp barrier
+        } else if (NT > 1) {
 #pragma omp for schedule(static)
-            for (int t = 0; t < M; t++) /* each token quantized on its own: nothing depends on M */
-                prep_token(x + (long)t * K, K, bits, zw, raw + (long)t * per);
-#pragma omp for schedule(static)
-            for (int ti = 0; ti < NT; ti++) tiles[ti] = interleave_tile(raw, til, ti, M, K, bits, per);
+            for (int ti = 0; ti < NT; ti++) /* each token quantized on its own: nothing depends on M */
+                prep_tile_blocks(x + (long)ti * TT * K, K, bits, zw, til + (long)ti * TT * per, MIN(TT, M - ti * TT),
+                                 0, NB);
         }
 #pragma omp for schedule(static)
         for (int p = 0; p < NPAN; p++) {
@@ -811,7 +836,6 @@ static void mm_q8(const float *x, int M, int K, int bits, int zw, const q8panel_
                           pn->unit, pn->SB, y + (long)ti * TT * N + p * PN, N, nvalid, MIN(TT, M - ti * TT));
         }
     }
-    free(raw);
     free(til);
     free(tiles);
 }
