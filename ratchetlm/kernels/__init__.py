@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("dequant.c", "matmul.c", "matmul_int8.c", "attention.c",
                                                            "norm_rope.c", "argmax.c", "chain.c"))
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("ggml_types.h", "units_avx512.h"))
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("ggml_types.h", "units_avx512.h", "silu.h"))
 # -ffp-contract=off: dequantization must round exactly like gguf-py's numpy code (no fused d * q + m).
 _FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 # tried in order: the native ISA (AVX-512 / AVX2 paths), then portable C
@@ -139,7 +139,7 @@ class ChainBuffers(ctypes.Structure):
     _fields_ = [("nh", _I), ("nkv", _I), ("hd", _I), ("dim", _I), ("ni", _I), ("lanes", _I), ("max_rows", _I),
                 ("qk_norm", _I), ("eps", _F), ("xs", _P * 2), ("hn", _P), ("qkv", _P), ("qb", _P), ("k_all", _P),
                 ("v_all", _P), ("attn", _P), ("o", _P), ("down", _P), ("qsrc", _P), ("ksrc", _P), ("qn", _P),
-                ("kn", _P), ("gu", _P), ("act", _P)]
+                ("kn", _P), ("gu", _P)]
 
 
 class ChainStep(ctypes.Structure):

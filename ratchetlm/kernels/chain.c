@@ -6,12 +6,15 @@
  * same arguments in the same order (kernels/norm_rope.c, matmul_int8.c, attention.c), so its results
  * are bit-identical to the layer-by-layer path in the integer modes (tests/core/test_decode_chain.py).
  *
- * ratchet_silu_mul is the integer modes' SwiGLU activation on both paths: silu(g) * u with an exp of
- * plain IEEE operations (no libm, no contraction: -ffp-contract=off), so a vectorised and a scalar
- * evaluation of an element give the same bits and a row's result never depends on the rows beside it.
+ * ratchet_silu_mul is the integer modes' SwiGLU activation on the layer path: silu(g) * u with an exp
+ * of plain IEEE operations (silu.h), so a vectorised and a scalar evaluation of an element give the
+ * same bits and a row's result never depends on the rows beside it. The chain computes the same
+ * elements as the down projection quantizes its input (ratchet_mm_q8w_swiglu, matmul_int8.c).
  */
 #include <stdint.h>
 #include <string.h>
+
+#include "silu.h"
 
 void ratchet_rms_norm(const float *x, const float *h, float *sum_out, const float *w, int64_t rows, int64_t dim,
                       float eps, int lanes, float *out, int threads);
@@ -21,29 +24,7 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
                        const int64_t *ctx_slots, int max_ctx, const int32_t *seq_meta, int max_new, const float *mask,
                        int B, int H, int Hkv, int D, float scale, float softcap, int kv_half, float *out, int threads);
 void ratchet_mm_q8w(const float *x, int M, const void *w, float *y, int threads);
-
-/* exp(x): x = n ln2 + r (n = x log2(e) rounded to nearest even by the 1.5 * 2^23 trick, r by
- * Cody-Waite in two parts), 2^n times Cephes' degree-6 polynomial in r (~1 ulp). Clamped to
- * [-87.3, 88], where 2^n stays a normal float (silu's x / (1 + exp(-x)) is x there, or within
- * 1e-36 of 0). */
-static inline float exp_ieee(float x) {
-    x = x > 88.0f ? 88.0f : x;
-    x = x < -87.3f ? -87.3f : x;
-    const float big = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer, ties to even */
-    const float n = (x * 1.44269504088896341f + big) - big;
-    const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = (p * (r * r) + r) + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
+void ratchet_mm_q8w_swiglu(const float *gu, int M, const void *w, float *y, int threads);
 
 /* act [rows, ni] = silu(gu[:, :ni]) * gu[:, ni:] (gu [rows, 2 ni], the fused gate/up projection) */
 void ratchet_silu_mul(const float *gu, int64_t rows, int64_t ni, float *act, int threads) {
@@ -51,10 +32,7 @@ void ratchet_silu_mul(const float *gu, int64_t rows, int64_t ni, float *act, int
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gu + r * 2 * ni, *u = g + ni;
         float *a = act + r * ni;
-        for (int64_t j = 0; j < ni; j++) {
-            const float x = g[j];
-            a[j] = (x / (1.0f + exp_ieee(-x))) * u[j];
-        }
+        for (int64_t j = 0; j < ni; j++) a[j] = silu_mul1(g[j], u[j]);
     }
 }
 
@@ -79,7 +57,7 @@ typedef struct {
     float *k_all, *v_all; /* every layer's new K (rotated) and V [layers, max_rows, nkv, hd] */
     float *attn, *o, *down; /* [max_rows, q], [max_rows, dim], [max_rows, dim] */
     float *qsrc, *ksrc, *qn, *kn; /* Qwen3's QK-norm inputs and outputs */
-    float *gu, *act;   /* [max_rows, 2 ni], [max_rows, ni] */
+    float *gu;         /* [max_rows, 2 ni] */
 } chain_bufs_t;
 
 /* One forward (ChainStep): the packed new rows, RoPE tables, attention's batch description */
@@ -141,8 +119,7 @@ int ratchet_chain(const chain_bufs_t *c, const chain_layer_t *layers, const chai
         x = c->xs[nxt];
         nxt ^= 1;
         ratchet_mm_q8w(c->hn, t, ly->gu, c->gu, nt);
-        ratchet_silu_mul(c->gu, t, c->ni, c->act, nt);
-        ratchet_mm_q8w(c->act, t, ly->down, c->down, nt);
+        ratchet_mm_q8w_swiglu(c->gu, t, ly->down, c->down, nt); /* silu(g) * u as the down input is quantized */
         h = c->down;
     }
     return nxt ^ 1;

@@ -39,6 +39,7 @@
 #include <stdlib.h>
 
 #include "ggml_types.h"
+#include "silu.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -760,20 +761,27 @@ static xtile_t tile_view(int32_t *dst, int K, int bits, int tt) {
                      rest + 2 * NB * tt, (const float *)(rest + NB * tt), (const float *)(rest + 5 * NB * tt)};
 }
 
-/* Blocks [b0, b1) of the tile's tt tokens (token t at x + t K) quantized (quantize_row) and written
- * straight into the tile's layout at dst, so a tile's preparation splits over threads by blocks. Each
- * token's items depend on its own values only: who prepares which blocks changes no value. */
+/* Blocks [b0, b1) of the tile's tt tokens quantized (quantize_row) and written straight into the tile's
+ * layout at dst, so a tile's preparation splits over threads by blocks. Token t's values are x + t xs
+ * [K], or with `gated` silu(g) * u of its fused gate/up row x + t xs [2 K] (SwiGLU: the down
+ * projection's input is made here, the bits of ratchet_silu_mul's). Each token's items depend on its
+ * own values only: who prepares which blocks changes no value. */
 #define PREP_CHUNK 64 /* blocks per quantize_row call (its outputs on the stack) */
-static void prep_tile_blocks(const float *x, int K, int bits, int zw, int32_t *dst, int tt, int b0, int b1) {
+static void prep_tile_blocks(const float *x, long xs, int gated, int K, int bits, int zw, int32_t *dst, int tt,
+                             int b0, int b1) {
     const int NB = K / 32;
     const long xl_off = (long)K / 4 * tt, rest_off = (long)K / 4 * (bits == 16 ? 2 : 1) * tt;
     int32_t xh[PREP_CHUNK * 8], xl[PREP_CHUNK * 8], q16[PREP_CHUNK * 2];
-    float d[PREP_CHUNK];
+    float d[PREP_CHUNK], act[gated ? PREP_CHUNK * QA : 1];
     for (int c0 = b0; c0 < b1; c0 += PREP_CHUNK) {
         const int nb = MIN(PREP_CHUNK, b1 - c0);
         for (int t = 0; t < tt; t++) {
-            quantize_row(x + (long)t * K + (long)c0 * QA, nb * QA, bits, (int8_t *)xh, bits == 16 ? (int8_t *)xl : NULL,
-                         d, q16);
+            const float *src = x + (long)t * xs + (long)c0 * QA;
+            if (gated) {
+                for (int j = 0; j < nb * QA; j++) act[j] = silu_mul1(src[j], src[K + j]);
+                src = act;
+            }
+            quantize_row(src, nb * QA, bits, (int8_t *)xh, bits == 16 ? (int8_t *)xl : NULL, d, q16);
             int32_t *wh = dst + (long)c0 * 8 * tt + t;
             for (int i = 0; i < nb * 8; i++) wh[(long)i * tt] = xh[i];
             if (bits == 16)
@@ -805,8 +813,8 @@ static void prep_tile_blocks(const float *x, int K, int bits, int zw, int32_t *d
  * by one thread, or, when the call is one tile of PREP_SPLIT_MIN+ tokens (decode at a batch, short
  * verifies), by every thread, a range of blocks each; a one-token call is prepared by the calling
  * thread before the team starts. Who prepares a token changes no value. */
-static void mm_q8(const float *x, int M, int K, int bits, int zw, const q8panel_t *panels, const uint8_t *Q,
-                  const uint8_t *SM, float *y, int N, int threads) {
+static void mm_q8(const float *x, long xs, int gated, int M, int K, int bits, int zw, const q8panel_t *panels,
+                  const uint8_t *Q, const uint8_t *SM, float *y, int N, int threads) {
     if (M <= 0 || N <= 0) return;
     const int NPAN = (N + PN - 1) / PN, NB = K / 32, NT = (M + TT - 1) / TT;
     const long per = tile_words(K, bits); /* words per token */
@@ -814,18 +822,19 @@ static void mm_q8(const float *x, int M, int K, int bits, int zw, const q8panel_
     xtile_t *tiles = malloc(sizeof(xtile_t) * (size_t)NT);
     for (int ti = 0; ti < NT; ti++) tiles[ti] = tile_view(til + (long)ti * TT * per, K, bits, MIN(TT, M - ti * TT));
     const int split = NT == 1 && M >= PREP_SPLIT_MIN && threads > 1;
-    if (NT == 1 && !split) prep_tile_blocks(x, K, bits, zw, til, M, 0, NB);
+    if (NT == 1 && !split) prep_tile_blocks(x, xs, gated, K, bits, zw, til, M, 0, NB);
 #pragma omp parallel num_threads(threads)
     {
         if (split) {
             const int nth = omp_get_num_threads(), id = omp_get_thread_num();
-            prep_tile_blocks(x, K, bits, zw, til, M, (int)((long)NB * id / nth), (int)((long)NB * (id + 1) / nth));
+            prep_tile_blocks(x, xs, gated, K, bits, zw, til, M, (int)((long)NB * id / nth),
+                             (int)((long)NB * (id + 1) / nth));
 #pragma omp barrier
         } else if (NT > 1) {
 #pragma omp for schedule(static)
             for (int ti = 0; ti < NT; ti++) /* each token quantized on its own: nothing depends on M */
-                prep_tile_blocks(x + (long)ti * TT * K, K, bits, zw, til + (long)ti * TT * per, MIN(TT, M - ti * TT),
-                                 0, NB);
+                prep_tile_blocks(x + ti * TT * xs, xs, gated, K, bits, zw, til + (long)ti * TT * per,
+                                 MIN(TT, M - ti * TT), 0, NB);
         }
 #pragma omp for schedule(static)
         for (int p = 0; p < NPAN; p++) {
@@ -849,5 +858,12 @@ typedef struct {
 } q8weight_t;
 
 void ratchet_mm_q8w(const float *x, int M, const q8weight_t *w, float *y, int threads) {
-    mm_q8(x, M, w->K, w->bits, w->zw, w->panels, w->Q, w->SM, y, w->N, threads);
+    mm_q8(x, w->K, 0, M, w->K, w->bits, w->zw, w->panels, w->Q, w->SM, y, w->N, threads);
+}
+
+/* y [M, N] = (silu(gu[:, :K]) * gu[:, K:]) @ w.T for gu [M, 2 K] (SwiGLU's gate/up output): the same
+ * values as ratchet_silu_mul then ratchet_mm_q8w, without the activation's own pass and buffer (the
+ * decode chain's MLP; chain.c) */
+void ratchet_mm_q8w_swiglu(const float *gu, int M, const q8weight_t *w, float *y, int threads) {
+    mm_q8(gu, 2L * w->K, 1, M, w->K, w->bits, w->zw, w->panels, w->Q, w->SM, y, w->N, threads);
 }

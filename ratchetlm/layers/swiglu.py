@@ -1,6 +1,7 @@
 """SwiGLU's ``silu(gate) * up`` in the integer numerics modes: one C kernel (``ratchet_silu_mul``,
-kernels/chain.c), the one the decode chain calls inside its layer loop, so the layer-by-layer path
-and the chain give the same bits (batch invariance holds whichever path a forward takes).
+kernels/chain.c) whose element function (kernels/silu.h) the decode chain computes inside the down
+projection's activation quantization, so the layer-by-layer path and the chain give the same bits
+(batch invariance holds whichever path a forward takes).
 
 Why not torch's SiLU there: its bits come from the exp of torch's own vectorised CPU kernel (Sleef),
 which this C cannot reproduce; the C kernel's exp is plain IEEE arithmetic (~1 ulp), the same bits

@@ -75,13 +75,12 @@ class DecodeChain:
         self.qn = torch.empty(T, self.nh, self.hd, dtype=f32)
         self.kn = torch.empty(T, self.nkv, self.hd, dtype=f32)
         self.gate_up = torch.empty(T, 2 * ni, dtype=f32)
-        self.act = torch.empty(T, ni, dtype=f32)
         b = self._bufs = kernels.ChainBuffers(self.nh, self.nkv, self.hd, self.dim, ni, lanes, T, int(self.qk_norm),
                                               self.eps)
         b.xs[0], b.xs[1] = (_ptr(t) for t in self.xs)
         for name in ("hn", "qkv", "qb", "k_all", "v_all", "attn", "o", "down", "qsrc", "ksrc", "qn", "kn"):
             setattr(b, name, _ptr(getattr(self, name)))
-        b.gu, b.act = _ptr(self.gate_up), _ptr(self.act)
+        b.gu = _ptr(self.gate_up)
         self._step = kernels.ChainStep()
         self._layers: ctypes.Array = (kernels.ChainLayer * 0)()  # per layer its constants; see ready()
         self._layers_for: str | None = None
