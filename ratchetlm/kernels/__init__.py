@@ -41,7 +41,19 @@ def cache_dir() -> Path:
 
 
 def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    """``$CC`` where it names an executable (a wrong one is reported and skipped), else cc or gcc."""
+    cc = os.environ.get("CC")
+    if cc and shutil.which(cc) is None:
+        log.warning("CC=%r is not an executable; trying cc / gcc for the kernels", cc)
+        cc = None
+    return cc or shutil.which("cc") or shutil.which("gcc")
+
+
+def unavailable_reason() -> str:
+    """Why :func:`load` returned None, for an error message."""
+    if _compiler() is None:
+        return "no C compiler was found (install gcc or clang, or set CC)"
+    return "the kernel build failed (the warning above gives the compiler's message)"
 
 
 def _build(cc: str, flags: list[str], out: Path) -> bool:
@@ -69,7 +81,11 @@ def compile_library(arch_flags: list[str]) -> ctypes.CDLL | None:
     if cc is None:
         log.warning("no C compiler found: GGUF block kernels disabled, using dense matmuls")
         return None
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    except OSError as e:  # found on PATH but cannot run
+        log.warning("cannot run the C compiler %s (%s): GGUF block kernels disabled, using dense matmuls", cc, e)
+        return None
     flags = _FLAGS + arch_flags
     key = hashlib.sha256(
         b"".join(p.read_bytes() for p in SOURCES + HEADERS)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ratchetlm import kernels
+from ratchetlm.engine.host_memory import available_bytes
 from ratchetlm.models.config import ModelConfig
 from ratchetlm.models.deepseek_v4.loader import is_deepseek_v4_folder
 from ratchetlm.models.gguf_arch import gguf_config
@@ -87,10 +88,15 @@ def load_model(
     with torch.device("meta"):
         model = LlamaModel(cfg, shard)
     in_blocks: set[str] = set()
-    if gguf_kernels and device.type == "cpu" and dtype == torch.float32 and kernels.load():
+    stored_form = gguf_kernels and device.type == "cpu" and dtype == torch.float32
+    if stored_form and kernels.load():
         # before any dense allocation: a bf16 checkpoint run in fp32 is never expanded to an fp32 copy
         blocks = gguf_block_weights(reader, cfg) if reader is not None else hf_block_weights(source.path)
         in_blocks = model.attach_blocks(blocks)
+    if device.type == "cpu":
+        why = (f"the GGUF block kernels are not available: {kernels.unavailable_reason()}" if stored_form
+               else "it was asked for (gguf_kernels=False or a dtype other than float32)")
+        _check_dense_fits(model, source.path.name, why)
     # dense tensors are allocated in the run dtype (a bf16 checkpoint is never expanded to fp32 first)
     model = _materialize(model).to(dtype)
     if reader is not None:
@@ -105,6 +111,16 @@ def load_model(
         raise ModelLoadError(f"numerics={numerics!r} needs quantized GGUF block weights on CPU in fp32 with the "
                              f"kernels built; {source.path} has none here (use numerics='exact')")
     return LoadedModel(model, cfg, tokenizer, source)
+
+
+def _check_dense_fits(model: LlamaModel, name: str, why: str) -> None:
+    """Refuse, before allocating it, a dense copy of the weights larger than the memory left on the
+    host (a 7B GGUF expanded to float32 is ~28 GB): a clear error instead of the OOM killer."""
+    need = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))  # (meta)
+    have = available_bytes()
+    if have is not None and need > have:
+        raise ModelLoadError(f"{name}: its weights would be held as a dense {need / 2**30:.1f} GiB copy, because "
+                             f"{why}, and only {have / 2**30:.1f} GiB of memory is available")
 
 
 def _materialize(model: LlamaModel) -> LlamaModel:
