@@ -103,8 +103,9 @@ def load_model(
         blocks = gguf_block_weights(reader, cfg) if reader is not None else hf_block_weights(source.path)
         in_blocks = model.attach_blocks(blocks)
     if device.type == "cpu":
-        why = (f"the GGUF block kernels are not available: {kernels.unavailable_reason()}" if stored_form
-               else "it was asked for (gguf_kernels=False or a dtype other than float32)")
+        why = ("it was asked for (gguf_kernels=False or a dtype other than float32)" if not stored_form
+               else f"the GGUF block kernels are not available: {kernels.unavailable_reason()}"
+               if kernels.load() is None else "they are stored as float32 or in a form the kernels do not read")
         _check_dense_fits(model, source.path.name, why)
     # dense tensors are allocated in the run dtype (a bf16 checkpoint is never expanded to fp32 first)
     model = _materialize(model).to(dtype)

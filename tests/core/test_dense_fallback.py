@@ -61,3 +61,12 @@ def test_a_CC_that_is_no_executable_falls_back_to_the_system_compiler(monkeypatc
     monkeypatch.setenv("CC", "/nonexistent/cc")
     assert kernels._compiler() == (shutil.which("cc") or shutil.which("gcc"))
     assert "CC='/nonexistent/cc' is not an executable" in caplog.text
+
+
+def test_an_fp32_checkpoint_too_big_is_refused_naming_its_form(monkeypatch, tmp_path):
+    from tests.wedlm.factory import make_tiny_wedlm_folder
+
+    path, _ = make_tiny_wedlm_folder(tmp_path / "tiny")  # fp32 safetensors: dense is its stored form
+    monkeypatch.setattr(registry, "available_bytes", lambda: 1024)
+    with pytest.raises(ModelLoadError, match="stored as float32"):
+        registry.load_model(str(path), torch.device("cpu"), torch.float32, progress=False)
