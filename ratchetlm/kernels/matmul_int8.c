@@ -57,8 +57,8 @@ static inline int omp_get_thread_num(void) { return 0; }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define INT8_ISA "avx512vnni"
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__AVXVNNI__)
-#define INT8_ISA "avxvnni"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define INT8_ISA "avx2" /* vpmaddubsw + vpmaddwd (AVX-VNNI machines take this path too) */
 #else
 #define INT8_ISA "scalar"
 #endif
@@ -646,8 +646,114 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
     #pragma GCC unroll 8
     for (int t = 0; t < tt; t++) _mm512_mask_storeu_ps(y + (long)t * N, mask, acc[t]);
 }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* AVX2 (no VNNI): a 16-row panel is two 8-row halves of 32 bytes (each 64-byte VNNI-order vector's
+ * first and second half), and the 4-byte dot product of a lane is vpmaddubsw (u8 x s8 -> pairs summed
+ * to int16) then vpmaddwd by 1 (pairs -> int32), exact while a pair's |u0 x0 + u1 x1| <= 32767: weights
+ * of up to 6 bits (2 * 63 * 128 = 16128); bytes (Q8_0) are split into nibbles, 16 * hi + lo. The high
+ * and low activation bytes have their own int32 chains, I = 256 I_hi + I_lo - z sum xq: the same exact
+ * integer, then the same float epilogue per lane as the AVX-512 kernel (the same bits). Tokens go
+ * two at a time through the panel's groups, both halves at once (16 ymm registers). */
+#define Q_AHEAD 4096
+static inline __attribute__((always_inline)) __m256i dot4_avx2(__m256i acc, __m256i w, int32_t x4, __m256i ones) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(x4)), ones));
+}
+
+/* the 32 weight bytes of half h of vector c of group g: unsigned values < 64 (vb < 8), or raw bytes */
+static inline __attribute__((always_inline)) __m256i unpack_avx2(const uint8_t *qg, int C, int vb, int c, int h) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    if (vb == 8) return _mm256_loadu_si256((const __m256i *)(qg + c * 64 + 32 * h));
+    const int v = c % (C / 2);
+    const __m256i b = _mm256_loadu_si256((const __m256i *)(qg + v * 64 + 32 * h));
+    __m256i w = c < C / 2 ? _mm256_and_si256(b, m4) : _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
+    const uint8_t *pl = qg + C / 2 * 64;
+    if (vb == 6) { /* bits 2j..2j+1 of plane c / 4 to bits 4..5 (16-bit shifts: the mask drops what crosses bytes) */
+        const __m256i p = _mm256_loadu_si256((const __m256i *)(pl + (c / 4) * 64 + 32 * h));
+        const int j = c % 4;
+        const __m256i sh = j < 2 ? _mm256_slli_epi16(p, 4 - 2 * j) : j == 2 ? p : _mm256_srli_epi16(p, 2);
+        w = _mm256_or_si256(w, _mm256_and_si256(sh, _mm256_set1_epi8(0x30)));
+    } else if (vb == 5) { /* bit c of the plane to bit 4 */
+        const __m256i p = _mm256_loadu_si256((const __m256i *)(pl + 32 * h));
+        const __m256i sh = c < 4 ? _mm256_slli_epi16(p, 4 - c) : c == 4 ? p : _mm256_srli_epi16(p, c - 4);
+        w = _mm256_or_si256(w, _mm256_and_si256(sh, _mm256_set1_epi8(0x10)));
+    }
+    return w;
+}
+
+/* I += w . x for every lane; bytes (vb = 8) as 16 * (hi nibble) + (lo nibble) */
+static inline __attribute__((always_inline)) __m256i dot_w_avx2(__m256i I, __m256i w, int32_t x4, int vb, __m256i ones) {
+    if (vb < 8) return dot4_avx2(I, w, x4, ones);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), x = _mm256_set1_epi32(x4);
+    const __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), m4), x), ones);
+    const __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(w, m4), x), ones);
+    return _mm256_add_epi32(I, _mm256_add_epi32(_mm256_slli_epi32(hi, 4), lo));
+}
+
+static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, const uint8_t *SM, int z,
+                                                             const xtile_t *xs, int K, const int G, const int vb,
+                                                             const int b16, const int has_m, const int unit, int SB,
+                                                             float *y, int N, int nvalid, const int tt) {
+    const int C = G / 4, NG = K / G, GPS = SB / G, SBB = (1 + has_m) * (2 + (unit ? 0 : GPS)) * PN;
+    const __m256i ones = _mm256_set1_epi16(1), lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    #pragma GCC unroll 4
+    for (int t0 = 0; t0 < tt; t0 += 2) {
+        const int S = tt - t0 < 2 ? 1 : 2; /* tokens in this pass (a literal once tt is) */
+        __m256 acc[2][2];
+        for (int t = 0; t < 2; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+        for (int g = 0; g < NG; g++) {
+            const uint8_t *sbp = SM + (long)(g / GPS) * SBB, *qg = Q + (long)g * G * PN * vb / 8;
+            if (t0 == 0)
+                for (int o = 0; o < G * PN * vb / 8; o += 64) _mm_prefetch((const char *)qg + Q_AHEAD + o, _MM_HINT_T0);
+            const int8_t *cp = (const int8_t *)sbp + (1 + has_m) * 2 * PN + (g % GPS) * (1 + has_m) * PN;
+            __m256 sv[2], mv[2];
+            for (int h = 0; h < 2; h++) { /* s = D * c and m = D_m * c_m, as the AVX-512 kernel forms them */
+                const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sbp + 16 * h)));
+                sv[h] = unit ? D : _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cp + 8 * h)))));
+                mv[h] = _mm256_setzero_ps();
+                if (has_m) {
+                    const __m256 Dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sbp + 2 * PN + 16 * h)));
+                    mv[h] = unit ? Dm : _mm256_mul_ps(Dm, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cp + PN + 8 * h)))));
+                }
+            }
+            __m256i Ih[2][2], Il[2][2];
+            for (int t = 0; t < 2; t++)
+                for (int h = 0; h < 2; h++) Ih[t][h] = Il[t][h] = _mm256_setzero_si256();
+            #pragma GCC unroll 8
+            for (int c = 0; c < C; c++) {
+                #pragma GCC unroll 2
+                for (int h = 0; h < 2; h++) {
+                    const __m256i w = unpack_avx2(qg, C, vb, c, h);
+                    #pragma GCC unroll 2
+                    for (int t = 0; t < S; t++) {
+                        const long i = ((long)g * C + c) * tt + t0 + t;
+                        Ih[t][h] = dot_w_avx2(Ih[t][h], w, xs->xh[i], vb, ones);
+                        if (b16) Il[t][h] = dot_w_avx2(Il[t][h], w, xs->xl[i], vb, ones);
+                    }
+                }
+            }
+            #pragma GCC unroll 2
+            for (int t = 0; t < S; t++) {
+                const long gt = (long)g * tt + t0 + t;
+                const int32_t zq = z ? (G == 32 ? xs->zq32[gt] : xs->zq16[gt]) : 0;
+                const float dx = G == 32 ? xs->d32[gt] : xs->d32[(long)g / 2 * tt + t0 + t];
+                for (int h = 0; h < 2; h++) {
+                    __m256i I = b16 ? _mm256_add_epi32(_mm256_slli_epi32(Ih[t][h], 8), Il[t][h]) : Ih[t][h];
+                    if (z) I = _mm256_add_epi32(I, _mm256_set1_epi32(zq));
+                    acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(sv[h], _mm256_set1_ps(dx)), acc[t][h]);
+                    if (has_m)
+                        acc[t][h] = _mm256_fmadd_ps(mv[h], _mm256_set1_ps(G == 32 ? xs->sx32[gt] : xs->sx16[gt]), acc[t][h]);
+                }
+            }
+        }
+        for (int t = 0; t < S; t++)
+            for (int h = 0; h < 2; h++) {
+                const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(nvalid - 8 * h), lane);
+                _mm256_maskstore_ps(y + (long)(t0 + t) * N + 8 * h, mask, acc[t][h]);
+            }
+    }
+}
 #else
-/* portable C (and the AVX-VNNI build, which the compiler vectorizes): the same sequence per lane */
+/* portable C : the same sequence per lane */
 static inline void panel_tile(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, const int G,
                               const int vb, const int b16, const int has_m, const int unit, int SB, float *y, int N,
                               int nvalid, const int tt) {

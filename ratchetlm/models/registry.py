@@ -41,13 +41,13 @@ class LoadedModel:
 
 # what numerics="auto" runs a quantized GGUF in: the fastest mode that meets the quality gates
 # (README: int8 fails them on the default model, int16 passes on it and on a 1B file and is faster than
-# exact at every row count measured) where the integer kernels have their AVX512-VNNI form (FAST_INT_ISA)
+# exact at every row count measured) where the integer kernels have a vector form (FAST_INT_ISAS)
 AUTO_NUMERICS = "int16"
-# Elsewhere the integer matmul is the portable C loop, which compilers do not vectorise into dot products
-# (an AVX2 or AVX-VNNI build has no vpmaddubsw / vpdpbusd in it): with an AVX2 build of the kernels
-# the bundled model decodes at 14 tok/s in int16 vs 41 exact and prefills at 21 vs 447 tok/s, so auto
-# keeps such machines in exact.
-FAST_INT_ISA = "avx512vnni"
+# AVX512-VNNI: faster than exact at every row count. AVX2 (vpmaddubsw): decode 3.8-4.4x exact's speed
+# (an AVX2 build of the kernels on this machine: bundled model 136 vs 36 tok/s, 1B Q4_K_M 33.6 vs
+# 7.6), prefill 0.45-0.6x (223 vs 507, 47 vs 78 tok/s): generation is mostly decode, so int16. The
+# portable C loop (no AVX2) has no vector dot product: 3x slower than exact at decode, 20x at prefill.
+FAST_INT_ISAS = ("avx512vnni", "avx2")
 
 
 def load_model(
@@ -68,7 +68,7 @@ def load_model(
     dequantized to a dense copy in ``dtype``. ``numerics="int8"`` / ``"int16"``: those block weights
     that have integer values multiply integer activations (layers/block_quant.py); a model with none
     is refused. ``"auto"``: ``AUTO_NUMERICS`` where some weights have integer values (a quantized
-    GGUF on CPU in fp32) and the kernels' integer dot product is ``FAST_INT_ISA``'s, else ``"exact"``
+    GGUF on CPU in fp32) and the kernels' integer dot product is one of ``FAST_INT_ISAS``, else ``"exact"``
     (the model's ``numerics`` says which).
     ``tp_rank`` of ``tp_size``: load only that tensor-parallel rank's slice (parallel/shard.py); its
     collectives run over ``tp_group``."""
@@ -114,7 +114,7 @@ def load_model(
     else:
         model.load_hf_weights(iter_hf_weights(source.path, progress, skip=in_blocks))
     model = model.to(device=device).eval()
-    fast_int = kernels.int8_isa() == FAST_INT_ISA
+    fast_int = kernels.int8_isa() in FAST_INT_ISAS
     if numerics == "auto":  # the integer mode where the weights have integer values and it is fast, else exact
         numerics = AUTO_NUMERICS if fast_int and in_blocks and model.set_numerics(AUTO_NUMERICS) > 0 else "exact"
         model.set_numerics(numerics)
@@ -122,8 +122,8 @@ def load_model(
         raise ModelLoadError(f"numerics={numerics!r} needs quantized GGUF block weights on CPU in fp32 with the "
                              f"kernels built; {source.path} has none here (use numerics='exact')")
     elif numerics != "exact" and not fast_int:
-        log.warning("numerics=%r runs the portable integer kernels on this CPU (no AVX512-VNNI): expect it "
-                    "several times slower than numerics='exact', the default here", numerics)
+        log.warning("numerics=%r runs the portable integer kernels on this CPU (no AVX2): expect it several "
+                    "times slower than numerics='exact', the default here", numerics)
     return LoadedModel(model, cfg, tokenizer, source)
 
 
