@@ -216,6 +216,6 @@ def isa() -> str | None:
 
 
 def int8_isa() -> str | None:
-    """Integer dot product the int8 mode uses ('avx512vnni', 'avxvnni', 'scalar'), None if unavailable."""
+    """Integer dot product the int8 mode uses ('avx512vnni', 'avx2', 'scalar'), None if unavailable."""
     lib = load()
     return None if lib is None else lib.ratchet_int8_isa().decode()
