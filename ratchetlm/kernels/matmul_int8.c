@@ -651,14 +651,10 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
  * first and second half), and the 4-byte dot product of a lane is vpmaddubsw (u8 x s8 -> pairs summed
  * to int16) then vpmaddwd by 1 (pairs -> int32), exact while a pair's |u0 x0 + u1 x1| <= 32767: weights
  * of up to 6 bits (2 * 63 * 128 = 16128); bytes (Q8_0) are split into nibbles, 16 * hi + lo. The high
- * and low activation bytes have their own int32 chains, I = 256 I_hi + I_lo - z sum xq: the same exact
- * integer, then the same float epilogue per lane as the AVX-512 kernel (the same bits). Tokens go
- * two at a time through the panel's groups, both halves at once (16 ymm registers). */
+ * activation bytes' products enter the token's int32 chain through vpmaddwd by 256, I = 256 (u . hi) +
+ * u . lo - z sum xq: the same exact integer, then the same float epilogue per lane as the AVX-512
+ * kernel (the same bits). Tokens go AVX2_TS at a time through the panel's groups, both halves at once. */
 #define Q_AHEAD 4096
-static inline __attribute__((always_inline)) __m256i dot4_avx2(__m256i acc, __m256i w, int32_t x4, __m256i ones) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(x4)), ones));
-}
-
 /* the 32 weight bytes of half h of vector c of group g: unsigned values < 64 (vb < 8), or raw bytes */
 static inline __attribute__((always_inline)) __m256i unpack_avx2(const uint8_t *qg, int C, int vb, int c, int h) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
@@ -680,26 +676,31 @@ static inline __attribute__((always_inline)) __m256i unpack_avx2(const uint8_t *
     return w;
 }
 
-/* I += w . x for every lane; bytes (vb = 8) as 16 * (hi nibble) + (lo nibble) */
-static inline __attribute__((always_inline)) __m256i dot_w_avx2(__m256i I, __m256i w, int32_t x4, int vb, __m256i ones) {
-    if (vb < 8) return dot4_avx2(I, w, x4, ones);
-    const __m256i m4 = _mm256_set1_epi8(0x0F), x = _mm256_set1_epi32(x4);
-    const __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), m4), x), ones);
-    const __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(w, m4), x), ones);
-    return _mm256_add_epi32(I, _mm256_add_epi32(_mm256_slli_epi32(hi, 4), lo));
+/* I += m (w . x) for every lane (m: 1, or 256 for the high activation bytes, as vpmaddwd's multiplier);
+ * bytes (vb = 8) as 16 m (hi nibble) + m (lo nibble) */
+static inline __attribute__((always_inline)) __m256i dot_w_avx2(__m256i I, __m256i w, int32_t x4, int vb, __m256i m,
+                                                                 __m256i m16) {
+    const __m256i x = _mm256_set1_epi32(x4);
+    if (vb < 8) return _mm256_add_epi32(I, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), m));
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), m4), x), m16);
+    const __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(w, m4), x), m);
+    return _mm256_add_epi32(I, _mm256_add_epi32(hi, lo));
 }
 
+#define AVX2_TS 3 /* tokens per pass over a panel's groups: 2 halves x 3 tokens x (I, acc) in 12 registers */
 static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, const uint8_t *SM, int z,
                                                              const xtile_t *xs, int K, const int G, const int vb,
                                                              const int b16, const int has_m, const int unit, int SB,
                                                              float *y, int N, int nvalid, const int tt) {
     const int C = G / 4, NG = K / G, GPS = SB / G, SBB = (1 + has_m) * (2 + (unit ? 0 : GPS)) * PN;
-    const __m256i ones = _mm256_set1_epi16(1), lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i ones = _mm256_set1_epi16(1), m16 = _mm256_set1_epi16(16), m256 = _mm256_set1_epi16(256),
+                  m4096 = _mm256_set1_epi16(4096), lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     #pragma GCC unroll 4
-    for (int t0 = 0; t0 < tt; t0 += 2) {
-        const int S = tt - t0 < 2 ? 1 : 2; /* tokens in this pass (a literal once tt is) */
-        __m256 acc[2][2];
-        for (int t = 0; t < 2; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int t0 = 0; t0 < tt; t0 += AVX2_TS) {
+        const int S = tt - t0 < AVX2_TS ? tt - t0 : AVX2_TS; /* tokens in this pass (a literal once tt is) */
+        __m256 acc[AVX2_TS][2];
+        for (int t = 0; t < AVX2_TS; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
         for (int g = 0; g < NG; g++) {
             const uint8_t *sbp = SM + (long)(g / GPS) * SBB, *qg = Q + (long)g * G * PN * vb / 8;
             if (t0 == 0)
@@ -715,31 +716,34 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
                     mv[h] = unit ? Dm : _mm256_mul_ps(Dm, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cp + PN + 8 * h)))));
                 }
             }
-            __m256i Ih[2][2], Il[2][2];
-            for (int t = 0; t < 2; t++)
-                for (int h = 0; h < 2; h++) Ih[t][h] = Il[t][h] = _mm256_setzero_si256();
+            /* one int32 chain per token and half: 256 (u . hi) + u . lo, the high bytes scaled by vpmaddwd */
+            __m256i I[AVX2_TS][2];
+            for (int t = 0; t < AVX2_TS; t++) I[t][0] = I[t][1] = _mm256_setzero_si256();
             #pragma GCC unroll 8
             for (int c = 0; c < C; c++) {
                 #pragma GCC unroll 2
                 for (int h = 0; h < 2; h++) {
                     const __m256i w = unpack_avx2(qg, C, vb, c, h);
-                    #pragma GCC unroll 2
+                    #pragma GCC unroll 3
                     for (int t = 0; t < S; t++) {
                         const long i = ((long)g * C + c) * tt + t0 + t;
-                        Ih[t][h] = dot_w_avx2(Ih[t][h], w, xs->xh[i], vb, ones);
-                        if (b16) Il[t][h] = dot_w_avx2(Il[t][h], w, xs->xl[i], vb, ones);
+                        if (b16) {
+                            I[t][h] = dot_w_avx2(I[t][h], w, xs->xh[i], vb, m256, m4096);
+                            I[t][h] = dot_w_avx2(I[t][h], w, xs->xl[i], vb, ones, m16);
+                        } else {
+                            I[t][h] = dot_w_avx2(I[t][h], w, xs->xh[i], vb, ones, m16);
+                        }
                     }
                 }
             }
-            #pragma GCC unroll 2
+            #pragma GCC unroll 3
             for (int t = 0; t < S; t++) {
                 const long gt = (long)g * tt + t0 + t;
                 const int32_t zq = z ? (G == 32 ? xs->zq32[gt] : xs->zq16[gt]) : 0;
                 const float dx = G == 32 ? xs->d32[gt] : xs->d32[(long)g / 2 * tt + t0 + t];
                 for (int h = 0; h < 2; h++) {
-                    __m256i I = b16 ? _mm256_add_epi32(_mm256_slli_epi32(Ih[t][h], 8), Il[t][h]) : Ih[t][h];
-                    if (z) I = _mm256_add_epi32(I, _mm256_set1_epi32(zq));
-                    acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(sv[h], _mm256_set1_ps(dx)), acc[t][h]);
+                    const __m256i It = z ? _mm256_add_epi32(I[t][h], _mm256_set1_epi32(zq)) : I[t][h];
+                    acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(It), _mm256_mul_ps(sv[h], _mm256_set1_ps(dx)), acc[t][h]);
                     if (has_m)
                         acc[t][h] = _mm256_fmadd_ps(mv[h], _mm256_set1_ps(G == 32 ? xs->sx32[gt] : xs->sx16[gt]), acc[t][h]);
                 }
