@@ -43,9 +43,9 @@ class LoadedModel:
 # (README: int8 fails them on the default model, int16 passes on it and on a 1B file and is faster than
 # exact at every row count measured) where the integer kernels have a vector form (FAST_INT_ISAS)
 AUTO_NUMERICS = "int16"
-# AVX512-VNNI: faster than exact at every row count. AVX2 (vpmaddubsw): decode 3.8-4.4x exact's speed
-# (an AVX2 build of the kernels on this machine: bundled model 136 vs 36 tok/s, 1B Q4_K_M 33.6 vs
-# 7.6), prefill 0.45-0.6x (223 vs 507, 47 vs 78 tok/s): generation is mostly decode, so int16. The
+# AVX512-VNNI: faster than exact at every row count. AVX2 (vpmaddubsw): decode ~4x exact's speed
+# (an AVX2 build of the kernels on this machine: bundled model 184 vs 43 tok/s, 1B Q4_K_M 33.6 vs
+# 7.6), prefill 0.4-0.6x (233 vs 610, 47 vs 78 tok/s): generation is mostly decode, so int16. The
 # portable C loop (no AVX2) has no vector dot product: 3x slower than exact at decode, 20x at prefill.
 FAST_INT_ISAS = ("avx512vnni", "avx2")
 
