@@ -103,10 +103,7 @@ def load_model(
         blocks = gguf_block_weights(reader, cfg) if reader is not None else hf_block_weights(source.path)
         in_blocks = model.attach_blocks(blocks)
     if device.type == "cpu":
-        why = ("it was asked for (gguf_kernels=False or a dtype other than float32)" if not stored_form
-               else f"the GGUF block kernels are not available: {kernels.unavailable_reason()}"
-               if kernels.load() is None else "they are stored as float32 or in a form the kernels do not read")
-        _check_dense_fits(model, source.path.name, why)
+        _check_dense_fits(model, source.path.name, _dense_reason(stored_form))
     # dense tensors are allocated in the run dtype (a bf16 checkpoint is never expanded to fp32 first)
     model = _materialize(model).to(dtype)
     if reader is not None:
@@ -125,6 +122,15 @@ def load_model(
         log.warning("numerics=%r runs the portable integer kernels on this CPU (no AVX2): expect it several "
                     "times slower than numerics='exact', the default here", numerics)
     return LoadedModel(model, cfg, tokenizer, source)
+
+
+def _dense_reason(stored_form: bool) -> str:
+    """Why a CPU load holds (some of) its weights as a dense copy, for the error below."""
+    if not stored_form:
+        return "it was asked for (gguf_kernels=False or a dtype other than float32)"
+    if kernels.load() is None:
+        return f"the GGUF block kernels are not available: {kernels.unavailable_reason()}"
+    return "they are stored as float32 or in a form the kernels do not read"
 
 
 def _check_dense_fits(model: LlamaModel, name: str, why: str) -> None:
