@@ -342,6 +342,50 @@ def test_fixed_order_attention_of_causal_batches_needs_no_mask():
     assert same_bits(plain, masked) and not built and built_masked
 
 
+@pytest.mark.parametrize("variant", ["avx2", "portable"])
+def test_fixed_order_attention_gives_the_native_builds_bits_in_every_build(variant, monkeypatch):
+    """The AVX2 path (8 lanes) and the portable C do the AVX-512 path's per-lane operations in its
+    order, exp's polynomial included: the same bits for a prefill, a tree mask with softcap, and decode
+    steps over an fp32 and a half cache at scattered slots, at head sizes that take each build's vector
+    transposes (64) or not (40, 36)."""
+    from ratchetlm.kv.cache import KVCache
+    from ratchetlm.kv.sink import NullSink
+    from ratchetlm.layers.attention import build_attention_batch, paged_attention
+
+    builds = {name: kernels.compile_library(VARIANTS[name]) for name in ("native", variant)}
+    if None in builds.values():
+        pytest.skip("no C compiler")
+    torch.manual_seed(4)
+    h, hkv, n = 6, 2, 37
+    tree = torch.ones(n, n, dtype=torch.bool).tril()
+    tree[9:, 5:8] = False  # nodes 5-7 are leaves the rest skip
+
+    def run(d: int) -> list[torch.Tensor]:
+        q, k, v = torch.randn(n, h, d) * 3, torch.randn(n, hkv, d), torch.randn(n, hkv, d)
+        none = torch.empty(0, dtype=torch.long)
+
+        def prefill(mask):
+            return build_attention_batch(torch.arange(n), [n], [none], [mask], NullSink(), None)
+
+        outs = [paged_attention(0, q, k, v, prefill(None), 0.125, fixed_order=True),
+                paged_attention(0, q, k, v, prefill(tree), 0.125, softcap=5.0, fixed_order=True)]
+        for dtype in (torch.float32, torch.float16):
+            cache = KVCache(1, 8, 16, hkv, d, dtype, "cpu")
+            cache.k.normal_()
+            cache.v.normal_()
+            ctx = [torch.randperm(128)[:c] for c in (41, 3, 100)]
+            batch = build_attention_batch(torch.tensor([41, 3, 4, 100]), [1, 2, 1], ctx, [None] * 3, NullSink(), cache)
+            outs.append(paged_attention(0, q[:4], k[:4], v[:4], batch, 0.125, fixed_order=True))
+        return outs
+
+    got = {}
+    for name, lib in builds.items():
+        monkeypatch.setattr(kernels, "load", lambda lib=lib: lib)
+        torch.manual_seed(5)
+        got[name] = [o for d in (64, 40, 36) for o in run(d)]
+    assert all(same_bits(a, b) for a, b in zip(got[variant], got["native"], strict=True))
+
+
 def test_linear_integer_fast_path_is_block_matmul_and_follows_numerics():
     """Linear keeps a one-pointer handle to its packed weight after the first integer-mode call; the
     calls through it give block_matmul's bits, and a change of numerics (set_numerics) is obeyed."""

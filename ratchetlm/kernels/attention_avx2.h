@@ -1,0 +1,72 @@
+/* The AVX2 (+ FMA, F16C) pieces of kernels/attention.c: its AVX-512 path's per-lane operations in the
+ * same order, 8 lanes a vector where that path has 16, so an AVX2 build's attention gives the AVX-512
+ * build's bits (tests/core/test_int8_kernels.py compares the builds). Included by attention.c only. */
+#include <immintrin.h>
+
+/* exp(x) for x <= 0 (and -inf): attention.c's exp_neg with the same constants and operations; its
+ * scalef(p, n) is p * 2^n, here one multiply by 2^n made from exponent bits (n >= -126: a normal float) */
+static inline __m256 exp_neg8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.33654f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+/* r[j][d] -> r[d][j] for an 8 x 8 block: row pairs interleaved, then quads (vector k of a half holds
+ * column k in its low 128 bits and column k + 4 in its high ones), then the 128-bit halves swapped */
+static inline void transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+    }
+    for (int k = 0; k < 4; k++) {
+        r[k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x20);
+        r[4 + k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x31);
+    }
+}
+
+/* 8 dims of a K/V row from d, widened as kv_load1 reads them (a half cache's new rows rounded to half) */
+static inline __m256 kv_load8(kvrow_t r, int d, int kv_half) {
+    if (!kv_half) return _mm256_loadu_ps((const float *)r.p + d);
+    if (r.cached) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)r.p + d)));
+    return _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps((const float *)r.p + d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+/* Scores of keys j0..j0+7 (one per lane of the transposed kb [D][LP], fp32) for nq queries: scores16's
+ * two chains per query (even and odd d), added at the end */
+static inline __attribute__((always_inline)) void scores8(const float *kb, int LP, int j0, int D,
+                                                          const float *const *qr, const int nq, float scale, float *s) {
+    __m256 a[QT], c[QT];
+    for (int u = 0; u < nq; u++) a[u] = c[u] = _mm256_setzero_ps();
+    for (int d = 0; d + 1 < D; d += 2) {
+        const __m256 k0 = _mm256_load_ps(kb + (long)d * LP + j0), k1 = _mm256_load_ps(kb + (long)(d + 1) * LP + j0);
+        for (int u = 0; u < nq; u++) {
+            a[u] = _mm256_fmadd_ps(_mm256_set1_ps(qr[u][d]), k0, a[u]);
+            c[u] = _mm256_fmadd_ps(_mm256_set1_ps(qr[u][d + 1]), k1, c[u]);
+        }
+    }
+    if (D % 2)
+        for (int u = 0; u < nq; u++)
+            a[u] = _mm256_fmadd_ps(_mm256_set1_ps(qr[u][D - 1]), _mm256_load_ps(kb + (long)(D - 1) * LP + j0), a[u]);
+    for (int u = 0; u < nq; u++)
+        _mm256_store_ps(s + (long)u * LP + j0, _mm256_mul_ps(_mm256_add_ps(a[u], c[u]), _mm256_set1_ps(scale)));
+}
