@@ -168,11 +168,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if not args.chat:
             sys.stdout.write(prompt)
         try:
+            wrote = False
             for ev in llm.stream(prompt, params):
                 sys.stdout.write(ev.text)
                 sys.stdout.flush()
+                wrote = wrote or bool(ev.text)
                 if ev.finished:
                     print(f"[finish_reason={ev.finish_reason}]", file=sys.stderr)
+                    if not wrote and not args.chat and getattr(llm.tokenizer, "chat_template", None):
+                        # an instruct model given a bare prompt often ends at once: the first thing users try
+                        print("[the model ended at once; it has a chat template: try --chat]", file=sys.stderr)
         finally:
             sys.stdout.write("\n")
             sys.stdout.flush()

@@ -68,6 +68,18 @@ def test_generate_reads_stdin_and_prints_json():
     assert empty.returncode == 2 and "standard input is empty" in empty.stderr and "Traceback" not in empty.stderr
 
 
+def test_generate_suggests_chat_when_an_instruct_model_ends_at_once():
+    """The bundled instruct model answers a bare question with EOS at once (the first thing users try):
+    generate says so and names --chat; with --chat it answers and says nothing of the kind."""
+    hint = "try --chat"
+    bare = subprocess.run([*RATCHET, "generate", "What is a ratchet?", "--max-tokens", "8"], capture_output=True,
+                          text=True, env=ENV, timeout=600)
+    assert bare.returncode == 0 and bare.stdout.strip() == "What is a ratchet?" and hint in bare.stderr
+    chat = subprocess.run([*RATCHET, "generate", "What is a ratchet?", "--max-tokens", "8", "--chat"],
+                          capture_output=True, text=True, env=ENV, timeout=600)
+    assert chat.returncode == 0 and chat.stdout.strip() and hint not in chat.stderr
+
+
 def _default_sigint() -> None:
     """A test runner started in the background by a script (`cmd &`, no job control) ignores SIGINT,
     and an ignored signal stays ignored across exec: give the child what a terminal's process has."""
