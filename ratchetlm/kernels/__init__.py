@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("dequant.c", "matmul.c", "matmul_int8.c", "attention.c",
                                                            "norm_rope.c", "argmax.c", "chain.c"))
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("ggml_types.h", "units_avx512.h", "silu.h", "attention_avx2.h"))
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("ggml_types.h", "units_avx512.h", "units_avx2.h", "silu.h",
+                                                           "attention_avx2.h"))
 # -ffp-contract=off: dequantization must round exactly like gguf-py's numpy code (no fused d * q + m).
 _FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 # tried in order: the native ISA (AVX-512 / AVX2 paths), then portable C

@@ -238,110 +238,54 @@ UNITS_TO_FLOAT(q6_k, QK_K, 210, kstate_t)
 #define Q6_K_FN q6_k_avx512
 
 /* ------------------------------------------------------------ AVX2 (+FMA, F16C) */
-#elif defined(__AVX2__)
-#define U8x8(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include "units_avx2.h"
 
 static void f16_avx2(const uint8_t *src, float *dst, int64_t n) {
     int64_t i = 0;
-#if defined(__F16C__)
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * i))));
-#endif
     f16_c(src + 2 * i, dst + i, n - i);
 }
 
-/* nibbles of 16 bytes as floats: low -> q[0..1], high -> q[2..3] (8 lanes each) */
-static inline void nibbles_avx2(const uint8_t *qs, __m256 q[4]) {
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    __m128i raw = _mm_loadu_si128((const __m128i *)qs);
-    __m128i lo = _mm_and_si128(raw, low4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
-    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+static void bf16_avx2(const uint8_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + 2 * i)));
+        _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+    }
+    bf16_c(src + 2 * i, dst + i, n - i);
 }
 
-static void q4_0_avx2(const uint8_t *src, float *dst, int64_t n) {
-    const __m256 eight = _mm256_set1_ps(8.0f);
-    for (int64_t b = 0; b < n; b++, src += 18, dst += QK) {
-        __m256 vd = _mm256_set1_ps(load_fp16(src)), q[4];
-        nibbles_avx2(src + 2, q);
-        for (int j = 0; j < 4; j++) _mm256_storeu_ps(dst + 8 * j, _mm256_mul_ps(vd, _mm256_sub_ps(q[j], eight)));
+/* the quantized formats: each block's units (units_avx2.h), stored */
+#define UNITS_TO_FLOAT(NAME, BLCK, BYTES, STATE)                                                   \
+    static void NAME##_avx2(const uint8_t *src, float *dst, int64_t n) {                           \
+        for (int64_t b = 0; b < n; b++, src += BYTES, dst += BLCK) {                               \
+            STATE st;                                                                              \
+            NAME##_prep(src, &st);                                                                 \
+            for (int j = 0; j < BLCK / 32; j++) {                                                  \
+                __m256 v[4];                                                                       \
+                NAME##_unit(src, &st, j, v);                                                       \
+                for (int i = 0; i < 4; i++) _mm256_storeu_ps(dst + 32 * j + 8 * i, v[i]);          \
+            }                                                                                      \
+        }                                                                                          \
     }
-}
-
-static void q4_1_avx2(const uint8_t *src, float *dst, int64_t n) {
-    for (int64_t b = 0; b < n; b++, src += 20, dst += QK) {
-        __m256 vd = _mm256_set1_ps(load_fp16(src)), vm = _mm256_set1_ps(load_fp16(src + 2)), q[4];
-        nibbles_avx2(src + 4, q);
-        for (int j = 0; j < 4; j++) _mm256_storeu_ps(dst + 8 * j, _mm256_add_ps(_mm256_mul_ps(vd, q[j]), vm));
-    }
-}
-
-static void q8_0_avx2(const uint8_t *src, float *dst, int64_t n) {
-    for (int64_t b = 0; b < n; b++, src += 34, dst += QK) {
-        __m256 vd = _mm256_set1_ps(load_fp16(src));
-        for (int j = 0; j < 4; j++) {
-            __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 2 + 8 * j)));
-            _mm256_storeu_ps(dst + 8 * j, _mm256_mul_ps(_mm256_cvtepi32_ps(q), vd));
-        }
-    }
-}
-
-static void q4_k_avx2(const uint8_t *src, float *dst, int64_t n) {
-    for (int64_t b = 0; b < n; b++, src += 144, dst += QK_K) {
-        const float d = load_fp16(src), dmin = load_fp16(src + 2);
-        uint8_t sc[8], mn[8];
-        k4_scale_min(src + 4, sc, mn);
-        for (int c = 0; c < 4; c++) {
-            __m256 dl = _mm256_set1_ps(d * (float)sc[2 * c]), ml = _mm256_set1_ps(dmin * (float)mn[2 * c]);
-            __m256 dh = _mm256_set1_ps(d * (float)sc[2 * c + 1]), mh = _mm256_set1_ps(dmin * (float)mn[2 * c + 1]);
-            for (int half = 0; half < 2; half++) {
-                __m256 q[4];
-                nibbles_avx2(src + 16 + 32 * c + 16 * half, q);
-                float *o = dst + 64 * c + 16 * half;
-                _mm256_storeu_ps(o, _mm256_sub_ps(_mm256_mul_ps(dl, q[0]), ml));
-                _mm256_storeu_ps(o + 8, _mm256_sub_ps(_mm256_mul_ps(dl, q[1]), ml));
-                _mm256_storeu_ps(o + 32, _mm256_sub_ps(_mm256_mul_ps(dh, q[2]), mh));
-                _mm256_storeu_ps(o + 40, _mm256_sub_ps(_mm256_mul_ps(dh, q[3]), mh));
-            }
-        }
-    }
-}
-
-static void q6_k_avx2(const uint8_t *src, float *dst, int64_t n) {
-    const __m128i m4 = _mm_set1_epi8(0x0F), m3 = _mm_set1_epi8(3), off = _mm_set1_epi8(32);
-    for (int64_t b = 0; b < n; b++, src += 210, dst += QK_K) {
-        const uint8_t *ql = src, *qh = src + 128;
-        const int8_t *scales = (const int8_t *)(src + 192);
-        const float d = load_fp16(src + 208);
-        for (int h = 0; h < 2; h++) {
-            for (int l0 = 0; l0 < 64; l0 += 16) {
-                __m128i lb = _mm_loadu_si128((const __m128i *)(ql + h * 64 + l0));
-                __m128i hb = _mm_loadu_si128((const __m128i *)(qh + h * 32 + l0 % 32));
-                int s = 2 * (l0 / 32);
-                __m128i hlo = _mm_and_si128(_mm_srl_epi16(hb, _mm_cvtsi32_si128(s)), m3);
-                __m128i hhi = _mm_and_si128(_mm_srl_epi16(hb, _mm_cvtsi32_si128(s + 4)), m3);
-                __m128i q[2] = {_mm_sub_epi8(_mm_or_si128(_mm_and_si128(lb, m4), _mm_slli_epi16(hlo, 4)), off),
-                                _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(lb, 4), m4), _mm_slli_epi16(hhi, 4)), off)};
-                for (int p = 0; p < 2; p++) {
-                    int i = h * 128 + 64 * p + l0;
-                    __m256 vd = _mm256_set1_ps(d * (float)scales[i / 16]);
-                    _mm256_storeu_ps(dst + i, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q[p]))));
-                    _mm256_storeu_ps(dst + i + 8, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q[p], 8)))));
-                }
-            }
-        }
-    }
-}
+UNITS_TO_FLOAT(q4_0, QK, 18, tab_t)
+UNITS_TO_FLOAT(q4_1, QK, 20, tab_t)
+UNITS_TO_FLOAT(q5_0, QK, 22, tab_t)
+UNITS_TO_FLOAT(q5_1, QK, 24, tab_t)
+UNITS_TO_FLOAT(q8_0, QK, 34, tab_t)
+UNITS_TO_FLOAT(q4_k, QK_K, 144, kstate_t)
+UNITS_TO_FLOAT(q5_k, QK_K, 176, kstate_t)
+UNITS_TO_FLOAT(q6_k, QK_K, 210, kstate_t)
 #define F16_FN f16_avx2
-#define BF16_FN bf16_c
+#define BF16_FN bf16_avx2
 #define Q4_0_FN q4_0_avx2
 #define Q4_1_FN q4_1_avx2
-#define Q5_0_FN q5_0_c
-#define Q5_1_FN q5_1_c
+#define Q5_0_FN q5_0_avx2
+#define Q5_1_FN q5_1_avx2
 #define Q8_0_FN q8_0_avx2
 #define Q4_K_FN q4_k_avx2
-#define Q5_K_FN q5_k_c
+#define Q5_K_FN q5_k_avx2
 #define Q6_K_FN q6_k_avx2
 
 #else

@@ -21,7 +21,7 @@ typedef void (*to_float_fn)(const uint8_t *src, float *dst, int64_t n_blocks);
 typedef void (*to_q8w_fn)(const uint8_t *src, int8_t *q, float *d, float *dm, int8_t *c16, int8_t *cm16,
                           int64_t n_blocks);
 
-/* the few-token matmul straight from registers (matmul.c, AVX-512 builds): rr stored rows (their
+/* the few-token matmul straight from registers (matmul.c, AVX-512 and AVX2 builds): rr stored rows (their
  * blocks at rows[r]) times tt tokens of x [tt, K], into y (stride N) */
 typedef void (*few_fn)(const uint8_t *const *rows, const float *x, int K, float *y, int N, int rr, int tt);
 
@@ -36,7 +36,7 @@ typedef struct {
     few_fn few;       /* NULL: few tokens go through the scratch buffer like many (matmul.c) */
 } ggml_type_t;
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #define FEW(name) few_##name
 void few_f32(const uint8_t *const *, const float *, int, float *, int, int, int);
 void few_f16(const uint8_t *const *, const float *, int, float *, int, int, int);
@@ -99,4 +99,24 @@ static inline float load_fp16(const uint8_t *p) {
 #endif
 }
 
+#if defined(__AVX2__)
+/* Q4_K / Q5_K: a block's 8 sub-block factors d * scale -> ds and dmin * min -> dm (one vector multiply
+ * each: the same values as gguf-py's scalar d * sc); the 6-bit scales and mins packed in 12 bytes are
+ * unpacked four at a time in 32-bit words. (units_avx512.h and units_avx2.h) */
+static inline void k4_sub_factors(const uint8_t *blk, float ds[8], float dm[8]) {
+    uint32_t u[4];
+    memcpy(u, blk + 4, 12);
+    const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
+    u[3] = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4); /* mins 4..7 */
+    const uint32_t mins_lo = u[1] & m6;                    /* mins 0..3 */
+    u[1] = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);        /* scales 4..7 */
+    u[0] &= m6;                                            /* scales 0..3 */
+    u[2] = mins_lo;
+    __m128i bytes = _mm_loadu_si128((const __m128i *)u); /* scales 0..7, mins 0..7 */
+    __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+    __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
+    _mm256_storeu_ps(ds, _mm256_mul_ps(_mm256_set1_ps(load_fp16(blk)), sc));
+    _mm256_storeu_ps(dm, _mm256_mul_ps(_mm256_set1_ps(load_fp16(blk + 2)), mn));
+}
+#endif
 #endif

@@ -180,32 +180,41 @@ typedef struct {
     int row0, rows, col0;
 } panel_t;
 
-/* ------------------------------------------------------------ few tokens, from registers (AVX-512)
+/* ------------------------------------------------------------ few tokens, from registers (AVX-512, AVX2)
  * Decode and short verify read each weight once and use it for at most a few tokens: a trip through
  * the scratch buffer (a 64-byte store and reload per 16 weights) costs as much as the multiply
  * (one token, Q4_K weights in L2: 1.6 ns per 16 weights through the scratch, 0.9 ns here).
- * Here each 32-weight unit of a block is dequantized into two vectors (units_avx512.h, the same
- * operations as to_float) and multiplied at once, RF rows x up to TF tokens per tile. The reduction
- * order is the scratch path's (one accumulator per output, lanes in increasing k, VSUM), so the two
- * paths give the same bits and a call may take either. */
+ * Here each 32-weight unit of a block is dequantized into 32 / VLEN vectors (units_avx512.h,
+ * units_avx2.h: the same operations as to_float) and multiplied at once, up to RF rows x TF tokens per
+ * tile. The reduction order is the scratch path's (one accumulator per output, lanes in increasing k,
+ * VSUM), so the two paths give the same bits and a call may take either. */
 #if defined(__AVX512F__)
 #include "units_avx512.h"
+#define UNIT(NAME, b, st, j, v) NAME##_unit(b, st, j, &(v)[0], &(v)[1])
+#define FEW_RF(tt) ((tt) <= 4 ? 4 : 2) /* rows per tile: 4 x 4 or 2 x 8 accumulators of 32 registers */
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include "units_avx2.h"
+#define UNIT(NAME, b, st, j, v) NAME##_unit(b, st, j, v)
+#define FEW_RF(tt) ((tt) <= 2 ? 4 : (tt) <= 4 ? 2 : 1) /* at most 8 accumulators of 16 registers */
+#endif
+#if defined(FEW_RF)
 /* Software prefetch PREFETCH_AHEAD bytes ahead in each row, into L1 (T0) or, for the formats with the
  * most bytes per weight, L2 (T1: 8-bit and 16-bit rows would crowd L1). Measured on 1B decode steps,
  * in one process alternating builds: 8 KB ahead vs 4 KB 1.06x (Q4_K_M); T1 vs T0 1.2x on Q8_0, 0.9x
- * on Q6_K, 0.96x on Q4_1. */
+ * on Q6_K, 0.96x on Q4_1 (AVX-512). */
 #define PREFETCH_AHEAD 8192
 #define PREFETCH_BLOCK(p, nbytes, hint)                                                            \
     for (int o_ = 0; o_ < (nbytes); o_ += 64) _mm_prefetch((const char *)(p) + PREFETCH_AHEAD + o_, hint)
-#define RF 4 /* most weight rows per tile: 4 rows x up to 4 tokens, or 2 rows x 5 to 8 tokens */
+#define RF 4 /* most weight rows per tile */
 #define TF 8 /* most tokens (batch-8 decode through registers: 1.8x faster than through the scratch) */
+#define UV (32 / VLEN) /* vectors per 32-weight unit */
 
 #define FEW_KERNEL(NAME, UB, UBYTES, STATE, HINT)                                                      \
     ALWAYS_INLINE void few_##NAME##_tile(const uint8_t *const *rows, const float *x, int K, float *y, int N,     \
                                          const int rr, const int tt) {                             \
-        __m512 acc[RF][TF];                                                                        \
+        vec_t acc[RF][TF];                                                                         \
         for (int r = 0; r < rr; r++)                                                               \
-            for (int t = 0; t < tt; t++) acc[r][t] = _mm512_setzero_ps();                          \
+            for (int t = 0; t < tt; t++) acc[r][t] = VZERO();                                      \
         for (int b = 0; b < K / UB; b++) {                                                         \
             STATE st[RF];                                                                          \
             for (int r = 0; r < rr; r++) {                                                         \
@@ -215,12 +224,11 @@ typedef struct {
             for (int j = 0; j < UB / 32; j++) {                                                    \
                 const float *xk = x + (long)b * UB + 32 * j;                                       \
                 for (int r = 0; r < rr; r++) {                                                     \
-                    __m512 v0, v1;                                                                 \
-                    NAME##_unit(rows[r] + (long)b * UBYTES, &st[r], j, &v0, &v1);                  \
-                    for (int t = 0; t < tt; t++) {                                                 \
-                        acc[r][t] = _mm512_fmadd_ps(_mm512_loadu_ps(xk + (long)t * K), v0, acc[r][t]);      \
-                        acc[r][t] = _mm512_fmadd_ps(_mm512_loadu_ps(xk + (long)t * K + 16), v1, acc[r][t]); \
-                    }                                                                              \
+                    vec_t v[UV];                                                                   \
+                    UNIT(NAME, rows[r] + (long)b * UBYTES, &st[r], j, v);                          \
+                    for (int t = 0; t < tt; t++)                                                   \
+                        for (int i = 0; i < UV; i++)                                               \
+                            acc[r][t] = VFMA(VLOAD(xk + (long)t * K + VLEN * i), v[i], acc[r][t]); \
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
@@ -228,18 +236,18 @@ typedef struct {
             for (int t = 0; t < tt; t++) y[(long)t * N + r] = VSUM(acc[r][t]);                     \
     }                                                                                              \
     void few_##NAME(const uint8_t *const *rows, const float *x, int K, float *y, int N, int rr, int tt) { \
-        const int rf = tt <= 4 ? 4 : 2; /* rows per tile: 4 x 4 or 2 x 8 accumulators */              \
+        const int rf = FEW_RF(tt);                                                                 \
         for (int r0 = 0; r0 < rr;) {                                                               \
             const int n = rr - r0 >= rf ? rf : 1;                                                  \
             switch ((n > 1) * 16 + tt) {                                                           \
-            case 16 + 1: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 4, 1); break;               \
-            case 16 + 2: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 4, 2); break;               \
-            case 16 + 3: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 4, 3); break;               \
-            case 16 + 4: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 4, 4); break;               \
-            case 16 + 5: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 2, 5); break;               \
-            case 16 + 6: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 2, 6); break;               \
-            case 16 + 7: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 2, 7); break;               \
-            case 16 + 8: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 2, 8); break;               \
+            case 16 + 1: few_##NAME##_tile(rows + r0, x, K, y + r0, N, FEW_RF(1), 1); break;       \
+            case 16 + 2: few_##NAME##_tile(rows + r0, x, K, y + r0, N, FEW_RF(2), 2); break;       \
+            case 16 + 3: few_##NAME##_tile(rows + r0, x, K, y + r0, N, FEW_RF(3), 3); break;       \
+            case 16 + 4: few_##NAME##_tile(rows + r0, x, K, y + r0, N, FEW_RF(4), 4); break;       \
+            case 16 + 5: few_##NAME##_tile(rows + r0, x, K, y + r0, N, FEW_RF(5), 5); break;       \
+            case 16 + 6: few_##NAME##_tile(rows + r0, x, K, y + r0, N, FEW_RF(6), 6); break;       \
+            case 16 + 7: few_##NAME##_tile(rows + r0, x, K, y + r0, N, FEW_RF(7), 7); break;       \
+            case 16 + 8: few_##NAME##_tile(rows + r0, x, K, y + r0, N, FEW_RF(8), 8); break;       \
             case 1: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 1, 1); break;                    \
             case 2: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 1, 2); break;                    \
             case 3: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 1, 3); break;                    \

@@ -127,26 +127,8 @@ typedef struct {
     __m512i h0, h1; /* Q5_K: the qh bytes for l = 0..15, 16..31 */
 } kstate_t;
 
-/* Q4_K / Q5_K: 8 sub-blocks of 32; 6-bit scales and mins packed in 12 bytes, unpacked four at a
- * time in 32-bit words */
-static inline void k4_factors(const uint8_t *blk, kstate_t *s) {
-    uint32_t u[4];
-    memcpy(u, blk + 4, 12);
-    const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
-    u[3] = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4); /* mins 4..7 */
-    const uint32_t mins_lo = u[1] & m6;                    /* mins 0..3 */
-    u[1] = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);        /* scales 4..7 */
-    u[0] &= m6;                                            /* scales 0..3 */
-    u[2] = mins_lo;
-    __m128i bytes = _mm_loadu_si128((const __m128i *)u); /* scales 0..7, mins 0..7 */
-    __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
-    __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
-    _mm256_storeu_ps(s->ds, _mm256_mul_ps(_mm256_set1_ps(load_fp16(blk)), sc));
-    _mm256_storeu_ps(s->dm, _mm256_mul_ps(_mm256_set1_ps(load_fp16(blk + 2)), mn));
-}
-
 /* Q4_K: w = (d * sc) * q - dmin * m; sub-block 2c: low nibbles of qs[32c .. 32c + 31], 2c + 1: high */
-static inline void q4_k_prep(const uint8_t *b, kstate_t *s) { k4_factors(b, s); }
+static inline void q4_k_prep(const uint8_t *b, kstate_t *s) { k4_sub_factors(b, s->ds, s->dm); }
 static inline void q4_k_unit(const uint8_t *b, const kstate_t *s, int j, __m512 *v0, __m512 *v1) {
     const __m512 t = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(s->ds[j]), IOTA16), _mm512_set1_ps(s->dm[j]));
     const uint8_t *qs = b + 16 + 32 * (j / 2);
@@ -161,7 +143,7 @@ static inline void q4_k_unit(const uint8_t *b, const kstate_t *s, int j, __m512 
 
 /* Q5_K: as Q4_K with a fifth bit: bit j of qh[l] */
 static inline void q5_k_prep(const uint8_t *b, kstate_t *s) {
-    k4_factors(b, s);
+    k4_sub_factors(b, s->ds, s->dm);
     s->h0 = LOAD16B(b + 16);
     s->h1 = LOAD16B(b + 32);
 }
