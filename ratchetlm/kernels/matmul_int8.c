@@ -59,6 +59,7 @@ static inline int omp_get_thread_num(void) { return 0; }
 #define INT8_ISA "avx512vnni"
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define INT8_ISA "avx2" /* vpmaddubsw + vpmaddwd (AVX-VNNI machines take this path too) */
+#define PAIRS16 1 /* 16-bit activations reach the kernel as int16 pairs (prep_tile_blocks) */
 #else
 #define INT8_ISA "scalar"
 #endif
@@ -523,8 +524,8 @@ void ratchet_pack_q8(const part_q8_t *parts, int nparts, int K, const q8panel_t 
 /* A tile of tt tokens' activations, token-interleaved so that one pointer and constant offsets
  * reach every token: word [i][t] is token t's i-th item. */
 typedef struct {
-    const int32_t *xh;  /* [K / 4][tt] 4 bytes of xq (8 bits) or hi (16 bits) */
-    const int32_t *xl;  /* [K / 4][tt] 4 bytes of lo (16 bits) or NULL */
+    const int32_t *xh;  /* [K / 4][tt] 4 bytes of xq (8 bits) or hi (16 bits); AVX2, 16 bits: items 0, 2 as int16 */
+    const int32_t *xl;  /* [K / 4][tt] 4 bytes of lo (16 bits) or NULL; AVX2, 16 bits: items 1, 3 as int16 */
     const float *d32;   /* [K / 32][tt] dx */
     const int32_t *zq32; /* [K / 32][tt] -z * the block's sum of xq (z: the weight's zero point) */
     const int32_t *zq16; /* [K / 16][tt] -z * the half block's sum of xq */
@@ -648,12 +649,16 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /* AVX2 (no VNNI): a 16-row panel is two 8-row halves of 32 bytes (each 64-byte VNNI-order vector's
- * first and second half), and the 4-byte dot product of a lane is vpmaddubsw (u8 x s8 -> pairs summed
- * to int16) then vpmaddwd by 1 (pairs -> int32), exact while a pair's |u0 x0 + u1 x1| <= 32767: weights
- * of up to 6 bits (2 * 63 * 128 = 16128); bytes (Q8_0) are split into nibbles, 16 * hi + lo. The high
- * activation bytes' products enter the token's int32 chain through vpmaddwd by 256, I = 256 (u . hi) +
- * u . lo - z sum xq: the same exact integer, then the same float epilogue per lane as the AVX-512
- * kernel (the same bits). Tokens go AVX2_TS at a time through the panel's groups, both halves at once. */
+ * first and second half). 16-bit activations (int16 mode) come as int16 pairs (items 0, 2 and 1, 3 of
+ * each 4: prep_tile_blocks) and a lane's bytes 0, 2 and 1, 3 are widened to int16, so a lane's 4-item
+ * dot product is two vpmaddwd (s16 x s16, pairs summed to int32: |w| < 256, |x| <= 32639, exact) and
+ * I = u . x - z sum xq is the same exact integer as the VNNI kernel's 256 (u . hi) + u . lo - z sum xq,
+ * then the same float epilogue per lane (the same bits). (It replaced vpmaddubsw over the hi and lo
+ * bytes: 6 operations a lane and token for 4-6 bit weights, 16 for bytes split into nibbles, against 4
+ * here.) 8-bit activations (int8 mode): vpmaddubsw (u8 x s8 -> pairs summed to int16) then vpmaddwd by
+ * 1, exact while a pair's |u0 x0 + u1 x1| <= 32767: weights of up to 6 bits (2 * 63 * 128 = 16128);
+ * bytes (Q8_0) split into nibbles, 16 * hi + lo. Tokens go AVX2_TS at a time through the panel's
+ * groups, both halves at once. */
 #define Q_AHEAD 4096
 /* the 32 weight bytes of half h of vector c of group g: unsigned values < 64 (vb < 8), or raw bytes */
 static inline __attribute__((always_inline)) __m256i unpack_avx2(const uint8_t *qg, int C, int vb, int c, int h) {
@@ -694,8 +699,8 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
                                                              const int b16, const int has_m, const int unit, int SB,
                                                              float *y, int N, int nvalid, const int tt) {
     const int C = G / 4, NG = K / G, GPS = SB / G, SBB = (1 + has_m) * (2 + (unit ? 0 : GPS)) * PN;
-    const __m256i ones = _mm256_set1_epi16(1), m16 = _mm256_set1_epi16(16), m256 = _mm256_set1_epi16(256),
-                  m4096 = _mm256_set1_epi16(4096), lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i ones = _mm256_set1_epi16(1), m16 = _mm256_set1_epi16(16), m00ff = _mm256_set1_epi16(0xFF),
+                  lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     #pragma GCC unroll 4
     for (int t0 = 0; t0 < tt; t0 += AVX2_TS) {
         const int S = tt - t0 < AVX2_TS ? tt - t0 : AVX2_TS; /* tokens in this pass (a literal once tt is) */
@@ -724,12 +729,14 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
                 #pragma GCC unroll 2
                 for (int h = 0; h < 2; h++) {
                     const __m256i w = unpack_avx2(qg, C, vb, c, h);
+                    /* 16 bits: bytes 0, 2 and 1, 3 of each lane's four as int16 (unsigned, < 256) */
+                    const __m256i w02 = _mm256_and_si256(w, m00ff), w13 = _mm256_srli_epi16(w, 8);
                     #pragma GCC unroll 3
                     for (int t = 0; t < S; t++) {
                         const long i = ((long)g * C + c) * tt + t0 + t;
-                        if (b16) {
-                            I[t][h] = dot_w_avx2(I[t][h], w, xs->xh[i], vb, m256, m4096);
-                            I[t][h] = dot_w_avx2(I[t][h], w, xs->xl[i], vb, ones, m16);
+                        if (b16) { /* int16 pairs: (w0 x0 + w2 x2) + (w1 x1 + w3 x3), one vpmaddwd each */
+                            I[t][h] = _mm256_add_epi32(I[t][h], _mm256_madd_epi16(w02, _mm256_set1_epi32(xs->xh[i])));
+                            I[t][h] = _mm256_add_epi32(I[t][h], _mm256_madd_epi16(w13, _mm256_set1_epi32(xs->xl[i])));
                         } else {
                             I[t][h] = dot_w_avx2(I[t][h], w, xs->xh[i], vb, ones, m16);
                         }
@@ -893,9 +900,22 @@ static void prep_tile_blocks(const float *x, long xs, int gated, int K, int bits
             }
             quantize_row(src, nb * QA, bits, (int8_t *)xh, bits == 16 ? (int8_t *)xl : NULL, d, q16);
             int32_t *wh = dst + (long)c0 * 8 * tt + t;
-            for (int i = 0; i < nb * 8; i++) wh[(long)i * tt] = xh[i];
-            if (bits == 16)
-                for (int i = 0; i < nb * 8; i++) wh[xl_off + (long)i * tt] = xl[i];
+#if defined(PAIRS16)
+            if (bits == 16) { /* the AVX2 kernel's form: items 4i, 4i + 2 and 4i + 1, 4i + 3 as int16 pairs */
+                const int8_t *h8 = (const int8_t *)xh, *l8 = (const int8_t *)xl;
+                for (int i = 0; i < nb * 8; i++) {
+                    uint16_t v[4];
+                    for (int j = 0; j < 4; j++) v[j] = (uint16_t)(256 * h8[4 * i + j] + l8[4 * i + j]);
+                    wh[(long)i * tt] = (int32_t)(v[0] | (uint32_t)v[2] << 16);
+                    wh[xl_off + (long)i * tt] = (int32_t)(v[1] | (uint32_t)v[3] << 16);
+                }
+            } else
+#endif
+            {
+                for (int i = 0; i < nb * 8; i++) wh[(long)i * tt] = xh[i];
+                if (bits == 16)
+                    for (int i = 0; i < nb * 8; i++) wh[xl_off + (long)i * tt] = xl[i];
+            }
             int32_t *rest = dst + rest_off + t;
             float *d32 = (float *)rest, *sx32 = (float *)(rest + (long)NB * tt), *sx16 = (float *)(rest + 5L * NB * tt);
             int32_t *zq16 = rest + 2L * NB * tt, *zq32 = rest + 4L * NB * tt;
