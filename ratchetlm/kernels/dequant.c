@@ -204,38 +204,8 @@ static void bf16_avx512(const uint8_t *src, float *dst, int64_t n) {
     bf16_c(src + 2 * i, dst + i, n - i);
 }
 
-/* the quantized formats: each block's units (units_avx512.h), stored */
-#define UNITS_TO_FLOAT(NAME, BLCK, BYTES, STATE)                                                   \
-    static void NAME##_avx512(const uint8_t *src, float *dst, int64_t n) {                         \
-        for (int64_t b = 0; b < n; b++, src += BYTES, dst += BLCK) {                               \
-            STATE st;                                                                              \
-            NAME##_prep(src, &st);                                                                 \
-            for (int j = 0; j < BLCK / 32; j++) {                                                  \
-                __m512 v0, v1;                                                                     \
-                NAME##_unit(src, &st, j, &v0, &v1);                                                \
-                _mm512_storeu_ps(dst + 32 * j, v0);                                                \
-                _mm512_storeu_ps(dst + 32 * j + 16, v1);                                           \
-            }                                                                                      \
-        }                                                                                          \
-    }
-UNITS_TO_FLOAT(q4_0, QK, 18, tab_t)
-UNITS_TO_FLOAT(q4_1, QK, 20, tab_t)
-UNITS_TO_FLOAT(q5_0, QK, 22, tab_t)
-UNITS_TO_FLOAT(q5_1, QK, 24, tab_t)
-UNITS_TO_FLOAT(q8_0, QK, 34, tab_t)
-UNITS_TO_FLOAT(q4_k, QK_K, 144, kstate_t)
-UNITS_TO_FLOAT(q5_k, QK_K, 176, kstate_t)
-UNITS_TO_FLOAT(q6_k, QK_K, 210, kstate_t)
 #define F16_FN f16_avx512
 #define BF16_FN bf16_avx512
-#define Q4_0_FN q4_0_avx512
-#define Q4_1_FN q4_1_avx512
-#define Q5_0_FN q5_0_avx512
-#define Q5_1_FN q5_1_avx512
-#define Q8_0_FN q8_0_avx512
-#define Q4_K_FN q4_k_avx512
-#define Q5_K_FN q5_k_avx512
-#define Q6_K_FN q6_k_avx512
 
 /* ------------------------------------------------------------ AVX2 (+FMA, F16C) */
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -256,16 +226,25 @@ static void bf16_avx2(const uint8_t *src, float *dst, int64_t n) {
     bf16_c(src + 2 * i, dst + i, n - i);
 }
 
-/* the quantized formats: each block's units (units_avx2.h), stored */
+#define F16_FN f16_avx2
+#define BF16_FN bf16_avx2
+
+#else
+#define F16_FN f16_c
+#define BF16_FN bf16_c
+#endif
+
+#if defined(UNIT_VECS)
+/* the quantized formats on AVX-512 / AVX2: each block's units (units_avx512.h / units_avx2.h), stored */
 #define UNITS_TO_FLOAT(NAME, BLCK, BYTES, STATE)                                                   \
-    static void NAME##_avx2(const uint8_t *src, float *dst, int64_t n) {                           \
+    static void NAME##_units(const uint8_t *src, float *dst, int64_t n) {                          \
         for (int64_t b = 0; b < n; b++, src += BYTES, dst += BLCK) {                               \
             STATE st;                                                                              \
             NAME##_prep(src, &st);                                                                 \
             for (int j = 0; j < BLCK / 32; j++) {                                                  \
-                __m256 v[4];                                                                       \
-                NAME##_unit(src, &st, j, v);                                                       \
-                for (int i = 0; i < 4; i++) _mm256_storeu_ps(dst + 32 * j + 8 * i, v[i]);          \
+                unit_vec_t v[UNIT_VECS];                                                           \
+                UNIT(NAME, src, &st, j, v);                                                        \
+                for (int i = 0; i < UNIT_VECS; i++) UNIT_STORE(dst + 32 * j + 32 / UNIT_VECS * i, v[i]); \
             }                                                                                      \
         }                                                                                          \
     }
@@ -277,20 +256,15 @@ UNITS_TO_FLOAT(q8_0, QK, 34, tab_t)
 UNITS_TO_FLOAT(q4_k, QK_K, 144, kstate_t)
 UNITS_TO_FLOAT(q5_k, QK_K, 176, kstate_t)
 UNITS_TO_FLOAT(q6_k, QK_K, 210, kstate_t)
-#define F16_FN f16_avx2
-#define BF16_FN bf16_avx2
-#define Q4_0_FN q4_0_avx2
-#define Q4_1_FN q4_1_avx2
-#define Q5_0_FN q5_0_avx2
-#define Q5_1_FN q5_1_avx2
-#define Q8_0_FN q8_0_avx2
-#define Q4_K_FN q4_k_avx2
-#define Q5_K_FN q5_k_avx2
-#define Q6_K_FN q6_k_avx2
-
+#define Q4_0_FN q4_0_units
+#define Q4_1_FN q4_1_units
+#define Q5_0_FN q5_0_units
+#define Q5_1_FN q5_1_units
+#define Q8_0_FN q8_0_units
+#define Q4_K_FN q4_k_units
+#define Q5_K_FN q5_k_units
+#define Q6_K_FN q6_k_units
 #else
-#define F16_FN f16_c
-#define BF16_FN bf16_c
 #define Q4_0_FN q4_0_c
 #define Q4_1_FN q4_1_c
 #define Q5_0_FN q5_0_c

@@ -190,11 +190,9 @@ typedef struct {
  * VSUM), so the two paths give the same bits and a call may take either. */
 #if defined(__AVX512F__)
 #include "units_avx512.h"
-#define UNIT(NAME, b, st, j, v) NAME##_unit(b, st, j, &(v)[0], &(v)[1])
 #define FEW_RF(tt) ((tt) <= 4 ? 4 : 2) /* rows per tile: 4 x 4 or 2 x 8 accumulators of 32 registers */
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include "units_avx2.h"
-#define UNIT(NAME, b, st, j, v) NAME##_unit(b, st, j, v)
 #define FEW_RF(tt) ((tt) <= 2 ? 4 : (tt) <= 4 ? 2 : 1) /* at most 8 accumulators of 16 registers */
 #endif
 #if defined(FEW_RF)
@@ -207,7 +205,6 @@ typedef struct {
     for (int o_ = 0; o_ < (nbytes); o_ += 64) _mm_prefetch((const char *)(p) + PREFETCH_AHEAD + o_, hint)
 #define RF 4 /* most weight rows per tile */
 #define TF 8 /* most tokens (batch-8 decode through registers: 1.8x faster than through the scratch) */
-#define UV (32 / VLEN) /* vectors per 32-weight unit */
 
 #define FEW_KERNEL(NAME, UB, UBYTES, STATE, HINT)                                                      \
     ALWAYS_INLINE void few_##NAME##_tile(const uint8_t *const *rows, const float *x, int K, float *y, int N,     \
@@ -224,10 +221,10 @@ typedef struct {
             for (int j = 0; j < UB / 32; j++) {                                                    \
                 const float *xk = x + (long)b * UB + 32 * j;                                       \
                 for (int r = 0; r < rr; r++) {                                                     \
-                    vec_t v[UV];                                                                   \
+                    vec_t v[UNIT_VECS];                                                            \
                     UNIT(NAME, rows[r] + (long)b * UBYTES, &st[r], j, v);                          \
                     for (int t = 0; t < tt; t++)                                                   \
-                        for (int i = 0; i < UV; i++)                                               \
+                        for (int i = 0; i < UNIT_VECS; i++)                                        \
                             acc[r][t] = VFMA(VLOAD(xk + (long)t * K + VLEN * i), v[i], acc[r][t]); \
                 }                                                                                  \
             }                                                                                      \

@@ -13,6 +13,11 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
 #include "ggml_types.h"
 
+typedef __m256 unit_vec_t;
+#define UNIT_VECS 4 /* vectors per 32-weight unit */
+#define UNIT(NAME, b, st, j, v) NAME##_unit(b, st, j, v)
+#define UNIT_STORE(p, v) _mm256_storeu_ps(p, v)
+
 #define I32x8(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))) /* 8 bytes, zero-extended */
 #define F32x8(v) _mm256_cvtepi32_ps(v)
 

@@ -15,6 +15,11 @@
 #if defined(__AVX512F__)
 #include "ggml_types.h"
 
+typedef __m512 unit_vec_t;
+#define UNIT_VECS 2 /* vectors per 32-weight unit */
+#define UNIT(NAME, b, st, j, v) NAME##_unit(b, st, j, &(v)[0], &(v)[1])
+#define UNIT_STORE(p, v) _mm512_storeu_ps(p, v)
+
 #define IOTA16 _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
 #define LOAD16B(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
 
