@@ -80,10 +80,12 @@ def test_disconnect_aborts_request_and_frees_blocks(server, client):
 
 
 def test_nonstream_client_timeout_aborts_request(server):
-    body = {"model": MODEL_NAME, "prompt": "List every prime number.", "max_tokens": 500, "temperature": 0,
+    # 1000 tokens (the server's max_model_len allows ~1018 here) take ~4 s at the bundled model's
+    # 250 tok/s on 2 cores: well past the 1 s read timeout (500 tokens in 3 s was a race once decode sped up)
+    body = {"model": MODEL_NAME, "prompt": "List every prime number.", "max_tokens": 1000, "temperature": 0,
             "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.base + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=3.0))
+        httpx.post(server.base + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
     h = wait_idle(server, within=1.0)  # the client gave up and closed: the server aborts the request
     assert h["requests_running"] == 0 and h["kv_blocks_free"] == h["kv_blocks_total"], h
 
