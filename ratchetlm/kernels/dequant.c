@@ -2,11 +2,12 @@
  *
  * Each format has a portable C version that transcribes gguf-py's numpy `dequantize_blocks` float
  * operation by float operation (same operands, same order, no fused multiply-add: the library is
- * built with -ffp-contract=off), so its output is bit-identical to gguf-py. The AVX2 / AVX-512
- * versions of the common formats do the same operations on vectors; on AVX-512 they are built from
- * the register-level units of units_avx512.h (which the few-token matmul also uses): the 4/5-bit
- * formats compute the block's 16 or 32 possible weights once (the same operations on q = 0..15 /
- * 0..31) and pick each weight from that table with a permute.
+ * built with -ffp-contract=off), so its output is bit-identical to gguf-py. The AVX-512 / AVX2
+ * versions of the common formats do the same operations on vectors, built from the register-level
+ * units of units_avx512.h / units_avx2.h (which the few-token matmul also uses): on AVX-512 the
+ * 4/5-bit formats compute the block's 16 or 32 possible weights once (the same operations on
+ * q = 0..15 / 0..31) and pick each weight from that table with a permute; on AVX2 they widen the
+ * integer values and scale them.
  *
  * Block layouts (bytes, little-endian; fp16 scales):
  *   Q4_0 d, qs[16]           w[j] = d * (nib - 8)          nib: low nibble of qs[j] for j < 16,
