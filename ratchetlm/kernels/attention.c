@@ -38,6 +38,11 @@
 #endif
 
 #define KL 16 /* keys per vector of scores */
+#if defined(__AVX512F__)
+#define VT_DIMS 16 /* head dims a vector transpose of the keys takes at once */
+#else
+#define VT_DIMS 8
+#endif
 #define QT 4  /* queries per tile */
 /* Software prefetch of context rows: a (sequence, KV head)'s keys and values are 64-256 byte pieces
  * of cache rows spread over the slots, too short and too scattered for the hardware prefetcher, and
@@ -281,14 +286,17 @@ static void transpose_keys(const float *kn, const void *kc, int kv_half, const i
         for (int j = 0; j < KL; j++)
             kr[j] = j0 + j >= Lk ? (kvrow_t){NULL, 0}
                                  : kv_row(kn, kc, kv_half, ctx_slots, max_ctx, b, j0 + j, ctx, start, Hkv, hk, D);
-#if defined(__AVX512F__)
-        if (D % 16 == 0) { /* 16 x 16 blocks, transposed in registers */
-            for (int j = 0; j < KL; j++) { /* the next block's rows (scattered by slot: see V_AHEAD) */
+#if defined(__AVX512F__) || defined(ATT_AVX2)
+        if (D % VT_DIMS == 0) /* (the vector transposes) the next block's rows, scattered by slot: see V_AHEAD */
+            for (int j = 0; j < KL; j++) {
                 const int jj = j0 + KL + j;
                 if (jj >= Lk) break;
                 const kvrow_t nr = kv_row(kn, kc, kv_half, ctx_slots, max_ctx, b, jj, ctx, start, Hkv, hk, D);
                 for (int d = 0; d < D * (nr.cached && kv_half ? 2 : 4); d += 64) _mm_prefetch(nr.p + d, _MM_HINT_T0);
             }
+#endif
+#if defined(__AVX512F__)
+        if (D % VT_DIMS == 0) { /* 16 x 16 blocks, transposed in registers */
             if (kv_half) { /* halves stay halves: dst is [D][LP] uint16 (scores16 widens them) */
                 uint16_t *dh = (uint16_t *)dst;
                 for (int d0 = 0; d0 < D; d0 += 16) {
@@ -312,13 +320,7 @@ static void transpose_keys(const float *kn, const void *kc, int kv_half, const i
             continue;
         }
 #elif defined(ATT_AVX2)
-        if (D % 8 == 0) { /* 8 x 8 blocks in registers; a half cache's keys widened (the scores read fp32) */
-            for (int j = 0; j < KL; j++) {
-                const int jj = j0 + KL + j;
-                if (jj >= Lk) break;
-                const kvrow_t nr = kv_row(kn, kc, kv_half, ctx_slots, max_ctx, b, jj, ctx, start, Hkv, hk, D);
-                for (int d = 0; d < D * (nr.cached && kv_half ? 2 : 4); d += 64) _mm_prefetch(nr.p + d, _MM_HINT_T0);
-            }
+        if (D % VT_DIMS == 0) { /* 8 x 8 blocks in registers; a half cache's keys widened (the scores read fp32) */
             for (int h = 0; h < KL; h += 8)
                 for (int d0 = 0; d0 < D; d0 += 8) {
                     __m256 r[8];

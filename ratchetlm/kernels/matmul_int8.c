@@ -681,15 +681,14 @@ static inline __attribute__((always_inline)) __m256i unpack_avx2(const uint8_t *
     return w;
 }
 
-/* I += m (w . x) for every lane (m: 1, or 256 for the high activation bytes, as vpmaddwd's multiplier);
- * bytes (vb = 8) as 16 m (hi nibble) + m (lo nibble) */
-static inline __attribute__((always_inline)) __m256i dot_w_avx2(__m256i I, __m256i w, int32_t x4, int vb, __m256i m,
-                                                                 __m256i m16) {
-    const __m256i x = _mm256_set1_epi32(x4);
-    if (vb < 8) return _mm256_add_epi32(I, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), m));
+/* 8-bit activations: I += w . x for every lane; bytes (vb = 8) as 16 (hi nibble) + lo nibble */
+static inline __attribute__((always_inline)) __m256i dot_w_avx2(__m256i I, __m256i w, int32_t x4, int vb) {
+    const __m256i x = _mm256_set1_epi32(x4), ones = _mm256_set1_epi16(1);
+    if (vb < 8) return _mm256_add_epi32(I, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
     const __m256i m4 = _mm256_set1_epi8(0x0F);
-    const __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), m4), x), m16);
-    const __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(w, m4), x), m);
+    const __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), m4), x),
+                                         _mm256_set1_epi16(16));
+    const __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(w, m4), x), ones);
     return _mm256_add_epi32(I, _mm256_add_epi32(hi, lo));
 }
 
@@ -699,8 +698,7 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
                                                              const int b16, const int has_m, const int unit, int SB,
                                                              float *y, int N, int nvalid, const int tt) {
     const int C = G / 4, NG = K / G, GPS = SB / G, SBB = (1 + has_m) * (2 + (unit ? 0 : GPS)) * PN;
-    const __m256i ones = _mm256_set1_epi16(1), m16 = _mm256_set1_epi16(16), m00ff = _mm256_set1_epi16(0xFF),
-                  lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i m00ff = _mm256_set1_epi16(0xFF), lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     #pragma GCC unroll 4
     for (int t0 = 0; t0 < tt; t0 += AVX2_TS) {
         const int S = tt - t0 < AVX2_TS ? tt - t0 : AVX2_TS; /* tokens in this pass (a literal once tt is) */
@@ -740,7 +738,7 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
                             I[t][h] = _mm256_add_epi32(I[t][h], _mm256_madd_epi16(w02, _mm256_set1_epi32(xs->xh[i])));
                             I[t][h] = _mm256_add_epi32(I[t][h], _mm256_madd_epi16(w13, _mm256_set1_epi32(xs->xl[i])));
                         } else {
-                            I[t][h] = dot_w_avx2(I[t][h], w, xs->xh[i], vb, ones, m16);
+                            I[t][h] = dot_w_avx2(I[t][h], w, xs->xh[i], vb);
                         }
                     }
                 }
