@@ -547,7 +547,6 @@ typedef struct {
  * 4-16 tokens 0.68-0.87x the time without it (1B and 135M shapes), 1-3 tokens 0.75-1.06x. */
 #define Q_AHEAD 4096
 #define S_AHEAD 1024
-#define SPLIT_TT 3 /* tiles of fewer tokens split each token's integer chain (panel_tile) */
 /* acc += w (unsigned bytes) . x (4 signed bytes broadcast from memory into every lane): the broadcast is
  * part of the instruction's load (compilers emit a separate vpbroadcastd, which costs a vector op) */
 static inline __attribute__((always_inline)) __m512i dpbusd_bcast(__m512i acc, __m512i w, const int32_t *x) {
@@ -616,45 +615,25 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
         }
         /* one integer chain per token, the tokens interleaved (tt independent chains in flight),
          * starting from -z * sum xq (16 bits: added after the high bytes' products are scaled) */
-        /* Below SPLIT_TT tokens a token's products run as S chains (items c = s mod S) summed at the end:
-         * one chain of C (16 bits: 2 C) dependent vpdpbusd is latency bound at one token. The sums are
-         * int32 (wrapping) additions, so any grouping gives the same I: no bit changes with S. */
-        const int S = tt < SPLIT_TT ? (G == 32 ? 4 : 2) : 1; /* tt * S <= TT */
         __m512i I[TT];
-#pragma GCC unroll 16
-        for (int i = 0; i < tt * S; i++)
-            I[i] = z && !b16 && i < tt ? _mm512_set1_epi32(G == 32 ? xs->zq32[g * tt + i] : xs->zq16[g * tt + i])
-                                       : _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int t = 0; t < tt; t++)
+            I[t] = z && !b16 ? _mm512_set1_epi32(G == 32 ? xs->zq32[g * tt + t] : xs->zq16[g * tt + t])
+                             : _mm512_setzero_si512();
 #pragma GCC unroll 8
         for (int c = 0; c < C; c++)
 #pragma GCC unroll 8
-            for (int t = 0; t < tt; t++)
-                I[c % S * tt + t] = dpbusd_bcast(I[c % S * tt + t], W[c], xs->xh + ((long)g * C + c) * tt + t);
-        if (b16) { /* I = 256 * I_hi - z * sum xq + I_lo */
-            __m512i L[TT];
-#pragma GCC unroll 16
-            for (int i = 0; i < tt * S; i++) L[i] = _mm512_setzero_si512();
+            for (int t = 0; t < tt; t++) I[t] = dpbusd_bcast(I[t], W[c], xs->xh + ((long)g * C + c) * tt + t);
+        if (b16) { /* I = 256 * I_hi - z * sum xq + I_lo: the lo products continue the same chain */
+#pragma GCC unroll 8
+            for (int t = 0; t < tt; t++) {
+                I[t] = _mm512_slli_epi32(I[t], 8);
+                if (z) I[t] = _mm512_add_epi32(I[t], _mm512_set1_epi32(G == 32 ? xs->zq32[g * tt + t] : xs->zq16[g * tt + t]));
+            }
 #pragma GCC unroll 8
             for (int c = 0; c < C; c++)
 #pragma GCC unroll 8
-                for (int t = 0; t < tt; t++)
-                    L[c % S * tt + t] = dpbusd_bcast(L[c % S * tt + t], W[c], xs->xl + ((long)g * C + c) * tt + t);
-#pragma GCC unroll 8
-            for (int t = 0; t < tt; t++) {
-#pragma GCC unroll 4
-                for (int s = 1; s < S; s++) {
-                    I[t] = _mm512_add_epi32(I[t], I[s * tt + t]);
-                    L[t] = _mm512_add_epi32(L[t], L[s * tt + t]);
-                }
-                I[t] = _mm512_slli_epi32(I[t], 8);
-                if (z) I[t] = _mm512_add_epi32(I[t], _mm512_set1_epi32(G == 32 ? xs->zq32[g * tt + t] : xs->zq16[g * tt + t]));
-                I[t] = _mm512_add_epi32(I[t], L[t]);
-            }
-        } else {
-#pragma GCC unroll 8
-            for (int t = 0; t < tt; t++)
-#pragma GCC unroll 4
-                for (int s = 1; s < S; s++) I[t] = _mm512_add_epi32(I[t], I[s * tt + t]);
+                for (int t = 0; t < tt; t++) I[t] = dpbusd_bcast(I[t], W[c], xs->xl + ((long)g * C + c) * tt + t);
         }
 #pragma GCC unroll 8
         for (int t = 0; t < tt; t++) {
