@@ -1,4 +1,5 @@
-"""Speculative decoding on the default model (CPU): tokens/s, mean acceptance length, KV bytes
+"""Speculative decoding on the default model (CPU): tokens/s (end to end, and of the decode phase
+after each sequence's first token), mean acceptance length, KV bytes
 written per committed token, greedy-text identity vs plain AR, and HF transformers' prompt
 lookup / early-exit assisted generation on the same prompts. Also measures speculative chunk
 verify (SCV) by chunk size at batch 1 and 16. Prints medians and ratios vs a peer from the same run.
