@@ -78,6 +78,13 @@ static void quantize_row(const float *x, int K, int bits, int8_t *xh, int8_t *xl
 #if defined(__AVX512F__)
         amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xb)),
                                                   _mm512_abs_ps(_mm512_loadu_ps(xb + 16))));
+#elif defined(__AVX2__) /* max is exact in any order: the portable loop's value */
+        const __m256 sgn = _mm256_set1_ps(-0.0f);
+        __m256 mx = _mm256_andnot_ps(sgn, _mm256_loadu_ps(xb));
+        for (int j = 8; j < QA; j += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sgn, _mm256_loadu_ps(xb + j)));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
 #else
         for (int j = 0; j < QA; j++) amax = fmaxf(amax, fabsf(xb[j]));
 #endif
@@ -96,10 +103,22 @@ static void quantize_row(const float *x, int K, int bits, int8_t *xh, int8_t *xl
             _mm_storeu_si128((__m128i *)(xh + b * QA + 16 * h), _mm512_cvtepi32_epi8(v));
         }
 #else
+        int32_t vq[QA];
+#if defined(__AVX2__) /* cvtps_epi32 rounds to nearest even, as rintf */
+        for (int j = 0; j < QA; j += 8) {
+            const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + j), _mm256_set1_ps(id)));
+            _mm256_storeu_si256((__m256i *)(vq + j),
+                                _mm256_min_epi32(_mm256_max_epi32(v, _mm256_set1_epi32(-A)), _mm256_set1_epi32(A)));
+        }
+#else
+        for (int j = 0; j < QA; j++) {
+            const int v = (int)rintf(xb[j] * id);
+            vq[j] = v > A ? A : v < -A ? -A : v;
+        }
+#endif
         int32_t sum[2] = {0, 0};
         for (int j = 0; j < QA; j++) {
-            int v = (int)rintf(xb[j] * id);
-            v = v > A ? A : v < -A ? -A : v;
+            int v = vq[j];
             sum[j / 16] += v;
             if (bits == 16) {
                 const int lo = (int)(int8_t)(uint8_t)(v & 0xFF);
