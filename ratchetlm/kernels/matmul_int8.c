@@ -711,33 +711,26 @@ static inline __attribute__((always_inline)) __m256i dot_w_avx2(__m256i I, __m25
     return _mm256_add_epi32(I, _mm256_add_epi32(hi, lo));
 }
 
-#define AVX2_TS 3 /* tokens per pass over a panel's groups: 2 halves x 3 tokens x (I, acc) in 12 registers */
+#define AVX2_TS 3 /* tokens per pass over a panel's groups: 2 halves x 3 tokens of I in 6 registers */
 static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, const uint8_t *SM, int z,
                                                              const xtile_t *xs, int K, const int G, const int vb,
                                                              const int b16, const int has_m, const int unit, int SB,
                                                              float *y, int N, int nvalid, const int tt) {
     const int C = G / 4, NG = K / G, GPS = SB / G, SBB = (1 + has_m) * (2 + (unit ? 0 : GPS)) * PN;
     const __m256i m00ff = _mm256_set1_epi16(0xFF), lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    #pragma GCC unroll 4
+    #pragma GCC unroll 3
     for (int t0 = 0; t0 < tt; t0 += AVX2_TS) {
         const int S = tt - t0 < AVX2_TS ? tt - t0 : AVX2_TS; /* tokens in this pass (a literal once tt is) */
-        __m256 acc[AVX2_TS][2];
-        for (int t = 0; t < AVX2_TS; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+        /* The float accumulators live in memory (L1): touched once per group and token, while 16 ymm
+         * registers cannot hold them beside the integer chains (kept in registers, the compiler spilled
+         * about two vectors per vpmaddwd). */
+        float acc[AVX2_TS][2][8] __attribute__((aligned(32)));
+        for (int t = 0; t < AVX2_TS; t++)
+            for (int h = 0; h < 2; h++) _mm256_store_ps(acc[t][h], _mm256_setzero_ps());
         for (int g = 0; g < NG; g++) {
             const uint8_t *sbp = SM + (long)(g / GPS) * SBB, *qg = Q + (long)g * G * PN * vb / 8;
             if (t0 == 0)
                 for (int o = 0; o < G * PN * vb / 8; o += 64) _mm_prefetch((const char *)qg + Q_AHEAD + o, _MM_HINT_T0);
-            const int8_t *cp = (const int8_t *)sbp + (1 + has_m) * 2 * PN + (g % GPS) * (1 + has_m) * PN;
-            __m256 sv[2], mv[2];
-            for (int h = 0; h < 2; h++) { /* s = D * c and m = D_m * c_m, as the AVX-512 kernel forms them */
-                const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sbp + 16 * h)));
-                sv[h] = unit ? D : _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cp + 8 * h)))));
-                mv[h] = _mm256_setzero_ps();
-                if (has_m) {
-                    const __m256 Dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sbp + 2 * PN + 16 * h)));
-                    mv[h] = unit ? Dm : _mm256_mul_ps(Dm, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cp + PN + 8 * h)))));
-                }
-            }
             /* one int32 chain per token and half: u . x (16 bits) or u . xq (8 bits). (One half at a time
              * for 6 tokens, unpacking a half's weights once for 6: 0.88-1.01x; both halves per token with
              * its pairs broadcast once: 0.98-1.03x; neither kept.) */
@@ -762,23 +755,33 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
                     }
                 }
             }
-            #pragma GCC unroll 3
-            for (int t = 0; t < S; t++) {
-                const long gt = (long)g * tt + t0 + t;
-                const int32_t zq = z ? (G == 32 ? xs->zq32[gt] : xs->zq16[gt]) : 0;
-                const float dx = G == 32 ? xs->d32[gt] : xs->d32[(long)g / 2 * tt + t0 + t];
-                for (int h = 0; h < 2; h++) {
+            const int8_t *cp = (const int8_t *)sbp + (1 + has_m) * 2 * PN + (g % GPS) * (1 + has_m) * PN;
+            #pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) { /* s = D * c and m = D_m * c_m, as the AVX-512 kernel forms them */
+                const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sbp + 16 * h)));
+                const __m256 sv = unit ? D : _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cp + 8 * h)))));
+                __m256 mv = _mm256_setzero_ps();
+                if (has_m) {
+                    const __m256 Dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sbp + 2 * PN + 16 * h)));
+                    mv = unit ? Dm : _mm256_mul_ps(Dm, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cp + PN + 8 * h)))));
+                }
+                #pragma GCC unroll 3
+                for (int t = 0; t < S; t++) {
+                    const long gt = (long)g * tt + t0 + t;
+                    const int32_t zq = z ? (G == 32 ? xs->zq32[gt] : xs->zq16[gt]) : 0;
+                    const float dx = G == 32 ? xs->d32[gt] : xs->d32[(long)g / 2 * tt + t0 + t];
                     const __m256i It = z ? _mm256_add_epi32(I[t][h], _mm256_set1_epi32(zq)) : I[t][h];
-                    acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(It), _mm256_mul_ps(sv[h], _mm256_set1_ps(dx)), acc[t][h]);
+                    __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(It), _mm256_mul_ps(sv, _mm256_set1_ps(dx)), _mm256_load_ps(acc[t][h]));
                     if (has_m)
-                        acc[t][h] = _mm256_fmadd_ps(mv[h], _mm256_set1_ps(G == 32 ? xs->sx32[gt] : xs->sx16[gt]), acc[t][h]);
+                        a = _mm256_fmadd_ps(mv, _mm256_set1_ps(G == 32 ? xs->sx32[gt] : xs->sx16[gt]), a);
+                    _mm256_store_ps(acc[t][h], a);
                 }
             }
         }
         for (int t = 0; t < S; t++)
             for (int h = 0; h < 2; h++) {
                 const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(nvalid - 8 * h), lane);
-                _mm256_maskstore_ps(y + (long)(t0 + t) * N + 8 * h, mask, acc[t][h]);
+                _mm256_maskstore_ps(y + (long)(t0 + t) * N + 8 * h, mask, _mm256_load_ps(acc[t][h]));
             }
     }
 }
