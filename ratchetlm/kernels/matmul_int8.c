@@ -752,6 +752,9 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
                         } else {
                             I[t][h] = dot_w_avx2(I[t][h], w, xs->xh[i], vb);
                         }
+                        /* keep the chain a chain: GCC otherwise reassociates the unrolled integer sums into
+                         * trees whose products no longer fit the 16 registers and spills them */
+                        __asm__("" : "+x"(I[t][h]));
                     }
                 }
             }
