@@ -711,16 +711,19 @@ static inline __attribute__((always_inline)) __m256i dot_w_avx2(__m256i I, __m25
     return _mm256_add_epi32(I, _mm256_add_epi32(hi, lo));
 }
 
-#define AVX2_TS 3 /* tokens per pass over a panel's groups: 2 halves x 3 tokens of I in 6 registers */
+#define AVX2_TS 4 /* most tokens per pass over a panel's groups (TS: 4 for 6-bit weights, else 3) */
 static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, const uint8_t *SM, int z,
                                                              const xtile_t *xs, int K, const int G, const int vb,
                                                              const int b16, const int has_m, const int unit, int SB,
                                                              float *y, int N, int nvalid, const int tt) {
     const int C = G / 4, NG = K / G, GPS = SB / G, SBB = (1 + has_m) * (2 + (unit ? 0 : GPS)) * PN;
     const __m256i m00ff = _mm256_set1_epi16(0xFF), lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    #pragma GCC unroll 3
-    for (int t0 = 0; t0 < tt; t0 += AVX2_TS) {
-        const int S = tt - t0 < AVX2_TS ? tt - t0 : AVX2_TS; /* tokens in this pass (a literal once tt is) */
+    /* 2 halves x TS tokens of I in registers; Q6_K's heavier unpacking pays for a fourth token (kernel
+     * 1.09-1.18x at 8-256 rows), the other formats measured 0.91-1.08x with it */
+    const int TS = vb == 6 ? 4 : 3;
+    #pragma GCC unroll 4
+    for (int t0 = 0; t0 < tt; t0 += TS) {
+        const int S = tt - t0 < TS ? tt - t0 : TS; /* tokens in this pass (a literal once tt is) */
         /* The float accumulators live in memory (L1), touched once per group and token, so that the 16 ymm
          * registers hold the 6 integer chains and the weight vectors (in registers beside them: 0.85-1.09x
          * the time of this, measured with the chains' asm below in place). */
@@ -743,7 +746,7 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
                     const __m256i w = unpack_avx2(qg, C, vb, c, h);
                     /* 16 bits: bytes 0, 2 and 1, 3 of each lane's four as int16 (unsigned, < 256) */
                     const __m256i w02 = _mm256_and_si256(w, m00ff), w13 = _mm256_srli_epi16(w, 8);
-                    #pragma GCC unroll 3
+                    #pragma GCC unroll 4
                     for (int t = 0; t < S; t++) {
                         const long i = ((long)g * C + c) * tt + t0 + t;
                         if (b16) { /* int16 pairs: (w0 x0 + w2 x2) + (w1 x1 + w3 x3), one vpmaddwd each */
@@ -768,7 +771,7 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
                     const __m256 Dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sbp + 2 * PN + 16 * h)));
                     mv = unit ? Dm : _mm256_mul_ps(Dm, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cp + PN + 8 * h)))));
                 }
-                #pragma GCC unroll 3
+                #pragma GCC unroll 4
                 for (int t = 0; t < S; t++) {
                     const long gt = (long)g * tt + t0 + t;
                     const int32_t zq = z ? (G == 32 ? xs->zq32[gt] : xs->zq16[gt]) : 0;
