@@ -676,8 +676,8 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
  * bytes: 6 operations a lane and token for 4-6 bit weights, 16 for bytes split into nibbles, against 4
  * here.) 8-bit activations (int8 mode): vpmaddubsw (u8 x s8 -> pairs summed to int16) then vpmaddwd by
  * 1, exact while a pair's |u0 x0 + u1 x1| <= 32767: weights of up to 6 bits (2 * 63 * 128 = 16128);
- * bytes (Q8_0) split into nibbles, 16 * hi + lo. Tokens go AVX2_TS at a time through the panel's
- * groups, both halves at once. */
+ * bytes (Q8_0) split into nibbles, 16 * hi + lo. Tokens go TS (3; 4 for 6-bit weights) at a
+ * time through the panel's groups, both halves at once. */
 #define Q_AHEAD 4096
 /* the 32 weight bytes of half h of vector c of group g: unsigned values < 64 (vb < 8), or raw bytes */
 static inline __attribute__((always_inline)) __m256i unpack_avx2(const uint8_t *qg, int C, int vb, int c, int h) {
@@ -711,7 +711,7 @@ static inline __attribute__((always_inline)) __m256i dot_w_avx2(__m256i I, __m25
     return _mm256_add_epi32(I, _mm256_add_epi32(hi, lo));
 }
 
-#define AVX2_TS 4 /* most tokens per pass over a panel's groups (TS: 4 for 6-bit weights, else 3) */
+#define AVX2_TS 4 /* the most tokens a pass over a panel's groups takes (panel_tile's TS) */
 static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, const uint8_t *SM, int z,
                                                              const xtile_t *xs, int K, const int G, const int vb,
                                                              const int b16, const int has_m, const int unit, int SB,
