@@ -1,0 +1,70 @@
+"""benchmarks/gpu_check.py (issue 39), the one device run that proves and times the CUDA path, runs
+end to end on a CPU in its dry-run mode (tiny random models, few tokens): every section is in its
+JSON with real numbers, the oracles it checks hold (fp32 greedy == HF transformers, batched == alone,
+speculative == plain AR), and the Markdown page names the machine and versions beside them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory) -> tuple[dict, str]:
+    out = tmp_path_factory.mktemp("gpu_check")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OUT": str(out)}
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--dry-run"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return json.loads((out / "gpu_check.json").read_text()), (out / "gpu_check.md").read_text()
+
+
+@pytest.mark.slow
+def test_every_section_ran_and_recorded_its_numbers(dry_run):
+    report, _ = dry_run
+    from benchmarks.gpu_check_report import SECTIONS
+
+    assert set(report["sections"]) == set(SECTIONS)
+    for name, s in report["sections"].items():
+        assert s["status"] == "ok", (name, s)
+    tests = report["sections"]["cuda_tests"]
+    assert tests["failed"] == tests["test_errors"] == 0
+    assert tests["passed"] + tests["skipped"] >= 16  # collected the CUDA tests (skipped: no GPU here)
+    decode = report["sections"]["decode"]
+    assert decode["batches"] == [1, 2] and len(decode["rows"]) == 2
+    for row in decode["rows"]:
+        for b in decode["batches"]:
+            for what in ("ours", "hf eager", "hf static+compile"):
+                assert row[f"{what} b{b}"] > 0, (row, what, b)
+    for curve in report["sections"]["cost_curve"]["curves"]:
+        assert len(curve["ms"]) == 3 and curve["ratio"][0] == 1.0 and min(curve["ms"]) > 0
+    assert len(report["sections"]["cost_curve"]["curves"]) == 2
+
+
+@pytest.mark.slow
+def test_the_oracles_it_checks_hold_in_fp32(dry_run):
+    report, _ = dry_run
+    parity = report["sections"]["parity"]
+    assert parity["batched_equals_alone"] is True
+    assert parity["greedy_equals_hf"] == [True] * 4
+    spec = report["sections"]["spec_bench"]
+    assert set(spec["configs"]) == {"plain AR", "speculative default", "speculative tree 3x4"}
+    n = spec["num_prompts"]
+    assert n == 3 and all(c["identical_to_ar"] == f"{n}/{n}" for c in spec["configs"].values())
+
+
+@pytest.mark.slow
+def test_markdown_names_the_machine_and_versions(dry_run):
+    report, md = dry_run
+    assert f"torch {torch.__version__}" in md and "CUDA None" in md and report["env"]["date"] in md
+    for name in report["sections"]:
+        assert f"## {name}: ok" in md
+    assert "| llama-1b-shape (random) | 1 |" in md
