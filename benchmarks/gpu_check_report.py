@@ -65,8 +65,10 @@ def _decode(s: dict[str, Any]) -> list[str]:
     rows = []
     for r in s["rows"]:
         for b in s["batches"]:
+            compiled = r.get(f"hf static+compile compiled b{b}")
+            static = _f(r.get(f"hf static+compile b{b}")) + {True: "", False: " (not compiled)", None: ""}[compiled]
             rows.append([r["model"], str(b), _f(r.get(f"ours b{b}")), _f(r.get(f"hf eager b{b}")),
-                         _f(r.get(f"vs hf eager b{b}"), "{:.2f}x"), _f(r.get(f"hf static+compile b{b}")),
+                         _f(r.get(f"vs hf eager b{b}"), "{:.2f}x"), static,
                          _f(r.get(f"vs hf static+compile b{b}"), "{:.2f}x")])
     note = (f"{s['dtype']}, greedy, {s['prompt_tokens']}-token prompts, {s['new_tokens']} new tokens; decode tok/s "
             "after each sequence's first token (HF: time of n tokens less that of 1)")
