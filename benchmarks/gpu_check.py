@@ -105,9 +105,13 @@ def section_parity(args: argparse.Namespace, clock: Clock, dev: torch.device, mo
         if ok:
             hf = models.hf(name, torch.float32)
             ref = [hf_generate(hf, [p], n, dev)[0][0] for p in prompts]
-            res["greedy_equals_hf"] = [a == b for a, b in zip(alone, ref, strict=True)]
-            res["first_divergence"] = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
-                                       for a, b in zip(alone, ref, strict=True)]
+            # ours goes on after an EOS (ignore_eos) while HF's min_new_tokens masks it: compare up to our first
+            eos = set(llm.model_config.eos_token_ids)
+            cuts = [next((i for i, t in enumerate(a) if t in eos), len(a)) for a in alone]
+            res["compared_tokens"] = cuts
+            res["greedy_equals_hf"] = [a[:c] == b[:c] for a, b, c in zip(alone, ref, cuts, strict=True)]
+            res["first_divergence"] = [next((i for i, (x, y) in enumerate(zip(a[:c], b[:c], strict=True)) if x != y),
+                                            None) for a, b, c in zip(alone, ref, cuts, strict=True)]
             del hf
     return res
 
@@ -149,6 +153,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
         (out_dir / "gpu_check.md").write_text(markdown(report))
 
+    # The CPU kernels compile on a fresh machine's first use (minutes: issue 41), CUDA runs too (the argmax of
+    # the host-side logits, the CUDA tests' CPU reference): once here, timed, before any section waits on it
+    t0 = time.perf_counter()
+    from ratchetlm import kernels
+
+    report["kernels"] = {"isa": kernels.isa() if kernels.load() is not None else None,
+                         "seconds": time.perf_counter() - t0}
+    save()
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     sections: dict[str, Callable[..., dict[str, Any]]] = {
         "parity": section_parity, "decode": section_decode, "cost_curve": section_cost_curve,

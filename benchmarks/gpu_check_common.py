@@ -97,7 +97,8 @@ class Models:
         key = (name, dtype)
         if key not in self._ours:
             self._ours[key] = LLM(self.specs[name]["path"], device=str(self.dev), dtype=dtype, progress=False,
-                                  max_num_seqs=128, kv_cache_bytes=(4 << 30) if self.dev.type == "cuda" else 1 << 22)
+                                  max_num_seqs=128, kv_cache_bytes=(4 << 30) if self.dev.type == "cuda" else 1 << 22,
+                                  numerics="exact")  # HF-identical on CPU too (CUDA runs nothing else)
         return self._ours[key]
 
     def hf(self, name: str, dtype: torch.dtype) -> Any:

@@ -28,6 +28,10 @@ def markdown(report: dict[str, Any]) -> str:
              f"commit {e['commit']}; {e['date']}; run budget {report['budget_s']:.0f} s"
              + (f", took {report['total_s']:.0f} s" if "total_s" in report else ""), ""]
     lines += [f"- {n}" for n in report.get("notes", [])]
+    if "kernels" in report:
+        k = report["kernels"]
+        lines.append(f"- CPU kernels ({k['isa']}) loaded or compiled in {k['seconds']:.0f} s"
+                     + (f"; models written and loaded in {report['setup_s']:.0f} s" if "setup_s" in report else ""))
     for name, m in report.get("models", {}).items():
         lines.append(f"- model `{name}`: {'real weights' if m['real'] else 'random weights'}"
                      + (f" ({m['gguf']})" if m.get("gguf") else ""))
@@ -53,9 +57,10 @@ def _tests(s: dict[str, Any]) -> list[str]:
 
 def _parity(s: dict[str, Any]) -> list[str]:
     return _table(["model", "dtype", "new tokens", "batched == alone", "greedy == HF (per prompt)",
-                   "first divergence"],
+                   "tokens compared (to our first EOS)", "first divergence"],
                   [[s["model"], s["dtype"], str(s["new_tokens"]), _f(s.get("batched_equals_alone")),
                     " ".join(_f(x) for x in s.get("greedy_equals_hf", [])) or "—",
+                    " ".join(_f(x, "{}") for x in s.get("compared_tokens", [])) or "—",
                     " ".join(_f(x, "{}") for x in s.get("first_divergence", [])) or "—"]])
 
 
