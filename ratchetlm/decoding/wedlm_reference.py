@@ -2,9 +2,12 @@
 
 Every step recomputes the whole sequence from token ids: ``committed prefix + window in
 topological order`` under a plain causal mask, positions ``0..L-1`` then ``L + slot``. Nothing
-is cached, staged or batched, so it shares no attention/KV code with the engine; only the
-window and sampler functions (:mod:`ratchetlm.decoding.wedlm_window`) are shared, and those are
-tested against the seed's worked examples on their own.
+is cached, staged or batched, so it shares no attention/KV code with the engine: it is the oracle
+of the engine's cache, staging and batching. It does share the window and fill functions
+(:mod:`ratchetlm.decoding.wedlm_window`), so it cannot catch a wrong fill rule; those are checked
+on their own: tests/wedlm/test_window.py (seed 000's worked examples; the seed has no distance
+penalty) and tests/wedlm/test_distance_penalty.py (every fill of the running engine against the
+paper's Eq. 11, computed independently).
 """
 
 from __future__ import annotations

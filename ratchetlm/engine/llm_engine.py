@@ -279,13 +279,7 @@ class LLMEngine:
             # a staged row lands at its position's slot (kv/sink.py): the rows kept are the next positions
             assert all(prop.positions[r] == seq.num_cached + i for i, r in enumerate(c.kv_rows)), \
                 "a commit's K/V rows must be at the sequence's next positions"
-            if not self.runner.commit_staged(seq, stage_base, c.kv_rows, len(prop.token_ids)):
-                # Fallback to the plain path (kv/staging.py): keep the tokens, commit no KV; the next
-                # step's direct-write catch-up recomputes it (identical output).
-                c = Commit(kv_rows=[], token_ids=c.token_ids, logprobs=c.logprobs,
-                           prompt_logprobs=c.prompt_logprobs)
         cached_before = seq.num_cached
-        seq.num_cached += len(c.kv_rows)
         if c.prompt_logprobs is not None:
             seq.prompt_logprobs += c.prompt_logprobs
         new: list[int] = []
@@ -305,6 +299,14 @@ class LLMEngine:
                     reason = "stop"  # the grammar is complete: only EOS could follow
             if reason:
                 break  # a stop inside a multi-token commit ends the sequence there
+        # Row i holds the K/V of the token at num_cached + i: a commit that ended early keeps no row
+        # past its last kept token (those rows are the K/V of tokens that were never committed).
+        rows = c.kv_rows[: len(seq.token_ids) - seq.num_cached]
+        if not prop.direct_write and not self.runner.commit_staged(seq, stage_base, rows, len(prop.token_ids)):
+            # Fallback to the plain path (kv/staging.py): keep the tokens, commit no KV; the next
+            # step's direct-write catch-up recomputes it (identical output).
+            rows = []
+        seq.num_cached += len(rows)
         assert seq.num_cached <= len(seq.token_ids), "committed KV beyond committed tokens"
         self.blocks.cache_full_blocks(seq, cached_before)  # before finish() releases them
         self.stats.generation_tokens += len(new)

@@ -31,9 +31,10 @@ nothing rejected ever reaches the cache). Causes, each counted once per forward:
   with the cache unchanged.
 
 Metrics follow the NWOR design: ``stage_operations`` counts layer × token rows staged,
-``unique_tokens`` counts each staged token once per forward (the two differ by the layer
-count — conflating them was the design's "4× inflation" bug); committed / rejected count staged
-rows after a successful commit; ``bytes_avoided`` is the K/V that writing every tentative row
+``unique_tokens`` counts each staged token once per forward whose staging succeeded (the two
+differ by the layer count — conflating them was the design's "4× inflation" bug), so that every
+unique token is eventually committed or rejected unless its commit fails; committed / rejected
+count staged rows after a successful commit; ``bytes_avoided`` is the K/V that writing every tentative row
 would have written on top (the rejected rows, all layers of every pool that has a slot for them).
 """
 
@@ -56,7 +57,7 @@ class StagingCommitError(RuntimeError):
 @dataclass
 class StagingMetrics:
     stage_operations: int = 0  # layer × token rows written into the staging buffer
-    unique_tokens: int = 0  # distinct token rows staged (once per forward, not per layer)
+    unique_tokens: int = 0  # distinct token rows staged (once per forward, not per layer; not if abandoned)
     tokens_committed: int = 0  # staged rows copied into the cache
     tokens_rejected: int = 0  # staged rows discarded by a successful commit
     commit_calls: int = 0
@@ -147,7 +148,6 @@ class StagingBuffer:
             d = torch.full((self.max_tokens,), -1, dtype=torch.long, device=self.device)
             d[self._idx] = s if self._keep_all else s[self._keep]
             self.dest[group] = d
-        self.metrics.unique_tokens += int(self._idx.numel())
 
     def _select(self, stage_index: torch.Tensor) -> None:
         """Which rows stage where: fixed for a whole forward, so found once, not per layer."""
@@ -156,9 +156,12 @@ class StagingBuffer:
         self._idx = stage_index if self._keep_all else stage_index[self._keep]
 
     def _abandon(self, cause: str) -> None:
-        """Give up staging for the rest of this forward (counted once per forward)."""
+        """Give up staging for the rest of this forward (counted once per forward). Rows already
+        staged in earlier layers leave ``unique_tokens``: they will never be committed or rejected."""
         if self.usable:
             setattr(self.metrics, "fallback_" + cause, getattr(self.metrics, "fallback_" + cause) + 1)
+            if self._marked:
+                self.metrics.unique_tokens -= int(self._idx.numel())
         self.usable = False
 
     def _buffer(self, pool: str) -> torch.Tensor:
@@ -210,9 +213,10 @@ class StagingBuffer:
 
     def _mark(self, layers: int) -> None:
         """This forward's rows are staged (``layers`` more layers of them)."""
-        if not self._marked:
+        if not self._marked:  # counted when staged (not at begin), withdrawn if staging is then abandoned
             self._staged[self._idx] = True
             self._marked = True
+            self.metrics.unique_tokens += int(self._idx.numel())
         self.metrics.stage_operations += layers * int(self._idx.numel())
 
     def commit(self, rows: torch.Tensor) -> None:

@@ -177,14 +177,15 @@ class ControlsFactory:
 
     def build(self, params: SamplingParams, prompt_ids: list[int],
               eos_token_ids: tuple[int, ...]) -> LogitsControls | None:
-        if not params.has_logits_controls:
-            return None
         v = self.vocab_size
         for name, ids in (("logit_bias", list(params.logit_bias or ())),
-                          ("allowed_token_ids", list(params.allowed_token_ids or ()))):
+                          ("allowed_token_ids", list(params.allowed_token_ids or ())),
+                          ("stop_token_ids", list(params.stop_token_ids))):  # (a stop id no token has: a typo)
             bad = [t for t in ids if not 0 <= t < v]
             if bad:
                 raise ValueError(f"{name} token id {bad[0]} is outside the vocabulary [0, {v})")
+        if not params.has_logits_controls:
+            return None
         words: list[list[int]] = []
         if params.bad_words:
             if self.tokenizer is None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -83,6 +83,8 @@ class GGUFFile:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        if self.path.stat().st_size == 0:
+            raise GGUFFormatError(f"{self.path} is empty (0 bytes), not a GGUF file")
         self._map = np.memmap(self.path, mode="r")
         buf = memoryview(self._map)  # type: ignore[arg-type]
         self._buf = buf
@@ -91,6 +93,12 @@ class GGUFFile:
         version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
         if version not in (2, 3):
             raise GGUFFormatError(f"{self.path}: GGUF version {version} is not supported (2 or 3)")
+        # Every count and length below comes from the file: each is checked against the bytes left, so
+        # a truncated, zero-filled (an unfinished download) or corrupt header is named as such instead of
+        # surfacing as an IndexError / OverflowError from the walk.
+        if n_kv * 13 > len(buf) or n_tensors * 28 > len(buf):  # the smallest entry of each: 13 and 28 bytes
+            self._corrupt(f"it declares {n_kv} metadata entries and {n_tensors} tensors, more than "
+                          f"its {len(buf)} bytes can hold")
         pos = 24
         self.meta: dict[str, Any] = {}
         try:
@@ -102,26 +110,37 @@ class GGUFFile:
             for _ in range(n_tensors):
                 name, pos = self._string(pos)
                 (n_dims,) = struct.unpack_from("<I", buf, pos)
+                if not 1 <= n_dims <= 4:  # GGML_MAX_DIMS
+                    self._corrupt(f"tensor {name!r} has {n_dims} dimensions (1 to 4 are possible)")
                 dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
                 ttype, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
                 pos += 4 + 8 * n_dims + 12
                 infos.append((name, dims, ttype, offset))
         except struct.error:
-            raise GGUFFormatError(f"{self.path}: truncated GGUF header") from None
-        align = int(self.meta.get("general.alignment", 32))
+            raise GGUFFormatError(f"{self.path}: truncated GGUF header (the file ends at byte {len(buf)}, "
+                                  "inside the header)") from None
+        align = self.meta.get("general.alignment", 32)
+        if not isinstance(align, int) or isinstance(align, bool) or not 1 <= align <= 1 << 20:
+            self._corrupt(f"general.alignment is {align!r}")
         start = (pos + align - 1) // align * align
         self.tensors: dict[str, GGUFTensor] = {}
         for name, dims, ttype, offset in infos:
             if ttype not in GGML_TYPES:
                 raise GGUFFormatError(f"{self.path}: tensor {name!r} has unknown type id {ttype}")
             type_name, blck, nbytes = GGML_TYPES[ttype]
-            k, rows = int(dims[0]), int(np.prod(dims[1:], dtype=np.int64))
+            k, rows = int(dims[0]), 1
+            for d in dims[1:]:
+                rows *= int(d)  # (Python ints: corrupt dims cannot overflow)
             row_bytes = k // blck * nbytes
             lo = start + offset
             if k % blck or lo + rows * row_bytes > len(self._map):
-                raise GGUFFormatError(f"{self.path}: tensor {name!r} lies outside the file or has a bad shape")
+                raise GGUFFormatError(f"{self.path}: tensor {name!r} lies outside the file or has a bad shape "
+                                      f"(the file has {len(self._map)} bytes: truncated?)")
             data = self._map[lo:lo + rows * row_bytes].reshape(rows, row_bytes)
             self.tensors[name] = GGUFTensor(name, type_name, tuple(int(d) for d in reversed(dims)), data)
+
+    def _corrupt(self, why: str) -> NoReturn:
+        raise GGUFFormatError(f"{self.path}: corrupt GGUF header: {why} (a truncated or unfinished download?)")
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.meta.get(key, default)
@@ -140,7 +159,13 @@ class GGUFFile:
 
     def _string(self, pos: int) -> tuple[str, int]:
         (n,) = struct.unpack_from("<Q", self._buf, pos)
+        self._need(pos + 8, n, "a string")
         return bytes(self._buf[pos + 8:pos + 8 + n]).decode("utf-8", errors="replace"), pos + 8 + n
+
+    def _need(self, pos: int, n: int, what: str) -> None:
+        if pos + n > len(self._buf):
+            raise GGUFFormatError(f"{self.path}: truncated or corrupt GGUF header: {what} at byte {pos} needs {n} "
+                                  f"bytes, past the end of the file ({len(self._buf)} bytes)")
 
     def _value(self, vtype: int, pos: int) -> tuple[Any, int]:
         if vtype in _SCALARS:
@@ -153,12 +178,20 @@ class GGUFFile:
             pos += 12
             arr = ArrayValue(etype, count, pos)
             if etype in _SCALARS:
-                return arr, pos + count * struct.calcsize(_SCALARS[etype])
+                size = count * struct.calcsize(_SCALARS[etype])
+                self._need(pos, size, f"an array of {count} values")
+                return arr, pos + size
             if etype == _STRING:  # walk over the lengths only (a vocabulary is ~100k strings)
+                self._need(pos, 8 * count, f"an array of {count} strings")
                 length = _U64.unpack_from
                 for _ in range(count):
                     pos += 8 + length(self._buf, pos)[0]
+                    if pos > len(self._buf):
+                        raise GGUFFormatError(f"{self.path}: truncated or corrupt GGUF header: the strings of an "
+                                              f"array of {count} run past the end of the file ({len(self._buf)} "
+                                              "bytes)")
                 return arr, pos
+            self._need(pos, 12 * count, f"an array of {count} arrays")
             for _ in range(count):  # nested arrays
                 _, pos = self._value(etype, pos)
             return arr, pos

@@ -186,7 +186,8 @@ def _main(argv: list[str]) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, workers=1,
                             http=GuardedH11Protocol, timeout_keep_alive=max(1, round(cfg.idle_timeout)),
                             timeout_graceful_shutdown=round(cfg.shutdown_timeout) + 5)
-    server = RatchetServer(config, on_shutdown_signal=state.begin_shutdown)
+    server = RatchetServer(config, on_shutdown_signal=state.begin_shutdown, drained=lambda: state.active == 0,
+                           drain_timeout=cfg.shutdown_timeout + 5)  # (running requests end with an error by then)
 
     def stop_after_load_failure() -> None:  # load thread: /health reports the failure briefly, then exit
         def stop() -> None:

@@ -21,6 +21,13 @@ def is_json(content_type: str) -> bool:
     return mime == "application/json" or (mime.startswith("application/") and mime.endswith("+json"))
 
 
+def bearer_token(authorization: bytes) -> bytes:
+    """The credentials of an ``Authorization: Bearer <token>`` header, b"" for any other scheme. The
+    scheme is case-insensitive (RFC 9110, 11.1): ``bearer`` and ``BEARER`` are ``Bearer``."""
+    scheme, _, token = authorization.strip().partition(b" ")
+    return token.strip(b" ") if scheme.lower() == b"bearer" else b""
+
+
 _ROOT_API = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})  # vLLM's, outside /v1
 
 
@@ -31,14 +38,14 @@ class Guard:
 
     def __init__(self, app: Any, api_key: str | None) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected = api_key.encode() if api_key else None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         path = scope.get("path", "")
         if scope["type"] == "http" and (path == "/v1" or path.startswith("/v1/") or path in _ROOT_API):
             headers = dict(scope["headers"])
             err = None
-            if self.expected is not None and not hmac.compare_digest(headers.get(b"authorization", b""),
+            if self.expected is not None and not hmac.compare_digest(bearer_token(headers.get(b"authorization", b"")),
                                                                      self.expected):
                 err = APIError("invalid or missing API key: send the header 'Authorization: Bearer <key>'", 401)
             elif scope["method"] == "POST" and not is_json(headers.get(b"content-type", b"").decode("latin-1")):

@@ -7,12 +7,14 @@ complete request head. Bodies are read by the handler with the same per-chunk de
 
 :class:`RatchetServer` tells the app when a shutdown signal arrives, so running requests can
 finish (up to ``--shutdown-timeout``) and the rest end with an error event and ``[DONE]`` instead
-of being cut mid-stream when uvicorn cancels them.
+of being cut mid-stream when uvicorn cancels them; meanwhile the listener stays open, so a probe
+reads ``/health``'s 503 rather than a refused connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -61,17 +63,35 @@ class GuardedH11Protocol(H11Protocol):
 
 
 class RatchetServer(uvicorn.Server):
-    """``on_shutdown_signal`` runs on the event loop when SIGTERM/SIGINT arrives."""
+    """The first SIGTERM/SIGINT starts a drain, not uvicorn's shutdown: ``on_shutdown_signal`` runs
+    on the event loop (the app then answers new requests and ``/health`` with 503), the listener
+    stays open so that probes get that answer instead of a refused connection, and uvicorn's own
+    shutdown starts once ``drained()`` is true (the running requests ended) or after
+    ``drain_timeout`` seconds. A second signal shuts down at once."""
 
-    def __init__(self, config: uvicorn.Config, on_shutdown_signal: Callable[[], None]) -> None:
+    def __init__(self, config: uvicorn.Config, on_shutdown_signal: Callable[[], None],
+                 drained: Callable[[], bool] = lambda: True, drain_timeout: float = 0.0) -> None:
         super().__init__(config)
         self.on_shutdown_signal = on_shutdown_signal
+        self.drained = drained
+        self.drain_timeout = drain_timeout
+        self.draining = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        first = not self.should_exit
-        super().handle_exit(sig, frame)
-        if first:
-            try:
-                asyncio.get_running_loop().call_soon(self.on_shutdown_signal)
-            except RuntimeError:  # no loop yet (signal during startup): nothing to drain
-                pass
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop yet (signal during startup): nothing to drain
+            loop = None
+        if self.draining or self.should_exit or loop is None:
+            super().handle_exit(sig, frame)
+            return
+        self.draining = True
+        self._captured_signals.append(sig)  # re-raised once the server stopped (the exit status)
+        loop.call_soon(self.on_shutdown_signal)
+        loop.call_soon(lambda: loop.create_task(self._drain()))
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.drain_timeout
+        while not self.should_exit and not self.drained() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.should_exit = True

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ratchetlm.server.config import ServerConfig
 from ratchetlm.server.errors import APIError
@@ -154,11 +154,30 @@ class ToolCallIn(_Model):
 
 
 class ChatMessage(_Model):
+    """OpenAI's rules: every message but an assistant's has content (an assistant's may be null, as
+    in one that only calls tools); a tool message names the call it answers (``tool_call_id``)."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
-    tool_call_id: str | None = None
+    tool_call_id: str | None = Field(default=None, validate_default=True)
+
+    @field_validator("content")
+    @classmethod
+    def _content_required(cls, v: Any, info: ValidationInfo) -> Any:
+        role = info.data.get("role")
+        if v is None and role not in (None, "assistant"):
+            raise ValueError(f"a {role} message needs content (a string or a list of text parts); only an "
+                             "assistant message's may be null")
+        return v
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id_required(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None and info.data.get("role") == "tool":
+            raise ValueError("a tool message needs tool_call_id: the id of the tool call it answers")
+        return v
 
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content

@@ -189,9 +189,11 @@ def _piece_bytes(piece: str, byte_level: dict[str, int]) -> bytes:
 class GrammarMatcher:
     """One request's grammar state: it has consumed exactly the request's committed output tokens.
 
-    Masks for tentative rows (a draft tree, forced tokens) are computed by consuming the row's
-    path, filling the mask and rolling back, so the committed state never moves until
-    :meth:`accept`."""
+    Masks for tentative rows (a draft tree, forced tokens) are computed on a copy of the matcher
+    that consumed the row's path (~6 us a copy), so the committed state never moves until
+    :meth:`accept`. Not consume-then-rollback: a path that leads to a dead end (e.g. a regex byte
+    no token spells) stops llguidance's matcher with an error that ``rollback`` does not undo, and
+    the committed state would then read as finished before any of the path was committed."""
 
     def __init__(self, matcher: Any, vocab_size: int) -> None:
         self.m = matcher
@@ -222,11 +224,9 @@ class GrammarMatcher:
             if not path:
                 llt.fill_next_token_bitmask(self.m, bitmask, i)
                 continue
-            self.m.consume_tokens(path)
-            try:
-                llt.fill_next_token_bitmask(self.m, bitmask, i)
-            finally:  # the committed state must survive any failure (the step may be re-run)
-                self.m.rollback(len(path))
+            m = self.m.deep_copy()
+            m.consume_tokens(path)
+            llt.fill_next_token_bitmask(m, bitmask, i)
         bits = torch.arange(32, dtype=torch.int32)
         unpacked = (bitmask.unsqueeze(-1) >> bits) & 1  # [n, words, 32]
         return unpacked.reshape(n, -1)[:, : self.vocab_size].bool()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ratchetlm import LLM
-from ratchetlm.models.gguf_file import GGML_TYPES, ArrayValue, GGUFFile
+from ratchetlm.models.gguf_file import GGML_TYPES, ArrayValue, GGUFFile, GGUFFormatError
 from ratchetlm.models.loader import ModelLoadError, default_model_path
 
 
@@ -51,3 +51,44 @@ def test_bad_files_get_a_clear_error(tmp_path):
     cut.write_bytes(default_model_path().read_bytes()[:4096])
     with pytest.raises(ModelLoadError, match="truncated|outside the file"):
         LLM(str(cut), progress=False)
+
+
+def _header_bytes(n: int = 1_300_000) -> bytes:
+    with open(default_model_path(), "rb") as f:  # the default model's header ends at ~1.2 MB
+        return f.read(n)
+
+
+def _open(tmp_path, data: bytes) -> str:
+    """'ok', or the GGUFFormatError's message; any other exception fails the test."""
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(data)
+    try:
+        GGUFFile(path)
+    except GGUFFormatError as e:
+        assert str(path) in str(e)
+        return str(e)
+    return "ok"
+
+
+def test_a_file_cut_anywhere_in_its_header_is_named_truncated(tmp_path):
+    """Issue 40: a cut header, or one whose tail is zeros (a download that preallocated the file),
+    was an IndexError or OverflowError from the walk; every cut gives a GGUFFormatError saying so."""
+    data = _header_bytes()
+    for cut in [*range(24, 600, 7), *range(600, len(data), 26_183)]:
+        assert "truncated" in _open(tmp_path, data[:cut]), cut
+        assert "truncated" in _open(tmp_path, data[:cut] + bytes(len(data) - cut)), cut
+    assert "empty" in _open(tmp_path, b"")
+
+
+def test_corrupt_header_bytes_give_a_format_error(tmp_path):
+    """Random bytes in the header's first 2 kB (metadata counts, lengths, types): the file opens or
+    fails with GGUFFormatError, never another exception (an OverflowError before this check)."""
+    import random
+
+    data = _header_bytes()
+    rng = random.Random(40)
+    for _ in range(120):
+        b = bytearray(data)
+        for _ in range(3):
+            b[rng.randrange(4, 2000)] = rng.randrange(256)
+        _open(tmp_path, bytes(b))

@@ -145,6 +145,8 @@ def test_invalid_controls_name_the_field(kw, needle):
 
 def test_out_of_vocabulary_ids_are_refused_at_submission(llm_fp32):
     for kw, needle in ((dict(logit_bias={10**6: 1.0}), "logit_bias"),
-                       (dict(allowed_token_ids=[-1]), "allowed_token_ids")):
+                       (dict(allowed_token_ids=[-1]), "allowed_token_ids"),
+                       (dict(stop_token_ids=[999999]), "stop_token_ids token id 999999"),  # no other control
+                       (dict(stop_token_ids=[5, -1]), "stop_token_ids token id -1")):
         with pytest.raises(ValueError, match=needle):
             llm_fp32.engine.add_request([1, 2, 3], SamplingParams(**kw))

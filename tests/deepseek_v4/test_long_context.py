@@ -15,7 +15,8 @@ ATOL = 5e-5
 # 8191->8192, 8703, 16383) and HCA ratio-128 boundaries (127->128, 255->256, ...): each
 # sequence commits the token at `start`, then the one at `start + 1`.
 # 16382 is the last position the engine feeds (a sequence holds max_model_len = 16384 tokens and
-# its last one is sampled, never fed); the call at 16383 itself is checked on the runner below.
+# its last one is sampled, never fed); the call at 16383 itself is made on the runner below (its
+# logits, and the indexer over all 4096 entries: the seed's kv_seq_len = 16384).
 STARTS = [0, 3, 127, 128, 255, 511, 4095, 8191, 8192, 8703, 16382]
 
 pytestmark = pytest.mark.slow
@@ -46,16 +47,15 @@ def test_long_positions_batched_against_reference(model, long_run, decode_seq):
     assert all(set(c.values()) == {1} for c in engine.strategy.commits)
 
 
-@pytest.mark.parametrize("decode_seq", [2, 1])
-def test_call_at_the_last_position(model, long_run, decode_seq):
-    """A decode call at position 16383 (S = 2: its placeholder at 16384) through the engine's
-    allocator and runner: no RoPE, position, cache or state-mapping overflow, reference logits."""
+def _call_at_last_position(model, ids, traces, decode_seq):
+    """The decode call at position 16383 through the engine's allocator and runner (the engine's
+    own steps stop at 16382: a sequence holds 16384 tokens and its last one is sampled, never fed),
+    on the reference's state for the first 16383 tokens. Returns (engine, sequence, StepResult)."""
     from ratchetlm.decoding.autoregressive import catch_up_proposal
     from ratchetlm.engine.sequence import Sequence
     from ratchetlm.models.deepseek_v4.reference import prefix_traces
     from ratchetlm.sampling_params import SamplingParams
 
-    ids, ref, traces = long_run
     p = 16383
     engine = v4_engine(model, decode_seq=decode_seq, shuffle_seed=3)
     seq = Sequence(0, ids[: p + 1].tolist(), p + 1, SamplingParams(temperature=0.0))
@@ -64,16 +64,27 @@ def test_call_at_the_last_position(model, long_run, decode_seq):
     seq.num_cached = p
     assert engine.blocks.can_grow(seq, p + 1)
     engine.blocks.grow(seq, p + 1)
-    out = engine.runner.execute([seq], [catch_up_proposal(seq, 1)])
-    torch.testing.assert_close(out.logits[0][0], ref[p], atol=ATOL, rtol=1e-4)
-    assert not engine.blocks.can_grow(seq, p + 2)  # nothing past the capacity
+    return engine, seq, engine.runner.execute([seq], [catch_up_proposal(seq, 1)])
 
 
-@pytest.mark.parametrize("kv_seq_len", [8192, 8704, 16383])
+@pytest.mark.parametrize("decode_seq", [2, 1])
+def test_call_at_the_last_position(model, long_run, decode_seq):
+    """A decode call at position 16383 (S = 2: its placeholder at 16384) through the engine's
+    allocator and runner: no RoPE, position, cache or state-mapping overflow, reference logits."""
+    ids, ref, traces = long_run
+    engine, seq, out = _call_at_last_position(model, ids, traces, decode_seq)
+    torch.testing.assert_close(out.logits[0][0], ref[16383], atol=ATOL, rtol=1e-4)
+    assert not engine.blocks.can_grow(seq, 16383 + 2)  # nothing past the capacity
+
+
+@pytest.mark.parametrize("kv_seq_len", [8192, 8704, 16384])  # the seed's cases; 16384: the whole capacity
 def test_indexer_topk_at_long_context(model, long_run, kv_seq_len):
     ids, _, traces = long_run
     p = kv_seq_len - 1
-    engine, (sid,) = _run_from(model, ids, traces, [p], 1, decode_seq=2)
+    if kv_seq_len == 16384:  # the call at 16383 completes the last of the 4096 indexer entries
+        engine, _, _ = _call_at_last_position(model, ids, traces, decode_seq=2)
+    else:
+        engine, _ = _run_from(model, ids, traces, [p], 1, decode_seq=2)
     meta, pools = engine.runner.last_meta, engine.runner.layout.pools
     layer = model.config.layers_of_kind["compressed_sparse_attention"][0]
     attn = model.model.layers[layer].self_attn
@@ -99,3 +110,5 @@ def test_indexer_topk_at_long_context(model, long_run, kv_seq_len):
         assert set(slots.tolist()) == want
         if kv_seq_len > 8192:
             assert int(slots.max()) >= 2048  # slots past the old 2048-wide score range are reachable
+    if kv_seq_len == 16384:
+        assert visible == 4096  # SCORE_LEN: every indexer entry of the capacity is a candidate

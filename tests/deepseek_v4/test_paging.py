@@ -82,8 +82,12 @@ def test_position_beyond_capacity_is_rejected():
         _lower([16384])
 
 
-def test_placeholder_writes_nothing_and_is_invisible():
-    meta, _, _ = _lower([3, 127, 511, 8191], decode_seq=2)
+@pytest.mark.parametrize("positions", [[3, 127, 511, 8191],
+                                       # the placeholder (at p + 1) completes a CSA window, and at 127,
+                                       # 511 and 8191 an HCA window too: it must still write nothing
+                                       [2, 126, 510, 8190]])
+def test_placeholder_writes_nothing_and_is_invisible(positions):
+    meta, _, _ = _lower(positions, decode_seq=2)
     for t in (meta.ori_slot_mapping, meta.csa.cmp_slot_mapping, meta.inner.cmp_slot_mapping,
               meta.hca.cmp_slot_mapping, meta.csa.state_slot_mapping, meta.inner.state_slot_mapping,
               meta.hca.state_slot_mapping):

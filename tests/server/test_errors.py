@@ -41,6 +41,15 @@ CASES = [
     ("stream_options_without_stream", CMPL, {"model": MODEL_NAME, "prompt": "a",
                                              "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("queue_over_limit", CMPL, {"model": MODEL_NAME, "prompt": ["a"] * 40, "max_tokens": 1}, 400, "n"),
+    # issue 40: like an out-of-vocabulary id anywhere else
+    ("stop_token_ids_out_of_vocab", CMPL, {"prompt": "a", "stop_token_ids": [999999]}, 400, "stop_token_ids"),
+    ("stop_token_ids_negative", CHAT, {"messages": MSGS, "stop_token_ids": [2, -1]}, 400, "stop_token_ids"),
+    # OpenAI's rules: only an assistant message's content may be null; a tool message names its call
+    ("user_content_null", CHAT, {"messages": [{"role": "user", "content": None}]}, 400,
+     "messages.0.content"),
+    ("user_content_missing", CHAT, {"messages": [{"role": "user"}]}, 400, "messages.0.content"),
+    ("tool_without_tool_call_id", CHAT, {"messages": [*MSGS, {"role": "tool", "content": "21"}]}, 400,
+     "messages.1.tool_call_id"),
 ]
 
 
@@ -54,7 +63,7 @@ def test_bad_input(server, path, body, status, param):
     assert set(err) == {"message", "type", "param", "code"}
     assert err["code"] == status and isinstance(err["message"], str) and err["message"]
     if param is not None:
-        assert err["param"] is not None and err["param"].split(".")[0] == param, err
+        assert err["param"] is not None and param in (err["param"], err["param"].split(".")[0]), err
     h = server.health()
     assert h.status_code == 200
     assert h.json()["kv_blocks_free"] == h.json()["kv_blocks_total"]  # a refused request holds nothing

@@ -114,6 +114,10 @@ def test_api_key_is_required_on_v1(hardened):
     assert httpx.get(hardened.base + "/v1/models", timeout=30).status_code == 401
     assert httpx.get(hardened.base + "/v1/models", headers=hardened.headers, timeout=30).status_code == 200
     assert _post(hardened, CMPL, body).status_code == 200
+    key = hardened.headers["Authorization"][len("Bearer "):]
+    for scheme in ("bearer", "BEARER"):  # the scheme is case-insensitive (RFC 9110, 11.1)
+        r = httpx.get(hardened.base + "/v1/models", headers={"Authorization": f"{scheme} {key}"}, timeout=30)
+        assert r.status_code == 200, (scheme, r.text)
     assert hardened.health().status_code == 200  # probes need no key
     assert httpx.get(hardened.base + "/metrics", timeout=30).status_code == 200
 

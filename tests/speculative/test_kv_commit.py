@@ -92,6 +92,7 @@ def test_staging_overflow_falls_back_with_identical_output(spec_llm, encoded, re
     assert run_engine(eng, [encoded[i] for i in subset], GREEDY) == [reference[i] for i in subset]
     m = eng.runner.staging.metrics
     assert m.fallback_overflow > 0 and m.fallback_commit_fail == m.fallback_stage_fail == 0
+    assert m.unique_tokens == m.tokens_committed + m.tokens_rejected  # the unstaged trees count nowhere
     assert eng.runner.staging.max_tokens <= capacity
     assert eng.strategy.metrics()["spec_decode_num_drafts"] > 0
     if capacity == 8:
@@ -115,6 +116,8 @@ def test_stage_failure_falls_back_and_the_engine_keeps_serving(spec_llm, encoded
     eng.runner.staging.fault_stage_layer = None  # the same engine serves the next request normally
     assert run_engine(eng, [encoded[3]], GREEDY) == [reference[3]]
     assert m.tokens_committed > 0 and eng.metrics()["kv_staging_fallback_stage_fail"] == m.fallback_stage_fail
+    # rows staged before the fault layer were never committed or rejected: not counted as unique
+    assert m.unique_tokens == m.tokens_committed + m.tokens_rejected
 
 
 def test_sampling_with_seed_is_reproducible(spec_llm):

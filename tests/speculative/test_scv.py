@@ -154,3 +154,33 @@ def test_a_fault_in_a_continuation_forward_fails_only_its_request(spec_llm, enco
     assert list(errors) == [victim] and "injected continuation fault" in errors[victim]
     assert eng.seqs[ids[0]].output_ids == reference[0]
     assert eng.seqs[victim].finish_reason == "error" and eng.blocks.num_free == eng.blocks.num_blocks
+
+
+@pytest.mark.parametrize("capacity", [2, 4])
+def test_a_chunk_that_fell_back_is_not_continued_on_uncached_tokens(spec_llm, encoded, reference, oracle, capacity):
+    """SCV with a staging fallback (issue 40's seed audit): a chunk whose rows do not fit the staging
+    buffer commits its tokens without K/V (the next step's catch-up computes it), so the next chunk
+    must not be verified in that step: its rows would sit on positions whose K/V was never written
+    (``continue_step``'s ``num_cached + 1`` guard). Capacity 2: no 3-row chunk fits, nothing
+    continues. Capacity 4: in a batch of two, the first sequence's chunk fits and continues, the
+    second's falls back and stops. Either way the output is plain greedy's."""
+    eng = make_engine(spec_llm, "speculative", method=ORACLE, depth=6, chunk_size=2, staging_capacity=capacity)
+    out, steps = trace(eng, [encoded[0], encoded[3]])
+    assert out == [reference[0], reference[3]]
+    m = eng.runner.staging.metrics
+    assert m.fallback_overflow > 0, "no chunk fell back: the test would not exercise the guard"
+    continued = eng.strategy.metrics()["spec_decode_scv_continued_chunks"]
+    assert continued == 0 if capacity == 2 else continued > 0
+    assert m.unique_tokens == m.tokens_committed + m.tokens_rejected  # fallbacks staged nothing
+
+
+def test_a_chunk_that_exactly_fills_the_staging_buffer_is_staged(spec_llm, encoded, reference, oracle):
+    """Capacity 3 = one chunk's rows (root + 2 levels): it fits (no needless fallback), so every
+    drafting step verifies both chunks as with an unbounded buffer."""
+    eng = make_engine(spec_llm, "speculative", method=ORACLE, depth=6, chunk_size=2, staging_capacity=3)
+    out, steps = trace(eng, [encoded[3]])
+    assert out == [reference[3]]
+    assert [[f[0] for f in s] for s in steps[1:3]] == [[[3], [3]], [[3], [3]]]
+    m = eng.runner.staging.metrics
+    assert m.fallback_count == 0 and m.tokens_committed == 12 and eng.runner.staging.max_tokens == 3
+    assert eng.strategy.metrics()["spec_decode_scv_continued_chunks"] == 2

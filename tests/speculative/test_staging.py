@@ -169,12 +169,16 @@ def test_stage_failure_abandons_the_forward_once_and_the_next_forward_stages(kin
     keys = list(lay.writes)
     ok = next(i for i, k in enumerate(keys) if k == fault[1] or fault[1] in lay.writes[k])
     assert buf.metrics.stage_operations == ok * 4  # layers after the fault staged nothing
+    assert buf.metrics.unique_tokens == 0  # counted on success only: these rows are never committed or rejected
     with pytest.raises(StagingCommitError, match="abandoned"):
         buf.commit(torch.tensor([0, 1]))
     assert lay.unchanged(before) and buf.metrics.fallback_commit_fail == 0
     setattr(buf, "fault_stage_" + fault[0], None)
     fed = lay.forward(buf, torch.arange(4), lay.slots([3, 4, 5, 6]))
     buf.commit(torch.tensor([0, 1]))
+    buf.reject(torch.tensor([2, 3]))
+    m = buf.metrics
+    assert m.unique_tokens == 4 == m.tokens_committed + m.tokens_rejected
     last = keys[-1]
     pool = lay.writes[last][-1]
     assert torch.equal(lay.pools.get(pool, last)[4], fed[(pool, last)][1])

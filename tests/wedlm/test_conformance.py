@@ -1,6 +1,7 @@
-"""Seed conformance: the seed's defaults, the no-write-on-reject fallbacks under WeDLM (staging
-overflow, a failure inside staging: same tokens, nothing uncommitted in the cache, the engine
-keeps serving) and the efficiency / staging metrics WeDLM exports."""
+"""Seed conformance: the defaults (the seed's and, for λ, the public code's), the
+no-write-on-reject fallbacks under WeDLM (staging overflow, a failure inside staging: same tokens,
+nothing uncommitted in the cache, the engine keeps serving) and the efficiency / staging metrics
+WeDLM exports."""
 
 from __future__ import annotations
 
@@ -16,9 +17,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 OPTS = dict(window_size=8, entropy_threshold=0.8)
 
 
-def test_defaults_are_the_seeds(tiny):
+def test_defaults_are_the_seeds_and_the_public_codes(tiny):
+    """Window 16 and τ 0.4 are seed 000's defaults. The seed has no distance penalty: λ 0.02 is the
+    default of WeDLM's public code (wedlm/sampling_params.py; the paper's Eq. 11; docs/wedlm.md)."""
     cfg = WeDLMConfig()
-    assert (cfg.window_size, cfg.entropy_threshold, cfg.position_penalty) == (16, 0.4, 0.02)
+    assert (cfg.window_size, cfg.entropy_threshold) == (16, 0.4)  # seed 000
+    assert cfg.position_penalty == 0.02  # WeDLM's public code, not the seed
     assert tiny.engine().strategy.cfg == cfg  # an engine given no options runs with them
 
 
@@ -38,6 +42,7 @@ def test_staging_overflow_falls_back_with_identical_output(tiny, capacity):
     assert m.fallback_overflow > 0 and m.fallback_stage_fail == m.fallback_commit_fail == 0
     assert eng.runner.staging.max_tokens <= capacity
     assert (m.tokens_committed > 0) == (capacity == 12)
+    assert m.unique_tokens == m.tokens_committed + m.tokens_rejected  # unstaged windows count nowhere
     assert bytes_per_committed_token_written_once(eng)  # unstaged windows wrote nothing
 
 
@@ -55,6 +60,8 @@ def test_stage_failure_falls_back_and_the_engine_keeps_serving(tiny, fault_layer
     out, _, _ = run(eng, TINY_PROMPTS[1:2], GREEDY)
     assert out == want[1:] and m.tokens_committed > 0
     assert eng.metrics()["kv_staging_fallback_stage_fail"] == m.fallback_stage_fail
+    # rows staged before the fault layer are never committed or rejected: not counted as unique
+    assert m.unique_tokens == m.tokens_committed + m.tokens_rejected
 
 
 def test_efficiency_and_staging_metrics_are_exported(tiny):

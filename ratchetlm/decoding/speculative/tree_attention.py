@@ -27,6 +27,17 @@ API (the seed design, tree_attention.md)::
 * ``verified_beam[b, m, c]``: the target's greedy token at that beam position, read from the row
   of its parent (the root for c = 0); ``verified_scores``: the target's log-probability of the
   beam's own token there. A candidate is accepted as far as it agrees with ``verified_beam``.
+
+What the engine uses (the API above is the seed's, implemented and tested against it in
+tests/speculative/test_tree_attention.py, but only partly on the engine's path): ``pack`` builds
+every step's draft trees (draft_tree.trees_from_beams reads tokens, depths and parents off
+``tokens`` / ``position_offsets`` / ``unpack_map``), ``parent_rows`` gives sampled verification
+the row each entry is judged on, and ``with_root`` adds the root row to a tree's mask. The verify
+forward's mask is ``verify.tree_mask(tree)``; ``pack().mask`` is used only by the draft model's
+own beam-search forwards (beam_search.py). Greedy verification walks the tree with
+``verify.greedy_accept`` on the target's argmax per row (draft_tree.greedy_verify): the same result
+as ``unpack_verified`` without building the verified beam. ``unpack`` and ``unpack_verified`` are
+not called by the engine.
 """
 
 from __future__ import annotations
