@@ -29,7 +29,7 @@ def test_a_delivery_fault_fails_only_its_request(oracle, monkeypatch):
     gets a 500 naming the fault; the three beside it finish with the greedy text of a clean run."""
     refs = [o.text for o in oracle.generate(PROMPTS[:3], SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
                                                                         ignore_eos=True))]
-    poison_ids = oracle.encode(PROMPTS[3])
+    poison_ids = oracle.tokenize(PROMPTS[3])
     real = async_engine.TextStream
 
     def text_stream(tokenizer, prompt_ids, *args):
