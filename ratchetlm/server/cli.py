@@ -24,6 +24,7 @@ _SERVER_HELP = {
                           "server; requests go to the least loaded",
     "tool_call_parser": "tool-call format of the model family: auto (from the chat template) | smollm2 | "
                         "hermes (qwen) | llama3_json (llama3)",
+    "response_role": "role of the generated chat message (vLLM's flag)",
 }
 
 
