@@ -81,6 +81,8 @@ def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> N
         elif f.type in ("bool",):  # ``--flag`` alone means true (vLLM's store_true habit)
             p.add_argument(flag, type=_bool, nargs="?", const=True, default=default, metavar="BOOL",
                            help=_ENGINE_HELP[f.name])
+            # vLLM's BooleanOptionalAction spelling: --no-enable-prefix-caching
+            p.add_argument("--no-" + flag[2:], dest=f.name, action="store_false", help=argparse.SUPPRESS)
         elif f.type == "float | None":
             p.add_argument(flag, type=float, default=default, help=_ENGINE_HELP[f.name])
         elif f.type in ("int", "int | None"):

@@ -113,10 +113,11 @@ class LLM:
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                             tool_parser: str | None = None, add_generation_prompt: bool = True,
                             chat_template: str | None = None, continue_final_message: bool = False,
-                            chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
+                            chat_template_kwargs: Mapping[str, Any] | None = None,
+                            content_format: str = "auto") -> str:
         """The prompt text for ``messages`` (engine/prompts.py:render_chat)."""
         return render_chat(self.tokenizer, messages, tools, tool_parser, add_generation_prompt, chat_template,
-                           continue_final_message, chat_template_kwargs)
+                           continue_final_message, chat_template_kwargs, content_format)
 
     # ------------------------------------------------------------------ generation
 
@@ -241,6 +242,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         add_special_tokens: bool = False,
+        chat_template_content_format: str = "auto",
         *, params: Any = None,
     ) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of messages) or a list of them. The rendered
@@ -248,7 +250,8 @@ class LLM:
         sampling_params = _renamed(sampling_params, params)
         convs: list[Any] = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         texts: list[str | None] = [self.apply_chat_template(c, tools, None, add_generation_prompt, chat_template,
-                                                            continue_final_message, chat_template_kwargs)
+                                                            continue_final_message, chat_template_kwargs,
+                                                            chat_template_content_format)
                                    for c in convs]
         encoded = [self.tokenize(t, add_special_tokens) for t in texts if t is not None]
         return self._generate(texts, encoded, sampling_params, use_tqdm)

@@ -13,6 +13,7 @@ the output. Token-id prompts are fed as given.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -76,12 +77,15 @@ class PromptTokenizer:
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                 tool_parser: str | None = None, add_generation_prompt: bool = True,
                 chat_template: str | None = None, continue_final_message: bool = False,
-                chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
+                chat_template_kwargs: Mapping[str, Any] | None = None, content_format: str = "auto") -> str:
     """The prompt text for ``messages`` (OpenAI shape: assistant ``tool_calls`` and ``role: "tool"``
     results allowed). ``tools`` (OpenAI function tools) reach a template that handles them, or are
     described in the system message in the ``tool_parser`` family's format (structured/tool_calls.py).
     ``continue_final_message``: the last (assistant) message is left open for the model to continue;
-    ``chat_template_kwargs`` are extra template variables (``enable_thinking``, ...)."""
+    ``chat_template_kwargs`` are extra template variables (``enable_thinking``, ...).
+    ``content_format`` (vLLM's ``chat_template_content_format``): message content reaches the
+    template as a string, as OpenAI's list of text parts (``"openai"``), or as the template reads it
+    (``"auto"``: parts when it loops over a message's content)."""
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
     template = chat_template or getattr(tokenizer, "chat_template", None)
@@ -109,7 +113,21 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict
         msgs = chat_messages(messages, funcs, tool_format(tool_parser, template), native)
         if native and funcs:
             kw["tools"] = [f.as_openai() for f in funcs]
+    if content_format not in ("auto", "string", "openai"):
+        raise ValueError(f"chat_template_content_format must be auto, string or openai, got {content_format!r}")
+    if (template_content_format(template) if content_format == "auto" else content_format) == "openai":
+        msgs = [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m.get("content"), str)
+                else m for m in msgs]
     return tokenizer.apply_chat_template(msgs, tokenize=False, **kw)
+
+
+# a template that loops over a message's content reads OpenAI's list of parts (vLLM's "auto" detection)
+_LOOPS_OVER_CONTENT = re.compile(r"""{%-?\s*for\s+\w+\s+in\s+\w+(?:\[\s*['"]content['"]\s*\]|\.content)\s*-?%}""")
+
+
+def template_content_format(template: str | None) -> str:
+    """``"openai"`` when the chat template iterates over message content (a list of parts), else ``"string"``."""
+    return "openai" if template and _LOOPS_OVER_CONTENT.search(template) else "string"
 
 
 def as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:

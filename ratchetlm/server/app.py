@@ -105,7 +105,8 @@ class ServerState:
         eng = engine if engine is not None else AsyncEngine(llm.engine, llm.tokenizer)
         eng.start()
         self.ctx = ServingContext(llm, self.model_name, self.metrics, TokenText(llm.tokenizer),
-                                  tool_call_parser=self.cfg.tool_call_parser, response_role=self.cfg.response_role)
+                                  tool_call_parser=self.cfg.tool_call_parser, response_role=self.cfg.response_role,
+                                  content_format=self.cfg.chat_template_content_format)
         self.engine = eng
 
     def load(self, loader: Callable[[], Any]) -> None:

@@ -198,6 +198,7 @@ class ServingContext:
     token_text: TokenText
     tool_call_parser: str | None = None  # --tool-call-parser (None/"auto": from the chat template)
     response_role: str = "assistant"  # --response-role: the role of the generated chat message
+    content_format: str = "auto"  # --chat-template-content-format: string | openai | auto
 
     @property
     def max_model_len(self) -> int:

@@ -56,7 +56,8 @@ class ChatPlan:
                                                tool_parser=ctx.tool_call_parser,
                                                add_generation_prompt=req.add_generation_prompt,
                                                continue_final_message=req.continue_final_message,
-                                               chat_template_kwargs=req.chat_template_kwargs)
+                                               chat_template_kwargs=req.chat_template_kwargs,
+                                               content_format=ctx.content_format)
         except ValueError as e:
             raise APIError(str(e), 400, "messages") from None
         self.prompt_ids = ctx.encode(text, "messages", req.add_special_tokens)

@@ -30,7 +30,8 @@ def tokenize(req: TokenizeRequest, ctx: ServingContext) -> dict[str, Any]:
                                            tool_parser=ctx.tool_call_parser,
                                            add_generation_prompt=req.add_generation_prompt,
                                            continue_final_message=req.continue_final_message,
-                                           chat_template_kwargs=req.chat_template_kwargs)
+                                           chat_template_kwargs=req.chat_template_kwargs,
+                                           content_format=ctx.content_format)
         except ValueError as e:
             raise APIError(str(e), 400, "messages") from None
         ids = ctx.encode(text, "messages", bool(req.add_special_tokens))

@@ -21,9 +21,9 @@ from tests.server.conftest import free_port
 
 
 @contextmanager
-def serve(llm_or_loader, name="m"):
+def serve(llm_or_loader, name="m", config=None):
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(llm_or_loader, name), host="127.0.0.1", port=port,
+    server = uvicorn.Server(uvicorn.Config(build_app(llm_or_loader, name, config), host="127.0.0.1", port=port,
                                            log_level="warning"))
     t = threading.Thread(target=server.run, daemon=True)
     t.start()
