@@ -62,7 +62,7 @@ def test_an_engine_that_cannot_recover_answers_503_never_hangs(oracle, monkeypat
     later requests are refused at once. Before, the thread died and the request waited forever."""
     engine = LLMEngine(EngineConfig(dtype="float32", kv_cache_blocks=32, progress=False), oracle.engine.model,
                        oracle.model_config)  # its own engine: this one is left broken
-    llm = SimpleNamespace(engine=engine, tokenizer=oracle.tokenizer, encode=oracle.encode,
+    llm = SimpleNamespace(engine=engine, tokenizer=oracle.tokenizer, tokenize=oracle.tokenize,
                           apply_chat_template=oracle.apply_chat_template)
 
     def broken(*args, **kwargs):

@@ -92,7 +92,7 @@ def _spec_llm(oracle):
     cfg = EngineConfig(dtype="float32", kv_cache_blocks=64, decoding="speculative",
                        decoding_options={"method": "ngram", "depth_schedule": "constant"}, progress=False)
     engine = LLMEngine(cfg, oracle.engine.model, oracle.model_config)
-    return SimpleNamespace(engine=engine, tokenizer=oracle.tokenizer, encode=oracle.encode,
+    return SimpleNamespace(engine=engine, tokenizer=oracle.tokenizer, tokenize=oracle.tokenize,
                            apply_chat_template=oracle.apply_chat_template)
 
 
