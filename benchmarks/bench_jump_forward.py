@@ -76,7 +76,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     llm = LLM(progress=False, dtype="float32")
-    prompts = [llm.encode(llm.apply_chat_template([{"role": "user", "content": (
+    prompts = [llm.tokenize(llm.apply_chat_template([{"role": "user", "content": (
         "Extract name, birth_year, country, occupation and known_for (at most two items) as JSON.\n" + t)}]))
         for t in TEXTS]
     params = SamplingParams(temperature=0.0, max_tokens=120, structured=StructuredOutputsParams(json=SCHEMA))

@@ -111,7 +111,7 @@ def main() -> None:
         undo = simulate(base[4:]) if base.startswith("sim:") else (lambda: None)
         llm = LLM(args.model, progress=False, numerics="exact" if base.startswith("sim:") else base,
                   kv_cache_blocks=16, kv_cache_dtype={"": "auto", "16": "float16", "32": "float32"}[kv])
-        ids = llm.encode(Path(args.text).read_text())
+        ids = llm.tokenize(Path(args.text).read_text())
         t = time.perf_counter()
         lp[mode] = [window_logprobs(llm, ids[s:s + args.window], ids[s + 1:s + 1 + args.window])
                     for s in range(0, len(ids) - 1, args.window)]

@@ -86,7 +86,7 @@ def mal(eng: LLMEngine) -> float:
 def bench_ours(llm: LLM, params: SamplingParams, repeats: int) -> tuple[dict, dict]:
     """Every config on every prompt, ``repeats`` rounds with the configs interleaved inside each
     round, so load drift on a shared machine hits all configs alike; cells are medians."""
-    enc = {c: [llm.encode(p) for p in ps] for c, ps in CATEGORIES.items()}
+    enc = {c: [llm.tokenize(p) for p in ps] for c, ps in CATEGORIES.items()}
     mixed = [p for ps in enc.values() for p in ps] + enc["code"]  # batch 8: every category + 2 code
     tps: dict = {}  # (config, category, batch) -> tok/s of every round
     dps: dict = {}  # (config, category, batch) -> decode-phase tok/s of every round
@@ -137,7 +137,7 @@ def bench_hf(llm: LLM, params: SamplingParams, ref: dict) -> dict:
             tps: list[float] = []
             same = True
             for text in prompts:
-                ids = llm.encode(text)
+                ids = llm.tokenize(text)
                 x = torch.tensor([ids])
                 t = time.perf_counter()
                 try:
@@ -170,7 +170,7 @@ def bench_scv(llm: LLM, batches: list[int], repeats: int, max_tokens: int, depth
     over ``repeats`` runs (configs interleaved so load drift on a shared machine hits them alike);
     ratios are vs chunk off in the same run; plain AR runs alongside for reference."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    prompts = [llm.encode(p) for ps in CATEGORIES.values() for p in ps]
+    prompts = [llm.tokenize(p) for ps in CATEGORIES.values() for p in ps]
     print(f"\nSCV (n-gram chain, {max_tokens} new tokens, EOS ignored): median tok/s over {repeats} runs by "
           "chunk_size; fwd/step = target forwards per engine step, tok/chunk = tokens committed per chunk")
     for depth in depths:

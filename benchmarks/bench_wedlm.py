@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     llm = LLM(a.model, dtype="float32", device=a.device, progress=False)
     examples = held_out(a.prompts)
-    prompts = [llm.encode(ex.prompt) for ex in examples]
+    prompts = [llm.tokenize(ex.prompt) for ex in examples]
     answers = [ex.answer for ex in examples]
     print(f"model {a.model}: {sum(p.numel() for p in llm.engine.model.parameters()) / 1e6:.2f}M params; "
           f"{len(prompts)} held-out prompts; device {a.device}, {a.threads} thread(s)")

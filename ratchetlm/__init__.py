@@ -3,10 +3,10 @@ commits only the accepted ones."""
 
 from ratchetlm.engine.llm import LLM, StreamEvent
 from ratchetlm.outputs import CompletionOutput, Logprob, RequestOutput
-from ratchetlm.sampling_params import SamplingParams, StructuredOutputsParams
+from ratchetlm.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "StreamEvent",
-           "StructuredOutputsParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "GuidedDecodingParams", "Logprob", "RequestOutput", "SamplingParams",
+           "StreamEvent", "StructuredOutputsParams", "__version__"]
 
 
 def _version() -> str:

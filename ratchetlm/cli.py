@@ -81,6 +81,8 @@ def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> N
         elif f.type in ("bool",):  # ``--flag`` alone means true (vLLM's store_true habit)
             p.add_argument(flag, type=_bool, nargs="?", const=True, default=default, metavar="BOOL",
                            help=_ENGINE_HELP[f.name])
+            # vLLM's BooleanOptionalAction spelling: --no-enable-prefix-caching
+            p.add_argument("--no-" + flag[2:], dest=f.name, action="store_false", help=argparse.SUPPRESS)
         elif f.type == "float | None":
             p.add_argument(flag, type=float, default=default, help=_ENGINE_HELP[f.name])
         elif f.type in ("int", "int | None"):
@@ -157,8 +159,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(kw.pop("model"), **kw)
     try:
         prompt = llm.apply_chat_template([{"role": "user", "content": prompt_text}]) if args.chat else prompt_text
+        # a chat prompt is fed as the template wrote it (its own BOS), a text prompt with the model's
+        fed: str | list[int] = llm.tokenize(prompt, add_special_tokens=False) if args.chat else prompt
         if args.json:
-            out = llm.generate(prompt, params, use_tqdm=False)[0]
+            out = llm.generate(fed, params, use_tqdm=False)[0]
             c = out.outputs[0]
             print(json.dumps({"prompt": prompt, "text": c.text, "token_ids": list(c.token_ids),
                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
@@ -169,7 +173,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.write(prompt)
         try:
             wrote = False
-            for ev in llm.stream(prompt, params):
+            for ev in llm.stream(fed, params):
                 sys.stdout.write(ev.text)
                 sys.stdout.flush()
                 wrote = wrote or bool(ev.text)

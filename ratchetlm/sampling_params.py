@@ -67,6 +67,34 @@ class StructuredOutputsParams:
 
 
 @dataclass(frozen=True)
+class GuidedDecodingParams(StructuredOutputsParams):
+    """vLLM's older name of the same constraint (``SamplingParams(guided_decoding=...)``).
+    ``backend`` / ``disable_fallback`` pick vLLM's grammar engine: accepted (llguidance runs here);
+    ``disable_any_whitespace`` sets ``whitespace_flexible`` to its negation when given;
+    ``whitespace_pattern``, ``structural_tag`` and ``disable_additional_properties=True`` would
+    change the constraint and are refused."""
+
+    backend: str | None = None
+    backend_was_auto: bool = False
+    disable_fallback: bool = False
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("whitespace_pattern", "structural_tag"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"guided decoding {name} is not supported here")
+        if self.disable_additional_properties:
+            raise ValueError("guided decoding disable_additional_properties=True is not supported here: "
+                             "write additionalProperties: false in the schema")
+        if self.disable_any_whitespace is not None:
+            object.__setattr__(self, "whitespace_flexible", not self.disable_any_whitespace)
+        super().__post_init__()
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. Invalid values raise ``ValueError`` naming the field.
 
@@ -114,6 +142,7 @@ class SamplingParams:
     min_tokens: int = 0
     structured: StructuredOutputsParams | None = None
     structured_outputs: StructuredOutputsParams | None = None  # vLLM's name for ``structured``
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name (a GuidedDecodingParams)
 
     def __post_init__(self) -> None:
         self._vllm_conventions()
@@ -147,7 +176,8 @@ class SamplingParams:
         self._check_logits_controls()
 
     def _vllm_conventions(self) -> None:
-        """vLLM spellings of defaults: ``None`` lists, ``seed=-1``, ``logprobs=True``, ``structured_outputs``."""
+        """vLLM spellings: ``None`` lists, ``seed=-1``, ``logprobs=True``, ``structured_outputs`` /
+        ``guided_decoding`` for ``structured``."""
         for name in ("stop", "stop_token_ids", "bad_words"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, ())
@@ -156,11 +186,14 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is True:
                 object.__setattr__(self, name, 1)
-        if self.structured_outputs is not None:
-            if self.structured is not None and self.structured != self.structured_outputs:
-                raise ValueError("give structured or structured_outputs (vLLM's name), not both")
-            object.__setattr__(self, "structured", self.structured_outputs)
-            object.__setattr__(self, "structured_outputs", None)
+        for alias in ("structured_outputs", "guided_decoding"):
+            value = getattr(self, alias)
+            if value is not None:
+                if self.structured is not None and self.structured != value:
+                    raise ValueError(f"give one of structured, structured_outputs and guided_decoding (vLLM's "
+                                     f"names): not both {alias} and another")
+                object.__setattr__(self, "structured", value)
+                object.__setattr__(self, alias, None)
 
     def _check_choices(self) -> None:
         """``n`` choices per prompt; ``best_of`` >= n samples, of which the n most likely are returned."""

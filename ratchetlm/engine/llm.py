@@ -17,15 +17,14 @@ from ratchetlm.engine.choices import ChoiceRun, choice_params, completion, reque
 from ratchetlm.engine.config import EngineConfig
 from ratchetlm.engine.engine_args import split_engine_args
 from ratchetlm.engine.llm_engine import LLMEngine
+from ratchetlm.engine.prompts import Prompt, PromptTokenizer, as_prompt_list, prompt_text, render_chat
 from ratchetlm.layers.mapped_pages import trim_heap
 from ratchetlm.models.registry import load_model
+from ratchetlm.models.tokenizer import other_tokenizer, special_tokens
 from ratchetlm.outputs import RequestOutput
 from ratchetlm.parallel.launch import start_tensor_parallel
 from ratchetlm.sampling_params import SamplingParams
 from ratchetlm.text.stream import TextStream
-
-# a string, token ids, or vLLM's {"prompt": str} / {"prompt_token_ids": [...]}
-Prompt = str | list[int] | Mapping[str, Any]
 
 log = logging.getLogger("ratchetlm")
 
@@ -80,9 +79,12 @@ class LLM:
             if parallel is not None:
                 parallel.wait_ready()
             self.config = self.config.with_model_numerics(loaded.model)
-            self.tokenizer = loaded.tokenizer
-            if extras.get("tokenizer") is not None:
-                self.tokenizer = _other_tokenizer(str(extras["tokenizer"]), loaded)
+            self.tokenizer, tok_source = loaded.tokenizer, loaded.source
+            other = None if extras.get("tokenizer") is None else \
+                other_tokenizer(str(extras["tokenizer"]), loaded.source, loaded.config.vocab_size)
+            if other is not None:
+                self.tokenizer, tok_source = other
+            self._prompts = PromptTokenizer(self.tokenizer, special_tokens(tok_source, self.tokenizer))
             self.model_config = loaded.config
             self.engine = LLMEngine(self.config, loaded.model, loaded.config, tokenizer=self.tokenizer,
                                     parallel=parallel)
@@ -101,59 +103,29 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
-    # ------------------------------------------------------------------ prompts
+    # ------------------------------------------------------------------ prompts (engine/prompts.py)
 
-    def encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty: at least one token is required")
-            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
-        if isinstance(prompt, list | tuple):
-            return [int(t) if not isinstance(t, bool) else -1 for t in prompt]
-        if isinstance(prompt, Mapping):  # vLLM's TextPrompt / TokensPrompt
-            if set(prompt) - {"prompt", "prompt_token_ids"} or len(prompt) != 1:
-                raise ValueError("a prompt dict holds exactly one of 'prompt' (text) or 'prompt_token_ids', "
-                                 f"got keys {sorted(prompt)}")
-            inner = prompt.get("prompt", prompt.get("prompt_token_ids"))
-            if isinstance(inner, Mapping):
-                raise ValueError("a prompt dict's value must be text or token ids")
-            return self.encode(inner)
-        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
+        """The token ids a prompt feeds the model: text with the tokenizer's own special tokens (the
+        BOS where the model's metadata asks for one) unless ``add_special_tokens=False``; token ids as given."""
+        return self._prompts.tokenize(prompt, add_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                             tool_parser: str | None = None, add_generation_prompt: bool = True,
-                            chat_template: str | None = None) -> str:
-        """The prompt text for ``messages`` (OpenAI shape: assistant ``tool_calls`` and ``role: "tool"``
-        results allowed). ``tools`` (OpenAI function tools) reach a template that handles them, or are
-        described in the system message in the ``tool_parser`` family's format (structured/tool_calls.py)."""
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-            raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
-        template = chat_template or getattr(self.tokenizer, "chat_template", None)
-        if template is None:
-            raise ValueError("this model has no chat template")
-        over: dict[str, Any] = {"chat_template": chat_template} if chat_template else {}
-        if tools is None and not any(m.get("tool_calls") for m in messages):
-            return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt, **over)
-        from ratchetlm.structured.tool_calls import chat_messages, functions_from, template_handles_tools, tool_format
-
-        funcs = functions_from(tools or [])
-        native = template_handles_tools(template)
-        msgs = chat_messages(messages, funcs, tool_format(tool_parser, template), native)
-        kw: dict[str, Any] = {"tools": [f.as_openai() for f in funcs]} if native and funcs else {}
-        kw.update(over)
-        return self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                  **kw)
+                            chat_template: str | None = None, continue_final_message: bool = False,
+                            chat_template_kwargs: Mapping[str, Any] | None = None,
+                            content_format: str = "auto") -> str:
+        """The prompt text for ``messages`` (engine/prompts.py:render_chat)."""
+        return render_chat(self.tokenizer, messages, tools, tool_parser, add_generation_prompt, chat_template,
+                           continue_final_message, chat_template_kwargs, content_format)
 
     # ------------------------------------------------------------------ generation
 
-    def _submit(self, prompts: Prompt | Seq[Prompt],
-                sampling_params: SamplingParams | Seq[SamplingParams] | None) -> tuple[list[Prompt], dict[int, Any]]:
-        """Queue every choice of every prompt; returns the prompts and, per engine request id, its
+    def _submit(self, encoded: list[list[int]],
+                sampling_params: SamplingParams | Seq[SamplingParams] | None) -> dict[int, Any]:
+        """Queue every choice of every prompt; returns, per engine request id, its
         ``(ChoiceRun, TextStream)``. Everything is validated before anything is queued."""
-        plist = _as_list(prompts)
-        params_list = _params_list(sampling_params, len(plist))
-        encoded = [self.encode(p) for p in plist]
+        params_list = _params_list(sampling_params, len(encoded))
         runs: dict[int, Any] = {}
         try:
             for i, (ids_i, sp) in enumerate(zip(encoded, params_list, strict=True)):
@@ -169,7 +141,7 @@ class LLM:
                 self.engine.abort(sid)
                 self.engine.release(sid)
             raise
-        return plist, runs
+        return runs
 
     def _events(self, runs: dict[int, Any]) -> Iterator[StreamEvent]:
         """Step the engine until it is idle, yielding each choice's committed tokens and text."""
@@ -204,7 +176,7 @@ class LLM:
         *, params: Any = None,
     ) -> Iterator[StreamEvent]:
         """Run requests to completion, yielding each step's committed tokens per request and choice."""
-        _, runs = self._submit(prompts, _renamed(sampling_params, params))
+        runs = self._submit([self.tokenize(p) for p in as_prompt_list(prompts)], _renamed(sampling_params, params))
         try:
             yield from self._events(runs)
         finally:
@@ -220,7 +192,15 @@ class LLM:
         *, params: Any = None,
     ) -> list[RequestOutput]:
         """One :class:`RequestOutput` per prompt, in order, each with ``n`` choices in ``outputs``."""
-        plist, runs = self._submit(prompts, _renamed(sampling_params, params))
+        plist = as_prompt_list(prompts)
+        return self._generate([prompt_text(p) for p in plist], [self.tokenize(p) for p in plist],
+                              _renamed(sampling_params, params), use_tqdm)
+
+    def _generate(self, texts: list[str | None], encoded: list[list[int]],
+                  sampling_params: SamplingParams | Seq[SamplingParams] | None,
+                  use_tqdm: bool | None) -> list[RequestOutput]:
+        runs = self._submit(encoded, sampling_params)
+        plist = texts
         show = self.config.progress if use_tqdm is None else use_tqdm
         bar = tqdm(total=len(plist), desc="generating", disable=not show or len(plist) < 2)
         left = [0] * len(plist)
@@ -242,11 +222,10 @@ class LLM:
             assert seq is not None
             groups.setdefault(run.index, []).append((sid, seq, run))
         outs = []
-        for i, p in enumerate(plist):
+        for i, text in enumerate(plist):
             sid0, leader, run0 = groups[i][0]
             choices = [completion(run, seq, decode) for _, seq, run in groups[i]]
-            prompt = p if isinstance(p, str) else (p.get("prompt") if isinstance(p, Mapping) else None)
-            outs.append(request_output(str(sid0), prompt, leader, run0.params, choices, decode))
+            outs.append(request_output(str(sid0), text, leader, run0.params, choices, decode))
         return outs
 
     def _decode_token(self, token_id: int) -> str:
@@ -260,14 +239,22 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_special_tokens: bool = False,
+        chat_template_content_format: str = "auto",
         *, params: Any = None,
     ) -> list[RequestOutput]:
-        """vLLM's ``LLM.chat``: one conversation (a list of messages) or a list of them."""
+        """vLLM's ``LLM.chat``: one conversation (a list of messages) or a list of them. The rendered
+        text is tokenized without added special tokens (the template writes its own BOS)."""
         sampling_params = _renamed(sampling_params, params)
         convs: list[Any] = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts: list[Prompt] = [self.apply_chat_template(c, tools=tools, add_generation_prompt=add_generation_prompt,
-                                                          chat_template=chat_template) for c in convs]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        texts: list[str | None] = [self.apply_chat_template(c, tools, None, add_generation_prompt, chat_template,
+                                                            continue_final_message, chat_template_kwargs,
+                                                            chat_template_content_format)
+                                   for c in convs]
+        encoded = [self.tokenize(t, add_special_tokens) for t in texts if t is not None]
+        return self._generate(texts, encoded, sampling_params, use_tqdm)
 
 
 def _renamed(sampling_params: Any, params: Any) -> Any:
@@ -285,38 +272,6 @@ def _dev(cfg: EngineConfig) -> Any:
     import torch
 
     return torch.device(cfg.device)
-
-
-def _other_tokenizer(ref: str, loaded: Any) -> Any:
-    """vLLM's ``tokenizer=``: a local GGUF file or a folder with ``tokenizer.json`` (the model's own
-    when it names the same path). Its vocabulary must fit the model's."""
-    from pathlib import Path
-
-    from ratchetlm.models.loader import ModelLoadError, ModelSource, resolve
-    from ratchetlm.models.tokenizer import load_tokenizer
-
-    path = Path(ref).expanduser()
-    if path.resolve() in (loaded.source.path.resolve(), loaded.source.path.parent.resolve()):
-        return loaded.tokenizer
-    if path.is_dir() and (path / "tokenizer.json").is_file() and not (path / "config.json").is_file():
-        source = ModelSource("hf", path)
-    else:
-        source = resolve(ref)
-    tok = load_tokenizer(source)
-    if len(tok) > loaded.config.vocab_size:
-        raise ModelLoadError(f"tokenizer {ref!r} has {len(tok)} tokens but the model's vocabulary is "
-                             f"{loaded.config.vocab_size}")
-    return tok
-
-
-def _as_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str | Mapping):
-        return [prompts]
-    if isinstance(prompts, list | tuple) and prompts and all(isinstance(t, int) for t in prompts):
-        return [[int(t) for t in prompts]]
-    if not isinstance(prompts, list | tuple) or not prompts:
-        raise ValueError("prompts must be a non-empty string, token-id list, or list of those")
-    return list(prompts)
 
 
 def _params_list(params: SamplingParams | Seq[SamplingParams] | None, n: int) -> list[SamplingParams]:

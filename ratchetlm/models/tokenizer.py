@@ -1,7 +1,8 @@
 """Tokenizer and chat template for a model source.
 
 GGUF files carry their vocabulary, merges and chat template as metadata; transformers'
-GGUF converter turns that into a fast tokenizer. Conversion takes ~15 s, so the converted
+GGUF converter turns that into a fast tokenizer. Which special tokens a text prompt gets (the BOS)
+is read from the metadata (:func:`special_tokens`), not left to the converter. Conversion takes ~15 s, so the converted
 tokenizer is cached on disk, keyed by the GGUF file's path, size and mtime and the transformers version.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,3 +62,63 @@ def load_tokenizer(source: ModelSource) -> Any:
     except OSError:
         pass  # another process won the race; its copy is identical
     return tok
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """The special tokens the tokenizer adds around a text prompt (``add_special_tokens=True``):
+    ``prefix`` (the BOS, when the model wants one) and ``suffix`` (an EOS, rarely)."""
+
+    prefix: tuple[int, ...] = ()
+    suffix: tuple[int, ...] = ()
+
+
+# llama.cpp's defaults when a GGUF lacks ``tokenizer.ggml.add_bos_token``: SentencePiece vocabularies
+# (``llama``) start with BOS, and so do BPE vocabularies with Llama 3's pre-tokenizer; others do not
+_BOS_BY_DEFAULT_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3"})
+
+
+def special_tokens(source: ModelSource, tokenizer: Any) -> SpecialTokens:
+    """What ``add_special_tokens=True`` adds to a text prompt, per the tokenizer's own metadata:
+    a GGUF's ``tokenizer.ggml.add_bos_token`` / ``add_eos_token`` (read as llama.cpp reads them);
+    an HF folder's tokenizer as HF transformers runs it (its post-processor, which honours
+    ``tokenizer_config.json``'s ``add_bos_token`` / ``add_eos_token``)."""
+    if source.kind == "gguf":
+        from ratchetlm.models.gguf_file import GGUFFile
+
+        f = GGUFFile(source.path)
+        model, pre = f.get("tokenizer.ggml.model"), f.get("tokenizer.ggml.pre")
+        add_bos = f.get("tokenizer.ggml.add_bos_token", model == "llama" or pre in _BOS_BY_DEFAULT_PRE)
+        add_eos = f.get("tokenizer.ggml.add_eos_token", False)
+        bos, eos = f.get("tokenizer.ggml.bos_token_id"), f.get("tokenizer.ggml.eos_token_id")
+        return SpecialTokens((int(bos),) if add_bos and bos is not None else (),
+                             (int(eos),) if add_eos and eos is not None else ())
+    return probe_special_tokens(tokenizer)
+
+
+def probe_special_tokens(tokenizer: Any) -> SpecialTokens:
+    """The tokens HF's tokenizer puts around a text of its own (``with = prefix + without + suffix``)."""
+    without = list(tokenizer.encode("a", add_special_tokens=False))
+    with_ = list(tokenizer.encode("a", add_special_tokens=True))
+    for k in range(len(with_) - len(without) + 1):
+        if with_[k:k + len(without)] == without:
+            return SpecialTokens(tuple(with_[:k]), tuple(with_[k + len(without):]))
+    raise ModelLoadError(f"cannot tell which special tokens the tokenizer adds: {with_} vs {without}")
+
+
+def other_tokenizer(ref: str, model_source: ModelSource, vocab_size: int) -> tuple[Any, ModelSource] | None:
+    """vLLM's ``tokenizer=``: a local GGUF file or a folder with ``tokenizer.json`` (None when it names
+    the model's own path). Its vocabulary must fit the model's. Returns it and its source."""
+    from ratchetlm.models.loader import resolve
+
+    path = Path(ref).expanduser()
+    if path.resolve() in (model_source.path.resolve(), model_source.path.parent.resolve()):
+        return None
+    if path.is_dir() and (path / "tokenizer.json").is_file() and not (path / "config.json").is_file():
+        source = ModelSource("hf", path)
+    else:
+        source = resolve(ref)
+    tok = load_tokenizer(source)
+    if len(tok) > vocab_size:
+        raise ModelLoadError(f"tokenizer {ref!r} has {len(tok)} tokens but the model's vocabulary is {vocab_size}")
+    return tok, source

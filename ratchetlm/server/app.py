@@ -1,6 +1,6 @@
 """The FastAPI app: ``build_app(llm_or_loader, served_model_name(s), config)``.
 
-Give it a loaded ``LLM`` (anything with ``.engine``, ``.tokenizer``, ``.encode`` and
+Give it a loaded ``LLM`` (anything with ``.engine``, ``.tokenizer``, ``.tokenize`` and
 ``.apply_chat_template``) or a zero-argument loader; with a loader the server answers at once and
 ``/health`` says 503 until the model is loaded in a background thread. If loading fails, ``/health``
 says why (without file paths) and ``on_load_failed`` runs (``ratchet serve`` then exits non-zero).
@@ -9,6 +9,7 @@ A request's body is read with a size limit, then parsed, validated and tokenized
 thread, so a huge prompt never blocks the event loop (``/health`` stays fast).
 
 Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` (every served name),
+``/v1/models/{id}``,
 ``/tokenize``, ``/detokenize``, ``/tokenizer_info`` (vLLM's), ``/health``, ``/metrics``, ``/version``.
 CORS headers only with ``allowed_origins``.
 """
@@ -104,7 +105,8 @@ class ServerState:
         eng = engine if engine is not None else AsyncEngine(llm.engine, llm.tokenizer)
         eng.start()
         self.ctx = ServingContext(llm, self.model_name, self.metrics, TokenText(llm.tokenizer),
-                                  tool_call_parser=self.cfg.tool_call_parser)
+                                  tool_call_parser=self.cfg.tool_call_parser, response_role=self.cfg.response_role,
+                                  content_format=self.cfg.chat_template_content_format)
         self.engine = eng
 
     def load(self, loader: Callable[[], Any]) -> None:
@@ -183,16 +185,24 @@ def build_app(llm_or_loader: Any, served_model_name: str | list[str], config: Se
             body["replicas"] = status()
         return JSONResponse(body)
 
+    def model_card(name: str) -> dict[str, Any]:
+        card: dict[str, Any] = {"id": name, "object": "model", "created": state.created, "owned_by": "ratchetlm",
+                                "root": state.model_name}
+        if state.ctx is not None:
+            card["max_model_len"] = state.ctx.max_model_len
+        return card
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        cards = []
-        for name in state.model_names:
-            card: dict[str, Any] = {"id": name, "object": "model", "created": state.created, "owned_by": "ratchetlm",
-                                    "root": state.model_name}
-            if state.ctx is not None:
-                card["max_model_len"] = state.ctx.max_model_len
-            cards.append(card)
-        return JSONResponse({"object": "list", "data": cards})
+        return JSONResponse({"object": "list", "data": [model_card(n) for n in state.model_names]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        """OpenAI's ``GET /v1/models/{model}``: one served name's card, else a 404 naming it."""
+        if model_id not in state.model_names:
+            raise APIError(f"the model `{model_id}` does not exist (serving `{'`, `'.join(state.model_names)}`)",
+                           404, "model")
+        return JSONResponse(model_card(model_id))
 
     @app.get("/version")
     async def version() -> JSONResponse:

@@ -24,7 +24,17 @@ _SERVER_HELP = {
                           "server; requests go to the least loaded",
     "tool_call_parser": "tool-call format of the model family: auto (from the chat template) | smollm2 | "
                         "hermes (qwen) | llama3_json (llama3)",
+    "response_role": "role of the generated chat message (vLLM's flag)",
+    "chat_template_content_format": "message content reaches the chat template as a string | openai (a list of "
+                                    "text parts) | auto (parts when the template loops over a message's content)",
 }
+
+# vLLM serve flags that change nothing here: accepted, and the log says so
+_NO_OP_FLAGS = {
+    "enable_auto_tool_choice": "tool calls are always parsed when a request has tools (tool_choice auto)",
+    "disable_log_requests": "request contents are never logged here",
+}
+GENERATION_CONFIGS = ("auto", "vllm")  # vLLM's --generation-config values honoured here (see add_vllm_serve_flags)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,8 +56,59 @@ def build_parser() -> argparse.ArgumentParser:
         kind = {"float": float, "int": int}.get(str(f.type), str)
         p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=_SERVER_HELP[f.name])
     add_engine_args(p)
+    add_vllm_serve_flags(p)
     p.set_defaults(progress=False)  # no tqdm bars in server logs unless --progress true
     return p
+
+
+def add_vllm_serve_flags(p: argparse.ArgumentParser) -> None:
+    """``vllm serve`` flags without a field of their own (docs/vllm_compat.md#command-line)."""
+    g = p.add_argument_group("vLLM serve compatibility")
+    for name, why in _NO_OP_FLAGS.items():
+        g.add_argument("--" + name.replace("_", "-"), action="store_true", help=f"accepted; no-op: {why}")
+    g.add_argument("--uvicorn-log-level", default=None,
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's own log level (default: --log-level)")
+    g.add_argument("--generation-config", default=None,
+                   help="vLLM's source of default sampling parameters: 'vllm' (vLLM's defaults: what runs here) or "
+                        "'auto' (the model's generation_config.json: refused when it sets sampling defaults; a GGUF "
+                        "has none); a folder is refused. Not given: vLLM's defaults")
+    g.add_argument("--reasoning-parser", default=None,
+                   help="refused: reasoning text stays in the message content here (no reasoning_content)")
+
+
+def check_vllm_serve_flags(args: argparse.Namespace) -> str | None:
+    """Why the vLLM serve flags cannot be honoured (would change results), or None; logs the no-ops."""
+    import logging
+
+    log = logging.getLogger("ratchetlm")
+    if args.reasoning_parser is not None:
+        return (f"--reasoning-parser {args.reasoning_parser}: not supported; reasoning text would stay in the "
+                "message content instead of reasoning_content")
+    if args.generation_config not in (None, *GENERATION_CONFIGS):
+        return (f"--generation-config {args.generation_config}: not supported (the default sampling parameters "
+                "are vLLM's own; give 'vllm', or sampling parameters in each request)")
+    if args.generation_config == "auto" and _has_generation_defaults(args.model):
+        return ("--generation-config auto: the model's generation_config.json would set default sampling "
+                "parameters, which this server does not apply; give --generation-config vllm")
+    for name, why in _NO_OP_FLAGS.items():
+        if getattr(args, name):
+            log.info("--%s: accepted; %s", name.replace("_", "-"), why)
+    return None
+
+
+def _has_generation_defaults(model: str | None) -> bool:
+    """Whether ``model`` (an HF folder) has a generation_config.json with sampling defaults."""
+    import json
+
+    if model is None or not os.path.isdir(model):
+        return False
+    path = os.path.join(model, "generation_config.json")
+    if not os.path.isfile(path):
+        return False
+    with open(path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    return any(k in cfg for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"))
 
 
 def read_chat_template(arg: str) -> str:
@@ -140,6 +201,10 @@ def _main(argv: list[str]) -> int:
     import uvicorn
 
     setup_logging(args.log_level)
+    problem = check_vllm_serve_flags(args)
+    if problem:
+        print(f"ratchet serve: error: {problem}", file=sys.stderr)
+        return 2
     if args.torch_threads is not None:
         import torch
 
@@ -183,7 +248,8 @@ def _main(argv: list[str]) -> int:
 
     app = build_app(load, args.served_model_name or [default_model_name(model)], cfg, hide=(str(model or ""),))
     state = app.state.ratchet
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, workers=1,
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
+                            workers=1,
                             http=GuardedH11Protocol, timeout_keep_alive=max(1, round(cfg.idle_timeout)),
                             timeout_graceful_shutdown=round(cfg.shutdown_timeout) + 5)
     server = RatchetServer(config, on_shutdown_signal=state.begin_shutdown, drained=lambda: state.active == 0,

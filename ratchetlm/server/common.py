@@ -192,11 +192,13 @@ class Runner:
 class ServingContext:
     """What the endpoints need from the loaded model."""
 
-    llm: Any  # ``LLM``-like: .engine, .tokenizer, .encode(str|ids), .apply_chat_template(messages)
+    llm: Any  # ``LLM``-like: .engine, .tokenizer, .tokenize(str|ids, add_special_tokens), .apply_chat_template
     model_name: str
     metrics: ServerMetrics
     token_text: TokenText
     tool_call_parser: str | None = None  # --tool-call-parser (None/"auto": from the chat template)
+    response_role: str = "assistant"  # --response-role: the role of the generated chat message
+    content_format: str = "auto"  # --chat-template-content-format: string | openai | auto
 
     @property
     def max_model_len(self) -> int:
@@ -214,11 +216,12 @@ class ServingContext:
         left = self.max_model_len - len(prompt_ids)
         return min(max_tokens, left) if left >= 1 else max_tokens
 
-    def encode(self, prompt: str | list[int], param: str) -> list[int]:
-        """Text or token ids -> token ids; ids are range-checked here, before anything (``echo``)
-        decodes them."""
+    def encode(self, prompt: str | list[int], param: str, add_special_tokens: bool = True) -> list[int]:
+        """Text (with the tokenizer's special tokens unless ``add_special_tokens=False``;
+        engine/prompts.py) or token ids -> token ids; ids are range-checked here, before anything
+        (``echo``) decodes them."""
         try:
-            ids = list(self.llm.encode(prompt))
+            ids = list(self.llm.tokenize(prompt, add_special_tokens))
         except ValueError as e:
             raise APIError(str(e), 400, param) from None
         vocab = self.vocab_size

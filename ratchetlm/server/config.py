@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+CONTENT_FORMATS = ("auto", "string", "openai")
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -27,6 +29,10 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()
     tool_call_parser: str = "auto"  # structured/tool_calls.py: auto | smollm2 | hermes (qwen) | llama3_json
     data_parallel_size: int = 1  # engine replicas (processes) behind this front (server/replicas.py)
+    response_role: str = "assistant"  # vLLM's --response-role: the role of the generated chat message
+    # vLLM's --chat-template-content-format: message content reaches the template as a string, as
+    # OpenAI's list of parts ({"type": "text", "text": ...}), or as the template reads it (auto)
+    chat_template_content_format: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("shutdown_timeout", "idle_timeout"):
@@ -38,6 +44,11 @@ class ServerConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, got "
+                             f"{self.chat_template_content_format!r}")
+        if not isinstance(self.response_role, str) or not self.response_role.strip():
+            raise ValueError("response_role must be a non-empty role name")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
         if isinstance(self.allowed_origins, str):

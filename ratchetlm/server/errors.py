@@ -1,4 +1,5 @@
-"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}``.
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}``; ``code`` is the HTTP
+status as a string (OpenAI's schema: a string or null).
 
 Handlers raise :class:`APIError`; the app turns it (and pydantic/JSON/``ValueError`` failures)
 into a JSON response with the matching HTTP status, or into a ``data: {"error": ...}`` SSE event
@@ -27,7 +28,7 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": _TYPES.get(self.status, "APIError"),
-                          "param": self.param, "code": self.status}}
+                          "param": self.param, "code": str(self.status)}}
 
 
 def from_validation(e: ValidationError) -> APIError:

@@ -125,6 +125,7 @@ class CommonRequest(_Request):
 
 class CompletionRequest(CommonRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS (per its metadata) before text prompts
     logprobs: int | None = Field(default=None, le=_INT64)  # number of top alternatives per token (0..20)
     echo: bool = False
     suffix: str | None = None
@@ -223,6 +224,11 @@ class ChatCompletionRequest(CommonRequest):
     tools: list[ToolSpec] | None = Field(default=None, max_length=256)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's chat extras (engine/prompts.py:render_chat)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False  # the template writes its own BOS; true never doubles it
 
 
 class TokenizeRequest(_Request):
@@ -233,7 +239,10 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     tools: list[ToolSpec] | None = None
     add_generation_prompt: bool = True
-    add_special_tokens: bool | None = None  # None: exactly what the completion/chat endpoint feeds
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    # None: the endpoint's own default (completions: true, chat: false), so the ids are what it feeds
+    add_special_tokens: bool | None = None
     return_token_strs: bool = False
 
 
@@ -258,7 +267,7 @@ REFUSED_FIELDS: dict[str, tuple[Any, ...]] = {
     "chat_template": (None,), "chat_template_kwargs": (None, {}), "add_generation_prompt": (None, True),
     "continue_final_message": (None, False), "documents": (None,), "return_tokens_as_token_ids": (None, False),
     "logits_processors": (None,), "structural_tag": (None,), "guided_whitespace_pattern": (None,),
-    "mm_processor_kwargs": (None,), "add_special_tokens": (None, False),
+    "mm_processor_kwargs": (None,),
     "skip_special_tokens": (None, True),
 }
 _HINTS = {"functions": "use tools", "function_call": "use tool_choice"}

@@ -53,10 +53,14 @@ class ChatPlan:
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if self.tools and self.tools.parses else None
         try:
             text = ctx.llm.apply_chat_template(template_messages(req.messages), tools=tools,
-                                               tool_parser=ctx.tool_call_parser)
+                                               tool_parser=ctx.tool_call_parser,
+                                               add_generation_prompt=req.add_generation_prompt,
+                                               continue_final_message=req.continue_final_message,
+                                               chat_template_kwargs=req.chat_template_kwargs,
+                                               content_format=ctx.content_format)
         except ValueError as e:
             raise APIError(str(e), 400, "messages") from None
-        self.prompt_ids = ctx.encode(text, "messages")
+        self.prompt_ids = ctx.encode(text, "messages", req.add_special_tokens)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         if max_tokens is None:
@@ -83,7 +87,7 @@ class ChatPlan:
                 "token": tt(tid), "logprob": d[tid], "bytes": list(tt(tid).encode("utf-8")),
                 "top_logprobs": [{"token": tt(k), "logprob": v, "bytes": list(tt(k).encode("utf-8"))} for k, v in top],
             })
-        return {"content": content}
+        return {"content": content, "refusal": None}  # OpenAI's schema: refusal required, null when none
 
     def _calls(self, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall], str | None]:
         """(content, calls, finish_reason) of a finished choice."""
@@ -100,7 +104,7 @@ class ChatPlan:
         choices = []
         for st in states:
             content, calls, reason = self._calls("".join(st.text), st.finish_reason)
-            message: dict[str, Any] = {"role": "assistant", "content": content}
+            message: dict[str, Any] = {"role": self.ctx.response_role, "content": content, "refusal": None}
             if calls:
                 message["tool_calls"] = [c.as_openai() for c in calls]
             choices.append({"index": st.index, "message": message,
@@ -115,7 +119,7 @@ class ChatPlan:
     def _chunk(self, st: ChoiceState, delta: dict[str, Any], logprobs: dict[str, Any] | None,
                finish_reason: str | None, first: bool) -> dict[str, Any]:
         if first:
-            delta = {"role": "assistant", **delta}
+            delta = {"role": self.ctx.response_role, **delta}
         c = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.ctx.model_name,
              "choices": [{"index": st.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
         if self.req.stream_options and self.req.stream_options.include_usage:

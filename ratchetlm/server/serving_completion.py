@@ -58,7 +58,8 @@ class CompletionPlan:
             items = list(prompt)
         if not items:
             raise APIError("prompt must not be empty", 400, "prompt")
-        return [(p if isinstance(p, str) else None, self.ctx.encode(p, "prompt")) for p in items]
+        return [(p if isinstance(p, str) else None, self.ctx.encode(p, "prompt", self.req.add_special_tokens))
+                for p in items]
 
     def _prompt_text(self, text: str | None, ids: list[int]) -> str:
         return text if text is not None else self.ctx.llm.tokenizer.decode(ids, skip_special_tokens=False)
@@ -134,12 +135,10 @@ class CompletionPlan:
             text = self._prompt_text_of(st.index) + text
         if not text and not d.finished and not (self.req.logprobs is not None and ids):
             return None  # nothing visible yet (held-back partial character or stop prefix)
-        c = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.ctx.model_name,
-             "choices": [{"index": st.index, "text": text, "logprobs": self._logprobs(st, ids, lps, echo),
-                          "finish_reason": d.finish_reason if d.finished else None}]}
-        if self.req.stream_options and self.req.stream_options.include_usage:
-            c["usage"] = None
-        return c
+        # no "usage": null here (OpenAI's completion object has no null usage); the usage chunk ends the stream
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.ctx.model_name,
+                "choices": [{"index": st.index, "text": text, "logprobs": self._logprobs(st, ids, lps, echo),
+                             "finish_reason": d.finish_reason if d.finished else None}]}
 
     def usage_chunk(self, states: list[ChoiceState]) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.ctx.model_name,

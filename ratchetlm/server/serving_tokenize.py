@@ -1,8 +1,10 @@
 """``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info`` in vLLM's shapes.
 
 ``/tokenize`` takes a ``prompt`` (text, tokenized as ``/v1/completions`` does) or chat ``messages``
-(rendered by the chat template, with ``tools`` and ``add_generation_prompt``, as
-``/v1/chat/completions`` does) and answers ``{"count", "max_model_len", "tokens", "token_strs"}``;
+(rendered by the chat template, with ``tools``, ``add_generation_prompt``, ``continue_final_message``
+and ``chat_template_kwargs``, as ``/v1/chat/completions`` does); ``add_special_tokens`` defaults to
+each endpoint's own (true for a prompt, false for messages), so the ids are exactly what is fed. It
+answers ``{"count", "max_model_len", "tokens", "token_strs"}``;
 ``/detokenize`` turns ``tokens`` back into ``{"prompt": text}``.
 """
 
@@ -26,16 +28,16 @@ def tokenize(req: TokenizeRequest, ctx: ServingContext) -> dict[str, Any]:
         try:
             text = llm.apply_chat_template(template_messages(req.messages), tools=tools,
                                            tool_parser=ctx.tool_call_parser,
-                                           add_generation_prompt=req.add_generation_prompt)
+                                           add_generation_prompt=req.add_generation_prompt,
+                                           continue_final_message=req.continue_final_message,
+                                           chat_template_kwargs=req.chat_template_kwargs,
+                                           content_format=ctx.content_format)
         except ValueError as e:
             raise APIError(str(e), 400, "messages") from None
-        ids = list(llm.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens)))
+        ids = ctx.encode(text, "messages", bool(req.add_special_tokens))
     else:
         assert req.prompt is not None
-        if req.add_special_tokens is None:  # exactly the ids /v1/completions feeds the model
-            ids = ctx.encode(req.prompt, "prompt")
-        else:
-            ids = list(llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        ids = ctx.encode(req.prompt, "prompt", req.add_special_tokens is not False)
     strs = [ctx.token_text(t) for t in ids] if req.return_token_strs else None
     return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids, "token_strs": strs}
 

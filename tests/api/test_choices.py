@@ -37,7 +37,7 @@ def test_unseeded_choices_differ(llm_fp32):
 def test_choices_share_the_prompt_blocks(llm_fp32):
     """Choices 1..n-1 start once choice 0's prompt is cached and take its full blocks; the tokens are
     those of the same seeded requests run with prefix caching off."""
-    ids = llm_fp32.encode(f"Session {uuid.uuid4().hex}. {PROMPT}")  # nothing of it is cached yet
+    ids = llm_fp32.tokenize(f"Session {uuid.uuid4().hex}. {PROMPT}")  # nothing of it is cached yet
     full = (len(ids) - 1) // 16 * 16
     assert full >= 16
     blocks = llm_fp32.engine.blocks

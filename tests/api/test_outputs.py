@@ -52,7 +52,7 @@ def test_vllm_spellings_of_defaults():
 
 
 def test_prompt_dicts_and_lists(llm_fp32):
-    ids = llm_fp32.encode("The capital of France is")
+    ids = llm_fp32.tokenize("The capital of France is")
     greedy = SamplingParams(temperature=0, max_tokens=3)
     outs = llm_fp32.generate([{"prompt": "The capital of France is"}, {"prompt_token_ids": ids}], greedy)
     assert outs[0].prompt == "The capital of France is" and outs[1].prompt is None

@@ -54,9 +54,12 @@ def encode_tensor(name: str, w: np.ndarray, type_name: str, rng: np.random.Gener
 
 def write_tiny_gguf(path: Path, arch: str, types: list[str], *, hidden: int = 256, inter: int = 512,
                     layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
-                    tied: bool = True, seed: int = 0, override: dict[str, str] | None = None) -> Path:
+                    tied: bool = True, seed: int = 0, override: dict[str, str] | None = None,
+                    pre: str = "default", add_bos: bool | None = None, chat_template: str | None = None) -> Path:
     """A ``arch`` model (llama / qwen2 / qwen3 layout) whose 2-D tensors cycle through ``types``;
-    ``override`` names the format of particular tensors (e.g. an unsupported one)."""
+    ``override`` names the format of particular tensors (e.g. an unsupported one). ``pre``,
+    ``add_bos`` (``tokenizer.ggml.add_bos_token``, absent when None) and ``chat_template`` are
+    written as the tokenizer's metadata."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -76,12 +79,16 @@ def write_tiny_gguf(path: Path, arch: str, types: list[str], *, hidden: int = 25
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(_byte_tokens() + ["Ġt", "<bos>", "<eos>"])
     w.add_token_types([1] * 257 + [3, 3])
     w.add_token_merges(["Ġ t"])
     w.add_bos_token_id(BOS)
     w.add_eos_token_id(EOS)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
 
     def normal(*shape: int, scale: float = 0.05) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)

@@ -42,7 +42,7 @@ def _chain(llm: LLM, on: bool) -> Iterator[None]:
 
 def _decode_logits(llm: LLM) -> dict[int, torch.Tensor]:
     """Prefill logits and 12 single-token decode steps (engine_logits)."""
-    ids = llm.encode(PROMPT)
+    ids = llm.tokenize(PROMPT)
     return engine_logits(llm, ids, rows=[0, len(ids) - 13], n_decode=12)
 
 
@@ -88,7 +88,7 @@ def _prefill_and_tree_logits(llm: LLM) -> list[torch.Tensor]:
     """A 20-token prefill, then a staged tree-shaped proposal of 6 rows on top of it (two branches:
     rows 0-1-2 and 0-3-4-5), as speculative verification runs it: the logits of every row of both."""
     eng = llm.engine
-    ids = llm.encode(PROMPT + " " + PROMPT)[:20]
+    ids = llm.tokenize(PROMPT + " " + PROMPT)[:20]
     sid = eng.add_request(ids, SamplingParams(max_tokens=8, temperature=0))
     seq = eng.seqs[sid]
     eng.scheduler.schedule()
@@ -152,7 +152,7 @@ def test_chain_writes_and_stages_the_cache_as_the_layer_path(monkeypatch):
     llm = LLM(progress=False, numerics="int16", kv_cache_blocks=64, decoding="speculative",
               decoding_options={"method": "ngram", "verify_token_cost": 0.0})  # draft on every match
     eng = llm.engine
-    ids = llm.encode(" ".join([PROMPT] * 3))
+    ids = llm.tokenize(" ".join([PROMPT] * 3))
     rows = _chain_rows(monkeypatch)
     cache: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
     for on in (True, False):
@@ -177,7 +177,7 @@ def test_chain_staging_fault_falls_back_to_recompute():
     and the tokens stay those of plain decoding (the next step recomputes their K/V)."""
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     base = LLM(progress=False, numerics="int16", kv_cache_blocks=64)
-    ids = base.encode(" ".join([PROMPT] * 3))
+    ids = base.tokenize(" ".join([PROMPT] * 3))
     plain = base.generate([ids], params)[0]
     llm = LLM(progress=False, numerics="int16", kv_cache_blocks=64, decoding="speculative",
               decoding_options={"method": "ngram", "verify_token_cost": 0.0})

@@ -22,7 +22,7 @@ def _params(i: int) -> SamplingParams:
 
 def _run(llm, requests: list[tuple[str, SamplingParams]]) -> dict[int, tuple[list[int], str | None, str | None]]:
     eng = llm.engine
-    ids = {eng.add_request(llm.encode(p), sp): i for i, (p, sp) in enumerate(requests)}
+    ids = {eng.add_request(llm.tokenize(p), sp): i for i, (p, sp) in enumerate(requests)}
     got: dict[int, list[int]] = {i: [] for i in ids.values()}
     end: dict[int, tuple[str | None, str | None]] = {}
     while eng.has_unfinished():

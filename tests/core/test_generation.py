@@ -38,7 +38,7 @@ def test_greedy_matches_hf_generate(engine, hf_smollm, request):
     llm_fp32 = request.getfixturevalue(engine)
     outs = llm_fp32.generate(PROMPTS, SamplingParams(max_tokens=64, temperature=0))
     for prompt, out in zip(PROMPTS, outs, strict=True):
-        ids = torch.tensor([llm_fp32.encode(prompt)])
+        ids = torch.tensor([llm_fp32.tokenize(prompt)])
         with torch.no_grad():
             ref = hf_smollm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False,
                                      eos_token_id=2, pad_token_id=2)
@@ -63,14 +63,14 @@ def test_requests_added_mid_decode(llm_fp32):
     """Continuous batching: requests join while others are decoding; outputs are unchanged."""
     eng = llm_fp32.engine
     alone = {p: llm_fp32.generate(p, _greedy(12))[0].token_ids for p in MIXED[:4]}
-    sids = {eng.add_request(llm_fp32.encode(MIXED[0]), _greedy(12)): MIXED[0]}
+    sids = {eng.add_request(llm_fp32.tokenize(MIXED[0]), _greedy(12)): MIXED[0]}
     got: dict[int, list[int]] = {sid: [] for sid in sids}
     pending = list(MIXED[1:4])
     steps = 0
     while eng.has_unfinished() or pending:
         if pending and steps % 3 == 2:  # a new request every 3 steps, while others are mid-decode
             p = pending.pop(0)
-            sid = eng.add_request(llm_fp32.encode(p), _greedy(12))
+            sid = eng.add_request(llm_fp32.tokenize(p), _greedy(12))
             sids[sid] = p
             got[sid] = []
             assert len(eng.scheduler.running) >= 1
@@ -102,7 +102,7 @@ def test_eos_stops_with_reason_stop(llm_fp32):
 
 def test_prompt_and_sample_logprobs_match_hf_across_preemption(llm_fp32, hf_smollm):
     eng = llm_fp32.engine
-    ids = llm_fp32.encode("Paris is the capital of")
+    ids = llm_fp32.tokenize("Paris is the capital of")
     sid = eng.add_request(ids, SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=2, logprobs=2))
     eng.step()  # prefill: prompt logprobs recorded
     seq = eng.seqs[sid]

@@ -89,7 +89,7 @@ def test_auto_is_half_in_the_integer_modes_and_the_run_dtype_in_exact(llm_int8, 
 def test_the_integer_modes_keep_their_contract_with_a_half_cache(llm_int8):
     """Alone == batched and n-gram speculative (chain and tree) == plain greedy, token for token (more
     prompts and methods in tests/speculative/test_int8_engine.py, whose engines run a half cache too)."""
-    enc = [llm_int8.encode(p) for p in PROMPTS]
+    enc = [llm_int8.tokenize(p) for p in PROMPTS]
     batched = [o.outputs[0].token_ids for o in llm_int8.generate(enc, GREEDY)]
     assert batched == [llm_int8.generate([p], GREEDY)[0].outputs[0].token_ids for p in enc]
     for opts in ({"method": "ngram", "depth": 4, "depth_schedule": "constant"},
@@ -103,7 +103,7 @@ def test_exact_mode_with_a_half_cache_stays_close(llm_fp32):
     """Opt-in in the exact mode (SDPA reads the half cache widened): the greedy text of the fp32 cache."""
     llm = LLM(progress=False, kv_cache_dtype="float16", kv_cache_blocks=64)
     assert llm.engine.cache.k.dtype == torch.float16
-    enc = [llm.encode(p) for p in PROMPTS[:3]]
+    enc = [llm.tokenize(p) for p in PROMPTS[:3]]
     got = [o.outputs[0].token_ids for o in llm.generate(enc, GREEDY)]
     assert got == [o.outputs[0].token_ids for o in llm_fp32.generate(enc, GREEDY)]
 

@@ -33,7 +33,7 @@ def test_attention_tensors_are_freed_before_the_mlp(llm_default):
 
     layer.qkv.forward, layer.mlp = qkv, mlp_spy
     try:
-        ids = llm_default.encode("The quick brown fox jumps over the lazy dog. " * 12)  # > the chain's 64 rows
+        ids = llm_default.tokenize("The quick brown fox jumps over the lazy dog. " * 12)  # > the chain's 64 rows
         llm_default.generate([ids], SamplingParams(max_tokens=1, temperature=0))
     finally:
         del layer.qkv.forward, layer.mlp
@@ -45,10 +45,10 @@ def test_a_long_forward_hands_its_freed_heap_back(llm_default, monkeypatch):
     decode steps and short prompts never pay for that."""
     calls: list[int] = []
     monkeypatch.setattr(model_runner, "trim_heap", lambda: calls.append(1) or True)
-    short = llm_default.encode("Hello there, how are you?")
+    short = llm_default.tokenize("Hello there, how are you?")
     llm_default.generate([short], SamplingParams(max_tokens=8, temperature=0))
     assert calls == []
-    text = llm_default.encode("A different text, so that no cached prefix shortens the prefill. ")
+    text = llm_default.tokenize("A different text, so that no cached prefix shortens the prefill. ")
     long = (text * 50)[: model_runner.TRIM_ROWS + 10]
     llm_default.generate([long], SamplingParams(max_tokens=4, temperature=0))
     assert calls == [1]  # the prefill; not the decode steps after it

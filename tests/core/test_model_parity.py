@@ -38,7 +38,7 @@ def _engine_logits(llm: LLM, ids: list[int], n_decode: int) -> list[torch.Tensor
 @pytest.mark.parametrize("engine", ["llm_fp32", "llm_fp32_dense"])
 def test_smollm_logits_match_hf_prefill_and_paged_decode(engine, hf_smollm, request):
     llm_fp32 = request.getfixturevalue(engine)
-    ids = llm_fp32.encode(PROMPT)
+    ids = llm_fp32.tokenize(PROMPT)
     n_decode = 6
     ours = _engine_logits(llm_fp32, ids, n_decode)
     with torch.no_grad():
@@ -58,7 +58,7 @@ def test_tiny_hf_folder_logits_match_hf(tmp_path, smollm_tokenizer, arch):
     llm = LLM(str(path), progress=False, numerics="exact", dtype="float32", kv_cache_blocks=64)
     assert llm.model_config.architecture == arch
     assert llm.model_config.qk_norm == (arch == "Qwen3ForCausalLM")
-    ids = llm.encode("tiny random model, real tokenizer: 12345 你好")
+    ids = llm.tokenize("tiny random model, real tokenizer: 12345 你好")
     ours = _engine_logits(llm, ids, 4)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()

@@ -63,7 +63,7 @@ def settled(eng: LLMEngine) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def chats(llm_fp32) -> list[list[int]]:
-    return [llm_fp32.encode(llm_fp32.apply_chat_template([{"role": "system", "content": SYSTEM},
+    return [llm_fp32.tokenize(llm_fp32.apply_chat_template([{"role": "system", "content": SYSTEM},
                                                           {"role": "user", "content": q}])) for q in QUESTIONS]
 
 
@@ -93,7 +93,7 @@ def test_a_block_is_shared_only_once_all_its_kv_is_committed(llm_fp32, chats):
     history: list[list[int]] = []
     out = drive(on, [p], greedy(n), history=history)[0]
     assert (len(p) + n) % BS == 0 and len(history[0]) == len(p) + n - 1
-    longer = p + out + llm_fp32.encode(" Thanks")
+    longer = p + out + llm_fp32.tokenize(" Thanks")
     assert drive(on, [longer], greedy(4)) == drive(off, [longer], greedy(4))
     assert on.blocks.stats.hits == len(p) + n - BS
     settled(on)
@@ -104,7 +104,7 @@ def test_shared_system_prompt_and_prompts_differing_in_the_last_full_block(llm_f
     base = chats[1]
     last_full = (len(base) - 1) // BS  # index of the block that holds the last token's predecessor
     variant = list(base)
-    variant[last_full * BS - 3] = llm_fp32.encode(" cheese")[0]  # inside the last full block
+    variant[last_full * BS - 3] = llm_fp32.tokenize(" cheese")[0]  # inside the last full block
     prompts = [*chats, variant]
     want = [drive(off, [p], greedy())[0] for p in prompts]
     history: list[list[int]] = []
@@ -125,7 +125,7 @@ def test_multi_turn_chat_replayed_turn_by_turn(llm_fp32):
         prev: list[int] = []
         for q in QUESTIONS:
             messages.append({"role": "user", "content": q})
-            ids = llm_fp32.encode(llm_fp32.apply_chat_template(messages))
+            ids = llm_fp32.tokenize(llm_fp32.apply_chat_template(messages))
             assert ids[: len(prev)] == prev  # the previous turn's prompt starts this one
             hits_before, hit = eng.blocks.stats.hits, expected_hit(ids, history)
             assert hit >= len(prev) // BS * BS

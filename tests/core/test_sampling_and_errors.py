@@ -69,7 +69,7 @@ def test_bad_sampling_params(kwargs, needle):
 
 def test_bad_requests_do_not_disturb_others(llm_fp32):
     eng = llm_fp32.engine
-    good = eng.add_request(llm_fp32.encode("Hello there"), SamplingParams(max_tokens=4, temperature=0))
+    good = eng.add_request(llm_fp32.tokenize("Hello there"), SamplingParams(max_tokens=4, temperature=0))
     with pytest.raises(PromptTooLongError, match="max_model_len"):
         eng.add_request([5] * eng.max_model_len, SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="empty"):

@@ -14,7 +14,7 @@ def test_llm_generates_with_deepseek_v4(v4_with_tokenizer, hf_model):
     prompts = ["w5 w17 w33 w2 w9", "w40 w41 w42"]
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     for prompt, out in zip(prompts, outs, strict=True):
-        ids = llm.encode(prompt)
+        ids = llm.tokenize(prompt)
         with torch.no_grad():
             want = hf_model.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
         assert out.token_ids == want[0, len(ids):].tolist()

@@ -10,6 +10,8 @@ import torch
 
 TEXT = "The history of the ratchet begins with simple pawls and toothed wheels. " * 50  # ~750 tokens
 GREEDY_PROMPT, GREEDY_TOKENS = 600, 24
+SHORT = "The capital of France is"  # the example: without its BOS, Gemma degenerates
+SHORT_TOKENS = 20
 
 
 def main(gguf: str, out: str) -> None:
@@ -27,7 +29,8 @@ def main(gguf: str, out: str) -> None:
     transformers.logging.set_verbosity_error()
     p = Path(gguf)
     tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-    ids = [tok.bos_token_id] + tok.encode(TEXT, add_special_tokens=False)
+    ids = tok.encode(TEXT)  # HF's default tokenization: the BOS the tokenizer adds
+    short = tok.encode(SHORT)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name,
                                                            dtype=torch.float32).eval()
     rows = list(range(0, len(ids) - 5, 37)) + list(range(len(ids) - 5, len(ids)))
@@ -35,8 +38,14 @@ def main(gguf: str, out: str) -> None:
         hidden = hf.model(torch.tensor([ids])).last_hidden_state[0]
         logits = hf.lm_head(hidden[rows]).float()
         gen = hf.generate(torch.tensor([ids[:GREEDY_PROMPT]]), max_new_tokens=GREEDY_TOKENS, do_sample=False)
+        short_lp = torch.log_softmax(hf(torch.tensor([short])).logits[0].float(), -1)
+        short_gen = hf.generate(torch.tensor([short]), max_new_tokens=SHORT_TOKENS, do_sample=False)
+    short_out = short_gen[0, len(short):].tolist()
     torch.save({"ids": ids, "rows": rows, "logits": logits, "greedy": gen[0, GREEDY_PROMPT:].tolist(),
-                "sliding_window": hf.config.sliding_window}, out)
+                "sliding_window": hf.config.sliding_window, "short_ids": short,
+                # log-prob of each prompt token after the ones before it (the first has none)
+                "short_prompt_logprobs": [short_lp[i - 1, t].item() for i, t in enumerate(short) if i > 0],
+                "short_greedy": short_out, "short_text": tok.decode(short_out, skip_special_tokens=True)}, out)
 
 
 if __name__ == "__main__":

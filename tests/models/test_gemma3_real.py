@@ -1,6 +1,8 @@
 """The real Gemma 3 270M (Q4_K_M GGUF made by llama.cpp) equals HF transformers' GGUF loader on the
 same file: logits at positions before and past the 512-token sliding window, from prefill and from
-paged decode steps, and greedy text; n-gram speculative decoding gives the same text; and its
+paged decode steps, and greedy text; ``/v1/completions`` on a text prompt with HF's default
+tokenization (the BOS the file's metadata asks for) gives HF's greedy text and prompt log-probs;
+n-gram speculative decoding gives the same text; and its
 llama.cpp-made Q4_K / Q5_0 / Q6_K / Q8_0 tensors are the real-weights fixture of the block kernels
 (dequantized bit for bit like gguf-py, matmul close to fp64 and batch-invariant). The HF side
 runs in its own process (tests/models/gemma3_hf_reference.py) to keep the test process's peak memory
@@ -17,7 +19,7 @@ import pytest
 import torch
 
 from ratchetlm import LLM, SamplingParams
-from tests.models.gemma3_hf_reference import GREEDY_PROMPT, GREEDY_TOKENS, TEXT
+from tests.models.gemma3_hf_reference import GREEDY_PROMPT, GREEDY_TOKENS, SHORT, SHORT_TOKENS, TEXT
 from tests.models.tiny import engine_logits, engine_on, run
 
 
@@ -43,7 +45,8 @@ def test_config_read_from_the_file(gemma, reference):
     assert c.architecture == "Gemma3ForCausalLM" and c.sliding_window == 512 and c.qk_norm
     assert c.layer_types.count("full_attention") == 3 and c.layer_types[5] == "full_attention"
     assert (c.rope_theta, c.rope_local_theta, c.query_scale) == (1e6, 10000.0, 256**-0.5)
-    assert reference["ids"] == [gemma.tokenizer.bos_token_id] + gemma.encode(TEXT)
+    # HF's default tokenization starts with the BOS (the file's add_bos_token), and so does ours
+    assert reference["ids"][0] == gemma.tokenizer.bos_token_id and reference["ids"] == gemma.tokenize(TEXT)
 
 
 def test_logits_match_hf_gguf_before_and_past_the_window(gemma, reference):
@@ -63,6 +66,34 @@ def test_greedy_and_ngram_speculative_match_hf(gemma, reference):
                      decoding_options={"method": "ngram", "depth": 4, "depth_schedule": "constant"})
     assert run(spec, [prompt], GREEDY_TOKENS) == [gen]
     assert spec.strategy.metrics()["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_completions_endpoint_equals_hf_with_default_tokenization(gemma, reference):
+    """``/v1/completions`` on a text prompt, as a client sends it: the prompt gets the BOS, and the
+    greedy text and the echoed prompt log-probs are HF transformers' (fp32 both sides)."""
+    import httpx
+
+    from tests.server.test_inprocess import serve
+
+    with serve(gemma, "gemma") as base:
+        tok = httpx.post(base + "/tokenize", json={"prompt": SHORT}, timeout=60).json()
+        assert tok["tokens"] == reference["short_ids"]  # /tokenize shows exactly what is fed
+        r = httpx.post(base + "/v1/completions", json={"model": "gemma", "prompt": SHORT, "max_tokens": SHORT_TOKENS,
+                                                       "temperature": 0, "echo": True, "logprobs": 1}, timeout=600)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["text"] == SHORT + reference["short_text"]
+        assert r.json()["usage"]["prompt_tokens"] == len(reference["short_ids"])
+        n = len(reference["short_ids"])
+        lps = choice["logprobs"]["token_logprobs"]
+        assert lps[0] is None  # the BOS: nothing before it
+        assert lps[1:n] == pytest.approx(reference["short_prompt_logprobs"], abs=2e-4)
+        bare = httpx.post(base + "/v1/completions", json={"model": "gemma", "prompt": SHORT, "max_tokens": 1,
+                                                          "add_special_tokens": False}, timeout=600)
+        assert bare.json()["usage"]["prompt_tokens"] == n - 1  # vLLM's switch: no BOS
+    out = gemma.generate(SHORT, SamplingParams(max_tokens=SHORT_TOKENS, temperature=0))[0]
+    assert out.prompt_token_ids == reference["short_ids"]
+    assert list(out.outputs[0].token_ids[:len(reference["short_greedy"])]) == reference["short_greedy"]
 
 
 def test_block_kernels_on_the_files_own_tensors(gemma3_270m_path):

@@ -26,7 +26,7 @@ def pair():
 @pytest.mark.parametrize("window, tau", [(8, 0.4), (16, 0.8)])
 def test_wedlm_on_two_ranks_is_the_one_rank_output(pair, window, tau):
     assert pair[1].engine.cache.k.shape[2] == 1
-    prompts = [pair[0].encode(ex.prompt) for ex in held_out(4)]
+    prompts = [pair[0].tokenize(ex.prompt) for ex in held_out(4)]
     params = SamplingParams(temperature=0.0, max_tokens=40)
     outs = []
     for llm in pair:

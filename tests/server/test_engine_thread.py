@@ -29,7 +29,7 @@ def test_a_delivery_fault_fails_only_its_request(oracle, monkeypatch):
     gets a 500 naming the fault; the three beside it finish with the greedy text of a clean run."""
     refs = [o.text for o in oracle.generate(PROMPTS[:3], SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
                                                                         ignore_eos=True))]
-    poison_ids = oracle.encode(PROMPTS[3])
+    poison_ids = oracle.tokenize(PROMPTS[3])
     real = async_engine.TextStream
 
     def text_stream(tokenizer, prompt_ids, *args):
@@ -62,7 +62,7 @@ def test_an_engine_that_cannot_recover_answers_503_never_hangs(oracle, monkeypat
     later requests are refused at once. Before, the thread died and the request waited forever."""
     engine = LLMEngine(EngineConfig(dtype="float32", kv_cache_blocks=32, progress=False), oracle.engine.model,
                        oracle.model_config)  # its own engine: this one is left broken
-    llm = SimpleNamespace(engine=engine, tokenizer=oracle.tokenizer, encode=oracle.encode,
+    llm = SimpleNamespace(engine=engine, tokenizer=oracle.tokenizer, tokenize=oracle.tokenize,
                           apply_chat_template=oracle.apply_chat_template)
 
     def broken(*args, **kwargs):

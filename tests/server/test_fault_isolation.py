@@ -89,7 +89,7 @@ def test_a_request_that_makes_the_step_raise_fails_alone(hardened, oracle):
     good, (_, _, err), bad_chat = asyncio.run(run())
     assert [g[0] for g in good] == refs
     assert all(g[2] is None for g in good)
-    assert err is not None and "injected sampler fault" in err["message"] and err["code"] == 500
+    assert err is not None and "injected sampler fault" in err["message"] and err["code"] == "500"
     assert bad_chat.status_code == 500, bad_chat.text
     assert "injected sampler fault" in bad_chat.json()["error"]["message"]
     h = wait_idle(hardened, within=5.0)

@@ -45,7 +45,7 @@ def _server_errors(r) -> list:
         return [r.text]
     if "text/event-stream" in str(r.headers.get("content-type")):  # schemathesis: header -> list of values
         events = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
-        return [e for e in events if "error" in e and e["error"]["code"] >= 500]
+        return [e for e in events if "error" in e and int(e["error"]["code"]) >= 500]
     return []
 
 

@@ -29,7 +29,7 @@ def _post(srv, path: str, body: Any, headers: dict | None = None, **kw) -> httpx
 def _error(r: httpx.Response, status: int, param: str | None = None) -> str:
     assert r.status_code == status, r.text
     err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status and err["message"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == str(status) and err["message"]
     if param is not None:
         assert err["param"] == param, err
     return err["message"]

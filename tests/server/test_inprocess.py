@@ -21,9 +21,9 @@ from tests.server.conftest import free_port
 
 
 @contextmanager
-def serve(llm_or_loader, name="m"):
+def serve(llm_or_loader, name="m", config=None):
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(llm_or_loader, name), host="127.0.0.1", port=port,
+    server = uvicorn.Server(uvicorn.Config(build_app(llm_or_loader, name, config), host="127.0.0.1", port=port,
                                            log_level="warning"))
     t = threading.Thread(target=server.run, daemon=True)
     t.start()
@@ -50,7 +50,7 @@ def test_health_is_503_while_loading(oracle):
 
     with serve(loader) as base:
         r = httpx.get(base + "/health")
-        assert r.status_code == 503 and r.json()["error"]["code"] == 503
+        assert r.status_code == 503 and r.json()["error"]["code"] == "503"
         r = httpx.post(base + "/v1/completions", json={"model": "m", "prompt": "a", "max_tokens": 1})
         assert r.status_code == 503
         gate.set()
@@ -92,14 +92,14 @@ def _spec_llm(oracle):
     cfg = EngineConfig(dtype="float32", kv_cache_blocks=64, decoding="speculative",
                        decoding_options={"method": "ngram", "depth_schedule": "constant"}, progress=False)
     engine = LLMEngine(cfg, oracle.engine.model, oracle.model_config)
-    return SimpleNamespace(engine=engine, tokenizer=oracle.tokenizer, encode=oracle.encode,
+    return SimpleNamespace(engine=engine, tokenizer=oracle.tokenizer, tokenize=oracle.tokenize,
                            apply_chat_template=oracle.apply_chat_template)
 
 
 def test_stop_string_inside_multi_token_commit(oracle):
     llm = _spec_llm(oracle)
     prompt = "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3,"
-    ids = oracle.encode(prompt)
+    ids = oracle.tokenize(prompt)
     sid = llm.engine.add_request(ids, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     commits = []
     while llm.engine.has_unfinished():

@@ -70,7 +70,7 @@ def test_sigterm_drains_then_ends_streams_with_an_error_and_done():
         assert done, "every stream ends with [DONE]"
         assert chunks >= 1, "it was streaming when the signal came"
         assert reason is None and error is not None and "shutting down" in error["message"]
-        assert error["code"] == 503
+        assert error["code"] == "503"
     assert 2.5 < elapsed < 10, elapsed  # they had the shutdown timeout to finish
     srv.proc.wait(15)  # and exited once they had ended
 

@@ -88,7 +88,7 @@ def test_completion_logprobs_match_engine(client, oracle):
 
 def test_echo_prompt_scoring_max_tokens_0(client, oracle):
     """lm-eval loglikelihood: echo=True, max_tokens=0 returns the prompt's token logprobs only."""
-    ids = oracle.encode(PROMPT)
+    ids = oracle.tokenize(PROMPT)
     ref = oracle.generate(PROMPT, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0]
     out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1,
                                     temperature=0)
@@ -120,7 +120,7 @@ def test_batched_prompts_and_token_ids(client, oracle):
     refs = oracle.generate(prompts, SamplingParams(max_tokens=5, temperature=0))
     out = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=5, temperature=0)
     assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == [r.text for r in refs]
-    by_ids = client.completions.create(model=MODEL_NAME, prompt=[oracle.encode(p) for p in prompts], max_tokens=5,
+    by_ids = client.completions.create(model=MODEL_NAME, prompt=[oracle.tokenize(p) for p in prompts], max_tokens=5,
                                        temperature=0)
     assert [c.text for c in sorted(by_ids.choices, key=lambda c: c.index)] == [r.text for r in refs]
     assert out.usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in refs)

@@ -50,7 +50,7 @@ def spec_llm(llm_fp32):
 
 @pytest.fixture(scope="session")
 def encoded(spec_llm) -> list[list[int]]:
-    return [spec_llm.encode(p) for p in PROMPTS]
+    return [spec_llm.tokenize(p) for p in PROMPTS]
 
 
 @pytest.fixture(scope="session")

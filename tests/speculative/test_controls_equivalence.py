@@ -44,13 +44,13 @@ def assert_same_as_plain(llm, prompts, params, spec) -> None:
 @pytest.mark.parametrize("spec", ["ngram_tree", "near_target_draft", "eagle", "draft_model"])
 def test_penalties_with_speculation_equal_plain(spec_llm, spec):
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, **PENALTIES)
-    assert_same_as_plain(spec_llm, [spec_llm.encode(p) for p in CHATTY], params, spec)
+    assert_same_as_plain(spec_llm, [spec_llm.tokenize(p) for p in CHATTY], params, spec)
 
 
 def test_bans_with_speculation_equal_plain(spec_llm, encoded):
     """A two-token bad word the n-gram draft copies from the prompt ("(j"): banned inside the draft."""
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, bad_words=("(j", "self.items"),
-                            min_tokens=6, logit_bias={spec_llm.encode(" the")[0]: -3.0})
+                            min_tokens=6, logit_bias={spec_llm.tokenize(" the")[0]: -3.0})
     assert_same_as_plain(spec_llm, encoded[:5], params, "ngram_chain")
 
 
@@ -74,7 +74,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def extraction(spec_llm):
-    prompts = [spec_llm.encode(spec_llm.apply_chat_template([{"role": "user", "content": f"Extract name, age, city "
+    prompts = [spec_llm.tokenize(spec_llm.apply_chat_template([{"role": "user", "content": f"Extract name, age, city "
                                                               f"and fields as JSON: {t}"}])) for t in TEXTS]
     params = SamplingParams(temperature=0.0, max_tokens=60, structured=StructuredOutputsParams(json=SCHEMA))
     eng = make_engine(spec_llm, jump_forward=False)

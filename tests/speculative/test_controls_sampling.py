@@ -41,7 +41,7 @@ def tiny(tmp_path_factory, spec_llm):
 def case(tiny):
     """(params(seed), exact joint distribution of the first N_OUT tokens)."""
     _, llm, hf = tiny
-    prompt = llm.encode(PROMPT)
+    prompt = llm.tokenize(PROMPT)
 
     def raw(prefix: tuple[int, ...]) -> torch.Tensor:
         with torch.no_grad():
@@ -73,7 +73,7 @@ def case(tiny):
 
 def counts_of(llm, params, decoding: str, **opts) -> tuple[Counter, dict]:
     eng = make_engine(llm, decoding, kv_cache_blocks=2 * N_REQ + 8, max_num_seqs=N_REQ, **opts)
-    prompt = llm.encode(PROMPT)
+    prompt = llm.tokenize(PROMPT)
     ids = [eng.add_request(prompt, params(seed)) for seed in range(N_REQ)]
     while eng.has_unfinished():
         eng.step()

@@ -109,7 +109,7 @@ def test_seeded_sampling_with_a_head_is_reproducible(spec_llm, encoded, random_h
 def test_bundled_head_is_accepted_and_lossless(spec_llm):
     """Not a speed claim: the shipped head must actually predict the default model's answers on
     the benchmark's requests (held out of its training data), otherwise equality passes vacuously."""
-    prompts = [spec_llm.encode(p) for p in CODE_EDITS + SUMMARIES + CHATS]
+    prompts = [spec_llm.tokenize(p) for p in CODE_EDITS + SUMMARIES + CHATS]
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     ref = run_engine(make_engine(spec_llm), prompts, params)
     assert BUNDLED_HEAD.is_dir()

@@ -39,7 +39,7 @@ def int8_engine(llm, decoding: str = "autoregressive", kv_cache_blocks: int = 19
 
 @pytest.fixture(scope="module")
 def encoded8(llm_int8) -> list[list[int]]:
-    return [llm_int8.encode(p) for p in PROMPTS]
+    return [llm_int8.tokenize(p) for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def test_int8_model_runs_its_matmuls_in_int8_and_names_its_cache_apart(llm_int8,
     mods = [m for m in llm_int8.engine.model.modules() if isinstance(m, Linear) and m.blocks is not None]
     assert mods and all(m.numerics == llm_int8.config.numerics for m in mods)
     assert llm_int8.engine.kv_identity() != llm_fp32.engine.kv_identity()
-    ids = torch.tensor(llm_int8.encode(PROMPTS[3]))
+    ids = torch.tensor(llm_int8.tokenize(PROMPTS[3]))
     # not the exact mode's logits (a stub that ignored the mode would pass the equality tests), but close
     from ratchetlm.kv.sink import NullSink
     from ratchetlm.layers.attention import build_attention_batch
@@ -202,7 +202,7 @@ def test_long_prefill_mlp_in_row_chunks_is_bit_identical(llm_int8, monkeypatch):
     from ratchetlm.models import llama
     from tests.models.tiny import engine_logits
 
-    ids = (llm_int8.encode(" ".join(PROMPTS)) * 4)[:300]
+    ids = (llm_int8.tokenize(" ".join(PROMPTS)) * 4)[:300]
     rows = [0, 127, 128, 250, 299]
     layers = llm_int8.engine.model.layers
     assert all(ly.mlp_rows == llama.MLP_ROWS < 300 for ly in layers)

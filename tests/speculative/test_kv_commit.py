@@ -40,7 +40,7 @@ def unused_slots(engine, seq) -> torch.Tensor:
 @pytest.mark.parametrize("opts", [dict(method="ngram", num_candidates=3, depth=4),
                                   dict(method="draft", draft_layers=4, depth=3, num_candidates=2)])
 def test_committed_kv_equals_plain_ar_and_rejects_leave_no_trace(spec_llm, opts):
-    prompt = spec_llm.encode(CODE2)
+    prompt = spec_llm.tokenize(CODE2)
     ar = make_engine(spec_llm, kv_cache_blocks=16)
     sp = make_engine(spec_llm, "speculative", kv_cache_blocks=16, **opts)
     a = step_until(ar, prompt, 12)
@@ -64,7 +64,7 @@ def test_committed_kv_equals_plain_ar_and_rejects_leave_no_trace(spec_llm, opts)
 
 @pytest.mark.parametrize("fault_layer", [0, 17])
 def test_commit_fault_falls_back_with_identical_output(spec_llm, fault_layer):
-    prompt = spec_llm.encode(SUMMARY)
+    prompt = spec_llm.tokenize(SUMMARY)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     ref = run_engine(make_engine(spec_llm, kv_cache_blocks=16), [prompt], params)
     eng = make_engine(spec_llm, "speculative", kv_cache_blocks=16, method="ngram", num_candidates=2, depth=4)
@@ -121,7 +121,7 @@ def test_stage_failure_falls_back_and_the_engine_keeps_serving(spec_llm, encoded
 
 
 def test_sampling_with_seed_is_reproducible(spec_llm):
-    prompt = spec_llm.encode(CODE2)
+    prompt = spec_llm.tokenize(CODE2)
     p = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10, seed=11, ignore_eos=True)
     outs = [run_engine(make_engine(spec_llm, "speculative", kv_cache_blocks=16, method="ngram", num_candidates=2,
                                    depth=4), [prompt], p)[0] for _ in range(2)]

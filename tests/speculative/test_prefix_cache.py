@@ -27,7 +27,7 @@ def engine(llm, decoding: str = "autoregressive", caching: bool = True, **option
 def prompts(spec_llm) -> list[list[int]]:
     code = CODE_EDITS[0]
     variant = _chat(code[len("<|im_start|>user\n"):].split("<|im_end|>")[0] + "\nKeep the comments.")
-    return [spec_llm.encode(p) for p in (code, code, variant, SUMMARIES[0], SUMMARIES[0])]
+    return [spec_llm.tokenize(p) for p in (code, code, variant, SUMMARIES[0], SUMMARIES[0])]
 
 
 @pytest.fixture(scope="module")

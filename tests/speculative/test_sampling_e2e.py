@@ -51,7 +51,7 @@ def tiny(tmp_path_factory, spec_llm):
 def exact(tiny) -> dict[tuple[int, ...], float]:
     """P(t1, t2, t3) under the request's filtered target distribution, from HF's forward."""
     _, llm, hf = tiny
-    prompt = llm.encode(PROMPT)
+    prompt = llm.tokenize(PROMPT)
     p = params(0)
 
     @functools.cache
@@ -71,7 +71,7 @@ def exact(tiny) -> dict[tuple[int, ...], float]:
 
 def sample_counts(llm: LLM, decoding: str, **opts) -> tuple[Counter, dict]:
     eng = make_engine(llm, decoding, kv_cache_blocks=2 * N_REQ + 8, max_num_seqs=N_REQ, **opts)
-    prompt = llm.encode(PROMPT)
+    prompt = llm.tokenize(PROMPT)
     ids = [eng.add_request(prompt, params(seed)) for seed in range(N_REQ)]
     while eng.has_unfinished():
         eng.step()

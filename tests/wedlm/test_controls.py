@@ -27,7 +27,7 @@ def test_structured_outputs_are_refused(tiny):
 
 def test_bans_reach_every_mask(trained):
     eng = trained.engine(window_size=8)
-    prompt = trained.llm.encode("The cat sat on the")
+    prompt = trained.llm.tokenize("The cat sat on the")
     free, _, _ = run(eng, [prompt], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
     banned = sorted(set(free[0]))[:3]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logit_bias={t: -100.0 for t in banned})
@@ -39,7 +39,7 @@ def assert_engine_equals_reference(pair, params, opts, seed=None):
     """Engine (batched) == reference per prompt, both filling in order (the controls read the
     tokens before a slot: a fill past an open mask would count a placeholder); returns the
     reference results."""
-    prompts = [pair.llm.encode(ex.prompt) for ex in held_out(6)]
+    prompts = [pair.llm.tokenize(ex.prompt) for ex in held_out(6)]
     free, _, _ = run(pair.engine(**opts), prompts, SamplingParams(temperature=params.temperature,
                                                                   max_tokens=params.max_tokens, seed=seed))
     got, reasons, _ = run(pair.engine(**opts), prompts, params)
@@ -69,11 +69,11 @@ def test_position_controls_keep_out_of_order_fills(trained):
     """min_tokens bans EOS at a slot by its position (the masks before it count), so the window
     keeps filling out of order. Each prompt's min_tokens lets exactly its free EOS through (it sits
     at index len - 1), which the window fills while masks before it are open on some prompts."""
-    hat = trained.llm.encode("hat")
+    hat = trained.llm.tokenize("hat")
     assert len(hat) == 1
-    base = dict(temperature=0.0, max_tokens=40, bad_words=("hat",), logit_bias={trained.llm.encode("the")[0]: -2.0})
+    base = dict(temperature=0.0, max_tokens=40, bad_words=("hat",), logit_bias={trained.llm.tokenize("the")[0]: -2.0})
     opts = dict(window_size=16, entropy_threshold=0.8)
-    prompts = [trained.llm.encode(ex.prompt) for ex in held_out(6)]
+    prompts = [trained.llm.tokenize(ex.prompt) for ex in held_out(6)]
     free, _, _ = run(trained.engine(**opts), prompts, SamplingParams(**base))
     eng = trained.engine(**opts)
     params = [SamplingParams(min_tokens=len(f) - 1, **base) for f in free]

@@ -36,7 +36,7 @@ def test_tiny_engine_equals_reference_batched_and_alone(tiny, window, tau):
 
 
 def trained_prompts(pair, n=6):
-    return [pair.llm.encode(ex.prompt) for ex in held_out(n)]
+    return [pair.llm.tokenize(ex.prompt) for ex in held_out(n)]
 
 
 @pytest.mark.parametrize("window, tau", GRID)
