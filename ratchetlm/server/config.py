@@ -27,6 +27,8 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()
     tool_call_parser: str = "auto"  # structured/tool_calls.py: auto | smollm2 | hermes (qwen) | llama3_json
     data_parallel_size: int = 1  # engine replicas (processes) behind this front (server/replicas.py)
+    # /v1/responses kept in memory for previous_response_id and GET /v1/responses/{id} (LRU; 0 = none)
+    responses_store_size: int = 1024
 
     def __post_init__(self) -> None:
         for name in ("shutdown_timeout", "idle_timeout"):
@@ -38,6 +40,9 @@ class ServerConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        n = self.responses_store_size
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"responses_store_size must be a non-negative integer, got {n!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
         if isinstance(self.allowed_origins, str):
