@@ -17,6 +17,7 @@ from ratchetlm.engine.choices import ChoiceRun, choice_params, completion, reque
 from ratchetlm.engine.config import EngineConfig
 from ratchetlm.engine.engine_args import split_engine_args
 from ratchetlm.engine.llm_engine import LLMEngine
+from ratchetlm.engine.pooling import PoolingParams, PoolingRequestOutput, embed, encode
 from ratchetlm.layers.mapped_pages import trim_heap
 from ratchetlm.models.registry import load_model
 from ratchetlm.outputs import RequestOutput
@@ -103,7 +104,13 @@ class LLM:
 
     # ------------------------------------------------------------------ prompts
 
-    def encode(self, prompt: Prompt) -> list[int]:
+    def encode(self, prompt: Any, pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+               use_tqdm: bool | None = None, pooling_task: str | None = None) -> Any:
+        """On the pooling runner (or given ``pooling_params`` / ``pooling_task``): vLLM's pooling call
+        (engine/pooling.py), a :class:`PoolingRequestOutput` per prompt. Otherwise the tokenizer
+        helper: one prompt's token ids."""
+        if self.config.runner == "pooling" or pooling_params is not None or pooling_task is not None:
+            return encode(self, prompt, pooling_params, pooling_task or "embed")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty: at least one token is required")
@@ -145,12 +152,21 @@ class LLM:
         return self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                   **kw)
 
+    def embed(self, prompts: Any, pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+              use_tqdm: bool | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's ``LLM.embed`` (pooling runner): per prompt ``outputs.embedding``, its final hidden
+        states pooled as ``pooling_type`` says (engine/pooling.py)."""
+        return embed(self, prompts, pooling_params)
+
     # ------------------------------------------------------------------ generation
 
     def _submit(self, prompts: Prompt | Seq[Prompt],
                 sampling_params: SamplingParams | Seq[SamplingParams] | None) -> tuple[list[Prompt], dict[int, Any]]:
         """Queue every choice of every prompt; returns the prompts and, per engine request id, its
         ``(ChoiceRun, TextStream)``. Everything is validated before anything is queued."""
+        if self.config.runner == "pooling":
+            raise ValueError("this LLM runs the pooling runner (runner='pooling'): use embed / encode; generation "
+                             "needs runner='generate'")
         plist = _as_list(prompts)
         params_list = _params_list(sampling_params, len(plist))
         encoded = [self.encode(p) for p in plist]

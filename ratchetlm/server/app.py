@@ -9,7 +9,7 @@ A request's body is read with a size limit, then parsed, validated and tokenized
 thread, so a huge prompt never blocks the event loop (``/health`` stays fast).
 
 Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` (and ``GET``/``DELETE``
-``/v1/responses/{id}``), ``/v1/models`` (every served name),
+``/v1/responses/{id}``), ``/v1/embeddings`` (``--runner pooling``), ``/v1/models`` (every served name),
 ``/tokenize``, ``/detokenize``, ``/tokenizer_info`` (vLLM's), ``/health``, ``/metrics``, ``/version``.
 CORS headers only with ``allowed_origins``.
 """
@@ -56,6 +56,7 @@ from ratchetlm.server.protocol import (
 from ratchetlm.server.responses_store import ResponseStore
 from ratchetlm.server.serving_chat import ChatPlan
 from ratchetlm.server.serving_completion import CompletionPlan
+from ratchetlm.server.serving_embedding import EmbeddingRequest, create_embeddings, runner_of
 from ratchetlm.server.serving_responses import ResponsesPlan, ResponsesRequest, add_response_routes
 from ratchetlm.server.serving_tokenize import detokenize, tokenize, tokenizer_info
 
@@ -237,13 +238,18 @@ def build_app(llm_or_loader: Any, served_model_name: str | list[str], config: Se
 
     add_response_routes(app, state.responses)
 
+    @app.post("/v1/embeddings", openapi_extra=_body_schema(EmbeddingRequest))
+    async def embeddings(request: Request) -> JSONResponse:
+        return JSONResponse(await _simple(state, request, EmbeddingRequest, create_embeddings))
+
     def openapi() -> dict[str, Any]:
         """FastAPI's schema plus the request models (the handlers parse bodies themselves, to
         answer every failure in OpenAI's error shape, so FastAPI cannot see them)."""
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             comps = schema.setdefault("components", {}).setdefault("schemas", {})
-            for m in (CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest):
+            for m in (CompletionRequest, ChatCompletionRequest, ResponsesRequest, EmbeddingRequest, TokenizeRequest,
+                      DetokenizeRequest):
                 js = m.model_json_schema(ref_template="#/components/schemas/{model}")
                 comps.update(js.pop("$defs", {}))
                 # unknown fields are a 400 (check_unsupported): say so, and declare the harmless
@@ -344,6 +350,9 @@ async def _serve(state: ServerState, request: Request, model: type[Any], plan_cl
         raise APIError("the server is shutting down", 503)
     if state.engine is None or state.ctx is None:
         raise APIError("the model is still loading", 503)
+    if runner_of(state.ctx) == "pooling":
+        raise APIError("this server runs the pooling runner (--runner pooling): it serves /v1/embeddings, not "
+                       "generation", 400, "model")
     raw = await _read_body(request, state.cfg)
     loop = asyncio.get_running_loop()
     req, plan = await loop.run_in_executor(state.prep, _prepare, state, raw, model, plan_cls)
