@@ -98,7 +98,7 @@ class ResponsesPlan:
         tools = [{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
                   "strict": t.strict} for t in req.tools or []]
         incomplete = {"reason": "max_output_tokens"} if finish_reason == "length" else None
-        return {
+        body = {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
             "completed_at": int(time.time()) if status == "completed" else None, "error": None,
             "incomplete_details": incomplete, "instructions": req.instructions,
@@ -108,9 +108,13 @@ class ResponsesPlan:
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
             "tool_choice": req.tool_choice or "auto", "tools": tools,
-            "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled", "usage": usage,
-            "user": req.user, "metadata": req.metadata or {},
+            "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled",
+            "metadata": req.metadata or {},
         }
+        for key, value in (("usage", usage), ("user", req.user)):  # objects / strings when present (no nulls)
+            if value is not None:
+                body[key] = value
+        return body
 
     def usage(self, states: list[ChoiceState]) -> dict[str, Any]:
         u = self.chat.usage(states)

@@ -16,6 +16,7 @@ from ratchetlm import LLM
 from ratchetlm.engine.engine_args import split_engine_args
 from ratchetlm.engine.pooling import PoolingParams
 from tests.server.conftest import MODEL_NAME, start_server, stop_server
+from tests.server.openai_schemas import violations
 
 TEXTS = ["Hello world", "The capital of France is Paris.", "def add(a, b):\n    return a + b",
          "A quick brown fox jumps over the lazy dog, twice."]
@@ -118,15 +119,24 @@ def test_openai_embeddings_equal_hf_last_token_pooling(pool_server, hf_smollm):
     assert by_ids.data[0].embedding == r.data[1].embedding
 
 
-def test_base64_decodes_to_the_same_floats(pool_server):
-    post = lambda **kw: httpx.post(pool_server.v1 + "/embeddings", json={"input": TEXTS[:2], **kw}, timeout=60)  # noqa: E731
-    floats = post(encoding_format="float").json()["data"]
-    b64 = post(encoding_format="base64").json()["data"]
-    for f, b in zip(floats, b64, strict=True):
+def test_base64_decodes_to_the_same_floats_and_bodies_follow_openai_schema(pool_server):
+    def post(**kw):
+        body = {"model": MODEL_NAME, "input": TEXTS[:2], **kw}
+        assert violations("CreateEmbeddingRequest", body) == []
+        return httpx.post(pool_server.v1 + "/embeddings", json=body, timeout=60).json()
+
+    floats = post(encoding_format="float")
+    b64 = post(encoding_format="base64")
+    assert violations("CreateEmbeddingResponse", floats) == []
+    for f, b in zip(floats["data"], b64["data"], strict=True):
         raw = base64.b64decode(b["embedding"])
-        assert list(struct.unpack(f"<{len(raw) // 4}f", raw)) == f["embedding"]
-    lists = httpx.post(pool_server.v1 + "/embeddings", json={"input": [[1, 2, 3], [4, 5]]}, timeout=60).json()
+        b["embedding"] = list(struct.unpack(f"<{len(raw) // 4}f", raw))
+        assert b["embedding"] == f["embedding"]
+    # OpenAI's schema describes the float form only: decoded, the base64 body is that form
+    assert violations("CreateEmbeddingResponse", b64) == [] and b64["usage"] == floats["usage"]
+    lists = post(input=[[1, 2, 3], [4, 5]])
     assert len(lists["data"]) == 2 and lists["usage"]["prompt_tokens"] == 5
+    assert violations("CreateEmbeddingResponse", lists) == []
 
 
 @pytest.mark.parametrize("body, param", [
