@@ -70,7 +70,12 @@ class PoolingRequestOutput:
 
 def prompt_token_ids(llm: Any, prompt: Any) -> list[int]:
     """One prompt (text, token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``)
-    -> token ids, tokenized as generation tokenizes a text prompt."""
+    -> token ids, exactly as generation feeds it: the facade's ``tokenize`` (the tokenizer's own
+    special tokens, as vLLM's embeddings add them) where the facade has it, else the text encoded
+    as generation encodes it."""
+    tokenize = getattr(llm, "tokenize", None)
+    if callable(tokenize):
+        return list(tokenize(prompt))
     if isinstance(prompt, Mapping):
         if set(prompt) - {"prompt", "prompt_token_ids"} or len(prompt) != 1:
             raise ValueError("a prompt dict holds exactly one of 'prompt' (text) or 'prompt_token_ids', "
