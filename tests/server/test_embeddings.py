@@ -79,6 +79,10 @@ def test_pooling_runner_refuses_generation_and_bad_params(pooling_llm, llm_defau
         pooling_llm.embed("hi", PoolingParams(dimensions=8))
     with pytest.raises(ValueError, match="runner must be"):
         LLM(progress=False, runner="embedding")
+    from ratchetlm.engine.config import EngineConfig
+
+    assert EngineConfig(runner="pooling").kv_cache_blocks == 1  # it writes no K/V: no ~1 GiB cache
+    assert EngineConfig(runner="pooling", kv_cache_bytes=1 << 20).kv_cache_blocks is None  # unless sized
 
 
 def test_vllm_spellings_select_the_pooling_runner():
