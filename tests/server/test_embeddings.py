@@ -44,8 +44,7 @@ def _assert_matches_hf(ours: torch.Tensor, ref: torch.Tensor, others: list[torch
 @pytest.fixture(scope="module")
 def pooling_llm():
     torch.set_num_threads(1)
-    return LLM(progress=False, dtype="float32", numerics="exact", runner="pooling", pooling_type="mean",
-               kv_cache_blocks=16)
+    return LLM(progress=False, dtype="float32", runner="pooling", pooling_type="mean", kv_cache_blocks=16)
 
 
 def test_llm_embed_and_encode_equal_hf_mean_pooling(pooling_llm, hf_smollm):
@@ -82,6 +81,7 @@ def test_pooling_runner_refuses_generation_and_bad_params(pooling_llm, llm_defau
     from ratchetlm.engine.config import EngineConfig
 
     assert EngineConfig(runner="pooling").kv_cache_blocks == 1  # it writes no K/V: no ~1 GiB cache
+    assert EngineConfig(runner="pooling").numerics == "exact"  # whole prompts: the faster mode, HF-identical
     assert EngineConfig(runner="pooling", kv_cache_bytes=1 << 20).kv_cache_blocks is None  # unless sized
 
 
@@ -101,7 +101,7 @@ def test_vllm_spellings_select_the_pooling_runner():
 
 @pytest.fixture(scope="module")
 def pool_server():
-    srv = start_server(["--runner", "pooling"])
+    srv = start_server(["--runner", "pooling", "--numerics", "int16"])  # the integer path (default: exact)
     yield srv
     stop_server(srv)
 
