@@ -50,6 +50,10 @@ _ENGINE_HELP = {
     "gpu_memory_utilization": "CUDA: fraction of the GPU's memory for weights + activations + KV cache (vLLM's "
                               "meaning; sizes the KV cache from free memory); ignored with a warning on CPU",
     "enforce_eager": "vLLM's flag; accepted: the engine always runs eagerly (no CUDA graphs)",
+    "runner": "vLLM's runner: auto | generate (text) | pooling (embeddings of the final hidden states: LLM.embed, "
+              "/v1/embeddings; no generation)",
+    "pooling_type": "pooling runner: last (the last token's hidden state) | mean (over the prompt's tokens)",
+    "pooling_normalize": "pooling runner: L2-normalise the pooled vectors (true/false)",
 }
 
 # vLLM CLI habits without a field of their own (engine/engine_args.py decides what they mean here)

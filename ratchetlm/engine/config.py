@@ -10,7 +10,9 @@ import torch
 
 from ratchetlm.engine.dtype import DTYPES, DtypeChoice, choose_dtype
 
-NUMERICS = ("exact", "int8", "int16")  # CPU block kernels' compute modes (layers/block_quant.py)
+NUMERICS = ("exact", "int8", "int16")
+RUNNERS = ("auto", "generate", "pooling")  # vLLM's --runner ("auto": generate, what a causal LM does)
+POOLING_TYPES = ("last", "mean")  # engine/pooling.py  # CPU block kernels' compute modes (layers/block_quant.py)
 KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -64,6 +66,12 @@ class EngineConfig:
     progress: bool = True  # tqdm bars for loading and batch generation
     # vLLM's flag: the engine always runs eagerly (no CUDA graphs, no torch.compile), so both values hold
     enforce_eager: bool = False
+    # vLLM's runner: "generate" (text) or "pooling" (LLM.embed / LLM.encode and /v1/embeddings on the final
+    # hidden states, engine/pooling.py; no generation, a KV cache of one block unless sized, numerics "auto" =
+    # exact); "auto" = generate
+    runner: str = "auto"
+    pooling_type: str = "last"  # pooling runner: "last" (the last token's hidden state) or "mean" (over the prompt)
+    pooling_normalize: bool = True  # pooling runner: L2-normalise the pooled vector (a request may override)
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -99,6 +107,21 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be a positive integer, got {self.kv_cache_bytes!r}")
         if self.kv_cache_blocks is not None and self.kv_cache_bytes is not None:
             raise ValueError("give kv_cache_blocks or kv_cache_bytes, not both")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
+        if isinstance(self.pooling_type, str) and self.pooling_type.lower() in POOLING_TYPES:
+            object.__setattr__(self, "pooling_type", self.pooling_type.lower())  # vLLM spells them LAST / MEAN
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
+        if not isinstance(self.pooling_normalize, bool):
+            raise ValueError(f"pooling_normalize must be true or false, got {self.pooling_normalize!r}")
+        if self.runner == "pooling" and self.kv_cache_blocks is None and self.kv_cache_bytes is None:
+            # the pooling runner writes no K/V (engine/pooling.py): one block, not the ~1 GiB default
+            object.__setattr__(self, "kv_cache_blocks", 1)
+        if self.runner == "pooling" and self.numerics == "auto":
+            # its forwards are whole prompts, where the exact mode is the faster one (1.3x the int16 mode's
+            # prompts/s, benchmarks/bench_embeddings.py) and HF-identical
+            object.__setattr__(self, "numerics", "exact")
         u = self.gpu_memory_utilization
         if u is not None and (isinstance(u, bool) or not isinstance(u, int | float) or not 0 < u <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")

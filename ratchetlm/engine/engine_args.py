@@ -38,9 +38,8 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "rope_scaling": (None,),
     "rope_theta": (None,),
     "hf_overrides": (None,),
-    "task": ("auto", "generate"),
-    "runner": ("auto", "generate"),
-    "convert": ("auto", "none"),
+    "task": ("auto", "generate"),  # "embed": runner="pooling" (below)
+    "convert": ("auto", "none", "embed"),  # "embed" on the pooling runner: what it does to a causal LM here
     "logprobs_mode": ("raw_logprobs",),  # our logprobs are the model's raw distribution
 }
 
@@ -79,6 +78,10 @@ def split_engine_args(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
                 out[RENAMED[name]] = value
         elif name == "tokenizer":
             extras["tokenizer"] = value
+        elif name == "task" and value == "embed":  # vLLM's older spelling of the pooling runner
+            out.setdefault("runner", "pooling")
+        elif name in ("pooler_config", "override_pooler_config"):
+            out.update(pooler_options(value))
         elif name == "speculative_config":
             if value is not None:
                 out["decoding"] = "speculative"
@@ -97,6 +100,25 @@ def split_engine_args(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
         warnings.warn(f"ratchetlm ignores these vLLM engine arguments (they change nothing here): "
                       f"{', '.join(sorted(ignored))}", UserWarning, stacklevel=3)
     return out, extras
+
+
+def pooler_options(cfg: Any) -> dict[str, Any]:
+    """vLLM's ``pooler_config`` (a ``PoolerConfig`` or a dict: ``pooling_type``, ``normalize``) ->
+    our ``pooling_type`` / ``pooling_normalize``; any other option set is refused."""
+    if cfg is None:
+        return {}
+    items = dict(cfg) if isinstance(cfg, Mapping) else {k: v for k, v in vars(cfg).items() if v is not None}
+    out: dict[str, Any] = {}
+    for k, v in items.items():
+        if v is None:
+            continue
+        if k == "pooling_type":
+            out["pooling_type"] = str(v).lower()
+        elif k == "normalize":
+            out["pooling_normalize"] = v
+        else:
+            raise ValueError(f"pooler_config.{k} is not supported here (pooling_type and normalize are)")
+    return out
 
 
 def speculative_options(cfg: Mapping[str, Any]) -> dict[str, Any]:

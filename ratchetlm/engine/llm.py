@@ -17,6 +17,7 @@ from ratchetlm.engine.choices import ChoiceRun, choice_params, completion, reque
 from ratchetlm.engine.config import EngineConfig
 from ratchetlm.engine.engine_args import split_engine_args
 from ratchetlm.engine.llm_engine import LLMEngine
+from ratchetlm.engine.pooling import PoolingParams, PoolingRequestOutput, embed, encode
 from ratchetlm.engine.prompts import Prompt, PromptTokenizer, as_prompt_list, prompt_text, render_chat
 from ratchetlm.layers.mapped_pages import trim_heap
 from ratchetlm.models.registry import load_model
@@ -110,6 +111,12 @@ class LLM:
         BOS where the model's metadata asks for one) unless ``add_special_tokens=False``; token ids as given."""
         return self._prompts.tokenize(prompt, add_special_tokens)
 
+    def encode(self, prompt: Any, pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+               use_tqdm: bool | None = None, pooling_task: str | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's pooling call (engine/pooling.py): a :class:`PoolingRequestOutput` per prompt. The tokenizer
+        helper that used this name is :meth:`tokenize`."""
+        return encode(self, prompt, pooling_params, pooling_task or "embed")
+
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                             tool_parser: str | None = None, add_generation_prompt: bool = True,
                             chat_template: str | None = None, continue_final_message: bool = False,
@@ -119,12 +126,21 @@ class LLM:
         return render_chat(self.tokenizer, messages, tools, tool_parser, add_generation_prompt, chat_template,
                            continue_final_message, chat_template_kwargs, content_format)
 
+    def embed(self, prompts: Any, pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+              use_tqdm: bool | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's ``LLM.embed`` (pooling runner): per prompt ``outputs.embedding``, its final hidden
+        states pooled as ``pooling_type`` says (engine/pooling.py)."""
+        return embed(self, prompts, pooling_params)
+
     # ------------------------------------------------------------------ generation
 
     def _submit(self, encoded: list[list[int]],
                 sampling_params: SamplingParams | Seq[SamplingParams] | None) -> dict[int, Any]:
         """Queue every choice of every prompt; returns, per engine request id, its
         ``(ChoiceRun, TextStream)``. Everything is validated before anything is queued."""
+        if self.config.runner == "pooling":
+            raise ValueError("this LLM runs the pooling runner (runner='pooling'): use embed / encode; generation "
+                             "needs runner='generate'")
         params_list = _params_list(sampling_params, len(encoded))
         runs: dict[int, Any] = {}
         try:

@@ -8,7 +8,8 @@ says why (without file paths) and ``on_load_failed`` runs (``ratchet serve`` the
 A request's body is read with a size limit, then parsed, validated and tokenized on one worker
 thread, so a huge prompt never blocks the event loop (``/health`` stays fast).
 
-Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` (every served name),
+Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` (and ``GET``/``DELETE``
+``/v1/responses/{id}``), ``/v1/embeddings`` (``--runner pooling``), ``/v1/models`` (every served name),
 ``/v1/models/{id}``,
 ``/tokenize``, ``/detokenize``, ``/tokenizer_info`` (vLLM's), ``/health``, ``/metrics``, ``/version``.
 CORS headers only with ``allowed_origins``.
@@ -25,6 +26,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -46,15 +48,17 @@ from ratchetlm.server.metrics import ServerMetrics
 from ratchetlm.server.protocol import (
     IGNORED_FIELDS,
     ChatCompletionRequest,
-    CommonRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
     check_unsupported,
     lone_surrogate_path,
 )
+from ratchetlm.server.responses_store import ResponseStore
 from ratchetlm.server.serving_chat import ChatPlan
 from ratchetlm.server.serving_completion import CompletionPlan
+from ratchetlm.server.serving_embedding import EmbeddingRequest, create_embeddings, runner_of
+from ratchetlm.server.serving_responses import ResponsesPlan, ResponsesRequest, add_response_routes
 from ratchetlm.server.serving_tokenize import detokenize, tokenize, tokenizer_info
 
 _PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][^\s'\"\\/:]+)+[\\/]?")  # absolute paths in an error message
@@ -86,6 +90,7 @@ class ServerState:
         self.prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ratchet-prep")
         self.created = int(time.time())
         self.metrics = ServerMetrics(self.model_name, lambda: self.engine.snapshot if self.engine else None)
+        self.responses = ResponseStore(cfg.responses_store_size)  # previous_response_id (server/responses_store.py)
 
     def begin_shutdown(self) -> None:
         """SIGTERM (on the event loop): refuse new requests; after ``shutdown_timeout`` end the
@@ -236,13 +241,25 @@ def build_app(llm_or_loader: Any, served_model_name: str | list[str], config: Se
     async def chat_completions(request: Request) -> Response:
         return await _serve(state, request, ChatCompletionRequest, ChatPlan)
 
+    @app.post("/v1/responses", openapi_extra=_body_schema(ResponsesRequest))
+    async def responses(request: Request) -> Response:
+        return await _serve(state, request, ResponsesRequest,
+                            partial(ResponsesPlan, store=state.responses, limits=state.cfg))
+
+    add_response_routes(app, state.responses)
+
+    @app.post("/v1/embeddings", openapi_extra=_body_schema(EmbeddingRequest))
+    async def embeddings(request: Request) -> JSONResponse:
+        return JSONResponse(await _simple(state, request, EmbeddingRequest, create_embeddings))
+
     def openapi() -> dict[str, Any]:
         """FastAPI's schema plus the request models (the handlers parse bodies themselves, to
         answer every failure in OpenAI's error shape, so FastAPI cannot see them)."""
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             comps = schema.setdefault("components", {}).setdefault("schemas", {})
-            for m in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest):
+            for m in (CompletionRequest, ChatCompletionRequest, ResponsesRequest, EmbeddingRequest, TokenizeRequest,
+                      DetokenizeRequest):
                 js = m.model_json_schema(ref_template="#/components/schemas/{model}")
                 comps.update(js.pop("$defs", {}))
                 # unknown fields are a 400 (check_unsupported): say so, and declare the harmless
@@ -314,7 +331,7 @@ def _parse(state: ServerState, raw: bytes, model: type[Any]) -> Any:
     return req
 
 
-def _prepare(state: ServerState, raw: bytes, model: type[CommonRequest], plan_cls: type) -> Any:
+def _prepare(state: ServerState, raw: bytes, model: type[Any], plan_cls: Callable[..., Any]) -> Any:
     """Body bytes -> plan (validated request, tokenized prompts, engine submissions). Runs on the
     preparation thread; raises :class:`APIError` for anything the client got wrong."""
     req = _parse(state, raw, model)
@@ -337,17 +354,20 @@ async def _simple(state: ServerState, request: Request, model: type[Any],
         state.prep, lambda: handler(_parse(state, raw, model), ctx))
 
 
-async def _serve(state: ServerState, request: Request, model: type[CommonRequest], plan_cls: type) -> Response:
+async def _serve(state: ServerState, request: Request, model: type[Any], plan_cls: Callable[..., Any]) -> Response:
     arrival = time.perf_counter()
     if state.draining:
         raise APIError("the server is shutting down", 503)
     if state.engine is None or state.ctx is None:
         raise APIError("the model is still loading", 503)
+    if runner_of(state.ctx) == "pooling":
+        raise APIError("this server runs the pooling runner (--runner pooling): it serves /v1/embeddings, not "
+                       "generation", 400, "model")
     raw = await _read_body(request, state.cfg)
     loop = asyncio.get_running_loop()
     req, plan = await loop.run_in_executor(state.prep, _prepare, state, raw, model, plan_cls)
     group = state.engine.group(plan.subs)
-    prompt_param = "messages" if model is ChatCompletionRequest else "prompt"
+    prompt_param = getattr(plan, "prompt_param", "messages" if model is ChatCompletionRequest else "prompt")
     try:
         await group.start()
     except QueueFullError as e:
@@ -366,6 +386,9 @@ async def _serve(state: ServerState, request: Request, model: type[CommonRequest
         state.active -= 1
 
     runner = Runner(request, group, m, arrival, len(plan.subs), on_end=ended)
+    respond = getattr(plan, "respond", None)
+    if respond is not None:  # /v1/responses renders its own body and events (server/serving_responses.py)
+        return await respond(runner)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         usage_chunk = (lambda: plan.usage_chunk(runner.states)) if include_usage else None

@@ -22,6 +22,8 @@ _SERVER_HELP = {
                        "default: none (no CORS headers)",
     "data_parallel_size": "engine replicas (processes, each with the model and its own KV cache) behind this "
                           "server; requests go to the least loaded",
+    "responses_store_size": "/v1/responses kept in memory for previous_response_id and GET /v1/responses/{id} "
+                            "(least recently used dropped first; 0 = none kept)",
     "tool_call_parser": "tool-call format of the model family: auto (from the chat template) | smollm2 | "
                         "hermes (qwen) | llama3_json (llama3)",
     "response_role": "role of the generated chat message (vLLM's flag)",

@@ -33,6 +33,8 @@ class ServerConfig:
     # vLLM's --chat-template-content-format: message content reaches the template as a string, as
     # OpenAI's list of parts ({"type": "text", "text": ...}), or as the template reads it (auto)
     chat_template_content_format: str = "auto"
+    # /v1/responses kept in memory for previous_response_id and GET /v1/responses/{id} (LRU; 0 = none)
+    responses_store_size: int = 1024
 
     def __post_init__(self) -> None:
         for name in ("shutdown_timeout", "idle_timeout"):
@@ -49,6 +51,9 @@ class ServerConfig:
                              f"{self.chat_template_content_format!r}")
         if not isinstance(self.response_role, str) or not self.response_role.strip():
             raise ValueError("response_role must be a non-empty role name")
+        n = self.responses_store_size
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"responses_store_size must be a non-negative integer, got {n!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
         if isinstance(self.allowed_origins, str):

@@ -3,9 +3,9 @@
 
 ``violations(component, body)`` lists what a strict client would reject (empty: valid);
 ``COMPONENT_OF`` names the schema of each response shape. OpenAPI's ``nullable: true`` is read as
-JSON Schema's null type. To validate another endpoint, add its response schema to
-``extract.py``'s ``ROOTS`` (``Response``, ``ResponseStreamEvent`` and ``CreateEmbeddingResponse``
-are already there) and name it here.
+JSON Schema's null type, and a ``oneOf`` with a ``discriminator`` as ``anyOf``. To validate another
+endpoint, add its response schema to ``extract.py``'s ``ROOTS`` (``Response``, ``ResponseStreamEvent``, ``CreateEmbeddingResponse`` and
+the request bodies ``CreateResponse`` / ``CreateEmbeddingRequest`` are already there) and name it here.
 
 Two places where the published document describes less than OpenAI's own API sends, read as the API
 sends them (:data:`RELAXED`, nothing else is relaxed): the legacy completions object is also the
@@ -40,6 +40,10 @@ def _json_schema(node: Any) -> Any:
     if not isinstance(node, dict):
         return node
     out = {k: _json_schema(v) for k, v in node.items() if k != "nullable"}
+    if "discriminator" in out and "oneOf" in out:
+        # the discriminator picks the branch, so overlapping branches (a user message is both an
+        # EasyInputMessage and an Item) are not an error, as they are not for OpenAI's own SDKs
+        out["anyOf"] = out.pop("oneOf")
     if node.get("nullable") is True:
         t = out.get("type")
         if isinstance(t, str) and "$ref" not in out and not any(k in out for k in ("anyOf", "oneOf", "allOf")):

@@ -20,6 +20,8 @@ ROOTS = [
     "ListModelsResponse", "Model", "ErrorResponse",
     # /v1/responses and /v1/embeddings
     "Response", "ResponseStreamEvent", "CreateEmbeddingResponse",
+    # request bodies the tests send, checked as OpenAI's API would accept them
+    "CreateResponse", "CreateEmbeddingRequest",
 ]
 
 
