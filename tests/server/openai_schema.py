@@ -3,9 +3,10 @@
 
 ``violations(component, body)`` lists what a strict client would reject (empty: valid);
 ``COMPONENT_OF`` names the schema of each response shape. OpenAPI's ``nullable: true`` is read as
-JSON Schema's null type, and a ``oneOf`` with a ``discriminator`` as ``anyOf``. To validate another
-endpoint, add its response schema to ``extract.py``'s ``ROOTS`` (``Response``, ``ResponseStreamEvent``, ``CreateEmbeddingResponse`` and
-the request bodies ``CreateResponse`` / ``CreateEmbeddingRequest`` are already there) and name it here.
+JSON Schema's null type, and a ``oneOf`` with a ``discriminator`` as ``anyOf``. To validate
+another endpoint, add its response schema to ``extract.py``'s ``ROOTS`` (``Response``,
+``ResponseStreamEvent``, ``CreateEmbeddingResponse`` and the request bodies ``CreateResponse`` /
+``CreateEmbeddingRequest`` are already there) and name it here.
 
 Two places where the published document describes less than OpenAI's own API sends, read as the API
 sends them (:data:`RELAXED`, nothing else is relaxed): the legacy completions object is also the
