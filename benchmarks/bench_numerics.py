@@ -34,6 +34,7 @@ so a kernel for one would save at most ~20% of the int16 dot products.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import time
 from collections.abc import Callable
@@ -48,10 +49,11 @@ from ratchetlm.layers.attention import build_attention_batch
 from ratchetlm.models.loader import resolve
 
 TEXT = Path(__file__).with_name("data") / "public_domain.txt"
-Logprobs = list[tuple[torch.Tensor, torch.Tensor]]  # per window: (top-1 token [n], log p of the target [n])
+Window = tuple[torch.Tensor, torch.Tensor]  # (top-1 token [n], log p of the target token [n])
+Logprobs = list[Window]  # per window
 
 
-def window_logprobs(llm: LLM, ids: list[int], targets: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def window_logprobs(llm: LLM, ids: list[int], targets: list[int]) -> Window:
     """Teacher-forced window: (top-1 token [n], log p of the target token [n]) at its first n = len(targets)
     positions (only these are kept: full [n, vocab] log-probs of every window would take gigabytes)."""
     model = llm.engine.model
@@ -60,8 +62,20 @@ def window_logprobs(llm: LLM, ids: list[int], targets: list[int]) -> tuple[torch
     batch = build_attention_batch(torch.arange(len(ids)), [len(ids)], [torch.empty(0, dtype=torch.long)], [None],
                                   NullSink(), llm.engine.cache)
     with torch.inference_mode():
-        lp = torch.log_softmax(model.logits(model(torch.tensor(ids), batch)).double(), dim=-1)[: len(targets)]
-    return lp.argmax(-1), lp.gather(1, torch.tensor(targets)[:, None])[:, 0]
+        hidden = model(torch.tensor(ids), batch)[: len(targets)]  # [n, dim]
+    return head_logprobs(lambda r: model.logits(hidden[r]), len(targets), targets)
+
+
+def head_logprobs(logits: Callable[[slice], torch.Tensor], n: int, targets: list[int]) -> Window:
+    """(top-1 [n], log p of the target [n]) from ``logits(rows) -> [rows, vocab]``, 64 rows at a time (a
+    262k-entry vocabulary's [512, vocab] log-probs in float64 would be a gigabyte)."""
+    top, lp_t = [], []
+    with torch.inference_mode():
+        for i in range(0, n, 64):
+            lp = torch.log_softmax(logits(slice(i, min(i + 64, n))).double(), dim=-1)  # [rows, vocab]
+            top.append(lp.argmax(-1))
+            lp_t.append(lp.gather(1, torch.tensor(targets[i:i + 64])[:, None])[:, 0])
+    return torch.cat(top), torch.cat(lp_t)
 
 
 def simulate(rule: str) -> Callable[[], None]:
@@ -125,10 +139,7 @@ def llamacpp_logprobs(model: str, windows: list[tuple[list[int], list[int]]],
     for ids, targets in windows:
         llm.reset()
         llm.eval(ids)
-        logits = torch.from_numpy(llm.scores[: len(targets)].copy()).double()  # [n, vocab]
-        lp = torch.log_softmax(logits, dim=-1)
-        out.append((lp.argmax(-1), lp.gather(1, torch.tensor(targets)[:, None])[:, 0]))
-    del llm
+        out.append(head_logprobs(lambda r: torch.from_numpy(llm.scores[r]), len(targets), targets))
     return out
 
 
@@ -177,22 +188,32 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--modes", nargs="+", default=["int8", "int16"])
     ap.add_argument("--no-llamacpp", action="store_true", help="skip the llama-cpp-python column")
+    ap.add_argument("--cache", default=None, help="folder keeping each mode's per-position results for later runs")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lp: dict[str, Logprobs] = {}
     ids: list[int] = []
-    path = ""
+    path = str(resolve(args.model).path)
+    text = Path(args.text).read_text()
     for mode in ("exact", *args.modes):
+        key = Path(args.cache or ".") / (f"{Path(path).stem}-{mode}-w{args.window}-"
+                                         f"{hashlib.sha1(text.encode()).hexdigest()[:8]}.pt")
+        if args.cache and key.exists():  # an earlier run's (same file, mode, window and text)
+            ids, lp[mode] = torch.load(key)
+            print(f"{mode}: from {key}")
+            continue
         base, _, kv = mode.partition("+kv")  # MODE+kv16 / MODE+kv32: MODE with a float16 / float32 KV cache
         undo = simulate(base[4:]) if base.startswith("sim:") else (lambda: None)
         llm = LLM(args.model, progress=False, numerics="exact" if base.startswith("sim:") else base,
                   kv_cache_blocks=16, kv_cache_dtype={"": "auto", "16": "float16", "32": "float32"}[kv])
-        path = str(resolve(args.model).path)
-        ids = llm.encode(Path(args.text).read_text())
+        ids = llm.encode(text)
         t = time.perf_counter()
         lp[mode] = [window_logprobs(llm, ids[s:s + args.window], ids[s + 1:s + 1 + args.window])
                     for s in range(0, len(ids) - 1, args.window)]
         print(f"{mode}: {len(ids)} tokens in {time.perf_counter() - t:.1f} s")
+        if args.cache:
+            key.parent.mkdir(parents=True, exist_ok=True)
+            torch.save((ids, lp[mode]), key)
         undo()
         del llm
     rows = {mode: distance(lp["exact"], lp[mode]) for mode in args.modes}
