@@ -219,7 +219,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return LLMEngine(cfg, llm.engine.model, llm.model_config, tokenizer=llm.tokenizer)
 
     engines: dict[str, Any] = {"AR": engine(None), **{name: engine(opts) for name, opts in configs.items()}}
-    ctx = 8192
+    questions = load_questions()
+    rng = random.Random(a.seed)
+    sample = {g: rng.sample(questions[g], min(a.per_group, len(questions[g]))) for g in a.groups}
+    # llama.cpp's context: the longest case (every turn, each earlier answer at most max_tokens) and margin;
+    # no larger (with a draft model llama-cpp-python keeps logits for every context position: ctx x vocab)
+    ctx = 64 + max(len(prompts.ids(q["turns"], [""] * (len(q["turns"]) - 1))) + len(q["turns"]) * a.max_tokens
+                   for qs in sample.values() for q in qs)
     if a.llamacpp:
         try:
             engines["llama.cpp"] = LlamaCpp(path, a.threads, ctx, False, a.pld_tokens)
@@ -231,9 +237,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         e = engines[label]
         return e.run(ids, a.max_tokens) if isinstance(e, LlamaCpp) else run_case(e, ids, params)
 
-    questions = load_questions()
-    rng = random.Random(a.seed)
-    sample = {g: rng.sample(questions[g], min(a.per_group, len(questions[g]))) for g in a.groups}
     warm = prompts.ids([questions["qa"][-1]["turns"][0]], [])  # a question no sample of size < 80 takes first
     for label in engines:
         go(label, warm[:64])

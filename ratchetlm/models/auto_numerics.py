@@ -1,12 +1,13 @@
 """What ``numerics="auto"`` runs a model in, and the one start-up line that says why.
 
 Three tiers (docs/models.md#numerics-tiers): ``exact`` (HF-identical), ``int16`` (closer to exact than
-llama.cpp: top-1 agreement >= 99.8% on the real models), ``int8`` (llama.cpp-grade: no farther from exact
+llama.cpp: top-1 agreement 99.95% with exact on both real models), ``int8`` (llama.cpp-grade: no farther from exact
 than llama-cpp-python on the same file, benchmarks/bench_numerics.py). All three are batch invariant
 (speculative == plain, alone == batched). ``auto`` picks, for a quantized GGUF on a CPU whose integer
 kernels have a vector form, the fastest mode measured llama.cpp-grade on a real model of that weight
-format: int8 where one was measured grade (it does half the integer work of int16: prefill 1.1-1.6x
-int16's on the 1B files, README), int16 for every other format (random-weight files say nothing about
+format: int8 where one was measured grade (half the integer work of int16: a 512-token prefill 1.28x
+int16's speed on Gemma 3 270M, 1.55-1.65x on the 1B files, decode at batch 1 1.00-1.06x: docs/models.md,
+README), int16 for every other format (random-weight files say nothing about
 quality, so no format gets int8 without a real model measured). Everything else runs exact.
 """
 
@@ -22,11 +23,14 @@ from typing import Any
 FAST_INT_ISAS = ("avx512vnni", "avx2")
 
 # int8 per GGUF weight format (general.file_type), where a real model of that format measured llama.cpp-grade
-# in int8: benchmarks/bench_numerics.py (2097 teacher-forced positions of benchmarks/data/public_domain.txt,
-# each run against exact; llama-cpp-python 0.3.16 on the same file, ids and windows), 2026-11-28:
-#   Q4_K_M  Gemma 3 270M: llama-cpp-python 92.87% top-1 / 0.173 mean |d log p| / +2.3% perplexity;
-#           int8 94.87% / 0.115 / -0.6% (grade); int16 99.85%
-#   Q4_1    SmolLM2-135M (the default): llama-cpp-python 96.14% / 0.066 / +0.21%; int8 96.04% / 0.067 / +0.42%
+# in int8: `benchmarks/bench_numerics.py [--model FILE]` (teacher-forced windows of 512 over
+# benchmarks/data/public_domain.txt, each run against exact; llama-cpp-python 0.3.36 on the same file,
+# token ids, windows and threads), 2026-11-28, top-1 agreement / mean |d log p| / perplexity change:
+#   Q4_K_M  Gemma 3 270M, 2048 positions: llama-cpp-python 92.29% / 0.169 / +0.47%; int8 93.99% / 0.120 /
+#           +0.08% (grade on all three); int16 99.95% / 0.0017 / -0.01%
+#   Q4_1    SmolLM2-135M-Instruct (the default model), 2097 positions: llama-cpp-python 95.18% / 0.0716 /
+#           +0.49%; int8 94.95% / 0.0699 / +0.53% (grade: 0.23 pp more top-1 disagreement, within the 0.5 pp
+#           tolerance); int16 99.95% / 0.0009 / -0.00%
 INT8_GRADE_FILE_TYPES: dict[str, str] = {"Q4_K_M": "Gemma 3 270M", "Q4_1": "SmolLM2-135M-Instruct"}
 OTHER_FORMATS = "int16"  # closer to exact than llama.cpp on every file measured
 
