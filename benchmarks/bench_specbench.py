@@ -127,8 +127,10 @@ class LlamaCpp:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         draft = LlamaPromptLookupDecoding(num_pred_tokens=pld_tokens) if pld else None
+        # logits_all with the draft: llama-cpp-python forces it on then but sizes its logits buffer from the
+        # argument (n_batch rows), which overflows once a draft is verified past position n_batch (0.3.36)
         self.llm = llama_cpp.Llama(model_path=path, n_ctx=ctx, n_threads=threads, n_threads_batch=threads,
-                                   draft_model=draft, verbose=False)
+                                   draft_model=draft, logits_all=pld, verbose=False)
         self.eos = self.llm.token_eos()
 
     def run(self, prompt: list[int], max_tokens: int) -> Run:
@@ -254,8 +256,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 cases.append(case)
                 ar = case.runs["AR"]
                 cells = "  ".join(f"{k} {len(r.tokens) / r.seconds:.1f}" for k, r in case.runs.items())
+                mals = "  ".join(f"{k} MAL {r.decode_tokens / max(r.decode_forwards, 1):.2f}"
+                                 f"{'' if r.tokens == ar.tokens else ' (differs)'}"
+                                 for k, r in case.runs.items() if k in configs)
                 print(f"  {g} q{q['question_id']} turn {turn + 1}: {len(case.prompt)} prompt tokens, "
-                      f"{len(ar.tokens)} out, tok/s {cells}", flush=True)
+                      f"{len(ar.tokens)} out, tok/s {cells}; {mals}", flush=True)
                 answers.append(llm.tokenizer.decode(ar.tokens, skip_special_tokens=True))
     rows = report(cases, list(configs), a.groups, "llama.cpp" in engines)
     return {"cases": cases, "rows": rows, "numerics": llm.config.numerics, "chat": chat, "llm": llm}
