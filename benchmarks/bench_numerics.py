@@ -1,10 +1,17 @@
-"""Quality gates of the integer numerics modes against the exact mode (issue 14), teacher-forced.
+"""Quality of the integer numerics modes against the exact mode, beside llama-cpp-python's, teacher-forced.
 
 Feeds a fixed real text (benchmarks/data/public_domain.txt: classic public-domain passages) through
-the model in windows of ``--window`` tokens, once per mode, and compares each integer mode's
-next-token distributions with the exact mode's at every position: top-1 agreement (gate >= 99%),
-mean |log p_mode(t) - log p_exact(t)| of the actual next token t (gate <= 0.02) and perplexity
-(gate: within 1%).
+the model in windows of ``--window`` tokens, once per mode, and compares each mode's next-token
+distributions with the exact mode's at every position: top-1 agreement, mean |log p_mode(t) -
+log p_exact(t)| of the actual next token t, and perplexity. llama-cpp-python (optional: skipped when
+not installed, or with ``--no-llamacpp``) runs the same file on the same token ids, windows and
+threads (``logits_all=True``) and is compared with exact the same way.
+
+The gate (issue 37): a mode is **llama.cpp-grade** on a file when each of its three distances from exact
+is no larger than llama-cpp-python's, within a tolerance for measurement noise: top-1 disagreement at
+most llama.cpp's + 0.5 percentage point, mean |d log p| at most llama.cpp's x 1.10, |perplexity change| at
+most llama.cpp's + 0.5% of perplexity. Printed too: the older near-exact gates (issue 14: top-1 >= 99%,
+mean |d log p| <= 0.02, perplexity within 1%), which int16 meets and int8 does not.
 
     python benchmarks/bench_numerics.py [--model PATH.gguf] [--modes int8 int16] [--threads 2]
 
@@ -27,9 +34,11 @@ so a kernel for one would save at most ~20% of the int16 dot products.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,11 +46,14 @@ import torch
 from ratchetlm import LLM
 from ratchetlm.kv.sink import NullSink
 from ratchetlm.layers.attention import build_attention_batch
+from ratchetlm.models.loader import resolve
 
 TEXT = Path(__file__).with_name("data") / "public_domain.txt"
+Window = tuple[torch.Tensor, torch.Tensor]  # (top-1 token [n], log p of the target token [n])
+Logprobs = list[Window]  # per window
 
 
-def window_logprobs(llm: LLM, ids: list[int], targets: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def window_logprobs(llm: LLM, ids: list[int], targets: list[int]) -> Window:
     """Teacher-forced window: (top-1 token [n], log p of the target token [n]) at its first n = len(targets)
     positions (only these are kept: full [n, vocab] log-probs of every window would take gigabytes)."""
     model = llm.engine.model
@@ -50,8 +62,20 @@ def window_logprobs(llm: LLM, ids: list[int], targets: list[int]) -> tuple[torch
     batch = build_attention_batch(torch.arange(len(ids)), [len(ids)], [torch.empty(0, dtype=torch.long)], [None],
                                   NullSink(), llm.engine.cache)
     with torch.inference_mode():
-        lp = torch.log_softmax(model.logits(model(torch.tensor(ids), batch)).double(), dim=-1)[: len(targets)]
-    return lp.argmax(-1), lp.gather(1, torch.tensor(targets)[:, None])[:, 0]
+        hidden = model(torch.tensor(ids), batch)[: len(targets)]  # [n, dim]
+    return head_logprobs(lambda r: model.logits(hidden[r]), len(targets), targets)
+
+
+def head_logprobs(logits: Callable[[slice], torch.Tensor], n: int, targets: list[int]) -> Window:
+    """(top-1 [n], log p of the target [n]) from ``logits(rows) -> [rows, vocab]``, 64 rows at a time (a
+    262k-entry vocabulary's [512, vocab] log-probs in float64 would be a gigabyte)."""
+    top, lp_t = [], []
+    with torch.inference_mode():
+        for i in range(0, n, 64):
+            lp = torch.log_softmax(logits(slice(i, min(i + 64, n))).double(), dim=-1)  # [rows, vocab]
+            top.append(lp.argmax(-1))
+            lp_t.append(lp.gather(1, torch.tensor(targets[i:i + 64])[:, None])[:, 0])
+    return torch.cat(top), torch.cat(lp_t)
 
 
 def simulate(rule: str) -> Callable[[], None]:
@@ -95,6 +119,67 @@ def simulate(rule: str) -> Callable[[], None]:
     return undo
 
 
+# llama.cpp-grade tolerances (see the module doc): top-1 disagreement in percentage points, mean |d log p| as
+# a factor of llama.cpp's, |perplexity change| in percent of perplexity
+TOL_TOP1_PP, TOL_DLOG, TOL_PPL_PCT = 0.5, 1.10, 0.5
+
+
+def llamacpp_logprobs(model: str, windows: list[tuple[list[int], list[int]]],
+                      threads: int) -> Logprobs | None:
+    """llama-cpp-python's teacher-forced (top-1, log p of the target) per window, on the same token ids
+    (no BOS added: the ids are ratchetlm's, as fed to every mode); None where it is not installed."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    width = max(len(ids) for ids, _ in windows)
+    llm = llama_cpp.Llama(model_path=model, n_ctx=width, n_batch=width, n_ubatch=width, n_threads=threads,
+                          n_threads_batch=threads, logits_all=True, verbose=False)
+    out = []
+    for ids, targets in windows:
+        llm.reset()
+        llm.eval(ids)
+        out.append(head_logprobs(lambda r: torch.from_numpy(llm.scores[r]), len(targets), targets))
+    return out
+
+
+@dataclass(frozen=True)
+class Distance:
+    """One run's distance from exact over n positions."""
+
+    n: int
+    top1: float  # agreement with exact's top-1, in [0, 1]
+    dlog: float  # mean |log p - log p_exact| of the actual next token
+    ppl_exact: float
+    ppl: float
+
+    @property
+    def ppl_change(self) -> float:  # relative, e.g. 0.0042 = +0.42%
+        return self.ppl / self.ppl_exact - 1
+
+    def near_exact(self) -> bool:
+        """The near-exact gates of issue 14 (the int16 tier)."""
+        return self.top1 >= 0.99 and self.dlog <= 0.02 and abs(self.ppl_change) <= 0.01
+
+    def llamacpp_grade(self, ref: Distance) -> bool:
+        """No farther from exact than llama-cpp-python (``ref``) on each measure, within the tolerances."""
+        return (100 * (1 - self.top1) <= 100 * (1 - ref.top1) + TOL_TOP1_PP
+                and self.dlog <= ref.dlog * TOL_DLOG
+                and 100 * abs(self.ppl_change) <= 100 * abs(ref.ppl_change) + TOL_PPL_PCT)
+
+
+def distance(exact: Logprobs, other: Logprobs) -> Distance:
+    agree = n = 0
+    dlog = nll_e = nll_i = 0.0
+    for (top_e, pe), (top_q, pq) in zip(exact, other, strict=True):
+        agree += int((top_e == top_q).sum())
+        dlog += float((pe - pq).abs().sum())
+        nll_e -= float(pe.sum())
+        nll_i -= float(pq.sum())
+        n += len(pe)
+    return Distance(n, agree / n, dlog / n, math.exp(nll_e / n), math.exp(nll_i / n))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="GGUF file (default: the bundled SmolLM2-135M-Instruct)")
@@ -102,36 +187,63 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--modes", nargs="+", default=["int8", "int16"])
+    ap.add_argument("--no-llamacpp", action="store_true", help="skip the llama-cpp-python column")
+    ap.add_argument("--cache", default=None, help="folder keeping each mode's per-position results for later runs")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    lp: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    lp: dict[str, Logprobs] = {}
     ids: list[int] = []
+    path = str(resolve(args.model).path)
+    text = Path(args.text).read_text()
     for mode in ("exact", *args.modes):
+        key = Path(args.cache or ".") / (f"{Path(path).stem}-{mode}-w{args.window}-"
+                                         f"{hashlib.sha1(text.encode()).hexdigest()[:8]}.pt")
+        if args.cache and key.exists():  # an earlier run's (same file, mode, window and text)
+            ids, lp[mode] = torch.load(key)
+            print(f"{mode}: from {key}")
+            continue
         base, _, kv = mode.partition("+kv")  # MODE+kv16 / MODE+kv32: MODE with a float16 / float32 KV cache
         undo = simulate(base[4:]) if base.startswith("sim:") else (lambda: None)
         llm = LLM(args.model, progress=False, numerics="exact" if base.startswith("sim:") else base,
                   kv_cache_blocks=16, kv_cache_dtype={"": "auto", "16": "float16", "32": "float32"}[kv])
-        ids = llm.tokenize(Path(args.text).read_text())
+        ids = llm.tokenize(text, add_special_tokens=False)  # as measured in docs/benchmarks.md (no BOS)
         t = time.perf_counter()
         lp[mode] = [window_logprobs(llm, ids[s:s + args.window], ids[s + 1:s + 1 + args.window])
                     for s in range(0, len(ids) - 1, args.window)]
         print(f"{mode}: {len(ids)} tokens in {time.perf_counter() - t:.1f} s")
+        if args.cache:
+            key.parent.mkdir(parents=True, exist_ok=True)
+            torch.save((ids, lp[mode]), key)
         undo()
         del llm
-    for mode in args.modes:
-        agree = n = 0
-        dlog = nll_e = nll_i = 0.0
-        for (top_e, pe), (top_q, pq) in zip(lp["exact"], lp[mode], strict=True):
-            agree += int((top_e == top_q).sum())
-            dlog += float((pe - pq).abs().sum())
-            nll_e -= float(pe.sum())
-            nll_i -= float(pq.sum())
-            n += len(pe)
-        ppl_e, ppl_i = math.exp(nll_e / n), math.exp(nll_i / n)
-        ok = agree / n >= 0.99 and dlog / n <= 0.02 and abs(ppl_i / ppl_e - 1) <= 0.01
-        print(f"{mode} vs exact over {n} positions (windows of {args.window}): top-1 agreement "
-              f"{100 * agree / n:.2f}% (>= 99%), mean |d log p| {dlog / n:.4f} (<= 0.02), perplexity exact "
-              f"{ppl_e:.3f} {mode} {ppl_i:.3f} ratio {ppl_i / ppl_e:.4f} (within 1%): {'PASS' if ok else 'FAIL'}")
+    rows = {mode: distance(lp["exact"], lp[mode]) for mode in args.modes}
+    ref = None
+    if not args.no_llamacpp:
+        t = time.perf_counter()
+        w = args.window
+        got = llamacpp_logprobs(path, [(ids[s:s + w], ids[s + 1:s + 1 + w]) for s in range(0, len(ids) - 1, w)],
+                                args.threads)
+        if got is None:
+            print("llama-cpp-python is not installed (pip install 'ratchetlm[llamacpp]'): no llama.cpp-grade verdict")
+        else:
+            print(f"llama.cpp: {len(ids)} tokens in {time.perf_counter() - t:.1f} s")
+            ref = distance(lp["exact"], got)
+    n = next(iter(rows.values())).n if rows else (ref.n if ref else 0)
+    print(f"\n{Path(path).name}: {n} positions (windows of {args.window}), each row against ratchetlm's exact mode "
+          f"(perplexity {next(iter(rows.values())).ppl_exact if rows else float('nan'):.3f})")
+    print(f"| {'run':<16} | top-1 agreement | mean abs d log p | perplexity change | near-exact (issue 14) | "
+          f"llama.cpp-grade |")
+    print(f"|{'-' * 18}|-----------------|------------------|-------------------|-----------------------|"
+          f"-----------------|")
+    for name, d in ([("llama-cpp-python", ref)] if ref else []) + list(rows.items()):
+        grade = "(the anchor)" if d is ref else "n/a" if ref is None else "yes" if d.llamacpp_grade(ref) else "NO"
+        print(f"| {name:<16} | {100 * d.top1:14.2f}% | {d.dlog:16.4f} | {100 * d.ppl_change:+16.2f}% | "
+              f"{'PASS' if d.near_exact() else 'FAIL':<21} | {grade:<15} |")
+    if ref is not None:
+        print(f"llama.cpp-grade: top-1 disagreement <= {100 * (1 - ref.top1):.2f} + {TOL_TOP1_PP} pp, "
+              f"mean |d log p| <= {ref.dlog:.4f} x {TOL_DLOG}, "
+              f"|perplexity change| <= {100 * abs(ref.ppl_change):.2f} + {TOL_PPL_PCT}%")
+
 
 if __name__ == "__main__":
     main()

@@ -96,7 +96,7 @@ def section_parity(args: argparse.Namespace, clock: Clock, dev: torch.device, mo
     prompts = id_prompts(4, 24, llm.model_config.vocab_size, 7)
     if models.specs[name]["real"]:
         texts = ["The capital of France is", "def fibonacci(n):", "Water boils at", "Once upon a time, a fox"]
-        prompts = [llm.encode(t) for t in texts]
+        prompts = [llm.tokenize(t) for t in texts]
     eng = engine_on(llm, dev, "float32")
     alone = [run_ours(eng, [p], n, dev)[0][0] for p in prompts]
     batched = run_ours(eng, prompts, n, dev)[0]

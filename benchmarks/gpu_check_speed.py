@@ -154,7 +154,8 @@ def section_spec_bench(args: argparse.Namespace, clock: Clock, dev: torch.device
         res["note"] = "random weights: acceptance says nothing about a real model; identity and overheads do"
     llm = models.ours(name, "float32")
     chat = getattr(llm.tokenizer, "chat_template", None) is not None
-    prompts = [llm.encode(llm.apply_chat_template([{"role": "user", "content": t}]) if chat else t) for t in texts]
+    prompts = [llm.tokenize(llm.apply_chat_template([{"role": "user", "content": t}]), add_special_tokens=False) if chat
+               else llm.tokenize(t) for t in texts]
     configs = {"plain AR": None, "speculative default": DEFAULT_SPEC, "speculative tree 3x4": TREE_SPEC}
     engines = {k: engine_on(llm, dev, "float32", v) for k, v in configs.items()}
     for eng in engines.values():

@@ -3,7 +3,8 @@
 Each engine runs in its own process (so load time and peak RSS are its own) on the same token ids,
 the same number of threads and the same KV budget:
 
-* ``ratchetlm``: the engine's defaults (``numerics="auto"``: int16 on a quantized GGUF);
+* ``ratchetlm``: the engine's defaults (``numerics="auto"``: int8 or int16 on a quantized GGUF, by
+  weight format: models/auto_numerics.py);
 * ``ratchetlm-exact``: fp32 activations times the exactly dequantized blocks (HF-identical tokens);
 * ``ratchetlm-dense``: ``gguf_kernels=False``, a dense fp32 copy multiplied by BLAS (the path
   before the block kernels took every row count: a baseline for prefill);

@@ -39,8 +39,9 @@ _ENGINE_HELP = {
     "decoding": "decoding strategy: autoregressive | speculative | wedlm",
     "decoding_options": "JSON object of strategy options",
     "gguf_kernels": "CPU fp32: GGUF (and 16-bit HF) weights stay in stored form, matmuls read them (true/false)",
-    "numerics": "CPU block kernels: auto (int16 for a quantized GGUF on an AVX2 / AVX-512 CPU, else exact) | "
-                "exact (fp32 activations, HF-identical) | int8 | int16 (integer activations, VNNI dot products)",
+    "numerics": "CPU block kernels: auto (a quantized GGUF on an AVX2 / AVX-512 CPU: int8 for weight formats "
+                "measured llama.cpp-grade in it, else int16; exact otherwise) | exact (fp32 activations, "
+                "HF-identical) | int8 (llama.cpp-grade) | int16 (closer to exact than llama.cpp)",
     "kv_cache_dtype": "KV cache element type: auto (float16 in the int8/int16 numerics, else the run dtype) | "
                       "float32 | float16 (half the KV memory and attention reads; K/V rounded to half as written)",
     "seed": "global RNG seed for unseeded sampling",

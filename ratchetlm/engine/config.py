@@ -47,8 +47,9 @@ class EngineConfig:
     # CPU block kernels: "exact" = fp32 activations times the exactly dequantized weights (HF-identical);
     # "int8" / "int16" = activations quantized per row in blocks of 32 to 8 / 16 bits, integer (VNNI)
     # dot products with the weights' int8 values: faster, batch-invariant like the exact mode, not
-    # HF-identical (quality vs exact: docs/architecture.md); "auto" = int16 for a quantized GGUF on CPU
-    # in fp32 with AVX2 or AVX-512 (the fastest mode meeting the quality gates, README), exact otherwise
+    # HF-identical (quality vs exact: docs/models.md#numerics-tiers); "auto" = for a quantized GGUF on CPU
+    # in fp32 with AVX2 or AVX-512, the fastest mode measured llama.cpp-grade for its weight format (int8 or
+    # int16: models/auto_numerics.py), exact otherwise
     numerics: str = "auto"
     # the KV cache's element type. "float16" (llama.cpp's default) halves the cache's memory and the bytes
     # attention reads a step, each K/V value rounded to half once, as it is written (attention reads a

@@ -80,6 +80,8 @@ class LLM:
             if parallel is not None:
                 parallel.wait_ready()
             self.config = self.config.with_model_numerics(loaded.model)
+            log.info("%s", loaded.numerics.describe())  # once per engine: which numerics, and why
+            self.numerics_description = loaded.numerics.describe()
             self.tokenizer, tok_source = loaded.tokenizer, loaded.source
             other = None if extras.get("tokenizer") is None else \
                 other_tokenizer(str(extras["tokenizer"]), loaded.source, loaded.config.vocab_size)

@@ -10,6 +10,7 @@ import torch
 
 from ratchetlm import kernels
 from ratchetlm.engine.host_memory import available_bytes
+from ratchetlm.models.auto_numerics import FAST_INT_ISAS, NumericsChoice, choose_auto, file_type
 from ratchetlm.models.config import ModelConfig
 from ratchetlm.models.deepseek_v4.loader import is_deepseek_v4_folder
 from ratchetlm.models.gguf_arch import gguf_config
@@ -37,17 +38,7 @@ class LoadedModel:
     config: Any  # ModelConfig / DeepseekV4Config
     tokenizer: Any
     source: ModelSource
-
-
-# what numerics="auto" runs a quantized GGUF in: the fastest mode that meets the quality gates
-# (README: int8 fails them on the default model, int16 passes on it and on a 1B file and is faster than
-# exact at every row count measured) where the integer kernels have a vector form (FAST_INT_ISAS)
-AUTO_NUMERICS = "int16"
-# AVX512-VNNI: faster than exact at every row count. AVX2 (vpmaddubsw): decode ~4x exact's speed
-# (an AVX2 build of the kernels on this machine: bundled model 184 vs 43 tok/s, 1B Q4_K_M 33.6 vs
-# 7.6), prefill 0.4-0.6x (233 vs 610, 47 vs 78 tok/s): generation is mostly decode, so int16. The
-# portable C loop (no AVX2) has no vector dot product: 3x slower than exact at decode, 20x at prefill.
-FAST_INT_ISAS = ("avx512vnni", "avx2")
+    numerics: NumericsChoice  # the mode the model runs in, and why (the engine logs it once)
 
 
 def load_model(
@@ -67,9 +58,9 @@ def load_model(
     multiplies them through the block kernels; otherwise (or without a C compiler) every tensor is
     dequantized to a dense copy in ``dtype``. ``numerics="int8"`` / ``"int16"``: those block weights
     that have integer values multiply integer activations (layers/block_quant.py); a model with none
-    is refused. ``"auto"``: ``AUTO_NUMERICS`` where some weights have integer values (a quantized
-    GGUF on CPU in fp32) and the kernels' integer dot product is one of ``FAST_INT_ISAS``, else ``"exact"``
-    (the model's ``numerics`` says which).
+    is refused. ``"auto"``: models/auto_numerics.py chooses, by the GGUF's weight format, where some
+    weights have integer values (a quantized GGUF on CPU in fp32) and the kernels' integer dot product
+    is one of ``FAST_INT_ISAS``, else ``"exact"`` (the model's ``numerics`` says which).
     ``tp_rank`` of ``tp_size``: load only that tensor-parallel rank's slice (parallel/shard.py); its
     collectives run over ``tp_group``."""
     source = resolve(ref)
@@ -82,7 +73,8 @@ def load_model(
             raise ModelLoadError(f"numerics={numerics!r} needs GGUF block weights; DeepSeek-V4 folders run in "
                                  "'exact' only")
         v4 = load_deepseek_v4(source.path, dtype=dtype).to(device)
-        return LoadedModel(v4, v4.config, load_tokenizer(source), source)
+        why = "auto: DeepSeek-V4 runs in exact only" if numerics == "auto" else "as requested"
+        return LoadedModel(v4, v4.config, load_tokenizer(source), source, NumericsChoice("exact", why))
     reader, cfg = _read_config(source)
     tokenizer = load_tokenizer(source)
     mask_id = mask_token_id if mask_token_id is not None else cfg.mask_token_id
@@ -112,16 +104,18 @@ def load_model(
         model.load_hf_weights(iter_hf_weights(source.path, progress, skip=in_blocks))
     model = model.to(device=device).eval()
     fast_int = kernels.int8_isa() in FAST_INT_ISAS
-    if numerics == "auto":  # the integer mode where the weights have integer values and it is fast, else exact
-        numerics = AUTO_NUMERICS if fast_int and in_blocks and model.set_numerics(AUTO_NUMERICS) > 0 else "exact"
-        model.set_numerics(numerics)
+    choice = NumericsChoice(numerics, "as requested")
+    if numerics == "auto":  # by weight format, where the weights have integer values and the kernels are fast
+        has_int = bool(in_blocks) and model.set_numerics("int16") > 0
+        choice = choose_auto(file_type(reader), has_int, kernels.int8_isa())
+        model.set_numerics(choice.numerics)
     elif numerics != "exact" and model.set_numerics(numerics) == 0:
         raise ModelLoadError(f"numerics={numerics!r} needs quantized GGUF block weights on CPU in fp32 with the "
                              f"kernels built; {source.path} has none here (use numerics='exact')")
     elif numerics != "exact" and not fast_int:
         log.warning("numerics=%r runs the portable integer kernels on this CPU (no AVX2): expect it several "
                     "times slower than numerics='exact', the default here", numerics)
-    return LoadedModel(model, cfg, tokenizer, source)
+    return LoadedModel(model, cfg, tokenizer, source, choice)
 
 
 def _dense_reason(stored_form: bool) -> str:

@@ -158,30 +158,58 @@ def test_wedlm_equals_its_no_cache_reference_in_int8(tmp_path, numerics):
 
 
 def test_default_numerics_is_the_integer_mode_where_the_weights_have_integers(llm_default, llm_fp32, tmp_path):
-    """numerics="auto" (the default) runs a quantized GGUF on CPU in int16 and anything without integer
-    weights (an fp32 HF folder, the dense path) in exact; the engine's config and cache names say which."""
-    from ratchetlm.models.registry import AUTO_NUMERICS, FAST_INT_ISAS
+    """numerics="auto" (the default) runs a quantized GGUF on CPU in the mode its weight format's table entry
+    names (the bundled Q4_1 file: models/auto_numerics.py) and anything without integer weights (an fp32 HF
+    folder, the dense path) in exact; the engine's config and cache names say which."""
+    from ratchetlm.models.auto_numerics import FAST_INT_ISAS, INT8_GRADE_FILE_TYPES, OTHER_FORMATS
 
     from ..wedlm.factory import make_tiny_wedlm_folder
 
-    assert EngineConfig().numerics == "auto" and AUTO_NUMERICS == "int16"
+    assert EngineConfig().numerics == "auto"
     if kernels.int8_isa() not in FAST_INT_ISAS:
         pytest.skip("auto keeps exact where the integer kernels have no vector form (next test)")
-    assert llm_default.config.numerics == "int16" == llm_default.engine.cfg.numerics
+    mode = "int8" if "Q4_1" in INT8_GRADE_FILE_TYPES else OTHER_FORMATS
+    assert llm_default.config.numerics == mode == llm_default.engine.cfg.numerics
+    assert llm_default.numerics_description.startswith(f"numerics={mode} (auto: Q4_1 weights")
     mods = [m for m in llm_default.engine.model.modules() if isinstance(m, Linear) and m.blocks is not None]
-    assert mods and all(m.numerics == "int16" for m in mods)
+    assert mods and all(m.numerics == mode for m in mods)
     assert all(layer.fixed_order_attention for layer in llm_default.engine.model.layers)
-    assert llm_default.engine.kv_identity()["numerics"] == "int16" != llm_fp32.engine.kv_identity()["numerics"]
+    assert llm_default.engine.kv_identity()["numerics"] == mode != llm_fp32.engine.kv_identity()["numerics"]
     path, _ = make_tiny_wedlm_folder(tmp_path / "tiny")  # fp32 safetensors: nothing to run in integers
     folder = LLM(str(path), dtype="float32", progress=False, max_model_len=64, kv_cache_blocks=8)
     assert folder.config.numerics == "exact"
+    assert folder.numerics_description == "numerics=exact (auto: no quantized block weights here)"
     assert not any(layer.fixed_order_attention for layer in folder.engine.model.layers)
     dense = LLM(dtype="float32", progress=False, gguf_kernels=False, kv_cache_blocks=8)
     assert dense.config.numerics == "exact"
     # an engine built on a loaded model takes the model's mode
     eng = LLMEngine(EngineConfig(dtype="float32", progress=False, kv_cache_blocks=8), llm_default.engine.model,
                     llm_default.model_config)
-    assert eng.cfg.numerics == "int16"
+    assert eng.cfg.numerics == mode
+
+
+def test_auto_numerics_goes_by_weight_format():
+    """int8 only for the weight formats a real model measured llama.cpp-grade in (the table), int16 for every
+    other quantized format, exact without integer weights or a vector integer kernel; the GGUF's
+    general.file_type names the format as llama.cpp does."""
+    from ratchetlm.models.auto_numerics import INT8_GRADE_FILE_TYPES, choose_auto, file_type
+
+    class Reader(dict):  # GGUFFile.get
+        pass
+
+    assert file_type(Reader({"general.file_type": 15})) == "Q4_K_M"
+    assert file_type(Reader({"general.file_type": 3})) == "Q4_1"
+    assert file_type(Reader({"general.file_type": 7})) == "Q8_0"
+    assert file_type(Reader({"general.file_type": 9999})) == "file type 9999"
+    assert file_type(Reader()) is None and file_type(None) is None
+    for fmt in INT8_GRADE_FILE_TYPES:
+        c = choose_auto(fmt, True, "avx512vnni")
+        assert c.numerics == "int8" and fmt in c.describe() and INT8_GRADE_FILE_TYPES[fmt] in c.describe()
+    assert "Q8_0" not in INT8_GRADE_FILE_TYPES  # no real Q8_0 model measured: int16
+    assert choose_auto("Q8_0", True, "avx2").numerics == "int16"
+    assert choose_auto(None, True, "avx2").numerics == "int16"
+    assert choose_auto("Q4_K_M", False, "avx512vnni").numerics == "exact"
+    assert choose_auto("Q4_K_M", True, "scalar").numerics == "exact"
 
 
 def test_default_numerics_is_exact_without_a_vector_integer_kernel(monkeypatch, caplog):

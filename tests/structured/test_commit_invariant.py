@@ -132,7 +132,7 @@ def recompute_kv(llm, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def assert_invariant_holds(llm, specs: list[S], prompt: str) -> None:
-    prompt_ids = [llm.encode(prompt)] * len(specs)
+    prompt_ids = [llm.tokenize(prompt)] * len(specs)
     params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured=s) for s in specs]
     results = []
     for decoding, opts, jf in MODES:

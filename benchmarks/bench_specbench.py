@@ -1,0 +1,316 @@
+"""Spec-Bench on a CPU: speculative decoding against plain AR decoding in the same numerics mode, per group.
+
+Spec-Bench (hemingkx/Spec-Bench, Apache-2.0; the question file and its license are in
+benchmarks/data/spec_bench/) holds 480 questions in six groups of 80: multi-turn conversation (MT-bench:
+the first turn, then the second turn after the model's own first answer), translation, summarization,
+question answering, mathematical reasoning and retrieval-augmented generation. ``--per-group N`` questions
+of each group (a seeded sample, the same for every config) run greedy for ``--max-tokens`` tokens at
+batch 1, in one process, each case through plain AR and then every speculative config on the same
+model (interleaved: load drift on a shared machine hits all alike; engines are kept across cases, as
+a server keeps them, after one warm-up case each).
+
+Per group and config: **MAL** (mean accepted length: tokens committed per target forward after the
+first token, 1.00 for AR; Spec-Bench's "mean accepted tokens"; vLLM's counter in
+decoding/speculative/stats.py counts only steps that carried a draft, so it reads higher), **speed-up**
+(total tokens over total seconds, request to last token, against AR's on the same cases) and **greedy
+identity** (cases whose tokens equal AR's). Overall: the same aggregate over every case, and the median
+of the per-case speed-ups. ``--llamacpp``: the same token ids through llama-cpp-python on the same file
+and threads, plain and with its prompt-lookup draft (``LlamaPromptLookupDecoding``); those columns
+compare decode-phase tokens/s (after the first token) of the config with llama.cpp's.
+
+    python benchmarks/bench_specbench.py [--model FILE.gguf] [--numerics auto] [--configs default ngram]
+        [--per-group 3] [--max-tokens 128] [--chat | --no-chat] [--llamacpp] [--threads 2]
+
+``--configs``: ``default`` (the ``speculative`` strategy's default options) or any registered proposer
+name (``ngram``, ``eagle``, ...: decoding/speculative/proposers.py), optionally with options,
+``ngram:depth=4,num_candidates=3``. ``--chat`` (the default where the file has a chat template) formats
+each turn with it; ``--no-chat`` sends plain text (base models such as Gemma 3 270M).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ratchetlm import LLM  # noqa: E402
+from ratchetlm.engine.config import EngineConfig  # noqa: E402
+from ratchetlm.engine.llm_engine import LLMEngine  # noqa: E402
+from ratchetlm.models.gguf_file import GGUFFile  # noqa: E402
+from ratchetlm.models.loader import resolve  # noqa: E402
+from ratchetlm.sampling_params import SamplingParams  # noqa: E402
+
+QUESTIONS = Path(__file__).with_name("data") / "spec_bench" / "question.jsonl"
+# Spec-Bench's six groups: its categories, MT-bench's eight folded into one multi-turn group
+GROUPS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+SINGLE = {"translation", "summarization", "qa", "math_reasoning", "rag"}
+
+
+def load_questions(path: Path = QUESTIONS) -> dict[str, list[dict[str, Any]]]:
+    """Group -> questions (``turns``: one, or two for mt_bench), in file order."""
+    out: dict[str, list[dict[str, Any]]] = {g: [] for g in GROUPS}
+    for line in path.read_text().splitlines():
+        q = json.loads(line)
+        out[q["category"] if q["category"] in SINGLE else "mt_bench"].append(q)
+    return out
+
+
+def parse_config(text: str) -> tuple[str, dict[str, Any]]:
+    """``NAME[:key=value,...]`` -> (label, speculative options); the options are validated by building
+    the strategy's config (an unknown proposer or option is an error naming it)."""
+    from ratchetlm.decoding.speculative.config import SpecConfig
+
+    name, _, rest = text.partition(":")
+    opts: dict[str, Any] = {} if name == "default" else {"method": name}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"config {text!r}: options are key=value, got {item!r}")
+        opts[key] = _value(value)
+    SpecConfig.from_options(opts)
+    return text, opts
+
+
+def _value(v: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(v)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "none": None}.get(v.lower(), v)
+
+
+@dataclass
+class Run:
+    """One case through one engine."""
+
+    tokens: list[int]
+    seconds: float  # request to last token
+    decode_seconds: float  # first token to last token
+    decode_forwards: int  # target forwards after the one that made the first token
+
+    @property
+    def decode_tokens(self) -> int:
+        return len(self.tokens) - 1
+
+
+def run_case(eng: LLMEngine, prompt: list[int], params: SamplingParams) -> Run:
+    t = time.perf_counter()
+    rid = eng.add_request(prompt, params)
+    seq = eng.seqs[rid]
+    t_first, f_first = None, 0
+    while eng.has_unfinished():
+        eng.step()
+        if t_first is None and seq.output_ids:
+            t_first, f_first = time.perf_counter(), eng.runner.num_forwards
+    end = time.perf_counter()
+    assert t_first is not None
+    return Run(list(seq.output_ids), end - t, end - t_first, eng.runner.num_forwards - f_first)
+
+
+class LlamaCpp:
+    """llama-cpp-python on the same file and threads, greedy, on the same token ids; ``pld``: its
+    prompt-lookup draft (``LlamaPromptLookupDecoding``; ``num_pred_tokens`` 2, its README's advice for a
+    CPU-only machine)."""
+
+    def __init__(self, path: str, threads: int, ctx: int, pld: bool, pld_tokens: int) -> None:
+        import llama_cpp
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=pld_tokens) if pld else None
+        # logits_all with the draft: llama-cpp-python forces it on then but sizes its logits buffer from the
+        # argument (n_batch rows), which overflows once a draft is verified past position n_batch (0.3.36)
+        self.llm = llama_cpp.Llama(model_path=path, n_ctx=ctx, n_threads=threads, n_threads_batch=threads,
+                                   draft_model=draft, logits_all=pld, verbose=False)
+        self.eos = self.llm.token_eos()
+
+    def run(self, prompt: list[int], max_tokens: int) -> Run:
+        t = time.perf_counter()
+        out: list[int] = []
+        t_first = t
+        for tok in self.llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+            if not out:
+                t_first = time.perf_counter()
+            out.append(int(tok))
+            if tok == self.eos or len(out) >= max_tokens:
+                break
+        end = time.perf_counter()
+        return Run(out, end - t, end - t_first, 0)
+
+
+@dataclass
+class Case:
+    group: str
+    qid: int
+    turn: int
+    prompt: list[int]
+    runs: dict[str, Run] = field(default_factory=dict)  # engine label -> its run
+
+
+class Prompts:
+    """Spec-Bench turns as token ids: the chat template (``chat``) or plain text, with the file's BOS
+    where the GGUF asks for one (``tokenizer.ggml.add_bos_token``) and the text does not start with it."""
+
+    def __init__(self, llm: LLM, chat: bool, bos: int | None) -> None:
+        self.llm, self.chat, self.bos = llm, chat, bos
+
+    def ids(self, turns: list[str], answers: list[str]) -> list[int]:
+        if self.chat:
+            msgs: list[dict[str, Any]] = []
+            for i, q in enumerate(turns):
+                msgs.append({"role": "user", "content": q})
+                if i < len(answers):
+                    msgs.append({"role": "assistant", "content": answers[i]})
+            ids = self.llm.tokenize(self.llm.apply_chat_template(msgs), add_special_tokens=False)
+        else:
+            text = "".join(f"{q}\n\n{answers[i]}\n\n" if i < len(answers) else f"{q}\n\n"
+                           for i, q in enumerate(turns))
+            ids = self.llm.tokenize(text)
+        return ids if self.bos is None or ids[:1] == [self.bos] else [self.bos, *ids]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="GGUF file (default: the bundled SmolLM2-135M-Instruct)")
+    ap.add_argument("--numerics", default="auto", choices=("auto", "exact", "int8", "int16"))
+    ap.add_argument("--configs", nargs="+", default=["default"],
+                    help="speculative configs: default | PROPOSER[:key=value,...] (each against plain AR)")
+    ap.add_argument("--per-group", type=int, default=3, help="questions per group (a seeded sample)")
+    ap.add_argument("--groups", nargs="+", default=list(GROUPS), choices=GROUPS)
+    ap.add_argument("--seed", type=int, default=0, help="the sample's seed")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                    help="chat template (default: where the model has one) or plain prompts (--no-chat)")
+    ap.add_argument("--llamacpp", action="store_true", help="also llama-cpp-python, plain and prompt lookup")
+    ap.add_argument("--pld-tokens", type=int, default=2, help="LlamaPromptLookupDecoding's num_pred_tokens")
+    ap.add_argument("--threads", type=int, default=2)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Runs the benchmark, prints its tables; returns {"cases": [...], "rows": {(config, group): row}, ...}."""
+    a = build_parser().parse_args(argv)
+    if a.per_group < 1 or a.max_tokens < 2:
+        raise SystemExit("--per-group must be >= 1 and --max-tokens >= 2")
+    try:
+        configs = dict(parse_config(c) for c in a.configs)
+    except ValueError as e:
+        raise SystemExit(f"--configs: {e}") from None
+    torch.set_num_threads(a.threads)
+    llm = LLM(a.model, progress=False, dtype="float32", numerics=a.numerics)
+    path = str(resolve(a.model).path)
+    reader = GGUFFile(path) if path.endswith(".gguf") else None
+    chat = a.chat if a.chat is not None else bool(reader and reader.get("tokenizer.chat_template"))
+    bos = reader.get("tokenizer.ggml.bos_token_id") if reader and reader.get("tokenizer.ggml.add_bos_token") else None
+    prompts = Prompts(llm, chat, bos)
+    params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens)
+
+    def engine(opts: dict[str, Any] | None) -> LLMEngine:
+        cfg = EngineConfig(dtype="float32", decoding="speculative" if opts is not None else "autoregressive",
+                           decoding_options=opts or {}, kv_cache_blocks=1024, progress=False,
+                           numerics=llm.config.numerics)
+        return LLMEngine(cfg, llm.engine.model, llm.model_config, tokenizer=llm.tokenizer)
+
+    engines: dict[str, Any] = {"AR": engine(None), **{name: engine(opts) for name, opts in configs.items()}}
+    questions = load_questions()
+    rng = random.Random(a.seed)
+    sample = {g: rng.sample(questions[g], min(a.per_group, len(questions[g]))) for g in a.groups}
+    # llama.cpp's context: the longest case (every turn, each earlier answer at most max_tokens) and margin;
+    # no larger (with a draft model llama-cpp-python keeps logits for every context position: ctx x vocab)
+    ctx = 64 + max(len(prompts.ids(q["turns"], [""] * (len(q["turns"]) - 1))) + len(q["turns"]) * a.max_tokens
+                   for qs in sample.values() for q in qs)
+    if a.llamacpp:
+        try:
+            engines["llama.cpp"] = LlamaCpp(path, a.threads, ctx, False, a.pld_tokens)
+            engines["llama.cpp PLD"] = LlamaCpp(path, a.threads, ctx, True, a.pld_tokens)
+        except ImportError:
+            print("llama-cpp-python is not installed (pip install 'ratchetlm[llamacpp]'): no llama.cpp columns")
+
+    def go(label: str, ids: list[int]) -> Run:
+        e = engines[label]
+        return e.run(ids, a.max_tokens) if isinstance(e, LlamaCpp) else run_case(e, ids, params)
+
+    warm = prompts.ids([questions["qa"][-1]["turns"][0]], [])  # a question no sample of size < 80 takes first
+    for label in engines:
+        go(label, warm[:64])
+    form = "chat template" if chat else "plain prompts"
+    print(f"Spec-Bench, {Path(path).name}, numerics {llm.config.numerics}, {form}, batch 1, greedy, max "
+          f"{a.max_tokens} tokens, {a.threads} threads, {a.per_group} per group", flush=True)
+    cases: list[Case] = []
+    for g, qs in sample.items():
+        for q in qs:
+            answers: list[str] = []
+            for turn in range(len(q["turns"])):
+                case = Case(g, q["question_id"], turn + 1, prompts.ids(q["turns"][: turn + 1], answers))
+                for label in engines:
+                    case.runs[label] = go(label, case.prompt)
+                cases.append(case)
+                ar = case.runs["AR"]
+                cells = "  ".join(f"{k} {len(r.tokens) / r.seconds:.1f}" for k, r in case.runs.items())
+                mals = "  ".join(f"{k} MAL {r.decode_tokens / max(r.decode_forwards, 1):.2f}"
+                                 f"{'' if r.tokens == ar.tokens else ' (differs)'}"
+                                 for k, r in case.runs.items() if k in configs)
+                print(f"  {g} q{q['question_id']} turn {turn + 1}: {len(case.prompt)} prompt tokens, "
+                      f"{len(ar.tokens)} out, tok/s {cells}; {mals}", flush=True)
+                answers.append(llm.tokenizer.decode(ar.tokens, skip_special_tokens=True))
+    rows = report(cases, list(configs), a.groups, "llama.cpp" in engines)
+    return {"cases": cases, "rows": rows, "numerics": llm.config.numerics, "chat": chat, "llm": llm}
+
+
+def _agg(cases: list[Case], label: str) -> dict[str, float]:
+    ar_t = sum(c.runs["AR"].seconds for c in cases)
+    tok = sum(len(c.runs[label].tokens) for c in cases)
+    fwd = sum(c.runs[label].decode_forwards for c in cases)
+    dec = sum(c.runs[label].decode_tokens for c in cases)
+    ar_tok = sum(len(c.runs["AR"].tokens) for c in cases)
+    return {"mal": dec / fwd if fwd else 1.0,
+            "speedup": (tok / sum(c.runs[label].seconds for c in cases)) / (ar_tok / ar_t),
+            "median": statistics.median((len(c.runs[label].tokens) / c.runs[label].seconds)
+                                        / (len(c.runs["AR"].tokens) / c.runs["AR"].seconds) for c in cases),
+            "same": sum(c.runs[label].tokens == c.runs["AR"].tokens for c in cases), "n": len(cases),
+            "decode_tps": dec / sum(c.runs[label].decode_seconds for c in cases)}
+
+
+def _decode_tps(cases: list[Case], label: str) -> float:
+    return sum(c.runs[label].decode_tokens for c in cases) / sum(c.runs[label].decode_seconds for c in cases)
+
+
+def report(cases: list[Case], configs: list[str], groups: list[str], llamacpp: bool) -> dict[tuple[str, str], Any]:
+    rows: dict[tuple[str, str], Any] = {}
+    for name in configs:
+        print(f"\n{name} vs AR (same numerics; speed-up: total tokens / total time; identical: greedy tokens == AR's)")
+        head = "| group | cases | MAL | speed-up | median per case | identical |"
+        sep = "|---|---|---|---|---|---|"
+        if llamacpp:
+            head += " decode tok/s | vs llama.cpp | vs llama.cpp PLD |"
+            sep += "---|---|---|"
+        print(head + "\n" + sep)
+        for g in [*groups, "overall"]:
+            sel = [c for c in cases if g in ("overall", c.group)]
+            if not sel:
+                continue
+            r = rows[(name, g)] = _agg(sel, name)
+            line = (f"| {g} | {r['n']} | {r['mal']:.2f} | {r['speedup']:.2f}x | {r['median']:.2f}x | "
+                    f"{r['same']}/{r['n']} |")
+            if llamacpp:
+                lp, lpld = _decode_tps(sel, "llama.cpp"), _decode_tps(sel, "llama.cpp PLD")
+                r["vs_llamacpp"], r["vs_llamacpp_pld"] = r["decode_tps"] / lp, r["decode_tps"] / lpld
+                line += f" {r['decode_tps']:.1f} | {r['vs_llamacpp']:.2f}x | {r['vs_llamacpp_pld']:.2f}x |"
+            print(line)
+    if llamacpp:
+        tps = ", ".join(f"{k} {_decode_tps(cases, k):.1f}" for k in ("AR", "llama.cpp", "llama.cpp PLD"))
+        print(f"\ndecode tok/s overall: {tps}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

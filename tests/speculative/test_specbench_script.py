@@ -1,0 +1,74 @@
+"""benchmarks/bench_specbench.py's plumbing (not its speed): the shipped Spec-Bench file's six groups, the
+second MT-bench turn built on the model's own first answer, MAL counted per target forward, greedy
+identity against AR, and --configs validated against the proposer registry."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_specbench", ROOT / "benchmarks" / "bench_specbench.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # (its dataclasses look their module up)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_shipped_question_file_has_six_groups_of_80_and_its_license(bench):
+    qs = bench.load_questions()
+    assert list(qs) == ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"]
+    assert all(len(v) == 80 for v in qs.values())
+    assert all(len(q["turns"]) == 2 for q in qs["mt_bench"])
+    assert all(len(q["turns"]) == 1 for g in bench.SINGLE for q in qs[g])
+    data = ROOT / "benchmarks" / "data" / "spec_bench"
+    assert "Apache License" in (data / "LICENSE").read_text()
+    assert "hemingkx/Spec-Bench" in (data / "NOTICE").read_text()
+
+
+def test_configs_are_registry_names_with_options(bench):
+    assert bench.parse_config("default") == ("default", {})
+    assert bench.parse_config("ngram:depth=4,depth_schedule=constant") == (
+        "ngram:depth=4,depth_schedule=constant", {"method": "ngram", "depth": 4, "depth_schedule": "constant"})
+    with pytest.raises(ValueError, match="speculative method must be one of"):
+        bench.parse_config("no-such-proposer")
+    with pytest.raises(ValueError, match="unknown speculative option"):
+        bench.parse_config("ngram:colour=3")
+    with pytest.raises(SystemExit, match="--configs"):
+        bench.main(["--configs", "no-such-proposer"])
+
+
+def test_a_tiny_run_on_the_default_model(bench, capsys):
+    out = bench.main(["--configs", "ngram:depth_schedule=constant", "--per-group", "1", "--max-tokens", "8",
+                      "--groups", "mt_bench", "qa", "--threads", "1"])
+    cases = out["cases"]
+    assert [(c.group, c.turn) for c in cases] == [("mt_bench", 1), ("mt_bench", 2), ("qa", 1)]
+    first, second = cases[0], cases[1]
+    assert out["chat"]  # the default model has a chat template
+    llm_text = capsys.readouterr().out
+    # turn 2 is asked after the model's own first answer: its prompt holds that answer
+    tok = out["llm"].tokenizer
+    answer = tok.decode(first.runs["AR"].tokens, skip_special_tokens=True).strip()
+    assert answer and answer in tok.decode(second.prompt)
+    assert len(second.prompt) > len(first.prompt) + len(first.runs["AR"].tokens) - 2
+    name = "ngram:depth_schedule=constant"
+    for c in cases:
+        assert set(c.runs) == {"AR", name}
+        assert 1 <= len(c.runs["AR"].tokens) <= 8
+        assert c.runs[name].tokens == c.runs["AR"].tokens  # greedy identity
+        ar = c.runs["AR"]
+        assert ar.decode_forwards == ar.decode_tokens  # AR: one token per forward after the first
+    rows = out["rows"]
+    assert {g for (_, g) in rows} == {"mt_bench", "qa", "overall"}
+    overall = rows[(name, "overall")]
+    assert overall["same"] == overall["n"] == 3
+    assert 1.0 <= overall["mal"] <= 8 and overall["speedup"] > 0
+    assert "| overall | 3 |" in llm_text and "MAL" in llm_text
