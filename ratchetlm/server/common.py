@@ -17,6 +17,7 @@ from ratchetlm.sampling_params import SamplingParams, StructuredOutputsParams
 from ratchetlm.server.async_engine import Delta, EngineError, RequestGroup
 from ratchetlm.server.errors import APIError, from_value_error
 from ratchetlm.server.metrics import ChoiceTimer, ServerMetrics
+from ratchetlm.server.prepare import encode_bounded
 from ratchetlm.server.protocol import CommonRequest
 
 
@@ -218,7 +219,10 @@ class ServingContext:
         """Text or token ids -> token ids; ids are range-checked here, before anything (``echo``)
         decodes them."""
         try:
-            ids = list(self.llm.encode(prompt))
+            if isinstance(prompt, str):  # a text far past the context is refused on a bounded prefix
+                ids = encode_bounded(lambda t: list(self.llm.encode(t)), prompt, self.max_model_len, param)
+            else:
+                ids = list(self.llm.encode(prompt))
         except ValueError as e:
             raise APIError(str(e), 400, param) from None
         vocab = self.vocab_size
