@@ -17,7 +17,7 @@ from ratchetlm.engine.kv_budget import sized_config
 from ratchetlm.engine.model_runner import build_runner
 from ratchetlm.engine.scheduler import Scheduler
 from ratchetlm.engine.sequence import SeqStatus, Sequence
-from ratchetlm.engine.step_cost import MeasuredStepCost, Rows, probe_shape
+from ratchetlm.engine.step_cost import MeasuredStepCost, Rows, probe_prior
 from ratchetlm.layers.logits_processors import ControlsFactory
 from ratchetlm.sampling_params import SamplingParams
 
@@ -106,7 +106,7 @@ class LLMEngine:
         # the step-time budget: prompt chunks sized by a measured cost model (engine/step_cost.py)
         target = cfg.step_time_target()
         self.step_cost = None if math.isinf(target) else MeasuredStepCost(
-            lambda: probe_shape(model, model_config, self.device, self.dtype))
+            lambda: probe_prior(model, model_config, self.device, self.dtype))
         self.scheduler = Scheduler(self.blocks, self.strategy.tokens_wanted, self.strategy.on_preempt,
                                    cfg.max_num_seqs, cfg.max_num_batched_tokens, self.strategy.on_finish,
                                    cost=self.step_cost, max_step_ms=target, min_chunk=cfg.block_size)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from ratchetlm.engine.block_manager import BlockManager
 from ratchetlm.engine.sequence import SeqStatus, Sequence
-from ratchetlm.engine.step_cost import Rows, StepCost
+from ratchetlm.engine.step_cost import DECODE_STRETCH, Rows, StepCost
 
 
 class _Step:
@@ -18,13 +18,17 @@ class _Step:
         self.tokens = tokens  # of max_num_batched_tokens
         self.out: list[tuple[Sequence, int]] = []
         self.rows: list[Rows] = []
+        self.decode_rows: list[Rows] = []
         self.ids: set[int] = set()
         self.decodes = 0
         self.prefills = 0
 
     def add(self, seq: Sequence, n: int, prefill: bool) -> None:
         self.out.append((seq, n))
-        self.rows.append(Rows.prefill(n, seq.num_cached) if prefill else Rows.decode(n, seq.num_cached))
+        rows = Rows.prefill(n, seq.num_cached) if prefill else Rows.decode(n, seq.num_cached)
+        self.rows.append(rows)
+        if not prefill:
+            self.decode_rows.append(rows)
         self.ids.add(seq.seq_id)
         self.tokens -= n
         self.prefills += prefill
@@ -100,8 +104,9 @@ class Scheduler:
         """This step's (sequence, token budget) pairs: running sequences' decode rows first (with
         their drafts: the strategy sizes those), then prompt chunks of running and waiting
         sequences. With a step-time budget and decode rows in the step, a prompt chunk is the
-        largest the cost model predicts to keep the step under ``max_step_ms`` (at least
-        ``min_chunk`` tokens for the step's first chunk, so a prompt always advances); without
+        largest the cost model predicts to keep the step under ``max_step_ms``, or under
+        ``DECODE_STRETCH`` x the decode rows' own time when that is more (at least ``min_chunk``
+        tokens for the step's first chunk, so a prompt always advances); without
         decode rows (nobody is waiting for a token) a prompt gets the whole token budget."""
         if self.held:
             self._release_held()
@@ -148,9 +153,12 @@ class Scheduler:
         if self.cost is None or not math.isfinite(self.max_step_ms) or not step.decodes or want <= 0:
             return want
         cost = self.cost
+        # decode rows alone over the target (a busy machine, many streams): a chunk may stretch the
+        # step to DECODE_STRETCH x their time instead of crawling at min_chunk tokens a step
+        limit = max(self.max_step_ms, DECODE_STRETCH * cost.predict_ms(step.decode_rows))
 
         def fits(n: int) -> bool:
-            return cost.predict_ms([*step.rows, Rows.prefill(n, seq.num_cached)]) <= self.max_step_ms
+            return cost.predict_ms([*step.rows, Rows.prefill(n, seq.num_cached)]) <= limit
 
         floor = 0 if step.prefills else min(self.min_chunk, want)
         if fits(want):

@@ -7,23 +7,23 @@ asks a :class:`StepCost` what a step would cost and fills it up to ``max_step_ms
 ``context`` cached tokens, ``logits`` of them needing the LM head (every decode and draft row; only the
 last prefill row).
 
-:class:`MeasuredStepCost` is the model the engine uses, in units of a one-row forward's body:
+:class:`MeasuredStepCost` is the model the engine uses:
 
-    units = body(R) + head * L + attention * sum_i n_i * (context_i + n_i / 2)
+    ms = fixed + per_row * work,   work = R + head * L + attention * sum_i n_i * (context_i + n_i / 2)
 
-``body(R)`` is piecewise linear through forwards over 1, 8, 64 and 256 new rows timed once at start-up
-(decoding/speculative/cost_curve.py's probe: a few layers scaled to the stack, fastest of the runs,
-wall time), ``head`` the LM head's time per row relative to it, ``attention`` the cost of one row
-reading one cached token (from the model's shape: its attention FLOPs per token over a row's matmul
-FLOPs at the large-R slope). The probe gives the shape, the step timings give the scale:
-``ms_per_unit`` is an exponential moving average of each finished step's measured milliseconds over
-its predicted units, so the budget follows a machine that gets busier or quieter. Only speed depends on
-the model: it changes how prompts are chunked, never a token (rows are batch-invariant).
+``fixed`` is what any forward costs (reading the weights, Python, sampling), ``per_row`` what each row
+adds; ``head`` (the LM head per row) and ``attention`` (one row reading one cached token) are relative
+to a row. A probe at first use times forwards over 1, 16 and 128 new rows and the head
+(decoding/speculative/cost_curve.py's timing: a few layers scaled to the stack, fastest of the runs,
+wall time) for the prior; ``attention`` comes from the model's shape. Then every finished step's
+measured time refits ``fixed`` and ``per_row``: least squares with exponential forgetting (each step
+weighs 0.9 of the one after it), held toward the probe by a small constant prior, so the budget follows
+a machine that gets busier or quieter and learns what a prompt row costs beside decode rows. Only speed
+depends on the model: it changes how prompts are chunked, never a token (rows are batch-invariant).
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
 import math
 import time
@@ -35,8 +35,12 @@ import torch
 
 log = logging.getLogger(__name__)
 
-PROBE_ROWS = (1, 8, 64, 256)
+PROBE_ROWS = (1, 16, 128)
 DEFAULT_MAX_STEP_MS = {"cpu": 100.0, "cuda": 50.0}  # EngineConfig.max_step_ms=None resolves to these
+# a step with a prompt chunk may take this many times its decode rows' own time when that is more than
+# max_step_ms (a machine too busy, or too many streams, for the target): the streams' gap stays a small
+# multiple of their inter-token latency, and the prompt still advances at a useful rate
+DECODE_STRETCH = 3.0
 
 
 @dataclass(frozen=True)
@@ -88,66 +92,82 @@ class LinearStepCost:
 
 
 @dataclass(frozen=True)
-class Shape:
-    """The measured shape of a forward's cost, relative to a one-row body (see the module docstring)."""
+class Prior:
+    """The probe's estimate: ``ms = fixed + per_row * work`` (see the module docstring)."""
 
-    rows: tuple[int, ...]  # increasing, starting at 1
-    body: tuple[float, ...]  # body[0] == 1, non-decreasing
-    head: float  # LM head per row
-    attention: float  # one row reading one cached token
-    one_row_ms: float  # the probe's one-row body, the scale until steps are observed
+    fixed: float
+    per_row: float
+    head: float  # LM head per row, relative to a row
+    attention: float  # one row reading one cached token, relative to a row
 
-    def units(self, rows: list[Rows]) -> float:
-        if not rows:
-            return 0.0
-        r = sum(x.n for x in rows)
-        i = min(max(bisect.bisect_right(self.rows, r) - 1, 0), len(self.rows) - 2)
-        r0, r1, b0, b1 = self.rows[i], self.rows[i + 1], self.body[i], self.body[i + 1]
-        body = b0 + (b1 - b0) * (r - r0) / (r1 - r0)
-        return (body + self.head * sum(x.logits for x in rows)
+    def work(self, rows: list[Rows]) -> float:
+        return (sum(x.n for x in rows) + self.head * sum(x.logits for x in rows)
                 + self.attention * sum(x.n * (x.context + x.n / 2) for x in rows))
 
 
 class MeasuredStepCost:
-    """The engine's model: :class:`Shape` probed on first use (``calibrate``; the server calls it at
-    start-up so no request waits for it), scaled by an EMA of observed step times."""
+    """The engine's model: a :class:`Prior` probed on first use (``calibrate``; the server calls it at
+    start-up so no request waits for it), refit to the observed step times."""
 
-    def __init__(self, probe: Callable[[], Shape], alpha: float = 0.2, warmup: int = 2) -> None:
+    def __init__(self, probe: Callable[[], Prior], forget: float = 0.9, prior_weight: float = 0.05,
+                 warmup: int = 2) -> None:
         self.probe = probe
-        self.alpha = alpha  # weight of the newest step in the EMA
-        self.shape: Shape | None = None
-        self.ms_per_unit: float | None = None
-        self.observed = 0
+        self.forget = forget  # each older step's weight relative to the next one's
+        self.prior_weight = prior_weight  # pseudo-steps at one and at 64 rows that the fit never forgets
         self.warmup = warmup  # the first steps' times (weight packing, buffer sizing) are not the steady state
+        self.prior: Prior | None = None
+        self.fixed = self.per_row = 0.0
+        self.observed = 0
+        self._s = [[0.0, 0.0], [0.0, 0.0]]  # forgotten sums of x x^T, x = (1, work)
+        self._r = [0.0, 0.0]  # and of x * ms
 
-    def calibrate(self) -> Shape:
-        if self.shape is None:
-            self.shape = self.probe()
-            self.ms_per_unit = self.shape.one_row_ms
-            log.info("step cost: one-row forward %.1f ms; body %s; head %.2f/row; attention %.2e/row/token",
-                     self.shape.one_row_ms,
-                     " ".join(f"{r}:{b:.2f}" for r, b in zip(self.shape.rows, self.shape.body, strict=True)),
-                     self.shape.head, self.shape.attention)
-        return self.shape
+    def calibrate(self) -> Prior:
+        if self.prior is None:
+            self.prior = self.probe()
+            self.fixed, self.per_row = self.prior.fixed, self.prior.per_row
+            log.info("step cost prior: %.1f ms + %.2f ms a row; head %.2f, attention %.2e per cached token "
+                     "(relative to a row)", self.fixed, self.per_row, self.prior.head, self.prior.attention)
+        return self.prior
 
     def predict_ms(self, rows: list[Rows]) -> float:
-        shape = self.calibrate()
-        assert self.ms_per_unit is not None
-        return self.ms_per_unit * shape.units(rows)
+        prior = self.calibrate()
+        return self.fixed + self.per_row * prior.work(rows) if rows else 0.0
 
     def observe(self, rows: list[Rows], ms: float) -> None:
-        """A step over ``rows`` took ``ms``: move the scale toward it (only once calibrated: a step
-        before any prediction was needed says nothing the probe will not)."""
-        if self.shape is None or not rows or not math.isfinite(ms) or ms <= 0:
+        """A step over ``rows`` took ``ms``: refit (only once calibrated: steps before any prediction
+        was needed say nothing the probe does not)."""
+        if self.prior is None or not rows or not math.isfinite(ms) or ms <= 0:
             return
         self.observed += 1
         if self.observed <= self.warmup:
             return
-        assert self.ms_per_unit is not None
-        per_unit = ms / max(self.shape.units(rows), 1e-9)
-        # one outlier (a page fault, another process's burst) moves the scale at most 2x a step
-        per_unit = min(max(per_unit, self.ms_per_unit / 2), self.ms_per_unit * 2)
-        self.ms_per_unit += self.alpha * (per_unit - self.ms_per_unit)
+        w = self.prior.work(rows)
+        pred = self.predict_ms(rows)
+        y = min(max(ms, pred / 4), pred * 4)  # one outlier (another process's burst) moves the fit a bounded step
+        f, s, r = self.forget, self._s, self._r
+        s[0][0] = f * s[0][0] + 1.0
+        s[0][1] = f * s[0][1] + w
+        s[1][1] = f * s[1][1] + w * w
+        r[0] = f * r[0] + y
+        r[1] = f * r[1] + w * y
+        # the prior as pseudo-observations at work 1 and 64 on the probe's line (a ridge toward it)
+        p, q = self.prior, self.prior_weight
+        a00, a01, a11 = s[0][0] + 2 * q, s[0][1] + q * 65, s[1][1] + q * (1 + 64 * 64)
+        b0 = r[0] + q * (2 * p.fixed + 65 * p.per_row)
+        b1 = r[1] + q * (p.fixed + p.per_row + 64 * (p.fixed + 64 * p.per_row))
+        det = a00 * a11 - a01 * a01
+        if det <= 0:
+            return
+        fixed = (b0 * a11 - b1 * a01) / det
+        per_row = (a00 * b1 - a01 * b0) / det
+        # both parts are costs: a fit that makes one negative (noise in a narrow range of steps) moves
+        # all of the time into the other
+        if per_row <= 0:
+            self.fixed, self.per_row = r[0] / s[0][0], 1e-3
+        elif fixed < 0:
+            self.fixed, self.per_row = 0.0, b1 / a11
+        else:
+            self.fixed, self.per_row = fixed, per_row
 
 
 def attention_per_token(model_config: Any) -> float:
@@ -160,45 +180,62 @@ def attention_per_token(model_config: Any) -> float:
     return 2.0 * (2 * q) / per_layer_weights
 
 
-def probe_shape(model: Any, model_config: Any, device: torch.device, dtype: torch.dtype,
-                rows: tuple[int, ...] = PROBE_ROWS, repeats: int = 2, probe_layers: int = 4) -> Shape:
-    """Time body and head of forwards over ``rows`` new rows (cost_curve's probe: the first
-    ``probe_layers`` layers scaled to the stack, fastest of ``repeats`` after a warm-up). A model the
-    probe does not fit (not Llama-shaped, a tensor-parallel rank) gets a linear guess that the
-    observed steps then scale."""
-    from ratchetlm.decoding.speculative.cost_curve import seconds
+def probe_prior(model: Any, model_config: Any, device: torch.device, dtype: torch.dtype,
+                rows: tuple[int, ...] = PROBE_ROWS, repeats: int = 2, probe_layers: int = 2) -> Prior:
+    """Time the body over ``rows`` new rows (the first ``probe_layers`` layers scaled to the stack,
+    fastest of ``repeats`` after a warm-up) and the head over 16 rows. A model the probe does not fit
+    (not Llama-shaped, a tensor-parallel rank) gets a guess that the observed steps then correct."""
     from ratchetlm.models.llama import LlamaModel
 
     attn = attention_per_token(model_config)
+    guess = Prior(fixed=20.0, per_row=2.0, head=0.2, attention=attn)
     if not isinstance(model, LlamaModel) or getattr(model.tp, "size", 1) > 1:
-        return Shape((1, 256), (1.0, 64.0), 0.1, attn * 16, 20.0)  # ~16x a row's matmul rate at 256 rows
+        return guess
     try:
-        seconds(model, device, 1, 1, None)  # every layer once: packs weights, so the probe times the real path
-        body_s = [seconds(model, device, r, repeats, probe_layers, agg=min) - _head_s(model, device, dtype, r, repeats)
-                  for r in rows]
-    except Exception as e:  # noqa: BLE001 (the budget still works, scaled by the observed steps)
-        log.warning("step cost probe failed (%s: %s); a linear guess is used", type(e).__name__, e)
-        return Shape((1, 256), (1.0, 64.0), 0.1, attn * 16, 20.0)
-    one = max(body_s[0], 1e-6)
-    body, top = [], 1.0
-    for r, s in zip(rows, body_s, strict=True):
-        top = max(top, min(s / one, float(r)))  # R rows never cost more than R one-row forwards
-        body.append(top)
-    body[0] = 1.0
-    slope = (body[-1] - body[-2]) / (rows[-1] - rows[-2])  # a row's cost where the matmuls are compute-bound
-    head = _head_s(model, device, dtype, rows[-1], repeats) / rows[-1] / one
-    return Shape(tuple(rows), tuple(body), head, attn * max(slope, 1e-3), one * 1000.0)
+        _body_ms(model, device, 1, 0, None)  # every layer once: packs weights, so the probe times the real path
+        body = [_body_ms(model, device, r, repeats, probe_layers) for r in rows]
+        head = _head_ms(model, device, dtype, 16, repeats) / 16
+    except Exception as e:  # noqa: BLE001 (the budget still works, fitted to the observed steps)
+        log.warning("step cost probe failed (%s: %s); a guess is used", type(e).__name__, e)
+        return guess
+    per_row = max((body[-1] - body[-2]) / (rows[-1] - rows[-2]), 1e-3)  # where the matmuls are compute-bound
+    fixed = max(body[0] + head - per_row, 0.0)
+    return Prior(fixed=fixed, per_row=per_row, head=head / per_row, attention=attn)
 
 
-def _head_s(model: Any, device: torch.device, dtype: torch.dtype, rows: int, repeats: int) -> float:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _body_ms(model: Any, device: torch.device, rows: int, repeats: int, probe_layers: int | None) -> float:
+    from ratchetlm.kv.sink import NullSink
+    from ratchetlm.layers.attention import build_attention_batch
+
+    n_layers = len(model.layers)
+    k = n_layers if probe_layers is None else min(probe_layers, n_layers)
+    ids = ((torch.arange(rows) * 7919 + 100) % int(model.config.vocab_size)).to(device)  # [rows]
+    batch = build_attention_batch(torch.arange(rows, device=device), [rows], [torch.empty(0, dtype=torch.long)],
+                                  [None], NullSink(), None)
+    best = math.inf
+    with torch.inference_mode():
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            model(ids, batch, num_layers=k)  # [rows, hidden]
+            _sync(device)
+            if i:  # the first run warms up
+                best = min(best, time.perf_counter() - t0)
+    return best * 1000.0 * n_layers / k if repeats else 0.0
+
+
+def _head_ms(model: Any, device: torch.device, dtype: torch.dtype, rows: int, repeats: int) -> float:
     hidden = torch.randn(rows, int(model.config.hidden_size), device=device).to(dtype)  # [rows, hidden]
     best = math.inf
     with torch.inference_mode():
         for i in range(repeats + 1):
             t0 = time.perf_counter()
             model.logits(hidden)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            _sync(device)
             if i:
                 best = min(best, time.perf_counter() - t0)
-    return best
+    return best * 1000.0

@@ -11,7 +11,7 @@ import pytest
 from ratchetlm import SamplingParams
 from ratchetlm.engine.config import EngineConfig
 from ratchetlm.engine.llm_engine import LLMEngine
-from ratchetlm.engine.step_cost import LinearStepCost, MeasuredStepCost, Rows, Shape
+from ratchetlm.engine.step_cost import DECODE_STRETCH, LinearStepCost, MeasuredStepCost, Prior, Rows
 
 # a deterministic cost model (ms): the schedule must not depend on how busy the test machine is
 FAKE = LinearStepCost(fixed=2.0, per_row=1.0, per_logit=0.5, per_context=0.002)
@@ -57,8 +57,8 @@ def run_mixed(llm, max_step_ms: float, cost=FAKE):
     return outs, steps, streams, long
 
 
-def predicted(step) -> float:
-    return FAKE.predict_ms([Rows.prefill(n, c) if pf else Rows.decode(n, c) for _, n, pf, c in step])
+def predicted(step, cost=FAKE) -> float:
+    return cost.predict_ms([Rows.prefill(n, c) if pf else Rows.decode(n, c) for _, n, pf, c in step])
 
 
 @pytest.fixture(scope="module")
@@ -100,25 +100,46 @@ def test_without_decode_rows_a_prompt_takes_the_whole_token_budget(llm_default):
     assert [(s.seq_id, n) for s, n in out] == [(sid, LONG)]
 
 
-def test_a_step_over_the_target_still_feeds_a_minimum_chunk(llm_default):
-    """Decode rows alone over the target: the prompt still advances by ``min_chunk`` (block_size)."""
-    _, steps, _, long = run_mixed(llm_default, 3.0)  # four decode rows alone predict 12 ms
-    chunks = [n for st in steps for sid, n, pf, _ in st if sid == long and pf]
-    assert chunks[:-1] == [16] * (len(chunks) - 1) and sum(chunks) == LONG
+def test_decode_rows_over_the_target_stretch_the_step_to_a_multiple_of_their_own_time(llm_default):
+    """A machine too busy for the target: the prompt's chunks fill DECODE_STRETCH x the decode
+    rows' time instead of crawling at ``min_chunk`` tokens a step."""
+    busy = LinearStepCost(fixed=20.0, per_row=1.0, per_logit=0.5, per_context=0.002)
+    _, steps, _, long = run_mixed(llm_default, 3.0, busy)  # four decode rows alone predict ~26 ms
+    chunks = []
+    for st in steps:
+        chunk = [(n, c) for sid, n, pf, c in st if sid == long and pf]
+        if chunk and chunk[0][0] + chunk[0][1] < LONG:  # (not the last chunk: what was left)
+            decodes = [Rows.decode(n, c) for _, n, pf, c in st if not pf]
+            budget = DECODE_STRETCH * busy.predict_ms(decodes)
+            # the largest chunk under the stretched budget: one more token would not fit
+            assert 3.0 < predicted(st, busy) <= budget < predicted(st, busy) + 1.0 + busy.per_context * LONG, st
+            chunks.append(chunk[0][0])
+    assert chunks and min(chunks) > 16, chunks
 
 
-def test_measured_cost_scales_to_the_observed_steps():
-    shape = Shape(rows=(1, 8, 64), body=(1.0, 2.0, 16.0), head=0.1, attention=0.001, one_row_ms=10.0)
-    cost = MeasuredStepCost(lambda: shape, alpha=0.5, warmup=1)
-    rows = [Rows.decode(1, 100), Rows.prefill(63, 0)]
-    units = 16.0 + 0.1 * 2 + 0.001 * (1 * 100.5 + 63 * 31.5)
-    assert cost.predict_ms(rows) == pytest.approx(10.0 * units)
-    cost.observe(rows, 15.0 * units)  # warm-up: ignored
-    assert cost.ms_per_unit == 10.0
-    cost.observe(rows, 15.0 * units)  # half way to 15 ms a unit
-    assert cost.ms_per_unit == pytest.approx(12.5)
-    cost.observe(rows, 1000.0 * units)  # an outlier moves the scale at most 2x before averaging
-    assert cost.ms_per_unit == pytest.approx(12.5 + 0.5 * (25.0 - 12.5))
+def test_measured_cost_learns_fixed_and_per_row_parts_from_the_steps():
+    """The prior says 10 ms + 1 ms a row; the machine really takes 30 ms + 3 ms a row: after a mix of
+    decode-only and prompt-chunk steps the fit predicts both kinds within a few percent."""
+    prior = Prior(fixed=10.0, per_row=1.0, head=0.0, attention=0.0)
+    cost = MeasuredStepCost(lambda: prior, warmup=1)
+    decode, chunk = [Rows.decode(1, 50)] * 4, [*[Rows.decode(1, 50)] * 4, Rows.prefill(60, 0)]
+    assert cost.predict_ms(decode) == pytest.approx(14.0) and cost.predict_ms(chunk) == pytest.approx(74.0)
+    cost.observe(decode, 1000.0)  # warm-up: ignored
+    assert (cost.fixed, cost.per_row) == (10.0, 1.0)
+    for i in range(60):
+        rows = chunk if i % 3 == 0 else decode
+        cost.observe(rows, 30.0 + 3.0 * sum(r.n for r in rows))
+    assert cost.predict_ms(decode) == pytest.approx(42.0, rel=0.05)
+    assert cost.predict_ms(chunk) == pytest.approx(222.0, rel=0.05)
+    assert cost.fixed > 0 and cost.per_row > 0
+
+
+def test_an_outlier_step_moves_the_fit_a_bounded_amount():
+    prior = Prior(fixed=10.0, per_row=1.0, head=0.0, attention=0.0)
+    cost = MeasuredStepCost(lambda: prior, warmup=0)
+    rows = [Rows.decode(1, 0)] * 4
+    cost.observe(rows, 1e6)  # a page fault storm: counted as 4x the prediction at most
+    assert cost.predict_ms(rows) < 4 * 14.0
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), True, "100"])
