@@ -52,7 +52,8 @@ def start_server(extra: list[str], pythonpath: str) -> tuple[subprocess.Popen, s
         port = s.getsockname()[1]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=pythonpath)
     proc = subprocess.Popen(["nice", "-n", str(NICE), sys.executable, "-m", "ratchetlm", "serve", "--host", "127.0.0.1",
-                             "--port", str(port), "--log-level", "warning", *extra], env=env)
+                             "--port", str(port), "--log-level", "warning", *extra], env=env,
+                            cwd=pythonpath)  # `python -m` puts the working directory ahead of PYTHONPATH
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:

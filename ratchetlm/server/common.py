@@ -17,7 +17,7 @@ from ratchetlm.sampling_params import SamplingParams, StructuredOutputsParams
 from ratchetlm.server.async_engine import Delta, EngineError, RequestGroup
 from ratchetlm.server.errors import APIError, from_value_error
 from ratchetlm.server.metrics import ChoiceTimer, ServerMetrics
-from ratchetlm.server.prepare import encode_bounded
+from ratchetlm.server.prepare import encode_bounded, longest_token_chars
 from ratchetlm.server.protocol import CommonRequest
 
 
@@ -198,6 +198,7 @@ class ServingContext:
     metrics: ServerMetrics
     token_text: TokenText
     tool_call_parser: str | None = None  # --tool-call-parser (None/"auto": from the chat template)
+    _token_chars: int | None = None  # the vocabulary's longest token (0: unknown), for encode_bounded
 
     @property
     def max_model_len(self) -> int:
@@ -220,7 +221,10 @@ class ServingContext:
         decodes them."""
         try:
             if isinstance(prompt, str):  # a text far past the context is refused on a bounded prefix
-                ids = encode_bounded(lambda t: list(self.llm.encode(t)), prompt, self.max_model_len, param)
+                if self._token_chars is None:
+                    self._token_chars = longest_token_chars(self.llm.tokenizer) or 0
+                ids = encode_bounded(lambda t: list(self.llm.encode(t)), prompt, self.max_model_len, param,
+                                     self._token_chars or None)
             else:
                 ids = list(self.llm.encode(prompt))
         except ValueError as e:

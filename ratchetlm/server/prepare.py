@@ -6,9 +6,10 @@ deadline (``prep_timeout`` -> 400 naming it), so a large or slow request delays 
 
 * bodies over ``LARGE_BODY`` may hold at most ``workers - 1`` threads at once, so a small request
   always finds one free however many megabyte prompts are being prepared;
-* a prompt's text much longer than the context is not tokenized whole (:func:`encode_bounded`): its
-  first ``CHARS_PER_TOKEN x max_model_len`` characters, cut at a word boundary, already have more
-  tokens than the context holds, and the request is refused on that count.
+* a prompt's text much longer than the context is not tokenized whole (:func:`encode_bounded`): past
+  the longest token's length x ``max_model_len`` characters it cannot fit whatever its tokens, and
+  otherwise its first ``CHARS_PER_TOKEN x max_model_len`` characters, cut at a word boundary, may
+  already have more tokens than the context holds; either way it is refused on that count.
 
 A thread cannot be stopped, so a request past its deadline is answered at once and its thread
 finishes in the background, still counted against the large-body share until it does.
@@ -74,13 +75,25 @@ class PrepPool:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 
-def encode_bounded(encode: Callable[[str], list[int]], text: str, max_model_len: int, param: str) -> list[int]:
-    """``encode(text)``, except that a text longer than ``CHARS_PER_TOKEN x max_model_len``
-    characters is first tokenized only up to its last word boundary within that prefix: when that
-    part alone has ``max_model_len`` tokens or more the prompt cannot fit, and the 400 says so
-    without tokenizing the rest. The part's tokens are a prefix of the whole text's: tokenizers
-    split text at whitespace before merging (byte-level BPE's pre-tokenizer regex, SentencePiece's
-    metaspace), and the cut is just before a whitespace character that follows a non-space."""
+def encode_bounded(encode: Callable[[str], list[int]], text: str, max_model_len: int, param: str,
+                   max_token_chars: int | None = None) -> list[int]:
+    """``encode(text)``, except that a text far longer than the context is refused without being
+    tokenized whole (400 naming ``max_model_len``):
+
+    * when ``max_token_chars`` (the longest token in the vocabulary, in characters) is given and the
+      text has more than ``max_token_chars x max_model_len`` characters, it has at least
+      ``max_model_len`` tokens whatever they are (one token covers at most that many characters):
+      refused without tokenizing anything (a text with no whitespace, one enormous word, is the
+      slowest to tokenize: BPE merges within a word);
+    * a text longer than ``CHARS_PER_TOKEN x max_model_len`` characters is first tokenized only up to
+      its last word boundary within that prefix: when that part alone has ``max_model_len`` tokens
+      or more, refused. The part's tokens are a prefix of the whole text's: tokenizers split text at
+      whitespace before merging (byte-level BPE's pre-tokenizer regex, SentencePiece's metaspace),
+      and the cut is just before a whitespace character that follows a non-space."""
+    if max_token_chars is not None and len(text) > max_token_chars * max_model_len:
+        raise APIError(f"the prompt has {len(text)} characters, so at least {len(text) // max_token_chars} tokens "
+                       f"(no token is longer than {max_token_chars} characters), but max_model_len is "
+                       f"{max_model_len}", 400, param)
     limit = CHARS_PER_TOKEN * max_model_len
     if len(text) > limit:
         cut = _word_boundary(text, limit)
@@ -90,6 +103,16 @@ def encode_bounded(encode: Callable[[str], list[int]], text: str, max_model_len:
                 raise APIError(f"the prompt has more than {n} tokens (counted in its first {cut} of {len(text)} "
                                f"characters) but max_model_len is {max_model_len}", 400, param)
     return encode(text)
+
+
+def longest_token_chars(tokenizer: Any) -> int | None:
+    """Characters of the longest entry in ``tokenizer``'s vocabulary (byte-level entries count one
+    character a byte, which is at least the characters they decode to); None when it has none."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # noqa: BLE001 (no bound: encode_bounded falls back to the prefix count)
+        return None
+    return max((len(t) for t in vocab), default=None) if vocab else None
 
 
 def _word_boundary(text: str, limit: int) -> int:

@@ -16,7 +16,7 @@ import uvicorn
 from ratchetlm.server.app import build_app
 from ratchetlm.server.config import ServerConfig
 from ratchetlm.server.errors import APIError
-from ratchetlm.server.prepare import CHARS_PER_TOKEN, LARGE_BODY, encode_bounded
+from ratchetlm.server.prepare import CHARS_PER_TOKEN, LARGE_BODY, encode_bounded, longest_token_chars
 from tests.server.conftest import free_port
 
 
@@ -60,8 +60,11 @@ class SlowTokenizing:
 
 def test_two_huge_prompts_in_preparation_do_not_delay_a_one_token_request(oracle):
     llm = SlowTokenizing(oracle)
-    huge = " ".join(f"item{i}" for i in range(200_000))  # ~1.6 MB: over LARGE_BODY, far past the context
-    assert len(huge) > LARGE_BODY
+    # just under the characters that no tokenization could fit (so it is counted on a prefix), and
+    # over LARGE_BODY as JSON (each "é" is sent as the six bytes of "\u00e9")
+    chars = longest_token_chars(oracle.tokenizer) * oracle.engine.max_model_len - 1000
+    huge = ("éé " * (chars // 3 + 1))[:chars]
+    assert len(json.dumps({"prompt": huge})) > LARGE_BODY
     results: list[httpx.Response] = []
     with serve(llm, ServerConfig(prep_workers=2)) as port:
         base = f"http://127.0.0.1:{port}/v1/completions"
@@ -105,6 +108,12 @@ def test_bounded_tokenization_counts_a_prefix_of_the_whole_texts_tokens(oracle):
     # the counted part's tokens are exactly the first tokens of the whole text (the refusal is sound)
     part = encode(text[: calls[0]])
     assert whole[: len(part)] == part and len(part) >= limit
+    # a text longer than the longest token x the context cannot fit whatever it is: nothing is tokenized
+    calls.clear()
+    with pytest.raises(APIError, match="no token is longer than 5 characters"):
+        encode_bounded(counting, "x" * (5 * limit + 1), limit, "prompt", max_token_chars=5)
+    assert calls == []
+    assert encode_bounded(counting, "x" * (5 * limit), 10 * limit, "prompt", max_token_chars=5)  # (fits)
     # a text that fits is tokenized whole, once
     calls.clear()
     assert encode_bounded(counting, text, len(whole) + 1, "prompt") == whole
