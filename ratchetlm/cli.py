@@ -32,7 +32,9 @@ _ENGINE_HELP = {
     "kv_cache_bytes": "cache budget in bytes, any model's cache layout (default ~1 GiB)",
     "block_size": "tokens per KV block",
     "max_num_seqs": "max sequences decoded together",
-    "max_num_batched_tokens": "max tokens in one forward",
+    "max_num_batched_tokens": "max tokens in one forward (an upper bound beside --max-step-ms)",
+    "max_step_ms": "step-time budget while streams decode: long prompts are fed in chunks the measured cost "
+                   "model keeps under this many ms (default: 100 on CPU, 50 on CUDA; inf = token budget only)",
     "max_waiting": "max queued requests before new ones are refused",
     "staging_capacity": "max tentative K/V rows staged per forward (speculative, wedlm); more fall back to recompute",
     "enable_prefix_caching": "reuse cached KV blocks of shared prompt prefixes (true/false)",

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ratchetlm.engine.dtype import DTYPES, DtypeChoice, choose_dtype
+from ratchetlm.engine.step_cost import DEFAULT_MAX_STEP_MS
 
 NUMERICS = ("exact", "int8", "int16")
 RUNNERS = ("auto", "generate", "pooling")  # vLLM's --runner ("auto": generate, what a causal LM does)
@@ -33,7 +35,11 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None
     block_size: int = 16
     max_num_seqs: int = 32
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 2048  # an upper bound; the step-time budget below usually binds first
+    # the step-time budget (engine/step_cost.py): while any sequence decodes, a prompt is fed in chunks
+    # the measured cost model predicts to keep each step under this many milliseconds, so a long
+    # prompt never freezes other streams. None: 100 on CPU, 50 on CUDA; inf: off (token budget only)
+    max_step_ms: float | None = None
     max_waiting: int = 1024  # queue limit; add_request beyond it raises QueueFullError
     # most tentative K/V rows one forward may stage (kv/staging.py); proposals past it fall back to recompute
     staging_capacity: int = 1024
@@ -84,6 +90,9 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "staging_capacity"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        ms = self.max_step_ms
+        if ms is not None and (isinstance(ms, bool) or not isinstance(ms, int | float) or math.isnan(ms) or ms <= 0):
+            raise ValueError(f"max_step_ms must be a positive number of milliseconds (inf: no time budget), got {ms!r}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
         if self.numerics not in ("auto", *NUMERICS):
@@ -126,6 +135,12 @@ class EngineConfig:
         u = self.gpu_memory_utilization
         if u is not None and (isinstance(u, bool) or not isinstance(u, int | float) or not 0 < u <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
+
+    def step_time_target(self) -> float:
+        """``max_step_ms`` with None resolved to the device's default (engine/step_cost.py)."""
+        if self.max_step_ms is not None:
+            return float(self.max_step_ms)
+        return DEFAULT_MAX_STEP_MS["cuda" if self.device.startswith("cuda") else "cpu"]
 
     def torch_dtype(self) -> torch.dtype:
         return self.dtype_choice().dtype

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
 from collections.abc import Iterator, Mapping
 from collections.abc import Sequence as Seq
@@ -89,6 +90,7 @@ class LLM:
                 self.tokenizer, tok_source = other
             self._prompts = PromptTokenizer(self.tokenizer, special_tokens(tok_source, self.tokenizer))
             self.model_config = loaded.config
+            self.forward_lock = threading.Lock()  # write-free pooling forwards from several threads (engine/pooling.py)
             self.engine = LLMEngine(self.config, loaded.model, loaded.config, tokenizer=self.tokenizer,
                                     parallel=parallel)
             trim_heap()  # what loading parsed and dropped (the tokenizer's ~30 MB) back to the OS

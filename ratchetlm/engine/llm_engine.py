@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +17,7 @@ from ratchetlm.engine.kv_budget import sized_config
 from ratchetlm.engine.model_runner import build_runner
 from ratchetlm.engine.scheduler import Scheduler
 from ratchetlm.engine.sequence import SeqStatus, Sequence
+from ratchetlm.engine.step_cost import MeasuredStepCost, Rows, probe_prior
 from ratchetlm.layers.logits_processors import ControlsFactory
 from ratchetlm.sampling_params import SamplingParams
 
@@ -100,8 +103,13 @@ class LLMEngine:
         self.blocks = self.runner.blocks
         ctx = StrategyContext(runner=self.runner, model_config=model_config, max_model_len=self.max_model_len)
         self.strategy: DecodeStrategy = create_strategy(cfg.decoding, ctx, cfg.decoding_options)
+        # the step-time budget: prompt chunks sized by a measured cost model (engine/step_cost.py)
+        target = cfg.step_time_target()
+        self.step_cost = None if math.isinf(target) else MeasuredStepCost(
+            lambda: probe_prior(model, model_config, self.device, self.dtype))
         self.scheduler = Scheduler(self.blocks, self.strategy.tokens_wanted, self.strategy.on_preempt,
-                                   cfg.max_num_seqs, cfg.max_num_batched_tokens, self.strategy.on_finish)
+                                   cfg.max_num_seqs, cfg.max_num_batched_tokens, self.strategy.on_finish,
+                                   cost=self.step_cost, max_step_ms=target, min_chunk=cfg.block_size)
         # tokenizer: for bad_words and structured outputs (grammar compilation); None refuses those
         self.controls = ControlsFactory(tokenizer, model_config.vocab_size, model_config.eos_token_ids,
                                         jump_forward=cfg.jump_forward)
@@ -202,13 +210,19 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
+        t0 = time.perf_counter()
         seqs, budgets = [s for s, _ in scheduled], [b for _, b in scheduled]
+        # each sequence's context and kind as scheduled, for the cost model's observation
+        shape = [(s.seq_id, s.num_cached, self.scheduler.prefilling(s)) for s in seqs]
+        fed: dict[int, int] = {}  # seq_id -> rows it fed over the step's forwards
         outs: dict[int, StepOutput] = {}
         propose: ProposeFn = self.strategy.propose
         while seqs:  # one forward; the strategy may continue some sequences in the same step (SCV)
             used: dict[int, int] = {}  # seq_id -> tokens its proposal used of the step budget
             for o in self._step_isolated(seqs, budgets, propose, used):
                 _merge(outs, o)
+            for sid, n in used.items():
+                fed[sid] = fed.get(sid, 0) + n
             left = [(s, b - used[s.seq_id]) for s, b in zip(seqs, budgets, strict=True)
                     if s.seq_id in used and not s.is_finished and b > used[s.seq_id]]
             more = self.strategy.continue_step([s for s, _ in left], [b for _, b in left]) if left else []
@@ -216,6 +230,9 @@ class LLMEngine:
             seqs, budgets = [s for s, _ in left if s.seq_id in cont], [b for s, b in left if s.seq_id in cont]
             propose = _handing_out(cont)
         self.stats.steps += 1
+        if self.step_cost is not None:
+            rows = [(Rows.prefill if pf else Rows.decode)(fed[sid], ctx) for sid, ctx, pf in shape if fed.get(sid)]
+            self.step_cost.observe(rows, (time.perf_counter() - t0) * 1000.0)
         return list(outs.values())
 
     def _step_isolated(self, seqs: list[Sequence], budgets: list[int], propose: ProposeFn,

@@ -157,7 +157,8 @@ def encode(llm: Any, prompts: Any, pooling_params: PoolingParams | Sequence[Pool
             raise ValueError(f"dimensions={p.dimensions} is not supported: this model's vectors have {hidden_size} "
                              "dimensions and it was not trained for shorter ones")
     ids = [prompt_token_ids(llm, p) for p in plist]
-    hidden = final_hidden_states(runner, ids, llm.engine.cfg.max_num_batched_tokens, llm.engine.max_model_len)
+    with llm.forward_lock:  # one forward at a time: the server's preparation pool runs requests in parallel
+        hidden = final_hidden_states(runner, ids, llm.engine.cfg.max_num_batched_tokens, llm.engine.max_model_len)
     outs = []
     for i, (h, p, tok) in enumerate(zip(hidden, params, ids, strict=True)):
         norm = cfg.pooling_normalize if p.normalize is None else p.normalize

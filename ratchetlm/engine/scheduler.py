@@ -2,20 +2,47 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 
 from ratchetlm.engine.block_manager import BlockManager
 from ratchetlm.engine.sequence import SeqStatus, Sequence
+from ratchetlm.engine.step_cost import DECODE_STRETCH, Rows, StepCost
+
+
+class _Step:
+    """The step being built: what is scheduled, its rows for the cost model, tokens left."""
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens = tokens  # of max_num_batched_tokens
+        self.out: list[tuple[Sequence, int]] = []
+        self.rows: list[Rows] = []
+        self.decode_rows: list[Rows] = []
+        self.ids: set[int] = set()
+        self.decodes = 0
+        self.prefills = 0
+
+    def add(self, seq: Sequence, n: int, prefill: bool) -> None:
+        self.out.append((seq, n))
+        rows = Rows.prefill(n, seq.num_cached) if prefill else Rows.decode(n, seq.num_cached)
+        self.rows.append(rows)
+        if not prefill:
+            self.decode_rows.append(rows)
+        self.ids.add(seq.seq_id)
+        self.tokens -= n
+        self.prefills += prefill
+        self.decodes += not prefill
 
 
 class Scheduler:
-    """Running sequences are served first, in arrival order; waiting ones are admitted while
-    ``max_num_seqs`` and the token budget allow. On admission a sequence first takes the cached
-    blocks its tokens start with (prefix caching), so it computes only the rest. When KV blocks
-    run out, the most recently admitted running sequence is preempted by recompute (references
-    released, ``num_cached = 0``) and goes back to the front of the queue, where it usually
-    re-hits its own committed blocks."""
+    """Running sequences are served first (decode rows, then prompt chunks), in arrival order;
+    waiting ones are admitted while ``max_num_seqs``, the token budget and the step-time budget
+    allow. On admission a sequence first takes the cached blocks its tokens start with (prefix
+    caching), so it computes only the rest. When KV blocks run out, the most recently admitted
+    running sequence not yet in the step is preempted by recompute (references released,
+    ``num_cached = 0``) and goes back to the front of the queue, where it usually re-hits its own
+    committed blocks."""
 
     def __init__(
         self,
@@ -25,6 +52,9 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         on_finish: Callable[[Sequence], None] | None = None,
+        cost: StepCost | None = None,
+        max_step_ms: float = math.inf,
+        min_chunk: int = 16,
     ) -> None:
         self.blocks = blocks
         self.tokens_wanted = tokens_wanted
@@ -32,6 +62,10 @@ class Scheduler:
         self.on_finish = on_finish
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # the step-time budget (engine/step_cost.py): prompt chunks fill a step up to max_step_ms
+        self.cost = cost
+        self.max_step_ms = max_step_ms
+        self.min_chunk = min_chunk  # a step's first prompt chunk is never smaller (the prompt must advance)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # (sequence, leader): queued once the leader's prompt K/V is committed (see ``add``)
@@ -61,29 +95,44 @@ class Scheduler:
                 keep.append((seq, lead))
         self.held = keep
 
+    def prefilling(self, seq: Sequence) -> bool:
+        """Still computing its prompt (or recomputing it after a preemption): its rows are a chunk
+        the step-time budget may size. Everything else is a decode row (plus the strategy's drafts)."""
+        return seq.num_cached < seq.num_prompt_tokens
+
     def schedule(self) -> list[tuple[Sequence, int]]:
+        """This step's (sequence, token budget) pairs: running sequences' decode rows first (with
+        their drafts: the strategy sizes those), then prompt chunks of running and waiting
+        sequences. With a step-time budget and decode rows in the step, a prompt chunk is the
+        largest the cost model predicts to keep the step under ``max_step_ms``, or under
+        ``DECODE_STRETCH`` x the decode rows' own time when that is more (at least ``min_chunk``
+        tokens for the step's first chunk, so a prompt always advances); without
+        decode rows (nobody is waiting for a token) a prompt gets the whole token budget."""
         if self.held:
             self._release_held()
-        budget = self.max_num_batched_tokens
-        out: list[tuple[Sequence, int]] = []
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            want = min(self.tokens_wanted(seq), budget)
-            while not self.blocks.can_grow(seq, seq.num_cached + want) and self.running[-1] is not seq:
-                self._preempt(self.running.pop())
-            if not self.blocks.can_grow(seq, seq.num_cached + want):
-                self._preempt(self.running.pop(i))  # not even alone: wait for blocks
-                continue
-            self.blocks.grow(seq, seq.num_cached + want)
-            out.append((seq, want))
-            budget -= want
-            i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        step = _Step(self.max_num_batched_tokens)
+        decoding = [s for s in self.running if not self.prefilling(s)]
+        prefilling = [s for s in self.running if self.prefilling(s)]
+        for seq in decoding:
+            if step.tokens <= 0:
+                break
+            if seq.status is SeqStatus.RUNNING:  # (not preempted for an earlier one's blocks)
+                self._schedule(step, seq, min(self.tokens_wanted(seq), step.tokens), prefill=False)
+        for seq in prefilling:
+            if step.tokens <= 0:
+                break
+            if seq.status is SeqStatus.RUNNING:
+                want = self._chunk(step, seq, min(self.tokens_wanted(seq), step.tokens))
+                if want == 0:
+                    break
+                self._schedule(step, seq, want, prefill=True)
+        while self.waiting and step.tokens > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hit = self._match_prefix(seq)
-            want = min(self.tokens_wanted(seq), budget)
-            if not self.blocks.can_grow(seq, seq.num_cached + want):
+            want = min(self.tokens_wanted(seq), step.tokens)
+            if self.prefilling(seq):
+                want = self._chunk(step, seq, want)
+            if want == 0 or not self.blocks.can_grow(seq, seq.num_cached + want):
                 self._release(seq)  # the hits go back to the cache; looked up again next step
                 break
             self.waiting.popleft()
@@ -94,9 +143,46 @@ class Scheduler:
             self.blocks.grow(seq, seq.num_cached + want)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            out.append((seq, want))
-            budget -= want
-        return out
+            step.add(seq, want, self.prefilling(seq))
+        return step.out
+
+    def _chunk(self, step: _Step, seq: Sequence, want: int) -> int:
+        """Tokens of ``seq``'s prompt this step: ``want`` without a time budget or with no decode row
+        in the step, else the largest chunk the cost model fits under ``max_step_ms`` (binary search:
+        the predicted time grows with the chunk)."""
+        if self.cost is None or not math.isfinite(self.max_step_ms) or not step.decodes or want <= 0:
+            return want
+        cost = self.cost
+        # decode rows alone over the target (a busy machine, many streams): a chunk may stretch the
+        # step to DECODE_STRETCH x their time instead of crawling at min_chunk tokens a step
+        limit = max(self.max_step_ms, DECODE_STRETCH * cost.predict_ms(step.decode_rows))
+
+        def fits(n: int) -> bool:
+            return cost.predict_ms([*step.rows, Rows.prefill(n, seq.num_cached)]) <= limit
+
+        floor = 0 if step.prefills else min(self.min_chunk, want)
+        if fits(want):
+            return want
+        lo, hi = floor, want  # fits(lo) or lo is the floor; not fits(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def _schedule(self, step: _Step, seq: Sequence, want: int, prefill: bool) -> None:
+        """Reserve blocks for ``want`` more tokens of running ``seq``, preempting the most recently
+        admitted sequence not yet in this step while they do not fit (``seq`` itself, last)."""
+        while not self.blocks.can_grow(seq, seq.num_cached + want):
+            victim = next((s for s in reversed(self.running) if s is not seq and s.seq_id not in step.ids), None)
+            if victim is None:
+                self._preempt(seq)  # not even alone: wait for blocks
+                return
+            self._preempt(victim)
+        self.blocks.grow(seq, seq.num_cached + want)
+        step.add(seq, want, prefill)
 
     def _match_prefix(self, seq: Sequence) -> int | None:
         """Reuse cached blocks of ``seq``'s prefix; None when it does not look up. A request that

@@ -5,8 +5,10 @@ Give it a loaded ``LLM`` (anything with ``.engine``, ``.tokenizer``, ``.tokenize
 ``/health`` says 503 until the model is loaded in a background thread. If loading fails, ``/health``
 says why (without file paths) and ``on_load_failed`` runs (``ratchet serve`` then exits non-zero).
 
-A request's body is read with a size limit, then parsed, validated and tokenized on one worker
-thread, so a huge prompt never blocks the event loop (``/health`` stays fast).
+A request's body is read with a size limit, an idle timeout per chunk and a deadline for the whole
+body, then parsed, validated, templated, tokenized and its grammar compiled in a bounded pool
+(server/prepare.py), so a huge prompt blocks neither the event loop (``/health`` stays fast) nor
+other requests' preparation.
 
 Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` (and ``GET``/``DELETE``
 ``/v1/responses/{id}``), ``/v1/embeddings`` (``--runner pooling``), ``/v1/models`` (every served name),
@@ -24,7 +26,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
@@ -45,6 +46,7 @@ from ratchetlm.server.config import ServerConfig
 from ratchetlm.server.errors import APIError, from_validation, from_value_error
 from ratchetlm.server.guard import Guard
 from ratchetlm.server.metrics import ServerMetrics
+from ratchetlm.server.prepare import PrepPool
 from ratchetlm.server.protocol import (
     IGNORED_FIELDS,
     ChatCompletionRequest,
@@ -87,7 +89,7 @@ class ServerState:
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's event loop, once started
         self.draining = False
         self.active = 0  # HTTP generation handlers running now (a leak shows here)
-        self.prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ratchet-prep")
+        self.prep = PrepPool(cfg.prep_workers, cfg.prep_timeout)
         self.created = int(time.time())
         self.metrics = ServerMetrics(self.model_name, lambda: self.engine.snapshot if self.engine else None)
         self.responses = ResponseStore(cfg.responses_store_size)  # previous_response_id (server/responses_store.py)
@@ -149,7 +151,7 @@ def build_app(llm_or_loader: Any, served_model_name: str | list[str], config: Se
         yield
         if state.engine is not None:
             state.engine.shutdown()
-        state.prep.shutdown(wait=False, cancel_futures=True)
+        state.prep.shutdown()
 
     app = FastAPI(title="ratchetlm", lifespan=lifespan)
     app.state.ratchet = state
@@ -285,19 +287,27 @@ def _body_schema(model: type[Any]) -> dict[str, Any]:
 
 async def _read_body(request: Request, cfg: ServerConfig) -> bytes:
     """The body, refused with 413 past ``max_body_bytes`` (by its Content-Length before reading
-    anything, else as it arrives) and with 408 if a chunk takes longer than ``idle_timeout``."""
+    anything, else as it arrives) and with 408 if a chunk takes longer than ``idle_timeout`` or the
+    whole body longer than ``body_timeout`` (a client trickling a byte at a time resets no timer)."""
     limit = cfg.max_body_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise APIError(f"the request body has {int(declared)} bytes; the limit is {limit}", 413)
     chunks, size = [], 0
     stream = request.stream()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + cfg.body_timeout
     while True:
+        wait = min(cfg.idle_timeout, deadline - loop.time())
         try:
-            chunk = await asyncio.wait_for(anext(stream), cfg.idle_timeout)
+            if wait <= 0:
+                raise TimeoutError
+            chunk = await asyncio.wait_for(anext(stream), wait)
         except StopAsyncIteration:
             break
         except TimeoutError:
+            if wait < cfg.idle_timeout:
+                raise APIError(f"the request body did not complete within {cfg.body_timeout:g} s", 408) from None
             raise APIError(f"the request body did not arrive within {cfg.idle_timeout:g} s", 408) from None
         size += len(chunk)
         if size > limit:
@@ -350,8 +360,7 @@ async def _simple(state: ServerState, request: Request, model: type[Any],
         raise APIError("the model is still loading", 503)
     raw = await _read_body(request, state.cfg)
     ctx = state.ctx
-    return await asyncio.get_running_loop().run_in_executor(
-        state.prep, lambda: handler(_parse(state, raw, model), ctx))
+    return await state.prep.run(len(raw), lambda: handler(_parse(state, raw, model), ctx))
 
 
 async def _serve(state: ServerState, request: Request, model: type[Any], plan_cls: Callable[..., Any]) -> Response:
@@ -364,8 +373,7 @@ async def _serve(state: ServerState, request: Request, model: type[Any], plan_cl
         raise APIError("this server runs the pooling runner (--runner pooling): it serves /v1/embeddings, not "
                        "generation", 400, "model")
     raw = await _read_body(request, state.cfg)
-    loop = asyncio.get_running_loop()
-    req, plan = await loop.run_in_executor(state.prep, _prepare, state, raw, model, plan_cls)
+    req, plan = await state.prep.run(len(raw), _prepare, state, raw, model, plan_cls)
     group = state.engine.group(plan.subs)
     prompt_param = getattr(plan, "prompt_param", "messages" if model is ChatCompletionRequest else "prompt")
     try:

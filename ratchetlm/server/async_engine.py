@@ -182,6 +182,12 @@ class AsyncEngine:
         :meth:`_recover`. Only an engine that keeps failing with nothing left to fail ends the
         thread, and then every waiting and later request gets a 503 instead of hanging."""
         failures = 0  # consecutive iterations that needed a recovery
+        cost = getattr(self.engine, "step_cost", None)
+        if cost is not None:  # the step-time budget's probe, now rather than in a request's first step
+            try:
+                cost.calibrate()
+            except Exception:  # noqa: BLE001 (the scheduler probes again when it first needs it)
+                _log.exception("step cost probe failed")
         try:
             while not self._stop.is_set():
                 try:

@@ -14,6 +14,11 @@ _SERVER_HELP = {
     "api_key": "require 'Authorization: Bearer KEY' on /v1/* (default: $RATCHET_API_KEY, else no auth)",
     "shutdown_timeout": "on SIGTERM, seconds running requests may finish before they are ended with an error",
     "idle_timeout": "seconds a connection may wait without a complete request head, body chunk or next request",
+    "body_timeout": "seconds a whole request body may take to arrive, however steadily it trickles (408 beyond)",
+    "prep_workers": "threads that parse, template, tokenize and compile grammars for requests (default: the "
+                    "machine's cores, at least 2); bodies over 1 MiB share all but one of them",
+    "prep_timeout": "seconds one request's preparation (parsing, chat template, tokenization, grammar) may take "
+                    "(400 beyond)",
     "max_body_bytes": "largest request body (413 beyond)",
     "max_choices": "most choices (prompts x n) in one request",
     "max_stop_strings": "most stop strings in one request",
@@ -55,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="server and engine log level (stderr)")
     for f in dataclasses.fields(ServerConfig):
-        kind = {"float": float, "int": int}.get(str(f.type), str)
+        kind = {"float": float, "int": int, "int | None": int}.get(str(f.type), str)
         p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=_SERVER_HELP[f.name])
     add_engine_args(p)
     add_vllm_serve_flags(p)

@@ -17,6 +17,7 @@ from ratchetlm.sampling_params import SamplingParams, StructuredOutputsParams
 from ratchetlm.server.async_engine import Delta, EngineError, RequestGroup
 from ratchetlm.server.errors import APIError, from_value_error
 from ratchetlm.server.metrics import ChoiceTimer, ServerMetrics
+from ratchetlm.server.prepare import encode_bounded, longest_token_chars
 from ratchetlm.server.protocol import CommonRequest
 
 
@@ -199,6 +200,7 @@ class ServingContext:
     tool_call_parser: str | None = None  # --tool-call-parser (None/"auto": from the chat template)
     response_role: str = "assistant"  # --response-role: the role of the generated chat message
     content_format: str = "auto"  # --chat-template-content-format: string | openai | auto
+    _token_chars: int | None = None  # the vocabulary's longest token (0: unknown), for encode_bounded
 
     @property
     def max_model_len(self) -> int:
@@ -221,7 +223,13 @@ class ServingContext:
         engine/prompts.py) or token ids -> token ids; ids are range-checked here, before anything
         (``echo``) decodes them."""
         try:
-            ids = list(self.llm.tokenize(prompt, add_special_tokens))
+            if isinstance(prompt, str):  # a text far past the context is refused on a bounded prefix
+                if self._token_chars is None:
+                    self._token_chars = longest_token_chars(self.llm.tokenizer) or 0
+                ids = encode_bounded(lambda t: list(self.llm.tokenize(t, add_special_tokens)), prompt,
+                                     self.max_model_len, param, self._token_chars or None)
+            else:
+                ids = list(self.llm.tokenize(prompt, add_special_tokens))
         except ValueError as e:
             raise APIError(str(e), 400, param) from None
         vocab = self.vocab_size

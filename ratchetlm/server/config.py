@@ -21,6 +21,11 @@ class ServerConfig:
     api_key: str | None = None  # Bearer token required on /v1/* (also RATCHET_API_KEY); None = open
     shutdown_timeout: float = 30.0  # SIGTERM: seconds running requests may finish before they are ended
     idle_timeout: float = 10.0  # seconds a connection may sit without a complete request (or body chunk)
+    body_timeout: float = 30.0  # seconds a whole request body may take, however steadily it trickles (408)
+    # request preparation (server/prepare.py): threads (None: the machine's cores, at least 2) and the
+    # seconds one request's parsing, templating, tokenization and grammar compilation may take (400)
+    prep_workers: int | None = None
+    prep_timeout: float = 30.0
     max_body_bytes: int = 8 << 20  # request body size (413 beyond)
     max_choices: int = 64  # prompts x n of one request
     max_stop_strings: int = 16
@@ -37,7 +42,7 @@ class ServerConfig:
     responses_store_size: int = 1024
 
     def __post_init__(self) -> None:
-        for name in ("shutdown_timeout", "idle_timeout"):
+        for name in ("shutdown_timeout", "idle_timeout", "body_timeout", "prep_timeout"):
             v = getattr(self, name)
             if not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
@@ -54,6 +59,9 @@ class ServerConfig:
         n = self.responses_store_size
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"responses_store_size must be a non-negative integer, got {n!r}")
+        w = self.prep_workers
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
+            raise ValueError(f"prep_workers must be a positive integer, got {w!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
         if isinstance(self.allowed_origins, str):

@@ -6,9 +6,9 @@ little-endian bytes, what the openai client asks for by default); ``dimensions``
 it is the model's hidden size (no model served here is trained for shorter vectors). vLLM's
 ``normalize`` overrides the server's ``--pooling-normalize`` for one request.
 
-The vectors are computed on the request-preparation thread, by write-free forwards: the pooling
-runner never generates, so the engine thread never runs a forward meanwhile and no KV block is
-taken (engine/pooling.py).
+The vectors are computed in the request-preparation pool, by write-free forwards, one at a time
+(``LLM.forward_lock``): the pooling runner never generates, so the engine thread never runs a
+forward meanwhile and no KV block is taken (engine/pooling.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Spellings accepted (at most one per request; a ``tool_choice`` that forces calls
 OpenAI's ``response_format`` (``text`` / ``json_object`` / ``json_schema``), vLLM's
 ``structured_outputs`` object (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) and
 its older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` fields. The
-constraint is compiled here, on the request-preparation thread, so an invalid or too-complex one
+constraint is compiled here, in the request-preparation pool, so an invalid or too-complex one
 is a 400 before anything is queued (the engine then finds it in the compiler's cache).
 """
 

@@ -1,0 +1,161 @@
+"""The step-time budget: while streams decode, a long prompt is fed in chunks the cost model keeps
+under ``max_step_ms``; decode rows are scheduled first in every step; the output is the same token
+for token as with the prompt fed whole."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from ratchetlm import SamplingParams
+from ratchetlm.engine.config import EngineConfig
+from ratchetlm.engine.llm_engine import LLMEngine
+from ratchetlm.engine.step_cost import DECODE_STRETCH, LinearStepCost, MeasuredStepCost, Prior, Rows
+
+# a deterministic cost model (ms): the schedule must not depend on how busy the test machine is
+FAKE = LinearStepCost(fixed=2.0, per_row=1.0, per_logit=0.5, per_context=0.002)
+TARGET = 40.0
+LONG = 200  # prompt tokens
+STREAM = 24  # tokens each stream generates
+
+
+def engine_on(llm, **kwargs) -> LLMEngine:
+    cfg = EngineConfig(**{"dtype": "float32", "progress": False, "kv_cache_blocks": 96, **kwargs})
+    return LLMEngine(cfg, llm.engine.model, llm.model_config)
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def run_mixed(llm, max_step_ms: float, cost=FAKE):
+    """Four streams decode; then a LONG-token prompt arrives. Returns (outputs by request, the
+    schedule of every step after it arrived: [(seq_id, tokens, prefilling, context)], long id)."""
+    eng = engine_on(llm, max_step_ms=max_step_ms)
+    eng.scheduler.cost = cost
+    enc = llm.encode
+    streams = [eng.add_request(enc(f"Count slowly from {i} upwards:"), greedy(STREAM)) for i in range(4)]
+    for _ in range(3):  # admitted and prefilled together, then decoding
+        eng.step()
+    assert all(eng.seqs[s].num_output_tokens >= 2 for s in streams)
+    text = " ".join(f"item{i}" for i in range(400))
+    long_prompt = enc(text)[:LONG]
+    long = eng.add_request(long_prompt, greedy(4))
+    steps: list[list[tuple[int, int, bool, int]]] = []
+    schedule = eng.scheduler.schedule
+
+    def recorded():
+        out = schedule()
+        steps.append([(s.seq_id, n, eng.scheduler.prefilling(s), s.num_cached) for s, n in out])
+        return out
+
+    eng.scheduler.schedule = recorded  # type: ignore[method-assign]
+    while eng.has_unfinished():
+        eng.step()
+    outs = {sid: eng.release(sid).output_ids for sid in [*streams, long]}
+    return outs, steps, streams, long
+
+
+def predicted(step, cost=FAKE) -> float:
+    return cost.predict_ms([Rows.prefill(n, c) if pf else Rows.decode(n, c) for _, n, pf, c in step])
+
+
+@pytest.fixture(scope="module")
+def chunked(llm_default):
+    return run_mixed(llm_default, TARGET)
+
+
+def test_long_prompt_is_chunked_under_the_target_and_decodes_are_never_starved(chunked):
+    outs, steps, streams, long = chunked
+    prompt_steps = [st for st in steps if any(sid == long and pf for sid, _, pf, _ in st)]
+    chunks = [n for st in prompt_steps for sid, n, pf, _ in st if sid == long and pf]
+    assert sum(chunks) == LONG and len(chunks) > 1, chunks
+    for st in prompt_steps:
+        kinds = [pf for _, _, pf, _ in st]
+        assert kinds == sorted(kinds)  # decode rows first, then the prompt chunk
+        assert sum(1 for sid, *_ in st if sid in streams) == 4  # every stream is still decoding
+        assert predicted(st) <= TARGET, st
+    # the chunk adapts to what the step holds: the prompt's own context (and the streams') grows,
+    # so the chunks shrink; the last one is what is left
+    assert chunks[:-1] == sorted(chunks[:-1], reverse=True) and chunks[0] > chunks[-2], chunks
+    # each stream is in every step from the prompt's arrival until it finished
+    for sid in streams:
+        ran = [i for i, st in enumerate(steps) if any(s == sid for s, *_ in st)]
+        assert ran == list(range(len(ran))) and len(ran) == STREAM - 3, (sid, ran)
+
+
+def test_chunked_prefill_gives_the_same_tokens_as_the_whole_prompt(llm_default, chunked):
+    whole, whole_steps, _, whole_long = run_mixed(llm_default, math.inf)
+    assert [n for st in whole_steps for sid, n, pf, _ in st if sid == whole_long and pf] == [LONG]
+    assert list(chunked[0].values()) == list(whole.values())
+
+
+def test_without_decode_rows_a_prompt_takes_the_whole_token_budget(llm_default):
+    """Nobody waits for a token: the prompt is not chunked (idle TTFT is unchanged)."""
+    eng = engine_on(llm_default, max_step_ms=1.0)
+    eng.scheduler.cost = FAKE
+    sid = eng.add_request(list(range(100, 100 + LONG)), greedy(1))
+    out = eng.scheduler.schedule()
+    assert [(s.seq_id, n) for s, n in out] == [(sid, LONG)]
+
+
+def test_decode_rows_over_the_target_stretch_the_step_to_a_multiple_of_their_own_time(llm_default):
+    """A machine too busy for the target: the prompt's chunks fill DECODE_STRETCH x the decode
+    rows' time instead of crawling at ``min_chunk`` tokens a step."""
+    busy = LinearStepCost(fixed=20.0, per_row=1.0, per_logit=0.5, per_context=0.002)
+    _, steps, _, long = run_mixed(llm_default, 3.0, busy)  # four decode rows alone predict ~26 ms
+    chunks = []
+    for st in steps:
+        chunk = [(n, c) for sid, n, pf, c in st if sid == long and pf]
+        if chunk and chunk[0][0] + chunk[0][1] < LONG:  # (not the last chunk: what was left)
+            decodes = [Rows.decode(n, c) for _, n, pf, c in st if not pf]
+            budget = DECODE_STRETCH * busy.predict_ms(decodes)
+            # the largest chunk under the stretched budget: one more token would not fit
+            assert 3.0 < predicted(st, busy) <= budget < predicted(st, busy) + 1.0 + busy.per_context * LONG, st
+            chunks.append(chunk[0][0])
+    assert chunks and min(chunks) > 16, chunks
+
+
+def test_measured_cost_learns_fixed_and_per_row_parts_from_the_steps():
+    """The prior says 10 ms + 1 ms a row; the machine really takes 30 ms + 3 ms a row: after a mix of
+    decode-only and prompt-chunk steps the fit predicts both kinds within a few percent."""
+    prior = Prior(fixed=10.0, per_row=1.0, head=0.0, attention=0.0)
+    cost = MeasuredStepCost(lambda: prior, warmup=1)
+    decode, chunk = [Rows.decode(1, 50)] * 4, [*[Rows.decode(1, 50)] * 4, Rows.prefill(60, 0)]
+    assert cost.predict_ms(decode) == pytest.approx(14.0) and cost.predict_ms(chunk) == pytest.approx(74.0)
+    cost.observe(decode, 1000.0)  # warm-up: ignored
+    assert (cost.fixed, cost.per_row) == (10.0, 1.0)
+    for i in range(60):
+        rows = chunk if i % 3 == 0 else decode
+        cost.observe(rows, 30.0 + 3.0 * sum(r.n for r in rows))
+    assert cost.predict_ms(decode) == pytest.approx(42.0, rel=0.05)
+    assert cost.predict_ms(chunk) == pytest.approx(222.0, rel=0.05)
+    assert cost.fixed > 0 and cost.per_row > 0
+
+
+def test_an_outlier_step_moves_the_fit_a_bounded_amount():
+    prior = Prior(fixed=10.0, per_row=1.0, head=0.0, attention=0.0)
+    cost = MeasuredStepCost(lambda: prior, warmup=0)
+    rows = [Rows.decode(1, 0)] * 4
+    cost.observe(rows, 1e6)  # a page fault storm: counted as 4x the prediction at most
+    assert cost.predict_ms(rows) < 4 * 14.0
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), True, "100"])
+def test_max_step_ms_must_be_a_positive_number(bad):
+    with pytest.raises(ValueError, match="max_step_ms"):
+        EngineConfig(max_step_ms=bad)
+
+
+def test_max_step_ms_defaults_by_device_and_maps_to_its_flag():
+    assert EngineConfig().step_time_target() == 100.0
+    assert EngineConfig(max_step_ms=math.inf).step_time_target() == math.inf
+    import argparse
+
+    from ratchetlm.cli import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_kwargs(p.parse_args(["--max-step-ms", "40"]))["max_step_ms"] == 40.0
+    assert engine_kwargs(p.parse_args([]))["max_step_ms"] is None
