@@ -34,7 +34,7 @@ def run_mixed(llm, max_step_ms: float, cost=FAKE):
     schedule of every step after it arrived: [(seq_id, tokens, prefilling, context)], long id)."""
     eng = engine_on(llm, max_step_ms=max_step_ms)
     eng.scheduler.cost = cost
-    enc = llm.encode
+    enc = llm.tokenize
     streams = [eng.add_request(enc(f"Count slowly from {i} upwards:"), greedy(STREAM)) for i in range(4)]
     for _ in range(3):  # admitted and prefilled together, then decoding
         eng.step()
