@@ -1,0 +1,55 @@
+"""Token Recycling's successor table (Luo et al., "Turning Trash into Treasure", 2024).
+
+Every row a target forward computes logits for — a committed token, a draft node the verifier
+rejected, the last prompt token — says which ``k`` tokens the target ranks highest right after
+that row's token. The table keeps, per vocabulary entry, the latest such top-``k``: row ``t`` =
+the successors last seen after token ``t``. Drafting expands from the last committed token
+through the table (tree_proposers.py); the rejected branches of one step become the drafts of the
+next.
+
+One table per engine (strategy), shared by every request, as in the paper's per-model table: the
+successors of common tokens (punctuation, function words, chat-template tokens) carry over, so a
+new request drafts from its first token instead of warming up, and a [vocab, 8] int32 table is
+1.5 MB for the default model's 49k vocabulary. Requests only ever see each other's drafts, never
+each other's tokens (verification keeps the output the target's own).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SuccessorTable:
+    """``table[t]``: ``[k]`` int32, the latest top-``k`` successors of token ``t`` (best first; -1 =
+    none seen yet). Sized from the first logits it observes (their vocabulary, their device)."""
+
+    def __init__(self, k: int) -> None:
+        assert k >= 1
+        self.k = k
+        self.table: torch.Tensor | None = None  # [vocab, k] int32
+        self.updates = 0  # rows observed
+
+    def observe(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        """``tokens``: ``[R]`` the token of each row, ``logits``: ``[R, vocab]`` that row's logits.
+        One top-k over all rows, one ``index_copy``; a token appearing in several rows keeps its
+        last row's successors (made explicit: ``index_copy`` leaves duplicates unspecified)."""
+        assert tokens.dim() == 1 and logits.dim() == 2 and tokens.shape[0] == logits.shape[0], (tokens.shape,
+                                                                                              logits.shape)
+        if tokens.numel() == 0:
+            return
+        if self.table is None:
+            self.table = torch.full((logits.shape[1], self.k), -1, dtype=torch.int32, device=logits.device)
+        tokens = tokens.to(self.table.device, torch.long)
+        uniq, inv = torch.unique(tokens, return_inverse=True)  # [U], [R]
+        rows = torch.arange(len(tokens), device=tokens.device)
+        last = torch.full((len(uniq),), -1, dtype=torch.long, device=tokens.device).scatter_reduce(
+            0, inv, rows, reduce="amax")  # [U] last row of each distinct token
+        top = torch.topk(logits[last.to(logits.device)], self.k, dim=-1).indices  # [U, k]
+        self.table.index_copy_(0, uniq, top.to(self.table.device, torch.int32))
+        self.updates += len(tokens)
+
+    def successors(self, token: int) -> list[int]:
+        """The latest top-k after ``token`` (best first), without the unseen (-1) entries."""
+        if self.table is None or not 0 <= token < self.table.shape[0]:
+            return []
+        return [t for t in self.table[token].tolist() if t >= 0]
