@@ -156,6 +156,10 @@ def test_tree_is_built_best_first_and_cut_where_value_peaks():
     best = max(range(8), key=lambda n: (value[n], -n))
     assert [n.token for n in plan.nodes] == order[:best]
     assert 0 < best < 7  # the cut is inside the tree: the test sees both sides of it
+    assert [n.p for n in plan.nodes] == pytest.approx([paths[t] for t in order[:best]])
+    for cost in (0.05, 0.1, 0.15, 0.3, 0.45):  # the cut at other prices: every one where the rule puts it
+        got = build([src], {0: True}, 0, calib, CostTable(CostCurve.linear(cost)), 10, 8, 1, 0, True, 5).nodes
+        assert len(got) == reference_size([paths[t] for t in order], CostCurve.linear(cost), 1, 0), cost
     for n in plan.nodes:  # every prefix of the order is a tree, and parents point at the right node
         assert n.parent < len(plan.nodes) and (n.parent == -1) == (n.token in (1, 2))
     # a static size keeps max_nodes whatever they are worth
@@ -168,13 +172,26 @@ def test_tree_is_built_best_first_and_cut_where_value_peaks():
     assert sorted(tree.tokens) == sorted(n.token for n in plan.nodes)
 
 
-def test_a_bigger_batch_drafts_fewer_nodes():
-    src = FixedSource({t: [t + 1, t + 100] for t in range(50)})
+def reference_size(probs: list[float], curve: CostCurve, batch: int, drafted: int) -> int:
+    """The gain rule written out: nodes (path probabilities, best first) kept for the best value."""
+    share = curve(batch) / batch
+    values = [1 / share] + [(1 + sum(probs[:n])) / (share + curve(batch + drafted + n + 1) - curve(batch + drafted))
+                            for n in range(1, len(probs) + 1)]
+    return max(range(len(values)), key=lambda n: (values[n], -n))
+
+
+def test_tree_size_follows_the_cost_curve_batch_and_earlier_drafts():
+    src = FixedSource({t: [t + 1, t + 100] for t in range(50)})  # a chain of rank-0 children, rank-1 side twigs
     calib = calibrated([0.7, 0.2])
     curve = CostCurve((1, 2, 4, 8, 16, 32), (1.0, 1.05, 1.2, 1.6, 2.8, 5.5))
-    sizes = [len(build([src], {0: True}, 0, calib, CostTable(curve), 16, 8, b, e, True, 1).nodes)
-             for b, e in ((1, 0), (4, 0), (8, 20))]
-    assert sizes[0] > sizes[1] >= sizes[2] and sizes[0] > 0
+    sizes = []
+    for b, e in ((1, 0), (2, 3), (4, 0), (8, 20)):
+        plan = build([src], {0: True}, 0, calib, CostTable(curve), 16, 8, b, e, True, 1)
+        full = build([src], {0: True}, 0, calib, CostTable(curve), 16, 8, b, e, False, 1).nodes
+        assert plan.nodes == full[:len(plan.nodes)]
+        assert len(plan.nodes) == reference_size([n.p for n in full], curve, b, e), (b, e)
+        sizes.append(len(plan.nodes))
+    assert sizes[0] > sizes[2] >= sizes[3] and sizes[0] > 0
 
 
 def test_judge_scores_the_children_of_each_accepted_node_from_the_committed_tokens():
