@@ -13,7 +13,7 @@ import torch
 
 from ratchetlm.decoding.speculative.cost_curve import CostCurve
 from ratchetlm.decoding.speculative.draft_tree import trees_from_beams
-from ratchetlm.decoding.speculative.recycling import SuccessorTable
+from ratchetlm.decoding.speculative.recycling import SuccessorTable, top_k_indices
 from ratchetlm.decoding.speculative.suffix_index import History, SequenceIndex, SuffixTrie
 from ratchetlm.decoding.speculative.tree_select import Calibration, CostTable, build, judge, to_beam
 from ratchetlm.sampling_params import SamplingParams
@@ -38,6 +38,15 @@ def test_successor_table_keeps_each_tokens_last_top_k():
     for t in range(vocab):
         assert table.successors(t) == ref.get(t, []), t
     assert table.table is not None and table.table.dtype == torch.int32 and table.table.shape == (vocab, k)
+
+
+@pytest.mark.parametrize("shape", [(1, 50), (3, 128 * 9), (4, 128 * 20 + 37), (2, 5000)])
+def test_two_stage_top_k_equals_torch_topk(shape):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[1]))
+    x[0, -1] = x[-1, 7] = 50.0  # the best entry in the last column (past the whole blocks), in the first block
+    x[-1, 3] = 49.0  # two of the best in one block
+    for k in (1, 8):
+        assert torch.equal(top_k_indices(x, k), torch.topk(x, k, dim=-1).indices)
 
 
 def test_successor_table_empty_and_out_of_range():
@@ -84,7 +93,8 @@ def test_sequence_index_longest_match_equals_a_naive_scan(seed):
 
 
 def all_substrings(texts: list[list[int]], depth: int) -> Counter:
-    return Counter(tuple(t[i:j]) for t in texts for i in range(len(t)) for j in range(i + 1, min(len(t), i + depth) + 1))
+    return Counter(tuple(t[i:j]) for t in texts for i in range(len(t))
+                   for j in range(i + 1, min(len(t), i + depth) + 1))
 
 
 def trie_substrings(trie: SuffixTrie) -> Counter:
