@@ -28,7 +28,7 @@ depend only on committed tokens and earlier forwards, so sampling stays exact.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -49,10 +49,13 @@ class DraftSource(Protocol):
 
 @dataclass
 class Calibration:
-    """Acceptance counts per key and per source (``key[0]``), the source's rate the key's prior."""
+    """Acceptance counts per key and per source (``key[0]``). A key's estimate starts from
+    ``prior(key)`` when given (a source's guess, e.g. longer suffix matches are likelier right),
+    else from its source's rate (itself from Beta(1, 2)), worth ``PRIOR`` observations."""
 
     hits: dict[Hashable, float] = field(default_factory=dict)
     tries: dict[Hashable, float] = field(default_factory=dict)
+    prior: Callable[[tuple], float | None] | None = None
 
     def add(self, key: tuple, hit: bool) -> None:
         for k in (key, key[:1]):
@@ -60,9 +63,11 @@ class Calibration:
             self.hits[k] = self.hits.get(k, 0.0) + hit
 
     def p(self, key: tuple) -> float:
-        src = key[:1]
-        coarse = (self.hits.get(src, 0.0) + 1.0) / (self.tries.get(src, 0.0) + 3.0)  # Beta(1, 2) prior
-        return (self.hits.get(key, 0.0) + PRIOR * coarse) / (self.tries.get(key, 0.0) + PRIOR)
+        guess = self.prior(key) if self.prior is not None else None
+        if guess is None:
+            src = key[:1]
+            guess = (self.hits.get(src, 0.0) + 1.0) / (self.tries.get(src, 0.0) + 3.0)
+        return (self.hits.get(key, 0.0) + PRIOR * guess) / (self.tries.get(key, 0.0) + PRIOR)
 
 
 @dataclass
