@@ -54,7 +54,7 @@ class SuccessorTable:
 
     def observe(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
         """``tokens``: ``[R]`` the token of each row, ``logits``: ``[R, vocab]`` that row's logits.
-        One top-k over all rows, one ``index_copy``; a token appearing in several rows keeps its
+        One top-k over the rows, one ``index_copy``; a token appearing in several rows keeps its
         last row's successors (made explicit: ``index_copy`` leaves duplicates unspecified)."""
         assert tokens.dim() == 1 and logits.dim() == 2 and tokens.shape[0] == logits.shape[0], (tokens.shape,
                                                                                               logits.shape)
@@ -62,13 +62,12 @@ class SuccessorTable:
             return
         if self.table is None:
             self.table = torch.full((logits.shape[1], self.k), -1, dtype=torch.int32, device=logits.device)
-        tokens = tokens.to(self.table.device, torch.long)
-        uniq, inv = torch.unique(tokens, return_inverse=True)  # [U], [R]
-        rows = torch.arange(len(tokens), device=tokens.device)
-        last = torch.full((len(uniq),), -1, dtype=torch.long, device=tokens.device).scatter_reduce(
-            0, inv, rows, reduce="amax")  # [U] last row of each distinct token
-        top = top_k_indices(logits[last.to(logits.device)], self.k)  # [U, k]
-        self.table.index_copy_(0, uniq, top.to(self.table.device, torch.int32))
+        last = {t: i for i, t in enumerate(tokens.tolist())}  # token -> its last row (a few dozen ints; four
+        # torch ops — unique, scatter_reduce — cost more than the top-k itself on a one-row step)
+        rows = torch.tensor(list(last.values()), dtype=torch.long, device=logits.device)  # [U]
+        top = top_k_indices(logits[rows], self.k) if len(rows) < len(tokens) else top_k_indices(logits, self.k)
+        uniq = torch.tensor(list(last), dtype=torch.long, device=self.table.device)  # [U]
+        self.table.index_copy_(0, uniq, top.to(self.table.device, torch.int32))  # [U, k]
         self.updates += len(tokens)
 
     def successors(self, token: int) -> list[int]:

@@ -141,6 +141,8 @@ def build(sources: list[DraftSource], roots: dict[int, Any], root_token: int, ca
         value = expected / (share + c[base + len(nodes) + 1] - c[base])
         if value > best or not gain:
             best, best_n = value, len(nodes)
+        if gain and not _may_improve(expected, node.p, len(nodes), max_nodes, c, base, share, best):
+            break  # no later node (none is likelier than this one) can lift the value above the best
         if depth + 1 < max_depth and sts:
             kids = _children(sources, sts, tok, calib)
             node.kids = [(t, k) for t, _, k, _ in kids]
@@ -148,6 +150,16 @@ def build(sources: list[DraftSource], roots: dict[int, Any], root_token: int, ca
                 heapq.heappush(heap, (-node.p * p, order, t, len(nodes) - 1, k, s))
                 order += 1
     return Plan(start, [(t, k) for t, _, k, _ in root_kids], nodes[:best_n])
+
+
+def _may_improve(expected: float, p: float, n: int, max_nodes: int, c: np.ndarray, base: int, share: float,
+                 best: float) -> bool:
+    """Whether some tree of ``n + k`` nodes could beat ``best``, every further node at most ``p``."""
+    k = np.arange(1, max_nodes - n + 1)
+    if not len(k):
+        return False
+    bound = (expected + p * k) / (share + c[base + n + k + 1] - c[base])
+    return bool(bound.max() > best)
 
 
 def judge(plan: Plan, token_ids: list[int], calib: Calibration) -> bool:
