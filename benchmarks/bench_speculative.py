@@ -76,7 +76,7 @@ CONFIGS = {
 
 
 def engine(llm: LLM, opts: dict | None) -> LLMEngine:
-    cfg = EngineConfig(dtype="float32", decoding="speculative" if opts else "autoregressive",
+    cfg = EngineConfig(dtype="float32", decoding="speculative" if opts is not None else "autoregressive",
                        decoding_options=opts or {}, kv_cache_blocks=512, progress=False,
                        numerics=llm.config.numerics)
     return LLMEngine(cfg, llm.engine.model, llm.model_config)
