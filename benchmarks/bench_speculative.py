@@ -27,8 +27,38 @@ from ratchetlm.sampling_params import SamplingParams  # noqa: E402
 from tests.speculative.prompts import CHATS, CODE_EDITS, SUMMARIES  # noqa: E402
 
 CATEGORIES = {"code": CODE_EDITS, "summary": SUMMARIES, "chat": CHATS}
+
+
+def _chat(user: str) -> str:
+    return f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+
+
+_PARAGRAPH = (
+    "The Great Barrier Reef, off the coast of Queensland, Australia, is the largest coral reef system in the "
+    "world. It stretches for over 2,300 kilometres and is made up of nearly 3,000 individual reefs and 900 "
+    "islands. The reef supports a huge diversity of life, including many vulnerable and endangered species. "
+    "In recent decades rising sea temperatures have caused repeated mass bleaching events, in which corals "
+    "expel the algae living in their tissues and turn white. Scientists warn that without cuts in greenhouse "
+    "gas emissions, bleaching will become more frequent and many reefs may not recover.")
+# --prompt-set ordinary: the kinds of request Spec-Bench groups (written here, not Spec-Bench's own)
+ORDINARY = {
+    "qa": [_chat("What are the main differences between a virus and a bacterium?")],
+    "summary": [_chat("Summarize the following paragraph in two sentences.\n\n" + _PARAGRAPH)],
+    "translation": [_chat("Translate the following German text to English: \"Der Zug nach Berlin hat heute "
+                          "zwanzig Minuten Verspätung, weil es auf der Strecke einen technischen Defekt gab. "
+                          "Die Reisenden werden gebeten, auf Gleis drei zu warten.\"")],
+    "math": [_chat("A bakery sells muffins for $3 each and cookies for $2 each. Anna buys 4 muffins and 5 "
+                   "cookies and pays with a $50 bill. How much change does she get? Explain step by step.")],
+    "rag": [_chat("Answer the question using only the context.\n\nContext: " + _PARAGRAPH
+                  + "\n\nQuestion: What happens to corals during a bleaching event, and what causes it?")],
+}
 CONFIGS = {
     "plain AR": None,
+    "hybrid default (gain)": {},
+    "hybrid static 16": dict(method="hybrid", depth_schedule="constant"),
+    "suffix (gain)": dict(method="suffix"),
+    "recycling (gain)": dict(method="recycling"),
+    "recycling static 16": dict(method="recycling", depth_schedule="constant"),
     "ngram chain": dict(method="ngram", depth=4, depth_schedule="constant"),
     "ngram tree": dict(method="ngram", num_candidates=3, depth=4, depth_schedule="constant"),
     "ngram chain adaptive": dict(method="ngram", depth=6, depth_schedule="adaptive"),
@@ -46,7 +76,7 @@ CONFIGS = {
 
 
 def engine(llm: LLM, opts: dict | None) -> LLMEngine:
-    cfg = EngineConfig(dtype="float32", decoding="speculative" if opts else "autoregressive",
+    cfg = EngineConfig(dtype="float32", decoding="speculative" if opts is not None else "autoregressive",
                        decoding_options=opts or {}, kv_cache_blocks=512, progress=False,
                        numerics=llm.config.numerics)
     return LLMEngine(cfg, llm.engine.model, llm.model_config)
@@ -87,7 +117,8 @@ def bench_ours(llm: LLM, params: SamplingParams, repeats: int) -> tuple[dict, di
     """Every config on every prompt, ``repeats`` rounds with the configs interleaved inside each
     round, so load drift on a shared machine hits all configs alike; cells are medians."""
     enc = {c: [llm.tokenize(p) for p in ps] for c, ps in CATEGORIES.items()}
-    mixed = [p for ps in enc.values() for p in ps] + enc["code"]  # batch 8: every category + 2 code
+    flat = [p for ps in enc.values() for p in ps]
+    mixed = (flat * 8)[:8]  # batch 8: every category (cycled to 8)
     tps: dict = {}  # (config, category, batch) -> tok/s of every round
     dps: dict = {}  # (config, category, batch) -> decode-phase tok/s of every round
     same: dict = {}  # (config, category, batch) -> greedy text equal to plain AR in every round
@@ -220,6 +251,8 @@ def main() -> None:
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="time runs by wall clock or by this process's CPU time (a busy shared machine)")
     ap.add_argument("--numerics", default=None, help="exact | int8 | int16 (default: the engine's default)")
+    ap.add_argument("--prompt-set", choices=("default", "ordinary"), default="default",
+                    help="default: code/summary/chat; ordinary: QA, summary, translation, math, RAG chat prompts")
     ap.add_argument("--configs", default=None,
                     help=f"';'-separated subset of our configs (plain AR is always run); known: {'; '.join(CONFIGS)}")
     a = ap.parse_args()
@@ -232,6 +265,9 @@ def main() -> None:
             if name not in keep:
                 del CONFIGS[name]
     torch.set_num_threads(a.threads)
+    if a.prompt_set == "ordinary":
+        CATEGORIES.clear()
+        CATEGORIES.update(ORDINARY)
     global CLOCK
     CLOCK = time.process_time if a.clock == "cpu" else time.perf_counter
     llm = LLM(progress=False, dtype="float32", **({"numerics": a.numerics} if a.numerics else {}))

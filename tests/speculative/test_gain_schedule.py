@@ -66,8 +66,9 @@ def test_length_follows_the_evidence_and_the_batch():
 def test_auto_schedule_is_gain_where_it_applies():
     from ratchetlm.decoding.speculative.config import SpecConfig
 
-    assert SpecConfig().depth_schedule == "gain"  # n-gram by default
-    assert SpecConfig(method="eagle").depth_schedule == "gain"
+    assert SpecConfig().method == "hybrid" and SpecConfig().depth_schedule == "gain"  # the default's trees
+    for method in ("ngram", "eagle", "recycling", "suffix"):
+        assert SpecConfig(method=method).depth_schedule == "gain"
     assert SpecConfig(method="draft").depth_schedule == "constant"
     assert SpecConfig(method="ngram", depth_schedule="constant").depth_schedule == "constant"
 
@@ -202,7 +203,10 @@ def test_default_schedule_reads_the_measured_curve(spec_llm):
     ctx = type("Ctx", (), {"runner": spec_llm.engine.runner})()
     assert verify_cost(SpecConfig(), ctx) is cost_curve.measured(spec_llm.engine.model)
     assert verify_cost(SpecConfig(verify_token_cost=0.2), ctx) == cost_curve.CostCurve.linear(0.2)
-    assert NgramProposer(SpecConfig(), ctx).gain.cost is cost_curve.measured(spec_llm.engine.model)
+    assert NgramProposer(SpecConfig(method="ngram"), ctx).gain.cost is cost_curve.measured(spec_llm.engine.model)
+    from ratchetlm.decoding.speculative.tree_proposers import HybridProposer
+
+    assert HybridProposer(SpecConfig(), ctx).costs.cost is cost_curve.measured(spec_llm.engine.model)
 
 
 def test_greedy_text_is_plain_greedy_whatever_the_curve(spec_llm, encoded, reference):

@@ -38,7 +38,8 @@ def unused_slots(engine, seq) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("opts", [dict(method="ngram", num_candidates=3, depth=4),
-                                  dict(method="draft", draft_layers=4, depth=3, num_candidates=2)])
+                                  dict(method="draft", draft_layers=4, depth=3, num_candidates=2),
+                                  dict(method="hybrid"), dict(method="recycling", tree_nodes=12)])
 def test_committed_kv_equals_plain_ar_and_rejects_leave_no_trace(spec_llm, opts):
     prompt = spec_llm.tokenize(CODE2)
     ar = make_engine(spec_llm, kv_cache_blocks=16)

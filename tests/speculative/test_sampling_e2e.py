@@ -69,10 +69,11 @@ def exact(tiny) -> dict[tuple[int, ...], float]:
     return out
 
 
-def sample_counts(llm: LLM, decoding: str, **opts) -> tuple[Counter, dict]:
-    eng = make_engine(llm, decoding, kv_cache_blocks=2 * N_REQ + 8, max_num_seqs=N_REQ, **opts)
+def sample_counts(llm: LLM, decoding: str, max_num_seqs: int = N_REQ, n_req: int = N_REQ, **opts
+                  ) -> tuple[Counter, dict]:
+    eng = make_engine(llm, decoding, kv_cache_blocks=2 * n_req + 8, max_num_seqs=max_num_seqs, **opts)
     prompt = llm.tokenize(PROMPT)
-    ids = [eng.add_request(prompt, params(seed)) for seed in range(N_REQ)]
+    ids = [eng.add_request(prompt, params(seed)) for seed in range(n_req)]
     while eng.has_unfinished():
         eng.step()
     counts = Counter(tuple(eng.seqs[i].output_ids[:N_OUT]) for i in ids)
@@ -86,6 +87,30 @@ def test_speculative_sampling_through_the_engine_matches_the_target(tiny, exact)
     assert m["spec_decode_num_drafts"] >= N_REQ and 0.2 < m["spec_decode_acceptance_rate"] < 0.9, m
     p = chi_square_pvalue(counts, exact, N_REQ)
     assert p > 1e-3, f"speculative sampling through the engine deviates from the target (p={p:.2e})"
+
+
+# the training-free trees: the successor table (filled by the batch's own forwards, shared by all
+# requests; 30 at a time, so later waves draft from a warm table) and the default hybrid with static
+# 8-node trees, so every step verifies a real tree
+TREES = {"recycling": dict(method="recycling", tree_nodes=8, max_num_seqs=30),
+         "hybrid": dict(method="hybrid", tree_nodes=8, max_num_seqs=30)}
+
+
+@pytest.mark.parametrize("name", list(TREES))
+def test_tree_proposers_sample_the_target_distribution(tiny, exact, name, monkeypatch):
+    _, llm, _ = tiny
+    counts, m = sample_counts(llm, "speculative", **TREES[name])
+    assert m["spec_decode_num_drafts"] >= N_REQ // 2 and m["spec_decode_num_accepted_tokens"] > N_REQ // 10, m
+    p = chi_square_pvalue(counts, exact, N_REQ)
+    assert p > 1e-3, f"{name} speculative sampling deviates from the target (p={p:.2e})"
+    if name != "recycling":  # the hybrid's suffix drafts are rarely rejected here (the history holds the
+        return  # earlier waves' outputs), too rarely for a wrong residual to show in 300 requests
+    monkeypatch.setattr(tentative, "sample_verify", functools.partial(sample_verify, rule=wrong_full_resample))
+    # the same drafts, a wrong rule: caught (with twice the requests: the table's drafts are often
+    # accepted, so fewer steps than with a draft model reach the residual the wrong rule gets wrong)
+    counts, _ = sample_counts(llm, "speculative", n_req=2 * N_REQ, **TREES[name])
+    p = chi_square_pvalue(counts, exact, 2 * N_REQ)
+    assert p < 1e-4, f"the chi-square test missed a wrong acceptance rule under {name} drafts (p={p:.2e})"
 
 
 def test_plain_sampling_passes_and_a_wrong_rule_fails(tiny, exact, monkeypatch):

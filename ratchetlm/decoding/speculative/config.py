@@ -9,14 +9,21 @@ from typing import Any
 
 from ratchetlm.decoding.base import config_from_options
 
+TREE_METHODS = ("hybrid", "recycling", "suffix")  # tree_proposers.py: trees shaped by expected gain
+GAIN_METHODS = ("ngram", "eagle", *TREE_METHODS)  # methods the gain schedule applies to
+
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """``method``: proposer name ("ngram" prompt lookup, "draft" layer-skip self-draft,
+    """``method``: proposer name ("hybrid", the default: one tree per step merging Token Recycling's
+    successor table and suffix-trie matches over the request and the engine's recent outputs, cut
+    by expected gain on the measured cost curve; "recycling" and "suffix" each alone;
+    "ngram" prompt lookup, "draft" layer-skip self-draft,
     "draft_model" a separate local draft model, "eagle" a trained EAGLE head, "mtp" DeepSeek-V4's own
     multi-token-prediction module).
     ``num_candidates`` M: candidates per step (n-gram occurrences / beam width); 1 = chain.
-    ``depth`` C: draft tokens per candidate (default: 1 for "mtp" — DeepSeek-V4's MTP module, verified
+    ``depth`` C: draft tokens per candidate, for the tree methods the tree's deepest level (default:
+    8 for "hybrid", "recycling" and "suffix"; 1 for "mtp" — DeepSeek-V4's MTP module, verified
     in the static ``S = 2`` decode shape —, 8 for "ngram", whose gain schedule drafts that far only
     where earlier continuations of the same match length kept agreeing (measured on a 2-core CPU in
     the int16 mode, two runs: code 1.71x / 1.86x vs depth 4's 1.29x / 1.80x, never slower), else 4).
@@ -50,9 +57,13 @@ class SpecConfig:
     ``disable_by_batch_size``: a step that schedules at least this many sequences decodes them all
     plainly (no drafts; vLLM's option of the same name); 0 = never. On a CPU the verify forward is
     compute bound once a batch holds many rows, and drafting at batch 8 measured slower than plain
-    decoding at every depth (docs/speculative.md); the output is the same either way."""
+    decoding at every depth (docs/speculative.md); the output is the same either way.
+    ``tree_nodes``: most draft nodes of one tree ("hybrid", "recycling", "suffix"); with the gain
+    schedule fewer, as many as pay on the cost curve; with "constant" always this many (when found).
+    ``recycle_k``: successors kept per token in the recycling table (the paper's k = 8).
+    ``history_tokens``: tokens of recent finished outputs the suffix trie keeps per engine (0 = none)."""
 
-    method: str = "ngram"
+    method: str = "hybrid"
     num_candidates: int = 1
     depth: int = None  # type: ignore[assignment]  # None: the method's default, resolved below
     min_n: int = 1
@@ -64,6 +75,9 @@ class SpecConfig:
     depth_schedule: str = "auto"
     verify_token_cost: float | None = None
     disable_by_batch_size: int = 0
+    tree_nodes: int = 16
+    recycle_k: int = 8
+    history_tokens: int = 65536
 
     def __post_init__(self) -> None:
         from ratchetlm.decoding.speculative.proposers import proposer_names
@@ -71,20 +85,22 @@ class SpecConfig:
         if self.method not in proposer_names():
             raise ValueError(f"speculative method must be one of {proposer_names()}, got {self.method!r}")
         if self.depth is None:
-            object.__setattr__(self, "depth", {"mtp": 1, "ngram": 8}.get(self.method, 4))
+            default = {"mtp": 1, "ngram": 8, **dict.fromkeys(TREE_METHODS, 8)}
+            object.__setattr__(self, "depth", default.get(self.method, 4))
         for name, lo in (("num_candidates", 1), ("depth", 1), ("min_n", 1), ("max_n", 1),
                          ("draft_layers", 1), ("chunk_size", 0), ("draft_kv_blocks", 0),
-                         ("disable_by_batch_size", 0)):
+                         ("disable_by_batch_size", 0), ("tree_nodes", 1), ("recycle_k", 1),
+                         ("history_tokens", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"speculative {name} must be an integer >= {lo}, got {v!r}")
         if self.depth_schedule == "auto":  # the measured best (docs/speculative.md) where it applies
-            object.__setattr__(self, "depth_schedule", "gain" if self.method in ("ngram", "eagle") else "constant")
+            object.__setattr__(self, "depth_schedule", "gain" if self.method in GAIN_METHODS else "constant")
         if self.depth_schedule not in ("constant", "adaptive", "gain"):
             raise ValueError("speculative depth_schedule must be 'auto', 'constant', 'adaptive' or 'gain', "
                              f"got {self.depth_schedule!r}")
-        if self.depth_schedule == "gain" and self.method not in ("ngram", "eagle"):
-            raise ValueError("speculative depth_schedule='gain' needs method='ngram' or 'eagle' "
+        if self.depth_schedule == "gain" and self.method not in GAIN_METHODS:
+            raise ValueError(f"speculative depth_schedule='gain' needs method in {GAIN_METHODS} "
                              f"(method is {self.method!r})")
         c = self.verify_token_cost
         if c is not None and (isinstance(c, bool) or not isinstance(c, int | float) or not 0 <= c < float("inf")):

@@ -90,7 +90,12 @@ def measured(model: Any, device: torch.device | str = "cpu", fallback: float = 0
     per_model = _measured.setdefault(model, {})
     if threads not in per_model:
         try:
-            per_model[threads] = curve(model, torch.device(device))
+            # one thread: the process's CPU time is the forward's own work, where wall time on a shared
+            # machine also measures the neighbours (measured at load 10 on 2 cores: 4 rows 1.97x, 8 rows
+            # 6.6x by wall time, which starved every draft); with more threads CPU time counts their
+            # waiting too, so wall time stays
+            clock = time.process_time if threads == 1 and torch.device(device).type == "cpu" else time.perf_counter
+            per_model[threads] = curve(model, torch.device(device), clock=clock)
             log.info("forward cost curve at %d threads (rows:time / one row): %s", threads, per_model[threads])
         except Exception as e:  # noqa: BLE001 (the schedule still works, with the constant model)
             log.warning("cost curve not measured (%s: %s); verify_token_cost=%s", type(e).__name__, e, fallback)

@@ -37,6 +37,9 @@ class Proposer(ABC):
     # True: the strategy hands :meth:`observe` the target's final hidden states of every committed
     # position (the features a trained draft head such as EAGLE, Medusa or an MTP module reads).
     wants_features: bool = False
+    # True: the strategy hands :meth:`observe_logits` the logits of every row each forward computed
+    # (committed, rejected or prefill's last), once per step (Token Recycling's successor table)
+    wants_logits: bool = False
 
     def __init__(self, cfg: Any, ctx: Any) -> None:
         self.cfg = cfg  # SpecConfig
@@ -54,6 +57,19 @@ class Proposer(ABC):
         """Only if ``wants_features``: the target's final hidden states ``[n, hidden]`` (after its
         last norm) of positions ``start .. start + n - 1``, whose K/V this step commits."""
         return None
+
+    def observe_logits(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        """Only if ``wants_logits``: ``tokens`` ``[R]`` the input token of every row of the step's
+        forward whose logits were computed, ``logits`` ``[R, vocab]`` (CPU fp32) those rows' logits."""
+        return None
+
+    def finish(self, seq: Sequence) -> None:
+        """``seq`` finished (stop, length, abort; called before :meth:`release`)."""
+        return None
+
+    def max_draft_tokens(self, depth: int) -> int:
+        """Most draft tokens one proposal for a sequence may hold (the scheduler reserves them)."""
+        return int(self.cfg.num_candidates) * depth
 
     def metrics(self) -> dict[str, float]:
         """Proposer counters merged into the strategy's /metrics."""

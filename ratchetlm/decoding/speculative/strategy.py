@@ -38,7 +38,13 @@ import torch
 
 from ratchetlm.decoding.autoregressive import catch_up_commit, catch_up_proposal
 from ratchetlm.decoding.base import Commit, DecodeStrategy, Proposal, StrategyContext, register
-from ratchetlm.decoding.speculative import draft_model, eagle, mtp, self_draft  # noqa: F401  (register the proposers)
+from ratchetlm.decoding.speculative import (  # noqa: F401  (register the proposers)
+    draft_model,
+    eagle,
+    mtp,
+    self_draft,
+    tree_proposers,
+)
 from ratchetlm.decoding.speculative.config import SpecConfig
 from ratchetlm.decoding.speculative.draft_tree import continuation, cut, restrict, trees_from_beams
 from ratchetlm.decoding.speculative.proposers import PAD, create_proposer
@@ -87,7 +93,10 @@ class Speculative(DecodeStrategy):
 
     def __init__(self, ctx: StrategyContext, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(ctx, options)
-        self.cfg = SpecConfig.from_options(self.options)
+        opts = dict(self.options)
+        if "method" not in opts and chain_limit(ctx.runner) < 1 << 30:
+            opts["method"] = "ngram"  # a runner that verifies chains only (DeepSeek-V4): the default can't be a tree
+        self.cfg = SpecConfig.from_options(opts)
         self.proposer = create_proposer(self.cfg.method, self.cfg, ctx)
         self.totals = SpecCounters()
         self.chunks = ChunkCounters()
@@ -100,6 +109,7 @@ class Speculative(DecodeStrategy):
         super().on_preempt(seq)
 
     def on_finish(self, seq: Sequence) -> None:
+        self.proposer.finish(seq)
         self.proposer.release(seq)
 
     def on_step_discarded(self, seq: Sequence) -> None:
@@ -131,7 +141,7 @@ class Speculative(DecodeStrategy):
             return pending
         forced = forced_chain(seq, 1 << 30, self._room(seq), chain_limit(self.ctx.runner))
         # all chunks of a draft run in one step
-        return 1 + (len(forced) if forced else self.cfg.num_candidates * self._depth(seq))
+        return 1 + (len(forced) if forced else self.proposer.max_draft_tokens(self._depth(seq)))
 
     # ------------------------------------------------------------------ propose
 
@@ -220,6 +230,9 @@ class Speculative(DecodeStrategy):
                 hidden = self.ctx.runner.last_hidden[i]  # [len(p.token_ids), hidden]
                 self.proposer.observe(s, s.num_cached, hidden[torch.tensor(c.kv_rows, device=hidden.device)])
             out.append(c)
+        if self.proposer.wants_logits and logits:  # every computed row's top-k (recycling), one call a step
+            rows = [p.token_ids[r] for p in proposals for r in p.logit_rows]
+            self.proposer.observe_logits(torch.tensor(rows, dtype=torch.long), torch.cat(logits))
         return out
 
     def _commit_tree(self, seq: Sequence, prop: Proposal, logits: torch.Tensor) -> Commit:

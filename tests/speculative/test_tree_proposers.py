@@ -1,0 +1,254 @@
+"""The training-free tree proposers' parts against brute-force references: the recycling successor
+table (top-k of each token's last row), the suffix tries (longest match and continuation counts by
+a naive scan, history eviction), the gain-shaped tree (best-first order, the value cut, judging),
+and the engine's top-k hook (every computed row reaches the table, once per step)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from ratchetlm.decoding.speculative.cost_curve import CostCurve
+from ratchetlm.decoding.speculative.draft_tree import trees_from_beams
+from ratchetlm.decoding.speculative.recycling import SuccessorTable, top_k_indices
+from ratchetlm.decoding.speculative.suffix_index import History, SequenceIndex, SuffixTrie
+from ratchetlm.decoding.speculative.tree_select import Calibration, CostTable, build, judge, to_beam
+from ratchetlm.sampling_params import SamplingParams
+
+from .conftest import make_engine, run_engine
+
+# ------------------------------------------------------------------ successor table
+
+
+def test_successor_table_keeps_each_tokens_last_top_k():
+    g = torch.Generator().manual_seed(0)
+    vocab, k = 50, 4
+    table = SuccessorTable(k)
+    ref: dict[int, list[int]] = {}
+    for _ in range(30):
+        r = int(torch.randint(1, 12, (), generator=g))
+        tokens = torch.randint(0, 15, (r,), generator=g)  # few distinct tokens: duplicates within a call
+        logits = torch.randn(r, vocab, generator=g)
+        table.observe(tokens, logits)
+        for t, row in zip(tokens.tolist(), logits, strict=True):  # later rows overwrite earlier ones
+            ref[t] = sorted(range(vocab), key=lambda j: -float(row[j]))[:k]
+    for t in range(vocab):
+        assert table.successors(t) == ref.get(t, []), t
+    assert table.table is not None and table.table.dtype == torch.int32 and table.table.shape == (vocab, k)
+
+
+@pytest.mark.parametrize("shape", [(1, 50), (3, 128 * 9), (4, 128 * 20 + 37), (2, 5000)])
+def test_two_stage_top_k_equals_torch_topk(shape):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[1]))
+    x[0, -1] = x[-1, 7] = 50.0  # the best entry in the last column (past the whole blocks), in the first block
+    x[-1, 3] = 49.0  # two of the best in one block
+    for k in (1, 8):
+        assert torch.equal(top_k_indices(x, k), torch.topk(x, k, dim=-1).indices)
+
+
+def test_successor_table_empty_and_out_of_range():
+    table = SuccessorTable(8)
+    assert table.successors(3) == []
+    table.observe(torch.tensor([], dtype=torch.long), torch.zeros(0, 20))
+    assert table.table is None
+    table.observe(torch.tensor([2]), torch.arange(20.0)[None])
+    assert table.successors(2) == list(range(19, 11, -1))
+    assert table.successors(25) == [] and table.successors(-1) == []
+
+
+# ------------------------------------------------------------------ suffix tries
+
+
+def naive_match(tokens: list[int], max_len: int) -> tuple[int, Counter] | None:
+    """The longest suffix (<= max_len) with an earlier occurrence followed by a token, and the
+    counts of the tokens that followed its earlier occurrences."""
+    n = len(tokens)
+    for m in range(min(max_len, n), 0, -1):
+        suf = tokens[n - m:]
+        nxt = Counter(tokens[e + 1] for e in range(m - 1, n - 1) if tokens[e - m + 1: e + 1] == suf)
+        if nxt:
+            return m, nxt
+    return None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_sequence_index_longest_match_equals_a_naive_scan(seed):
+    rng = random.Random(seed)
+    depth = 6
+    tokens = [rng.randrange(3 + seed) for _ in range(120)]
+    idx = SequenceIndex(depth)
+    for n in range(1, len(tokens) + 1, rng.randrange(1, 4)):  # appended in uneven pieces, as committed
+        idx.sync(tokens[:n])
+        for max_len in (2, depth - 1, 12):
+            got = idx.match(max_len)
+            want = naive_match(tokens[:n], min(max_len, depth - 1))
+            assert (got is None) == (want is None)
+            if got is not None and want is not None:
+                node, m = got
+                assert m == want[0]
+                assert {t: c.count for t, c in node.kids.items()} == dict(want[1])
+
+
+def all_substrings(texts: list[list[int]], depth: int) -> Counter:
+    return Counter(tuple(t[i:j]) for t in texts for i in range(len(t))
+                   for j in range(i + 1, min(len(t), i + depth) + 1))
+
+
+def trie_substrings(trie: SuffixTrie) -> Counter:
+    out: Counter = Counter()
+    stack = [((), trie.root)]
+    while stack:
+        path, node = stack.pop()
+        for t, kid in node.kids.items():
+            assert kid.count > 0
+            out[path + (t,)] = kid.count
+            stack.append((path + (t,), kid))
+    return out
+
+
+def test_history_counts_every_substring_and_evicts_the_oldest():
+    rng = random.Random(7)
+    depth = 5
+    hist = History(depth, max_tokens=100)
+    texts = [[rng.randrange(6) for _ in range(rng.randrange(10, 40))] for _ in range(12)]
+    for i, t in enumerate(texts):
+        hist.add(t)
+        kept = list(hist.texts)
+        assert sum(map(len, kept)) <= 100 and kept[-1] == t
+        assert kept == texts[i - len(kept) + 1: i + 1]  # the newest ones, oldest evicted first
+        assert trie_substrings(hist.trie) == all_substrings(kept, depth)  # evicted counts all taken out
+    ctx = texts[-1][-4:] + [0]
+    got = hist.trie.find(ctx, 8)
+    want = None
+    for m in range(min(8, depth - 1, len(ctx)), 0, -1):  # naive: the longest suffix followed in some text
+        nxt = Counter(t[e + m] for t in hist.texts for e in range(len(t) - m) if t[e:e + m] == ctx[-m:])
+        if nxt:
+            want = m, nxt
+            break
+    assert got is not None and want is not None and got[1] == want[0]
+    assert {t: c.count for t, c in got[0].kids.items()} == dict(want[1])
+
+
+# ------------------------------------------------------------------ gain-shaped trees
+
+
+class FixedSource:
+    """Children from a dict token -> [child tokens] (rank keys), every child expandable."""
+
+    def __init__(self, kids: dict[int, list[int]]) -> None:
+        self.kids = kids
+
+    def expand(self, state, token):
+        return [(t, ("fixed", r), True) for r, t in enumerate(self.kids.get(token, []))]
+
+
+def calibrated(rates: list[float]) -> Calibration:
+    c = Calibration()
+    for r, p in enumerate(rates):  # 1000 judged tries per rank: the prior no longer matters
+        for i in range(1000):
+            c.add(("fixed", r), i < p * 1000)
+    return c
+
+
+def test_tree_is_built_best_first_and_cut_where_value_peaks():
+    src = FixedSource({0: [1, 2], 1: [3, 4], 2: [5], 3: [6], 4: [7]})
+    calib = calibrated([0.8, 0.3])
+    per_row = 0.2
+    plan = build([src], {0: True}, 0, calib, CostTable(CostCurve.linear(per_row)), 10, 8, 1, 0, True, 5)
+    p0, p1 = calib.p(("fixed", 0)), calib.p(("fixed", 1))
+    # all candidate path probabilities, best first (ties keep discovery order)
+    paths = {1: p0, 2: p1, 3: p0 * p0, 4: p0 * p1, 5: p1 * p0, 6: p0 ** 3, 7: p0 * p1 * p0}
+    order = sorted(paths, key=lambda t: -paths[t])
+    value = [1.0] + [(1 + sum(paths[t] for t in order[:n])) / (1 + per_row * (n + 1)) for n in range(1, 8)]
+    best = max(range(8), key=lambda n: (value[n], -n))
+    assert [n.token for n in plan.nodes] == order[:best]
+    assert 0 < best < 7  # the cut is inside the tree: the test sees both sides of it
+    assert [n.p for n in plan.nodes] == pytest.approx([paths[t] for t in order[:best]])
+    for cost in (0.05, 0.1, 0.15, 0.3, 0.45):  # the cut at other prices: every one where the rule puts it
+        got = build([src], {0: True}, 0, calib, CostTable(CostCurve.linear(cost)), 10, 8, 1, 0, True, 5).nodes
+        assert len(got) == reference_size([paths[t] for t in order], CostCurve.linear(cost), 1, 0), cost
+    for n in plan.nodes:  # every prefix of the order is a tree, and parents point at the right node
+        assert n.parent < len(plan.nodes) and (n.parent == -1) == (n.token in (1, 2))
+    # a static size keeps max_nodes whatever they are worth
+    static = build([src], {0: True}, 0, calib, CostTable(CostCurve.linear(5.0)), 4, 8, 1, 0, False, 5)
+    assert len(static.nodes) == 4
+    gained = build([src], {0: True}, 0, calib, CostTable(CostCurve.linear(5.0)), 4, 8, 1, 0, True, 5)
+    assert gained.nodes == []  # rows that expensive never pay
+    # the tree as candidates packs back to the same nodes
+    tree = trees_from_beams([to_beam(plan.nodes)])[0]
+    assert sorted(tree.tokens) == sorted(n.token for n in plan.nodes)
+
+
+def reference_size(probs: list[float], curve: CostCurve, batch: int, drafted: int) -> int:
+    """The gain rule written out: nodes (path probabilities, best first) kept for the best value."""
+    share = curve(batch) / batch
+    values = [1 / share] + [(1 + sum(probs[:n])) / (share + curve(batch + drafted + n + 1) - curve(batch + drafted))
+                            for n in range(1, len(probs) + 1)]
+    return max(range(len(values)), key=lambda n: (values[n], -n))
+
+
+def test_tree_size_follows_the_cost_curve_batch_and_earlier_drafts():
+    src = FixedSource({t: [t + 1, t + 100] for t in range(50)})  # a chain of rank-0 children, rank-1 side twigs
+    calib = calibrated([0.7, 0.2])
+    curve = CostCurve((1, 2, 4, 8, 16, 32), (1.0, 1.05, 1.2, 1.6, 2.8, 5.5))
+    sizes = []
+    for b, e in ((1, 0), (2, 3), (4, 0), (8, 20)):
+        plan = build([src], {0: True}, 0, calib, CostTable(curve), 16, 8, b, e, True, 1)
+        full = build([src], {0: True}, 0, calib, CostTable(curve), 16, 8, b, e, False, 1).nodes
+        assert plan.nodes == full[:len(plan.nodes)]
+        assert len(plan.nodes) == reference_size([n.p for n in full], curve, b, e), (b, e)
+        sizes.append(len(plan.nodes))
+    assert sizes[0] > sizes[2] >= sizes[3] and sizes[0] > 0
+
+
+def test_judge_scores_the_children_of_each_accepted_node_from_the_committed_tokens():
+    src = FixedSource({0: [1, 2], 1: [3, 4], 3: [5]})
+    calib = calibrated([0.9, 0.5])
+    plan = build([src], {0: True}, 0, calib, CostTable(CostCurve.linear(0.0)), 4, 8, 1, 0, False, 3)
+    assert [n.token for n in plan.nodes] == [1, 3, 5, 2]  # 0.9^3 > 0.5
+    c = Calibration()
+    assert not judge(plan, [7, 7, 0], c) and not c.tries  # nothing committed after the root yet
+    assert judge(plan, [7, 7, 0, 1, 4, 9], c)  # root -> 1 (rank 0 hit) -> 4 (rank 1 hit, not drafted): done
+    assert (c.hits[("fixed", 0)], c.tries[("fixed", 0)]) == (1, 2)  # 1 hit; 3 missed
+    assert (c.hits[("fixed", 1)], c.tries[("fixed", 1)]) == (1, 2)  # 2 missed; 4 hit
+    c = Calibration()
+    judge(plan, [7, 7, 0, 8], c)  # the target chose a token outside the tree
+    assert c.tries == {("fixed", 0): 1, ("fixed",): 2, ("fixed", 1): 1} and not any(c.hits.values())
+
+
+# ------------------------------------------------------------------ the engine's top-k hook
+
+
+def test_every_computed_row_reaches_the_successor_table_once_per_step(spec_llm, encoded):
+    eng = make_engine(spec_llm, "speculative", method="recycling", tree_nodes=6)
+    prop, strat = eng.strategy.proposer, eng.strategy
+    calls, steps = [], []
+    real_observe, real_commit = prop.observe_logits, strat.commit
+
+    def observe(tokens, logits):
+        calls.append((tokens.clone(), logits.clone()))
+        real_observe(tokens, logits)
+
+    def commit(seqs, proposals, logits):
+        steps.append(([p.token_ids[r] for p in proposals for r in p.logit_rows], torch.cat(logits).clone()))
+        return real_commit(seqs, proposals, logits)
+
+    prop.observe_logits, strat.commit = observe, commit
+    run_engine(eng, [encoded[i] for i in (0, 4)], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert len(calls) == len(steps) > 2  # one call per forward, with exactly its rows
+    assert eng.strategy.metrics()["spec_decode_num_draft_tokens"] > 0  # tree rows (rejected ones too) among them
+    for (tokens, logits), (want_tokens, want_logits) in zip(calls, steps, strict=True):
+        assert tokens.tolist() == want_tokens
+        assert torch.equal(logits, want_logits)
+    tokens, logits = calls[-1]
+    for j, t in enumerate(tokens.tolist()):
+        if t not in tokens.tolist()[j + 1:]:  # each token's last row of the last forward
+            assert prop.table.successors(t) == torch.topk(logits[j], 8).indices.tolist()
+
+
+def test_the_hook_is_off_for_proposers_that_do_not_want_logits(spec_llm, encoded):
+    eng = make_engine(spec_llm, "speculative", method="suffix")
+    assert not eng.strategy.proposer.wants_logits and eng.strategy.proposer.table is None
