@@ -15,6 +15,7 @@ from ratchetlm.engine.kv_budget import sized_config
 from ratchetlm.engine.model_runner import build_runner
 from ratchetlm.engine.scheduler import Scheduler
 from ratchetlm.engine.sequence import SeqStatus, Sequence
+from ratchetlm.errors import EngineDeadError
 from ratchetlm.layers.logits_processors import ControlsFactory
 from ratchetlm.sampling_params import SamplingParams
 
@@ -27,11 +28,6 @@ class PromptTooLongError(ValueError):
 
 class QueueFullError(RuntimeError):
     """More waiting requests than ``max_waiting``; retry later."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine cannot step any more (a tensor-parallel rank died): not one request's fault, so
-    fault isolation does not apply; every later step raises it too."""
 
 
 @dataclass

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ratchetlm.engine.llm_engine import EngineDeadError
+from ratchetlm.errors import EngineDeadError
 
 IDLE = timedelta(days=365)  # a worker waits this long for rank 0's next command (rank 0's exit ends the wait)
 
