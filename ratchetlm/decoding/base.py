@@ -16,7 +16,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from ratchetlm.engine.sequence import Sequence
+from ratchetlm.sequence import Sequence
 
 
 @dataclass

@@ -39,7 +39,7 @@ import torch
 
 from ratchetlm.engine.block_hash import BlockHash, chain_hash, root_hash
 from ratchetlm.engine.prefix_stats import PrefixCacheStats
-from ratchetlm.engine.sequence import Sequence
+from ratchetlm.sequence import Sequence
 
 
 class BlockManager:

@@ -35,8 +35,8 @@ import torch
 from ratchetlm.engine.block_manager import BlockManager
 from ratchetlm.engine.config import EngineConfig
 from ratchetlm.engine.prefix_stats import PrefixCacheStats
-from ratchetlm.engine.sequence import Sequence
 from ratchetlm.kv.cache import KVCache
+from ratchetlm.sequence import Sequence
 
 
 class GroupedBlocks:

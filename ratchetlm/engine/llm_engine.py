@@ -14,10 +14,10 @@ from ratchetlm.engine.config import EngineConfig
 from ratchetlm.engine.kv_budget import sized_config
 from ratchetlm.engine.model_runner import build_runner
 from ratchetlm.engine.scheduler import Scheduler
-from ratchetlm.engine.sequence import SeqStatus, Sequence
 from ratchetlm.errors import EngineDeadError
 from ratchetlm.layers.logits_processors import ControlsFactory
 from ratchetlm.sampling_params import SamplingParams
+from ratchetlm.sequence import SeqStatus, Sequence
 
 ProposeFn = Callable[[list[Sequence], list[int]], list[Proposal]]  # (seqs, budgets) -> a proposal per seq
 

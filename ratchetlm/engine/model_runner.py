@@ -12,13 +12,13 @@ from ratchetlm.decoding.base import Proposal
 from ratchetlm.engine.block_manager import BlockManager
 from ratchetlm.engine.config import KV_CACHE_DTYPES, EngineConfig
 from ratchetlm.engine.layer_groups import GroupedBlocks, grouped_cache
-from ratchetlm.engine.sequence import Sequence
 from ratchetlm.kv.cache import KVCache
 from ratchetlm.kv.sink import KVSink, NullSink, StepSink
 from ratchetlm.kv.staging import StagingBuffer, commit_proposal
 from ratchetlm.layers.attention import build_attention_batch
 from ratchetlm.layers.mapped_pages import trim_heap
 from ratchetlm.models.llama import LlamaModel
+from ratchetlm.sequence import Sequence
 
 TRIM_ROWS = 256  # a forward over this many new rows hands its freed activations back to the OS after it
 

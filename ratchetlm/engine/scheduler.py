@@ -6,7 +6,7 @@ from collections import deque
 from collections.abc import Callable
 
 from ratchetlm.engine.block_manager import BlockManager
-from ratchetlm.engine.sequence import SeqStatus, Sequence
+from ratchetlm.sequence import SeqStatus, Sequence
 
 
 class Scheduler:

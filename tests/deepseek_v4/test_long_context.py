@@ -51,9 +51,9 @@ def test_call_at_the_last_position(model, long_run, decode_seq):
     """A decode call at position 16383 (S = 2: its placeholder at 16384) through the engine's
     allocator and runner: no RoPE, position, cache or state-mapping overflow, reference logits."""
     from ratchetlm.decoding.autoregressive import catch_up_proposal
-    from ratchetlm.engine.sequence import Sequence
     from ratchetlm.models.deepseek_v4.reference import prefix_traces
     from ratchetlm.sampling_params import SamplingParams
+    from ratchetlm.sequence import Sequence
 
     ids, ref, traces = long_run
     p = 16383

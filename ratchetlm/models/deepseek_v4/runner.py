@@ -32,13 +32,13 @@ import torch
 
 from ratchetlm.decoding.base import Proposal
 from ratchetlm.engine.model_runner import StepResult
-from ratchetlm.engine.sequence import Sequence
 from ratchetlm.kv.sink import StepSink
 from ratchetlm.kv.staging import StagingBuffer, commit_proposal
 from ratchetlm.models.deepseek_v4.decode import forward_step, step_slots
 from ratchetlm.models.deepseek_v4.layout import DeepseekV4Layout
 from ratchetlm.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from ratchetlm.models.deepseek_v4.paging import DecodeMetadata, lower_decode_step
+from ratchetlm.sequence import Sequence
 
 
 def check_strategy(decoding: str, options: Mapping[str, Any], span: int) -> None:
