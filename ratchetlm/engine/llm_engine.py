@@ -109,7 +109,7 @@ class LLMEngine:
 
     def kv_identity(self) -> dict[str, str]:
         """Everything engine-wide that changes the K/V of a token prefix: the root of every prefix
-        cache name (engine/block_hash.py). A feature that changes K/V for all requests (an adapter,
+        cache name (kv/block_hash.py). A feature that changes K/V for all requests (an adapter,
         another numerics mode) adds its part here; one that changes it per request passes
         ``cache_salt`` to :meth:`add_request`."""
         return {"model": str(self.cfg.model or "default"), "architecture": self.model_config.architecture,

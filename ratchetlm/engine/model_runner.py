@@ -9,9 +9,9 @@ from typing import Any
 import torch
 
 from ratchetlm.decoding.base import Proposal
-from ratchetlm.engine.block_manager import BlockManager
 from ratchetlm.engine.config import KV_CACHE_DTYPES, EngineConfig
 from ratchetlm.engine.layer_groups import GroupedBlocks, grouped_cache
+from ratchetlm.kv.block_manager import BlockManager
 from ratchetlm.kv.cache import KVCache
 from ratchetlm.kv.sink import KVSink, NullSink, StepSink
 from ratchetlm.kv.staging import StagingBuffer, commit_proposal

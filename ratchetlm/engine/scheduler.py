@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from ratchetlm.engine.block_manager import BlockManager
+from ratchetlm.kv.block_manager import BlockManager
 from ratchetlm.sequence import SeqStatus, Sequence
 
 

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ratchetlm.engine.block_manager import BlockManager
+from ratchetlm.kv.block_manager import BlockManager
 from ratchetlm.kv.cache import KVCache
 from ratchetlm.kv.sink import DirectSink
 from ratchetlm.sampling_params import SamplingParams
