@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ratchetlm import kernels
-from ratchetlm.engine.host_memory import available_bytes
+from ratchetlm.memory.host_memory import available_bytes
 from ratchetlm.models.config import ModelConfig
 from ratchetlm.models.deepseek_v4.loader import is_deepseek_v4_folder
 from ratchetlm.models.gguf_arch import gguf_config
