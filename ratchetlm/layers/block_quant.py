@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ratchetlm import kernels
+from ratchetlm.layers.ggml_types import TYPE_SIZES
 from ratchetlm.layers.mapped_pages import release_pages
 from ratchetlm.memory import huge_pages
 
@@ -52,8 +53,6 @@ class UnsupportedTensorType(ValueError):
 
 def type_sizes(type_name: str) -> tuple[int, int]:
     """(weights per block, bytes per block) of a GGUF type."""
-    from ratchetlm.models.gguf_file import TYPE_SIZES
-
     return TYPE_SIZES[type_name]
 
 
