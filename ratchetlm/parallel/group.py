@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ratchetlm.errors import EngineDeadError
+from ratchetlm.parallel.runner import TPModelRunner
 
 IDLE = timedelta(days=365)  # a worker waits this long for rank 0's next command (rank 0's exit ends the wait)
 
@@ -159,6 +160,11 @@ class TPGroup:
             _shutdown(Channel(store), procs, restore, stop=False)
             raise
         return tp
+
+    def make_runner(self, *args: Any, **kwargs: Any) -> TPModelRunner:
+        """Rank 0's runner (the llama family's, ``engine/model_runner.ModelRunner``'s arguments) that
+        mirrors itself on the workers: tensor parallelism wraps the engine's runner from outside."""
+        return TPModelRunner(*args, group=self, **kwargs)
 
     def load_args(self) -> dict[str, Any]:
         """``load_model`` arguments for rank 0's own shard."""
