@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from ratchetlm.decoding.base import Commit, DecodeStrategy, Proposal, StrategyContext, create_strategy
+from ratchetlm.decoding.base import Commit, DecodeStrategy, Proposal, StrategyContext
+from ratchetlm.decoding.registry import create_strategy
 from ratchetlm.engine.config import EngineConfig
 from ratchetlm.engine.kv_budget import sized_config
 from ratchetlm.engine.model_runner import build_runner
