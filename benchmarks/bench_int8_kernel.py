@@ -101,8 +101,10 @@ def against(args: argparse.Namespace, n: int, k: int) -> None:
                     best = {id(this): float("inf"), id(other): float("inf")}
                     for _ in range(args.rounds):
                         for lib in (this, other):
-                            ms = best_ms(lambda x=x, w=w, lib=lib, mode=mode: block_matmul(x, w, lib=lib, numerics=mode),
-                                         0.05)
+                            def call(x=x, w=w, lib=lib, mode=mode):
+                                return block_matmul(x, w, lib=lib, numerics=mode)
+
+                            ms = best_ms(call, 0.05)
                             best[id(lib)] = min(best[id(lib)], ms)
                     ratios.append(best[id(this)] / best[id(other)])
                 print(f"{type_name:5} {mode:6} " + " ".join(f"{q:6.3f}" for q in ratios), flush=True)

@@ -3,9 +3,10 @@
 Why not a torch C++ extension: that needs ninja and torch's C++ headers; these kernels are plain C over
 raw pointers, and the fresh machines this project targets ship gcc. The first use on a machine compiles
 them once for its instruction set (each source its own object, compiled in parallel on every core, then
-one link: see :data:`BUILD_CPU_S` for what that costs) and logs one line before it starts and one
-when it is done; later processes load the cached library from ``~/.cache/ratchetlm/kernels``. Where no compiler is found or the build fails, :func:`load`
-returns None and callers keep their dense PyTorch path (same results).
+one link: see :data:`BUILD_CPU_S` for what that costs) and logs one line before it starts and one when
+it is done; later processes load the cached library from ``~/.cache/ratchetlm/kernels``. Where no
+compiler is found or the build fails, :func:`load` returns None and callers keep their dense PyTorch
+path (same results).
 
 The shared object links ``libgomp.so.1`` by soname; torch is imported first and has already
 loaded its own ``libgomp.so.1``, so both use one OpenMP runtime and one thread pool.
