@@ -45,8 +45,10 @@ _LDFLAGS = ["-shared", "-fopenmp"]
 # tried in order: the native ISA (AVX-512 / AVX2 paths), then portable C
 _ARCH_FLAGS: tuple[list[str], ...] = (["-march=native"], [])
 # CPU seconds of a whole build (every unit, gcc 12 -O3) on the developers' 2.5 GHz Xeon, by the kernel paths
-# the flags select: the estimate the first-use log line gives, divided over the parallel jobs
-BUILD_CPU_S = {"avx512": 60.0, "avx2": 60.0, "portable C": 20.0}
+# the flags select: the estimate the first-use log line gives, divided over the parallel jobs. Measured
+# 2026-11-28 on a busy machine: AVX-512 46-55 s, AVX2 125 s, portable C 7 s (one cc call for every
+# source before, serial: AVX-512 ~55 s, AVX2 ~170 s, of which matmul_int8.c 154 s)
+BUILD_CPU_S = {"avx512": 50.0, "avx2": 120.0, "portable C": 8.0}
 
 
 def cache_dir() -> Path:
