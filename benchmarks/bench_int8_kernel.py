@@ -5,17 +5,24 @@ AMD EPYC Zen 4 core does 236 G int8 MAC/s with 512-bit vpdpbusd, half that for i
 Best of many short runs (a shared machine preempts long ones), the compute bound shows at 8+ rows.
 
     python benchmarks/bench_int8_kernel.py [--shape 2048x2048] [--types Q4_0 Q4_1 Q8_0 Q4_K Q6_K] [--threads 1]
+
+``--against OTHER.so`` (another build of the kernels, e.g. a cached library of an older source tree):
+the same calls through both libraries in one process, interleaved, and the time of this build over
+the other's per row count (best of each; below 1 = this build is faster), after checking both give the
+same bits.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import time
 
 import numpy as np
 import torch
 
+from ratchetlm import kernels
 from ratchetlm.layers.block_quant import BlockWeight, block_matmul, set_blas_rows
 
 ROWS = (1, 2, 4, 8, 16, 32)
@@ -50,12 +57,16 @@ def main() -> None:
     ap.add_argument("--types", nargs="+", default=["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
     ap.add_argument("--modes", nargs="+", default=["exact", "int8", "int16"])
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--against", help="another kernel library (.so): A/B ratios in this process")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per cell (with --against)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     set_blas_rows(0)  # the block kernels at every row count
     n, k = map(int, args.shape.split("x"))
     print(f"load {os.getloadavg()[0]:.1f}; {n}x{k}, {args.threads} thread(s); ms per matmul (best) / ratio to 1 row "
           f"/ G MAC/s")
+    if args.against:
+        return against(args, n, k)
     with torch.inference_mode():
         for type_name in args.types:
             w = random_weight(type_name, n, k)
@@ -65,6 +76,38 @@ def main() -> None:
                 cells = " ".join(f"{m:7.3f} {m / ms[0]:5.2f}x {r * n * k / m / 1e6:5.0f}" for r, m in zip(ROWS, ms,
                                                                                                       strict=True))
                 print(f"{type_name:5} {mode:6} {cells}", flush=True)
+
+
+
+def against(args: argparse.Namespace, n: int, k: int) -> None:
+    """This build (kernels.load()) against the library at ``args.against``: best of ``rounds``
+    interleaved short runs each, per type, integer mode and row count."""
+    this = kernels.load()
+    other = ctypes.CDLL(os.path.abspath(args.against))
+    kernels._declare(other)
+    assert this is not None
+    modes = [m for m in args.modes if m != "exact"]
+    print(f"time of this build / {os.path.basename(args.against)} (best of {args.rounds} interleaved rounds each)")
+    print("type  mode   " + " ".join(f"{r:>6}" for r in ROWS))
+    with torch.inference_mode():
+        for type_name in args.types:
+            w = random_weight(type_name, n, k)
+            for mode in modes:
+                ratios = []
+                for r in ROWS:
+                    x = torch.randn(r, k)
+                    a, b = (block_matmul(x, w, lib=lib, numerics=mode) for lib in (this, other))
+                    assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (type_name, mode, r)
+                    best = {id(this): float("inf"), id(other): float("inf")}
+                    for _ in range(args.rounds):
+                        for lib in (this, other):
+                            def call(x=x, w=w, lib=lib, mode=mode):
+                                return block_matmul(x, w, lib=lib, numerics=mode)
+
+                            ms = best_ms(call, 0.05)
+                            best[id(lib)] = min(best[id(lib)], ms)
+                    ratios.append(best[id(this)] / best[id(other)])
+                print(f"{type_name:5} {mode:6} " + " ".join(f"{q:6.3f}" for q in ratios), flush=True)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 commits only the accepted ones."""
 
 from ratchetlm.engine.llm import LLM, StreamEvent
+from ratchetlm.models.deepseek_v4 import runner as _deepseek_v4_runner  # noqa: F401  (registers its cache layout)
 from ratchetlm.outputs import CompletionOutput, Logprob, RequestOutput
+from ratchetlm.parallel import launch as _tensor_parallel  # noqa: F401  (registers LLM(tensor_parallel_size=N))
 from ratchetlm.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "CompletionOutput", "GuidedDecodingParams", "Logprob", "RequestOutput", "SamplingParams",

@@ -9,6 +9,18 @@ import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# the instruction-set builds of the C kernels that the kernel tests compare (tests/core)
+KERNEL_VARIANTS = {"native": ["-march=native"], "avx2": ["-mavx2", "-mfma", "-mf16c"], "portable": []}
+
+
+@pytest.fixture(scope="session")
+def kernel_builds():
+    """Every build in KERNEL_VARIANTS (a name -> the loaded library, None where it failed), compiled at
+    once on a fresh machine (one parallel pool for all their units) and shared by the whole session."""
+    from ratchetlm import kernels
+
+    return dict(zip(KERNEL_VARIANTS, kernels.compile_libraries(list(KERNEL_VARIANTS.values())), strict=True))
+
 
 @pytest.fixture(scope="session")
 def llm_fp32():

@@ -1,10 +1,6 @@
-"""Decoding strategies. Importing this package registers the built-in ones."""
+"""Decoding strategies. Importing this package registers the built-in ones (registry.py)."""
 
-from ratchetlm.decoding import (
-    autoregressive,  # noqa: F401
-    wedlm,  # noqa: F401
-)
-from ratchetlm.decoding.base import Commit, DecodeStrategy, Proposal, create_strategy, register
-from ratchetlm.decoding.speculative import strategy  # noqa: F401
+from ratchetlm.decoding.base import Commit, DecodeStrategy, Proposal, register
+from ratchetlm.decoding.registry import available_strategies, create_strategy
 
-__all__ = ["Commit", "DecodeStrategy", "Proposal", "create_strategy", "register"]
+__all__ = ["Commit", "DecodeStrategy", "Proposal", "available_strategies", "create_strategy", "register"]

@@ -14,8 +14,8 @@ import torch
 
 from ratchetlm.decoding.base import Commit, DecodeStrategy, Proposal, register
 from ratchetlm.decoding.tentative import chain, chain_limit, chain_proposal, forced_chain, observe_forced, verify_tree
-from ratchetlm.engine.sequence import Sequence
 from ratchetlm.layers.sampler import sample, target_logits, top_logprobs
+from ratchetlm.sequence import Sequence
 
 
 def catch_up_proposal(seq: Sequence, budget: int) -> Proposal:

@@ -16,7 +16,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from ratchetlm.engine.sequence import Sequence
+from ratchetlm.sequence import Sequence
 
 
 @dataclass
@@ -130,20 +130,6 @@ def register(name: str) -> Callable[[type[DecodeStrategy]], type[DecodeStrategy]
         return cls
 
     return deco
-
-
-def create_strategy(name: str, ctx: StrategyContext, options: Mapping[str, Any] | None) -> DecodeStrategy:
-    import ratchetlm.decoding  # noqa: F401  (imports register the built-in strategies)
-
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown decoding strategy {name!r}; available: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name](ctx, options)
-
-
-def available_strategies() -> list[str]:
-    import ratchetlm.decoding  # noqa: F401
-
-    return sorted(_REGISTRY)
 
 
 _Config = TypeVar("_Config")

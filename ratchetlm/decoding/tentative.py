@@ -16,8 +16,8 @@ import torch
 from ratchetlm.decoding.base import Commit, Proposal
 from ratchetlm.decoding.speculative.draft_tree import greedy_verify, sample_verify
 from ratchetlm.decoding.speculative.verify import DraftTree
-from ratchetlm.engine.sequence import Sequence
 from ratchetlm.layers.sampler import filtered_probs, target_logits, top_logprobs
+from ratchetlm.sequence import Sequence
 
 FORCED_PROPOSED = "forced_tokens_proposed"  # seq.stats keys (jump-forward)
 FORCED_ACCEPTED = "forced_tokens_accepted"

@@ -26,8 +26,8 @@ import torch
 from ratchetlm.decoding.autoregressive import catch_up_commit, catch_up_proposal
 from ratchetlm.decoding.base import Commit, DecodeStrategy, Proposal, StrategyContext, register
 from ratchetlm.decoding.wedlm_window import WeDLMConfig, Window, commit_length, fill, new_window, refill
-from ratchetlm.engine.sequence import Sequence
 from ratchetlm.layers.sampler import target_logits
+from ratchetlm.sequence import Sequence
 
 _KEY = "wedlm_window"
 _SAVED = "wedlm_window_before_step"  # (propose call number, the window as it was before that step)

@@ -8,9 +8,9 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ratchetlm.engine.sequence import Sequence
 from ratchetlm.outputs import CompletionOutput, RequestOutput, with_decoded
 from ratchetlm.sampling_params import SamplingParams
+from ratchetlm.sequence import Sequence
 
 
 def choice_params(sp: SamplingParams, j: int) -> SamplingParams:

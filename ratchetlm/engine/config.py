@@ -43,7 +43,7 @@ class EngineConfig:
     max_waiting: int = 1024  # queue limit; add_request beyond it raises QueueFullError
     # most tentative K/V rows one forward may stage (kv/staging.py); proposals past it fall back to recompute
     staging_capacity: int = 1024
-    # reuse committed full KV blocks of earlier requests with the same prefix (engine/block_manager.py)
+    # reuse committed full KV blocks of earlier requests with the same prefix (kv/block_manager.py)
     enable_prefix_caching: bool = True
     decoding: str = "autoregressive"
     decoding_options: dict[str, Any] = field(default_factory=dict)

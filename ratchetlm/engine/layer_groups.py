@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 
-from ratchetlm.engine.block_manager import BlockManager
 from ratchetlm.engine.config import EngineConfig
-from ratchetlm.engine.prefix_stats import PrefixCacheStats
-from ratchetlm.engine.sequence import Sequence
+from ratchetlm.kv.block_manager import BlockManager
 from ratchetlm.kv.cache import KVCache
+from ratchetlm.kv.prefix_stats import PrefixCacheStats
+from ratchetlm.sequence import Sequence
 
 
 class GroupedBlocks:

@@ -24,7 +24,7 @@ from ratchetlm.layers.mapped_pages import trim_heap
 from ratchetlm.models.registry import load_model
 from ratchetlm.models.tokenizer import other_tokenizer, special_tokens
 from ratchetlm.outputs import RequestOutput
-from ratchetlm.parallel.launch import start_tensor_parallel
+from ratchetlm.runners import start_tensor_parallel
 from ratchetlm.sampling_params import SamplingParams
 from ratchetlm.text.stream import TextStream
 

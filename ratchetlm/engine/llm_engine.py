@@ -11,15 +11,17 @@ from typing import Any
 
 import torch
 
-from ratchetlm.decoding.base import Commit, DecodeStrategy, Proposal, StrategyContext, create_strategy
+from ratchetlm.decoding.base import Commit, DecodeStrategy, Proposal, StrategyContext
+from ratchetlm.decoding.registry import create_strategy
 from ratchetlm.engine.config import EngineConfig
 from ratchetlm.engine.kv_budget import sized_config
 from ratchetlm.engine.model_runner import build_runner
 from ratchetlm.engine.scheduler import Scheduler
-from ratchetlm.engine.sequence import SeqStatus, Sequence
 from ratchetlm.engine.step_cost import MeasuredStepCost, Rows, probe_prior
+from ratchetlm.errors import EngineDeadError
 from ratchetlm.layers.logits_processors import ControlsFactory
 from ratchetlm.sampling_params import SamplingParams
+from ratchetlm.sequence import SeqStatus, Sequence
 
 ProposeFn = Callable[[list[Sequence], list[int]], list[Proposal]]  # (seqs, budgets) -> a proposal per seq
 
@@ -30,11 +32,6 @@ class PromptTooLongError(ValueError):
 
 class QueueFullError(RuntimeError):
     """More waiting requests than ``max_waiting``; retry later."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine cannot step any more (a tensor-parallel rank died): not one request's fault, so
-    fault isolation does not apply; every later step raises it too."""
 
 
 @dataclass
@@ -121,7 +118,7 @@ class LLMEngine:
 
     def kv_identity(self) -> dict[str, str]:
         """Everything engine-wide that changes the K/V of a token prefix: the root of every prefix
-        cache name (engine/block_hash.py). A feature that changes K/V for all requests (an adapter,
+        cache name (kv/block_hash.py). A feature that changes K/V for all requests (an adapter,
         another numerics mode) adds its part here; one that changes it per request passes
         ``cache_salt`` to :meth:`add_request`."""
         return {"model": str(self.cfg.model or "default"), "architecture": self.model_config.architecture,

@@ -9,16 +9,16 @@ from typing import Any
 import torch
 
 from ratchetlm.decoding.base import Proposal
-from ratchetlm.engine.block_manager import BlockManager
 from ratchetlm.engine.config import KV_CACHE_DTYPES, EngineConfig
 from ratchetlm.engine.layer_groups import GroupedBlocks, grouped_cache
-from ratchetlm.engine.sequence import Sequence
+from ratchetlm.kv.block_manager import BlockManager
 from ratchetlm.kv.cache import KVCache
 from ratchetlm.kv.sink import KVSink, NullSink, StepSink
 from ratchetlm.kv.staging import StagingBuffer, commit_proposal
 from ratchetlm.layers.attention import build_attention_batch
 from ratchetlm.layers.mapped_pages import trim_heap
-from ratchetlm.models.llama import LlamaModel
+from ratchetlm.runners import StepResult, layout_of
+from ratchetlm.sequence import Sequence
 
 TRIM_ROWS = 256  # a forward over this many new rows hands its freed activations back to the OS after it
 
@@ -41,28 +41,22 @@ class ForwardPlan:
     write: bool = True  # False: write nothing (draft forwards)
 
 
-@dataclass
-class StepResult:
-    logits: list[torch.Tensor]  # per sequence [len(logit_rows), vocab] fp32
-    stage_base: list[int]  # per sequence: staging row of its proposal row 0 (-1 if direct)
-
-
 def build_runner(cfg: EngineConfig, model: Any, model_config: Any, dtype: torch.dtype, device: torch.device,
                  max_model_len: int, cache_key: Mapping[str, str] | None = None, parallel: Any = None) -> Any:
-    """The runner of ``model``'s cache layout. A model family with its own layout provides
-    ``model.make_runner(cfg, dtype, device, max_model_len)`` (DeepSeek-V4, which opts out of
-    prefix caching); the default is the llama family's paged per-token K/V: ``kv_cache_bytes``
-    (or ``kv_cache_blocks``, default ~1 GiB, at least one ``max_model_len`` sequence) of
-    ``block_size``-token blocks, prefix-cached under ``cache_key`` when ``enable_prefix_caching``.
-    Under tensor parallelism (``parallel``: rank 0's :class:`~ratchetlm.parallel.group.TPGroup`) the
-    budget is per rank and holds this rank's KV heads; the runner mirrors itself on the workers.
-    A model that mixes sliding-window and global layers gets a pool per kind (engine/layer_groups.py)."""
-    make = getattr(model, "make_runner", None)
+    """The runner of ``model``'s cache layout. A model family with a layout of its own registered its
+    runner factory (``runners.register_layout``: DeepSeek-V4, which opts out of prefix caching); the
+    default is the llama family's paged per-token K/V: ``kv_cache_bytes`` (or ``kv_cache_blocks``,
+    default ~1 GiB, at least one ``max_model_len`` sequence) of ``block_size``-token blocks,
+    prefix-cached under ``cache_key`` when ``enable_prefix_caching``. Under tensor parallelism
+    (``parallel``: rank 0's group, parallel/group.py) the budget is per rank and holds this rank's KV
+    heads, and the group builds the runner (``parallel.make_runner``), which mirrors itself on the
+    workers. A model that mixes sliding-window and global layers gets a pool per kind (engine/layer_groups.py)."""
+    make = layout_of(model)
     if make is not None:
         if cfg.kv_cache_dtype != "auto" and KV_CACHE_DTYPES[cfg.kv_cache_dtype] != dtype:
             raise ValueError(f"kv_cache_dtype={cfg.kv_cache_dtype!r} is not supported by {type(model).__name__}'s "
                              "cache layout (its cache holds the run dtype: use kv_cache_dtype='auto')")
-        return make(cfg, dtype, device, max_model_len)
+        return make(cfg, model, dtype, device, max_model_len)
     # from here on dtype is the cache's element type
     run_dtype, dtype = dtype, cfg.kv_dtype(dtype, getattr(model, "numerics", cfg.numerics))
     model.set_context_len(max_model_len)
@@ -87,16 +81,15 @@ def build_runner(cfg: EngineConfig, model: Any, model_config: Any, dtype: torch.
                               cache_key=cache_key, window=model_config.max_window)
     args = (model, cache, blocks, device, cfg.staging_capacity, max_model_len)
     if parallel is not None:
-        from ratchetlm.parallel.runner import TPModelRunner
-
-        return TPModelRunner(*args, step_tokens=cfg.max_num_batched_tokens, dtype=run_dtype, group=parallel)
+        return parallel.make_runner(*args, step_tokens=cfg.max_num_batched_tokens, dtype=run_dtype)
     return ModelRunner(*args, step_tokens=cfg.max_num_batched_tokens, dtype=run_dtype)
 
 
 class ModelRunner:
     """The llama family's runner: paged per-token K/V (:class:`KVCache` + :class:`BlockManager`)."""
 
-    def __init__(self, model: LlamaModel, cache: KVCache, blocks: BlockManager | GroupedBlocks, device: torch.device,
+    # model: models/llama.py's LlamaModel (not named here: the engine imports no model package)
+    def __init__(self, model: Any, cache: KVCache, blocks: BlockManager | GroupedBlocks, device: torch.device,
                  staging_capacity: int = 1024, max_model_len: int | None = None, step_tokens: int = 2048,
                  dtype: torch.dtype | None = None) -> None:
         self.model = model

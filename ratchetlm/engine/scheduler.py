@@ -6,9 +6,9 @@ import math
 from collections import deque
 from collections.abc import Callable
 
-from ratchetlm.engine.block_manager import BlockManager
-from ratchetlm.engine.sequence import SeqStatus, Sequence
 from ratchetlm.engine.step_cost import DECODE_STRETCH, Rows, StepCost
+from ratchetlm.kv.block_manager import BlockManager
+from ratchetlm.sequence import SeqStatus, Sequence
 
 
 class _Step:

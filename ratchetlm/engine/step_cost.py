@@ -185,11 +185,9 @@ def probe_prior(model: Any, model_config: Any, device: torch.device, dtype: torc
     """Time the body over ``rows`` new rows (the first ``probe_layers`` layers scaled to the stack,
     fastest of ``repeats`` after a warm-up) and the head over 16 rows. A model the probe does not fit
     (not Llama-shaped, a tensor-parallel rank) gets a guess that the observed steps then correct."""
-    from ratchetlm.models.llama import LlamaModel
-
     attn = attention_per_token(model_config)
     guess = Prior(fixed=20.0, per_row=2.0, head=0.2, attention=attn)
-    if not isinstance(model, LlamaModel) or getattr(model.tp, "size", 1) > 1:
+    if not getattr(model, "step_cost_probe", False) or getattr(model.tp, "size", 1) > 1:
         return guess
     try:
         _body_ms(model, device, 1, 0, None)  # every layer once: packs weights, so the probe times the real path

@@ -1,7 +1,7 @@
 """The llama family's paged KV cache: pools of the one write point (kv/pools.py, kv/sink.py).
 
 Layout: one flat slot space per layer. A slot is ``block_id * block_size + offset``;
-block tables (engine/block_manager.py) map a sequence's logical positions onto slots. K and V
+block tables (kv/block_manager.py) map a sequence's logical positions onto slots. K and V
 are the pools ``k`` and ``v`` (``[num_layers, num_slots, num_kv_heads, head_dim]`` each), both
 addressed by the slot group ``kv``: a forward writes them through its
 :class:`~ratchetlm.kv.sink.StepSink` (``sink.write(layer, **cache.rows(layer, k, v))``), never by

@@ -22,7 +22,7 @@ from collections.abc import Hashable, Iterable, Sequence
 
 import torch
 
-from ratchetlm.layers import huge_pages
+from ratchetlm.memory import huge_pages
 
 
 class Pools:
@@ -37,7 +37,7 @@ class Pools:
         """A zeroed pool; ``layers``: the layer keys, or a count ``n`` for keys ``0..n-1``."""
         n = layers if isinstance(layers, int) else len(layers)
         shape = (n, rows, *row_shape)
-        # on the CPU in huge pages: attention reads rows scattered over the pool (layers/huge_pages.py)
+        # on the CPU in huge pages: attention reads rows scattered over the pool (memory/huge_pages.py)
         t = huge_pages.zeros(shape, dtype) if torch.device(device).type == "cpu" else \
             torch.zeros(shape, dtype=dtype, device=device)
         self.register(pool, t, None if isinstance(layers, int) else layers, group)

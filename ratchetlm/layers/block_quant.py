@@ -35,8 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ratchetlm import kernels
-from ratchetlm.layers import huge_pages
+from ratchetlm.layers.ggml_types import TYPE_SIZES
 from ratchetlm.layers.mapped_pages import release_pages
+from ratchetlm.memory import huge_pages
 
 NUMERICS = ("exact", "int8", "int16")
 ACTIVATION_BITS = {"int8": 8, "int16": 16}  # integer modes: activation precision (weights stay int8)
@@ -52,8 +53,6 @@ class UnsupportedTensorType(ValueError):
 
 def type_sizes(type_name: str) -> tuple[int, int]:
     """(weights per block, bytes per block) of a GGUF type."""
-    from ratchetlm.models.gguf_file import TYPE_SIZES
-
     return TYPE_SIZES[type_name]
 
 
@@ -184,7 +183,7 @@ class BlockWeight:
             if sizes[0] < 0:  # a format row's to_q8w broke its contract (d, dm fp16 values)
                 types = "+".join(p.type_name for p in self.parts)
                 raise RuntimeError(f"integer packing of a {types} weight: a scale factor is not an fp16 value")
-            q = huge_pages.empty(int(sizes[0]))  # streamed every step: huge pages (layers/huge_pages.py)
+            q = huge_pages.empty(int(sizes[0]))  # streamed every step: huge pages (memory/huge_pages.py)
             sm = huge_pages.empty(int(sizes[1]))
             lib.ratchet_pack_q8(parts, len(self.parts), k, panels.ctypes.data, q.ctypes.data, sm.ctypes.data,
                                 torch.get_num_threads())

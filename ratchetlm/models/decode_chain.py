@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import weakref
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,11 +28,12 @@ from ratchetlm.layers.attention import AttentionBatch, kv_half
 
 if TYPE_CHECKING:
     from ratchetlm.kv.cache import KVCache
-    from ratchetlm.models.llama import DecoderLayer, LlamaModel
 
 
-def _layers(model: LlamaModel) -> list[DecoderLayer]:
-    return cast("list[DecoderLayer]", list(model.layers))
+# The model is models/llama.py's LlamaModel and its layers DecoderLayer: named in comments, not imported
+# (llama.py builds its chain here; an import back would be a circle).
+def _layers(model: Any) -> list[Any]:
+    return list(model.layers)
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -45,7 +46,7 @@ class DecodeChain:
 
     MAX_ROWS = 64
 
-    def __init__(self, model: LlamaModel, lib: ctypes.CDLL, lanes: int) -> None:
+    def __init__(self, model: Any, lib: ctypes.CDLL, lanes: int) -> None:
         cfg = model.config
         self.layers = _layers(model)
         layer0 = self.layers[0]
@@ -87,7 +88,7 @@ class DecodeChain:
         self._cache: weakref.ref[KVCache] | None = None  # the cache whose pools _layers holds
 
     @classmethod
-    def build(cls, model: LlamaModel) -> DecodeChain | None:
+    def build(cls, model: Any) -> DecodeChain | None:
         """A chain for ``model`` if every op of its layers is one C kernel (CPU fp32, integer numerics,
         Llama-shaped layers, with Qwen2's Q/K/V biases and Qwen3's QK-norms; no sandwich norms, norm
         offsets, sliding windows, tensor parallelism or GELU), else None."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from ratchetlm.errors import ModelLoadError
 from ratchetlm.layers.rope_scaling import RopeScaling
 from ratchetlm.models.config import ModelConfig
 from ratchetlm.models.families import FAMILIES
@@ -66,8 +67,6 @@ def _layer_types(reader: GGUFFile, meta: Meta, n: int, period: int) -> tuple[str
     """Gemma's local/global layers: ``attention.sliding_window_pattern`` as a period (every
     ``period``-th layer global; llama.cpp's default per architecture) or one flag per layer (newer
     converters: true = sliding)."""
-    from ratchetlm.models.loader import ModelLoadError
-
     raw = meta("attention.sliding_window_pattern", None)
     if isinstance(raw, ArrayValue):
         flags = reader.array(f"{reader.get('general.architecture')}.attention.sliding_window_pattern")
@@ -96,8 +95,6 @@ GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
 
 
 def gguf_arch(reader: GGUFFile) -> tuple[str, GGUFArch]:
-    from ratchetlm.models.loader import ModelLoadError
-
     arch = reader.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
@@ -105,8 +102,6 @@ def gguf_arch(reader: GGUFFile) -> tuple[str, GGUFArch]:
 
 
 def gguf_config(reader: GGUFFile) -> ModelConfig:
-    from ratchetlm.models.loader import ModelLoadError
-
     arch, info = gguf_arch(reader)
 
     def meta(key: str, default: Any = None) -> Any:
@@ -152,8 +147,6 @@ def gguf_rope_scaling(reader: GGUFFile, meta: Meta) -> RopeScaling | None:
     """RoPE scaling from ``{arch}.rope.scaling.*`` and llama.cpp's factor tensors: ``rope_freqs``
     (per-frequency divisors: how Llama 3.x files carry ``llama3`` scaling) and Phi-3's
     ``rope_factors_short`` / ``rope_factors_long`` (LongRoPE)."""
-    from ratchetlm.models.loader import ModelLoadError
-
     tensors = reader.tensors
 
     def factors(name: str) -> tuple[float, ...]:
@@ -208,8 +201,6 @@ def _hf_names(arch: str, num_layers: int) -> dict[str, str]:
 def gguf_target(name: str, cfg: ModelConfig) -> tuple[str | None, int | None]:
     """HF tensor name for a GGUF tensor (None = not a weight: RoPE factor tensors, read into the
     config) and, for permuted Q/K, the head count whose row permutation must be undone."""
-    from ratchetlm.models.loader import ModelLoadError
-
     arch = next(a for a, i in GGUF_ARCHITECTURES.items() if i.hf_architecture == cfg.architecture)
     stem, _, suffix = name.rpartition(".")
     if stem in ("rope_freqs", "rope_factors_long", "rope_factors_short"):

@@ -25,7 +25,7 @@ from ratchetlm.layers.swiglu import silu_mul
 from ratchetlm.models.config import ModelConfig
 from ratchetlm.models.decode_chain import DecodeChain
 from ratchetlm.models.families import FAMILIES, FUSED_PARTS
-from ratchetlm.parallel.shard import COLUMN, TPShard
+from ratchetlm.models.shard import COLUMN, TPShard
 
 ACTIVATION = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 # MLP rows per call in the integer modes: bounds a long prefill's working memory (peak RSS) while the
@@ -139,9 +139,10 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """Decoder stack + head. ``forward`` returns final hidden states; ``logits`` applies the head.
-    ``tp``: the slice of a tensor-parallel rank (parallel/shard.py); default the whole model."""
+    ``tp``: the slice of a tensor-parallel rank (models/shard.py); default the whole model."""
 
     numerics = "exact"  # the block weights' numerics mode (set_numerics)
+    step_cost_probe = True  # engine/step_cost.py may time its layers and head (a duck type: the engine names no model)
     decode_chain = True  # integer-mode forwards of up to 64 new tokens through models/decode_chain.py where it applies
     _chain: DecodeChain | None = None
 

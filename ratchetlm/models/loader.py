@@ -19,16 +19,13 @@ import torch
 from tqdm import tqdm
 
 from ratchetlm import kernels
+from ratchetlm.errors import ModelLoadError
 from ratchetlm.layers.block_quant import SUPPORTED_TYPES, BlockWeight
 from ratchetlm.models.config import ModelConfig
 from ratchetlm.models.gguf_arch import gguf_target, stored_norm_offset
 from ratchetlm.models.gguf_file import GGUFFile, GGUFTensor
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class ModelLoadError(ValueError):
-    """A model reference that cannot be loaded (missing path, unsupported format or architecture)."""
 
 
 @dataclass(frozen=True)

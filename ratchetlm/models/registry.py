@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ratchetlm import kernels
-from ratchetlm.engine.host_memory import available_bytes
+from ratchetlm.memory.host_memory import available_bytes
 from ratchetlm.models.auto_numerics import FAST_INT_ISAS, NumericsChoice, choose_auto, file_type
 from ratchetlm.models.config import ModelConfig
 from ratchetlm.models.deepseek_v4.loader import is_deepseek_v4_folder
@@ -26,8 +26,8 @@ from ratchetlm.models.loader import (
     read_hf_config,
     resolve,
 )
+from ratchetlm.models.shard import TPShard, check_divisible
 from ratchetlm.models.tokenizer import load_tokenizer
-from ratchetlm.parallel.shard import TPShard, check_divisible
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def load_model(
     is refused. ``"auto"``: models/auto_numerics.py chooses, by the GGUF's weight format, where some
     weights have integer values (a quantized GGUF on CPU in fp32) and the kernels' integer dot product
     is one of ``FAST_INT_ISAS``, else ``"exact"`` (the model's ``numerics`` says which).
-    ``tp_rank`` of ``tp_size``: load only that tensor-parallel rank's slice (parallel/shard.py); its
+    ``tp_rank`` of ``tp_size``: load only that tensor-parallel rank's slice (models/shard.py); its
     collectives run over ``tp_group``."""
     source = resolve(ref)
     if source.kind != "gguf" and is_deepseek_v4_folder(source.path):

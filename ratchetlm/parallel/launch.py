@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from ratchetlm.runners import register_tensor_parallel
+
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -26,3 +28,6 @@ def start_tensor_parallel(cfg: Any, mask_token_id: int | None) -> Any:
                          "'draft' (layer-skip) or 'draft_model'")
     check_tensor_parallel(cfg.model, cfg.tensor_parallel_size)
     return TPGroup.start(replace(cfg, dtype=_DTYPE_NAMES[cfg.torch_dtype()]), mask_token_id)
+
+
+register_tensor_parallel(start_tensor_parallel)  # LLM(tensor_parallel_size=N) starts the ranks here

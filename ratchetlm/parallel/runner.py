@@ -16,14 +16,14 @@ from typing import Any
 import torch
 
 from ratchetlm.engine.model_runner import ForwardPlan, ModelRunner
-from ratchetlm.parallel.group import TPGroup
 
 
 class TPModelRunner(ModelRunner):
     """Several engines may share one group's model (tests build one per strategy): each runner has
-    an id, and its own cache on every rank, dropped when the runner is collected."""
+    an id, and its own cache on every rank, dropped when the runner is collected. Built by
+    :meth:`~ratchetlm.parallel.group.TPGroup.make_runner`, which the engine's ``build_runner`` calls."""
 
-    def __init__(self, *args: Any, group: TPGroup, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, group: Any, **kwargs: Any) -> None:  # group: parallel/group.py's TPGroup
         super().__init__(*args, **kwargs)
         self.group = group
         self.rid = group.runners

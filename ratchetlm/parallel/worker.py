@@ -26,7 +26,7 @@ def serve(store: Any, rank: int, size: int, device: str, cfg: Any, mask_token_id
     """Join the group, load this rank's shard, run rank 0's commands until it says stop."""
     from ratchetlm.engine.model_runner import build_runner
     from ratchetlm.models.registry import load_model
-    from ratchetlm.parallel.group import Channel, join
+    from ratchetlm.parallel.channel import Channel, join
 
     try:
         store.set(f"joining/{rank}", b"1")
@@ -79,7 +79,7 @@ def _watch_parent(parent: int) -> None:
 def main() -> int:
     import torch.distributed as dist
 
-    from ratchetlm.parallel.group import IDLE, rank_device
+    from ratchetlm.parallel.channel import IDLE, rank_device
 
     args = pickle.loads(sys.stdin.buffer.read())
     _watch_parent(args["parent"])

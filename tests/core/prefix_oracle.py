@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import torch
 
-from ratchetlm.engine.block_manager import BlockManager
 from ratchetlm.engine.layer_groups import GroupedBlocks
 from ratchetlm.engine.llm_engine import LLMEngine
-from ratchetlm.engine.sequence import Sequence
+from ratchetlm.kv.block_manager import BlockManager
 from ratchetlm.sampling_params import SamplingParams
+from ratchetlm.sequence import Sequence
 
 
 def committed(eng: LLMEngine, seq_id: int) -> list[int]:

@@ -15,7 +15,9 @@ from ratchetlm import LLM, SamplingParams, kernels
 from ratchetlm.layers import norm_rope
 from ratchetlm.layers.block_quant import SUPPORTED_TYPES, BlockWeight, Linear, block_matmul, type_sizes
 
-VARIANTS = {"native": ["-march=native"], "avx2": ["-mavx2", "-mfma", "-mf16c"], "portable": []}
+from ..conftest import KERNEL_VARIANTS
+
+VARIANTS = KERNEL_VARIANTS  # the builds compared (tests/conftest.py builds them once, in parallel)
 # byte offsets of the fp16 scales in each block (the rest of a block may be any bytes)
 SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
                  "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
@@ -61,8 +63,8 @@ def assert_fp32_close(got: torch.Tensor, x: torch.Tensor, w: BlockWeight) -> Non
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
-def lib(request):
-    built = kernels.compile_library(VARIANTS[request.param])
+def lib(request, kernel_builds):
+    built = kernel_builds[request.param]
     assert built is not None, f"kernel build {request.param} failed (is a C compiler installed?)"
     return built
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ratchetlm.engine.block_manager import BlockManager
-from ratchetlm.engine.sequence import Sequence
+from ratchetlm.kv.block_manager import BlockManager
 from ratchetlm.sampling_params import SamplingParams
+from ratchetlm.sequence import Sequence
 
 BS = 4
 

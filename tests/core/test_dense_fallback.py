@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ratchetlm import kernels
-from ratchetlm.engine import host_memory
+from ratchetlm.memory import host_memory
 from ratchetlm.models import registry
 from ratchetlm.models.loader import ModelLoadError, default_model_path
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from ratchetlm import LLM
-from ratchetlm.models.gguf_file import GGML_TYPES, ArrayValue, GGUFFile, GGUFFormatError
+from ratchetlm.layers.ggml_types import GGML_TYPES
+from ratchetlm.models.gguf_file import ArrayValue, GGUFFile, GGUFFormatError
 from ratchetlm.models.loader import ModelLoadError, default_model_path
 
 

@@ -1,4 +1,4 @@
-"""layers/huge_pages.py: packed weights and CPU KV pools are cut from huge-page chunks, and that memory is
+"""memory/huge_pages.py: packed weights and CPU KV pools are cut from huge-page chunks, and that memory is
 ordinary, separate and aligned."""
 
 import mmap
@@ -9,8 +9,8 @@ import torch
 
 from ratchetlm import kernels
 from ratchetlm.kv.pools import Pools
-from ratchetlm.layers import huge_pages
 from ratchetlm.layers.block_quant import BlockWeight
+from ratchetlm.memory import huge_pages
 
 from .test_block_kernels import random_raw
 

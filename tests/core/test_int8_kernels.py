@@ -15,15 +15,16 @@ import torch.nn.functional as F
 from ratchetlm import kernels
 from ratchetlm.layers.block_quant import SUPPORTED_TYPES, BlockWeight, Linear, block_matmul, set_numerics
 
+from ..conftest import KERNEL_VARIANTS
 from .test_block_kernels import gguf_py, random_raw, same_bits
 
 INT_TYPES = tuple(t for t in SUPPORTED_TYPES if t not in ("F32", "F16", "BF16"))
-VARIANTS = {"native": ["-march=native"], "avx2": ["-mavx2", "-mfma", "-mf16c"], "portable": []}
+VARIANTS = KERNEL_VARIANTS  # the builds compared (tests/conftest.py builds them once, in parallel)
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
-def lib(request):
-    built = kernels.compile_library(VARIANTS[request.param])
+def lib(request, kernel_builds):
+    built = kernel_builds[request.param]
     if built is None:
         pytest.skip("no C compiler")
     return built
@@ -134,11 +135,11 @@ def test_matmul_matches_the_integer_reference_and_is_batch_invariant(lib, type_n
 
 @pytest.mark.skipif(kernels.int8_isa() != "avx512vnni", reason="compares with the AVX512-VNNI build")
 @pytest.mark.parametrize("type_name", INT_TYPES)
-def test_avx2_build_gives_the_avx512_builds_bits(type_name):
+def test_avx2_build_gives_the_avx512_builds_bits(type_name, kernel_builds):
     """The AVX2 kernel (vpmaddubsw + vpmaddwd, bytes split into nibbles) forms the same exact int32
     group sums and the same float epilogue per lane as the VNNI one: a model gives the same tokens on
     an AVX2 CPU as on an AVX-512 one."""
-    avx2, native = (kernels.compile_library(f) for f in (VARIANTS["avx2"], VARIANTS["native"]))
+    avx2, native = kernel_builds["avx2"], kernel_builds["native"]
     assert avx2 is not None and native is not None and avx2.ratchet_int8_isa() == b"avx2"
     k = 96 if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") else 512
     w = BlockWeight.from_gguf(type_name, random_raw(type_name, 37, k, seed=5), k)
@@ -343,7 +344,7 @@ def test_fixed_order_attention_of_causal_batches_needs_no_mask():
 
 
 @pytest.mark.parametrize("variant", ["avx2", "portable"])
-def test_fixed_order_attention_gives_the_native_builds_bits_in_every_build(variant, monkeypatch):
+def test_fixed_order_attention_gives_the_native_builds_bits_in_every_build(variant, kernel_builds, monkeypatch):
     """The AVX2 path (8 lanes) and the portable C do the AVX-512 path's per-lane operations in its
     order, exp's polynomial included: the same bits for a prefill, a tree mask with softcap, and decode
     steps over an fp32 and a half cache at scattered slots, at head sizes that take each build's vector
@@ -352,7 +353,7 @@ def test_fixed_order_attention_gives_the_native_builds_bits_in_every_build(varia
     from ratchetlm.kv.sink import NullSink
     from ratchetlm.layers.attention import build_attention_batch, paged_attention
 
-    builds = {name: kernels.compile_library(VARIANTS[name]) for name in ("native", variant)}
+    builds = {name: kernel_builds[name] for name in ("native", variant)}
     if None in builds.values():
         pytest.skip("no C compiler")
     torch.manual_seed(4)

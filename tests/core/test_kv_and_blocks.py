@@ -8,11 +8,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ratchetlm.engine.block_manager import BlockManager
-from ratchetlm.engine.sequence import Sequence
+from ratchetlm.kv.block_manager import BlockManager
 from ratchetlm.kv.cache import KVCache
 from ratchetlm.kv.sink import DirectSink
 from ratchetlm.sampling_params import SamplingParams
+from ratchetlm.sequence import Sequence
 
 
 def test_slot_minus_one_writes_nothing():

@@ -15,6 +15,7 @@ from ratchetlm import LLM, SamplingParams, kernels
 from ratchetlm.cli import add_engine_args, engine_kwargs
 from ratchetlm.engine.config import EngineConfig
 from ratchetlm.engine.model_runner import build_runner
+from ratchetlm.runners import register_layout
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 PROMPTS = ["The history of the bicycle", "def fib(n):", "Write a poem about the sea.", "List three colors:",
@@ -110,9 +111,12 @@ def test_exact_mode_with_a_half_cache_stays_close(llm_fp32):
 
 def test_a_cache_layout_of_its_own_refuses_a_narrower_dtype():
     class OwnLayout:  # a model family with its own cache layout (DeepSeek-V4)
-        def make_runner(self, *a):
-            raise AssertionError("not reached")
+        pass
 
+    def make_runner(*a):
+        raise AssertionError("not reached")
+
+    register_layout(OwnLayout, make_runner)
     with pytest.raises(ValueError, match="kv_cache_dtype='float16' is not supported by OwnLayout"):
         build_runner(EngineConfig(kv_cache_dtype="float16"), OwnLayout(), None, torch.float32,
                      torch.device("cpu"), 64)

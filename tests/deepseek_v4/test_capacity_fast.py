@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from ratchetlm.decoding.autoregressive import catch_up_proposal
-from ratchetlm.engine.sequence import Sequence
 from ratchetlm.sampling_params import SamplingParams
+from ratchetlm.sequence import Sequence
 
 from .conftest import v4_engine
 

@@ -52,9 +52,9 @@ def _call_at_last_position(model, ids, traces, decode_seq):
     own steps stop at 16382: a sequence holds 16384 tokens and its last one is sampled, never fed),
     on the reference's state for the first 16383 tokens. Returns (engine, sequence, StepResult)."""
     from ratchetlm.decoding.autoregressive import catch_up_proposal
-    from ratchetlm.engine.sequence import Sequence
     from ratchetlm.models.deepseek_v4.reference import prefix_traces
     from ratchetlm.sampling_params import SamplingParams
+    from ratchetlm.sequence import Sequence
 
     p = 16383
     engine = v4_engine(model, decode_seq=decode_seq, shuffle_seed=3)

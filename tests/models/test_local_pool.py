@@ -10,7 +10,7 @@ import pytest
 
 from ratchetlm import LLM, SamplingParams
 from ratchetlm.engine import model_runner
-from ratchetlm.engine.block_manager import BlockManager
+from ratchetlm.kv.block_manager import BlockManager
 from ratchetlm.kv.cache import KVCache
 from tests.core.prefix_oracle import assert_cached_blocks_match_prefill
 from tests.models.tiny import drain, engine_on, hf_logits, hf_model, save_hf

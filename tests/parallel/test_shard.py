@@ -1,4 +1,4 @@
-"""What each tensor-parallel rank holds (parallel/shard.py), checked without starting any process:
+"""What each tensor-parallel rank holds (models/shard.py), checked without starting any process:
 head and KV-head ranges (KV heads replicated when there are fewer than ranks), the refusals naming
 the numbers, and GGUF block weights sliced in place (rows and block-aligned columns) giving exactly
 the dequantized slices, through the kernels too."""
@@ -17,7 +17,7 @@ from ratchetlm.engine.config import EngineConfig
 from ratchetlm.layers.block_quant import BlockWeight, block_matmul
 from ratchetlm.models.loader import ModelLoadError
 from ratchetlm.models.registry import check_tensor_parallel
-from ratchetlm.parallel.shard import TPShard, check_divisible, col_slice, row_slice
+from ratchetlm.models.shard import TPShard, check_divisible, col_slice, row_slice
 from tests.core.gguf_factory import encode_tensor
 
 

@@ -79,8 +79,8 @@ def test_a_proposal_repeated_from_the_same_state_is_recorded_once(spec_llm):
     from types import SimpleNamespace
 
     from ratchetlm.decoding.speculative.proposers import _GAIN
-    from ratchetlm.engine.sequence import Sequence
     from ratchetlm.sampling_params import SamplingParams
+    from ratchetlm.sequence import Sequence
 
     cfg = SimpleNamespace(num_candidates=1, min_n=1, max_n=4, depth=4, depth_schedule="gain", verify_token_cost=0.1)
     prop = NgramProposer(cfg, ctx=None)
@@ -164,8 +164,8 @@ def test_a_step_prices_each_draft_after_the_rows_drafted_before_it():
     from types import SimpleNamespace
 
     from ratchetlm.decoding.speculative.cost_curve import CostCurve
-    from ratchetlm.engine.sequence import Sequence
     from ratchetlm.sampling_params import SamplingParams
+    from ratchetlm.sequence import Sequence
 
     cfg = SimpleNamespace(num_candidates=1, min_n=1, max_n=4, depth=4, depth_schedule="gain", verify_token_cost=0.0)
     prop = NgramProposer(cfg, ctx=None)

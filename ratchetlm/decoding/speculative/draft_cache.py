@@ -13,9 +13,9 @@ from typing import cast
 
 import torch
 
-from ratchetlm.engine.block_manager import BlockManager
-from ratchetlm.engine.sequence import Sequence
+from ratchetlm.kv.block_manager import BlockManager
 from ratchetlm.kv.cache import KVCache
+from ratchetlm.sequence import Sequence
 
 
 @dataclass

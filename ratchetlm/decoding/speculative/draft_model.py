@@ -31,10 +31,10 @@ from ratchetlm.decoding.speculative.beam_search import beam_search, tree_feed
 from ratchetlm.decoding.speculative.draft_cache import DraftCache, DraftSeqState
 from ratchetlm.decoding.speculative.draft_forward import draft_forward
 from ratchetlm.decoding.speculative.proposers import DraftBeam, Proposer, register_proposer
-from ratchetlm.engine.sequence import Sequence
 from ratchetlm.kv.sink import DirectSink, NullSink
 from ratchetlm.models.loader import ModelLoadError
 from ratchetlm.models.registry import load_model
+from ratchetlm.sequence import Sequence
 
 _STATE = "spec_draft_model"  # strategy_state key
 

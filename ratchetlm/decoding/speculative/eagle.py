@@ -45,13 +45,13 @@ from ratchetlm.decoding.speculative.cost_curve import CostCurve
 from ratchetlm.decoding.speculative.draft_cache import DraftCache, DraftSeqState
 from ratchetlm.decoding.speculative.gain import draft_value
 from ratchetlm.decoding.speculative.proposers import DraftBeam, Proposer, register_proposer, verify_cost
-from ratchetlm.engine.sequence import Sequence
 from ratchetlm.kv.sink import DirectSink, KVSink, NullSink
 from ratchetlm.layers.attention import AttentionBatch, build_attention_batch
 from ratchetlm.layers.block_quant import BlockWeight, Linear
 from ratchetlm.layers.norm_rope import RMSNorm, RotaryEmbedding
 from ratchetlm.models.config import ModelConfig
 from ratchetlm.models.llama import DecoderLayer, LlamaModel
+from ratchetlm.sequence import Sequence
 
 _STATE = "spec_eagle"  # strategy_state key: the head's paged K/V footprint
 _FEATS = "spec_eagle_feats"  # strategy_state key: target features not yet fed to the head

@@ -26,7 +26,7 @@ import torch
 
 from ratchetlm.decoding.speculative.eagle import FeatureRun
 from ratchetlm.decoding.speculative.proposers import DraftBeam, Proposer, register_proposer
-from ratchetlm.engine.sequence import Sequence
+from ratchetlm.sequence import Sequence
 
 _FEATS = "spec_mtp_feats"  # strategy_state key: the main model's streams of recent committed positions
 _RING = "spec_mtp_ring"  # strategy_state key: (first, end): pairs [first, end) have ring rows

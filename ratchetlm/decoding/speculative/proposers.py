@@ -20,7 +20,7 @@ import torch
 
 from ratchetlm.decoding.speculative.cost_curve import CostCurve, measured
 from ratchetlm.decoding.speculative.gain import GainSchedule, PendingContinuation
-from ratchetlm.engine.sequence import Sequence
+from ratchetlm.sequence import Sequence
 
 PAD = -1
 

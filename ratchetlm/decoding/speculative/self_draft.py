@@ -16,7 +16,7 @@ import torch
 
 from ratchetlm.decoding.speculative.beam_search import beam_search, tree_feed
 from ratchetlm.decoding.speculative.proposers import DraftBeam, Proposer, register_proposer
-from ratchetlm.engine.sequence import Sequence
+from ratchetlm.sequence import Sequence
 
 
 @register_proposer("draft")

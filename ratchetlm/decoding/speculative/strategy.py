@@ -52,7 +52,7 @@ from ratchetlm.decoding.speculative.stats import ChunkCounters, SpecCounters
 from ratchetlm.decoding.speculative.tree_attention import with_root
 from ratchetlm.decoding.speculative.verify import DraftTree
 from ratchetlm.decoding.tentative import chain_limit, forced_chain, observe_forced, verify_tree
-from ratchetlm.engine.sequence import Sequence
+from ratchetlm.sequence import Sequence
 
 _PREFIX = "spec_"
 _CONTINUE = "spec_continue"  # strategy_state key: SCV work left for this step (_Continue)

@@ -21,7 +21,7 @@ from ratchetlm.decoding.speculative.proposers import DraftBeam, Proposer, regist
 from ratchetlm.decoding.speculative.recycling import SuccessorTable
 from ratchetlm.decoding.speculative.suffix_index import History, SequenceIndex, TrieNode
 from ratchetlm.decoding.speculative.tree_select import Calibration, CostTable, DraftSource, Plan, build, judge, to_beam
-from ratchetlm.engine.sequence import Sequence
+from ratchetlm.sequence import Sequence
 
 TRIE_DEPTH = 20  # substrings indexed per position: a match of up to MAX_MATCH plus its continuation
 MAX_MATCH = 12  # longest suffix match looked up (longer ones are rare and no more telling)

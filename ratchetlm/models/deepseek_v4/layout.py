@@ -206,7 +206,7 @@ class DeepseekV4Layout:
 class DeepseekV4BlockAllocator:
     """The engine's block manager for a V4 layout: one free list per pool, tables per sequence.
 
-    Same surface as :class:`~ratchetlm.engine.block_manager.BlockManager` for the scheduler
+    Same surface as :class:`~ratchetlm.kv.block_manager.BlockManager` for the scheduler
     (``can_grow`` / ``grow`` / ``free``), so admission, growth, preemption and abort are the
     scheduler's own code. ``grow(seq, n)`` maps everything a step over positions
     ``[seq.num_cached, n)`` reads or writes and releases state pages behind the rolling window."""

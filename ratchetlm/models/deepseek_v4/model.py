@@ -8,8 +8,7 @@ their own way and share everything else through :meth:`DecoderLayer.attn_in`,
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from typing import Any, cast
+from typing import cast
 
 import torch
 from torch import nn
@@ -80,33 +79,6 @@ class DeepseekV4ForCausalLM(nn.Module):
         # seed's smallest call shape) and ``shuffle_seed`` (hand out blocks in a shuffled order, so
         # tests see non-identity tables). Read when an engine is built on this model.
         self.layout_options: dict[str, int] = {"decode_seq": 2}
-
-    def make_runner(self, cfg: Any, dtype: torch.dtype, device: torch.device, max_model_len: int) -> Any:
-        """The one engine's runner for V4's cache layout (``ratchetlm.engine.model_runner.build_runner``):
-        pools sized from ``cfg.kv_cache_bytes`` (default ~1 GiB), admission by the blocks a
-        sequence needs. The MTP module gets its own ring when the strategy drafts with it."""
-        from ratchetlm.models.deepseek_v4.layout import DeepseekV4Layout
-        from ratchetlm.models.deepseek_v4.paging import DecodeCapacity
-        from ratchetlm.models.deepseek_v4.runner import DeepseekV4ModelRunner, check_strategy
-
-        if torch.device(device).type != "cpu":
-            raise ValueError("DeepSeek-V4 runs on device='cpu' only (its paged step builds its metadata on the "
-                             "CPU and is untested on CUDA)")
-        if cfg.kv_cache_blocks is not None:
-            raise ValueError("a DeepSeek-V4 cache is not made of per-token KV blocks: size it with kv_cache_bytes")
-        ring: tuple[Hashable, ...] = tuple(range(self.config.num_layers))
-        if cfg.decoding == "speculative" and cfg.decoding_options.get("method") == "mtp":
-            if self.mtp is None:
-                raise ValueError("speculative method='mtp' needs the checkpoint's MTP module (mtp.* weights), "
-                                 "and this checkpoint has none")
-            ring += (MTP_LAYER,)
-        opts = dict(self.layout_options)
-        cap = DecodeCapacity.for_model(self.config, decode_seq=opts.pop("decode_seq", 2))
-        check_strategy(cfg.decoding, cfg.decoding_options, cap.state_span)
-        layout = DeepseekV4Layout(self.config, cap, dtype, device, budget_bytes=cfg.kv_cache_bytes,
-                                  max_num_seqs=cfg.max_num_seqs, max_model_len=max_model_len, ring_layers=ring,
-                                  shuffle_seed=opts.pop("shuffle_seed", None))
-        return DeepseekV4ModelRunner(self, layout, device, cfg.staging_capacity)
 
     def rope_for(self, layer: int) -> RopeTable:
         """Sliding-only layers use the plain table; CSA/HCA layers and all compressors use YaRN's."""

@@ -25,20 +25,20 @@ first run read; every other row a step writes is a function of committed tokens 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 import torch
 
 from ratchetlm.decoding.base import Proposal
-from ratchetlm.engine.model_runner import StepResult
-from ratchetlm.engine.sequence import Sequence
 from ratchetlm.kv.sink import StepSink
 from ratchetlm.kv.staging import StagingBuffer, commit_proposal
 from ratchetlm.models.deepseek_v4.decode import forward_step, step_slots
 from ratchetlm.models.deepseek_v4.layout import DeepseekV4Layout
-from ratchetlm.models.deepseek_v4.model import DeepseekV4ForCausalLM
-from ratchetlm.models.deepseek_v4.paging import DecodeMetadata, lower_decode_step
+from ratchetlm.models.deepseek_v4.model import MTP_LAYER, DeepseekV4ForCausalLM
+from ratchetlm.models.deepseek_v4.paging import DecodeCapacity, DecodeMetadata, lower_decode_step
+from ratchetlm.runners import StepResult, register_layout
+from ratchetlm.sequence import Sequence
 
 
 def check_strategy(decoding: str, options: Mapping[str, Any], span: int) -> None:
@@ -193,6 +193,34 @@ class DeepseekV4ModelRunner:
         untouched): the caller commits no KV and the next step recomputes it."""
         assert kv_rows == list(range(len(kv_rows))), "a chain commits a prefix of its rows"
         return commit_proposal(self.staging, stage_base, kv_rows, num_rows)
+def make_runner(cfg: Any, model: DeepseekV4ForCausalLM, dtype: torch.dtype, device: torch.device,
+                max_model_len: int) -> DeepseekV4ModelRunner:
+    """The one engine's runner for V4's cache layout (registered below for the model class, and built
+    by ``ratchetlm.engine.model_runner.build_runner``): pools sized from ``cfg.kv_cache_bytes`` (default
+    ~1 GiB), admission by the blocks a sequence needs. The MTP module gets its own ring when the
+    strategy drafts with it."""
+    if torch.device(device).type != "cpu":
+        raise ValueError("DeepSeek-V4 runs on device='cpu' only (its paged step builds its metadata on the "
+                         "CPU and is untested on CUDA)")
+    if cfg.kv_cache_blocks is not None:
+        raise ValueError("a DeepSeek-V4 cache is not made of per-token KV blocks: size it with kv_cache_bytes")
+    ring: tuple[Hashable, ...] = tuple(range(model.config.num_layers))
+    if cfg.decoding == "speculative" and cfg.decoding_options.get("method") == "mtp":
+        if model.mtp is None:
+            raise ValueError("speculative method='mtp' needs the checkpoint's MTP module (mtp.* weights), "
+                             "and this checkpoint has none")
+        ring += (MTP_LAYER,)
+    opts = dict(model.layout_options)
+    cap = DecodeCapacity.for_model(model.config, decode_seq=opts.pop("decode_seq", 2))
+    check_strategy(cfg.decoding, cfg.decoding_options, cap.state_span)
+    layout = DeepseekV4Layout(model.config, cap, dtype, device, budget_bytes=cfg.kv_cache_bytes,
+                              max_num_seqs=cfg.max_num_seqs, max_model_len=max_model_len, ring_layers=ring,
+                              shuffle_seed=opts.pop("shuffle_seed", None))
+    return DeepseekV4ModelRunner(model, layout, device, cfg.staging_capacity)
+
+
+register_layout(DeepseekV4ForCausalLM, make_runner)
+
 
 def _causal(mask: torch.Tensor | None) -> bool:
     if mask is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ratchetlm.models.families import LLAMA_LAYER_NAMES, Family
+from ratchetlm.models.families.base import LLAMA_LAYER_NAMES, Family
 
 GEMMA_LAYER_NAMES = {
     **LLAMA_LAYER_NAMES,

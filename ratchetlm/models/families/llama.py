@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ratchetlm.models.families import Family
+from ratchetlm.models.families.base import Family
 
 
 def _llama(c: Any) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ratchetlm.models.families import LLAMA_LAYER_NAMES, Family
+from ratchetlm.models.families.base import LLAMA_LAYER_NAMES, Family
 
 _SEPARATE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 PHI3_LAYER_NAMES = {

@@ -46,7 +46,7 @@ class Sequence:
     # None. It has seen exactly the committed output; it survives preemption (token_ids do too).
     controls: Any = None
     num_preemptions: int = 0
-    # Prefix cache (engine/block_manager.py): names of the sequence's full blocks, computed lazily
+    # Prefix cache (kv/block_manager.py): names of the sequence's full blocks, computed lazily
     # from its tokens; a per-request key folded into their root; prompt tokens found cached at
     # first admission (``usage.prompt_tokens_details.cached_tokens``).
     block_hashes: list[bytes] = field(default_factory=list)

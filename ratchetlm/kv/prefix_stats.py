@@ -1,4 +1,4 @@
-"""Prefix-cache counters (engine/block_manager.py keeps them; /metrics exports them)."""
+"""Prefix-cache counters (kv/block_manager.py keeps them; /metrics exports them)."""
 
 from __future__ import annotations
 

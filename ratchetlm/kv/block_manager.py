@@ -15,7 +15,7 @@ never needed. Tentative tokens (draft trees, WeDLM windows) live in the staging 
 blocks, and cannot reach a shared block.
 
 With caching on, :meth:`cache_full_blocks` names each newly committed full block
-(:mod:`ratchetlm.engine.block_hash`); :meth:`match_prefix` gives a new sequence the longest run of
+(:mod:`ratchetlm.kv.block_hash`); :meth:`match_prefix` gives a new sequence the longest run of
 named blocks its tokens start with; when the free list is empty, :meth:`grow` evicts the cached
 block released longest ago. Nothing referenced is ever evicted.
 
@@ -37,9 +37,9 @@ from collections.abc import Mapping
 
 import torch
 
-from ratchetlm.engine.block_hash import BlockHash, chain_hash, root_hash
-from ratchetlm.engine.prefix_stats import PrefixCacheStats
-from ratchetlm.engine.sequence import Sequence
+from ratchetlm.kv.block_hash import BlockHash, chain_hash, root_hash
+from ratchetlm.kv.prefix_stats import PrefixCacheStats
+from ratchetlm.sequence import Sequence
 
 
 class BlockManager:

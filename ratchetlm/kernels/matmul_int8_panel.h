@@ -1,0 +1,370 @@
+/* The int8 / int16 matmul's inner kernel (matmul_int8.c tells the whole story): one panel of 16 output
+ * rows times one tile of up to TT tokens, for each stored-value width in a unit of its own
+ * (matmul_int8_vb4.c, _vb5.c, _vb6.c, _vb8.c), so that the build compiles them in parallel. Each unit
+ * instantiates panel_tile for its widths' group sizes, both activation widths, with and without offsets
+ * and every tile size 1..TT as literals (the accumulators then live in registers). */
+#ifndef RATCHET_MATMUL_INT8_PANEL_H
+#define RATCHET_MATMUL_INT8_PANEL_H
+#include <math.h>
+
+#include "ggml_types.h"
+
+#define PN 16 /* output rows per panel (vector lanes) */
+#define TT 8  /* tokens per register tile */
+
+/* A tile of tt tokens' activations, token-interleaved so that one pointer and constant offsets
+ * reach every token: word [i][t] is token t's i-th item. */
+typedef struct {
+    const int32_t *xh;  /* [K / 4][tt] 4 bytes of xq (8 bits) or hi (16 bits); AVX2, 16 bits: items 0, 2 as int16 */
+    const int32_t *xl;  /* [K / 4][tt] 4 bytes of lo (16 bits) or NULL; AVX2, 16 bits: items 1, 3 as int16 */
+    const float *d32;   /* [K / 32][tt] dx */
+    const int32_t *zq32; /* [K / 32][tt] -z * the block's sum of xq (z: the weight's zero point) */
+    const int32_t *zq16; /* [K / 16][tt] -z * the half block's sum of xq */
+    const float *sx32;  /* [K / 32][tt] dx * q32 */
+    const float *sx16;  /* [K / 16][tt] dx * q16 */
+} xtile_t;
+
+/* y[t * N + l] (t < tt, l < nvalid) = the panel's 16 rows (packed at Q, factors at SM: ratchet_pack_q8) times
+ * the tile's tt tokens, for panels of vb-bit values (G, has_m, unit, SB: q8panel_t; b16: 16-bit activations) */
+void ratchet_panel_vb4(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, int G, int b16, int has_m,
+                       int unit, int SB, float *y, int N, int nvalid, int tt);
+void ratchet_panel_vb5(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, int G, int b16, int has_m,
+                       int unit, int SB, float *y, int N, int nvalid, int tt);
+void ratchet_panel_vb6(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, int G, int b16, int has_m,
+                       int unit, int SB, float *y, int N, int nvalid, int tt);
+void ratchet_panel_vb8(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, int G, int b16, int has_m,
+                       int unit, int SB, float *y, int N, int nvalid, int tt);
+
+#ifdef RATCHET_PANEL_UNIT /* the matmul_int8_vb*.c units: the kernels themselves */
+
+/* Per group: I = sum u xq (- z sum xq, exact in int32), then acc = fma(float(I), s * dx, acc) and with
+ * offsets acc = fma(M, dx * sum xq, acc). On AVX-512 the dot products and the float multiplies share
+ * the multiply pipes (per group and token: 8 or 16 vpdpbusd against 2 or 3 multiplies), while the
+ * nibble split, the zero-point correction (a shift and a subtract: z is a power of two) and the
+ * int-to-float conversion run on the other pipes. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* Software prefetch of the packed values Q_AHEAD bytes ahead (and of the factors S_AHEAD ahead):
+ * unpacking nibbles and planes, or the products of several tokens, cost enough instructions per byte
+ * that the out-of-order window no longer keeps enough misses in flight. One thread, 16384 x 4096, one
+ * row: Q4_K 2.00 -> 1.46 ms, Q6_K 3.18 -> 2.09 ms (2 KB and 8 KB ahead measured slower). Bytes
+ * (Q8_0), 2 threads, weights cold (more copies than the L3 holds, as in a forward), same process:
+ * 4-16 tokens 0.68-0.87x the time without it (1B and 135M shapes), 1-3 tokens 0.75-1.06x. */
+#define Q_AHEAD 4096
+#define S_AHEAD 1024
+/* acc += w (unsigned bytes) . x (4 signed bytes broadcast from memory into every lane): the broadcast is
+ * part of the instruction's load (compilers emit a separate vpbroadcastd, which costs a vector op) */
+static inline __attribute__((always_inline)) __m512i dpbusd_bcast(__m512i acc, __m512i w, const int32_t *x) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+    return acc;
+}
+
+/* G, vb, b16, has_m and tt are literals at every call (PANEL_TT below), so each combination compiles to
+ * its own fully unrolled loop with the accumulators in registers */
+static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, const uint8_t *SM, int z,
+                                                             const xtile_t *xs, int K, const int G, const int vb,
+                                                             const int b16, const int has_m, const int unit, int SB,
+                                                             float *y, int N,
+                                                             int nvalid, const int tt) {
+    __m512 acc[TT];
+    #pragma GCC unroll 8
+    for (int t = 0; t < tt; t++) acc[t] = _mm512_setzero_ps();
+    const int C = G / 4, NG = K / G, GPS = SB / G, SBB = (1 + has_m) * (2 + (unit ? 0 : GPS)) * PN;
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512 Dv = _mm512_setzero_ps(), Dmv = _mm512_setzero_ps();
+    for (int g = 0; g < NG; g++) {
+        const uint8_t *sbp = SM + (long)(g / GPS) * SBB, *qg = Q + (long)g * G * PN * vb / 8;
+        #pragma GCC unroll 8
+        for (int o = 0; o < G * PN * vb / 8; o += 64) _mm_prefetch((const char *)qg + Q_AHEAD + o, _MM_HINT_T0);
+        if (g % GPS == 0) { /* a super-group's D and D_m (fp16 -> fp32, exact) */
+            for (int o = 0; o < SBB; o += 64) _mm_prefetch((const char *)sbp + S_AHEAD + o, _MM_HINT_T0);
+            Dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sbp));
+            if (has_m) Dmv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sbp + 2 * PN)));
+        }
+        /* s = D * c and m = D_m * c_m: the format's own products (d * sc), exact as to_q8w's */
+        const int8_t *cp = (const int8_t *)sbp + (1 + has_m) * 2 * PN + (g % GPS) * (1 + has_m) * PN;
+        const __m512 sv = unit ? Dv : _mm512_mul_ps(Dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)cp))));
+        const __m512 mv = !has_m ? _mm512_setzero_ps()
+                          : unit ? Dmv
+                                 : _mm512_mul_ps(Dmv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(cp + PN)))));
+        __m512i W[8];
+        if (vb < 8) { /* nibbles, then bits 4 (and 5) from the plane: W |= (plane shifted) & mask, one ternlog */
+            const __m512i *qv = (const __m512i *)qg;
+            #pragma GCC unroll 8
+            for (int v = 0; v < C / 2; v++) {
+                const __m512i b = _mm512_loadu_si512(qv + v);
+                W[v] = _mm512_and_si512(b, m4);
+                W[v + C / 2] = _mm512_and_si512(_mm512_srli_epi16(b, 4), m4);
+            }
+            if (vb == 6) { /* item 4p + j: bits 2j..2j+1 of plane p to bits 4..5 (16-bit shifts: the mask drops what crosses bytes) */
+                const __m512i m30 = _mm512_set1_epi8(0x30);
+                #pragma GCC unroll 8
+                for (int c = 0; c < C; c++) {
+                    const __m512i pl = _mm512_loadu_si512(qv + C / 2 + c / 4);
+                    const int j = c % 4;
+                    const __m512i sh = j < 2 ? _mm512_slli_epi16(pl, 4 - 2 * j) : j == 2 ? pl : _mm512_srli_epi16(pl, 2);
+                    W[c] = _mm512_ternarylogic_epi32(sh, m30, W[c], 0xEA); /* (sh & m30) | W */
+                }
+            } else if (vb == 5) { /* item j: bit j of the plane to bit 4 */
+                const __m512i m10 = _mm512_set1_epi8(0x10), pl = _mm512_loadu_si512(qv + C / 2);
+                #pragma GCC unroll 8
+                for (int c = 0; c < C; c++) {
+                    const __m512i sh = c < 4 ? _mm512_slli_epi16(pl, 4 - c) : c == 4 ? pl : _mm512_srli_epi16(pl, c - 4);
+                    W[c] = _mm512_ternarylogic_epi32(sh, m10, W[c], 0xEA);
+                }
+            }
+        } else {
+            const __m512i *qv = (const __m512i *)qg;
+            #pragma GCC unroll 8
+            for (int c = 0; c < C; c++) W[c] = _mm512_loadu_si512(qv + c);
+        }
+        /* one integer chain per token, the tokens interleaved (tt independent chains in flight),
+         * starting from -z * sum xq (16 bits: added after the high bytes' products are scaled) */
+        __m512i I[TT];
+#pragma GCC unroll 8
+        for (int t = 0; t < tt; t++)
+            I[t] = z && !b16 ? _mm512_set1_epi32(G == 32 ? xs->zq32[g * tt + t] : xs->zq16[g * tt + t])
+                             : _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++)
+#pragma GCC unroll 8
+            for (int t = 0; t < tt; t++) I[t] = dpbusd_bcast(I[t], W[c], xs->xh + ((long)g * C + c) * tt + t);
+        if (b16) { /* I = 256 * I_hi - z * sum xq + I_lo: the lo products continue the same chain */
+#pragma GCC unroll 8
+            for (int t = 0; t < tt; t++) {
+                I[t] = _mm512_slli_epi32(I[t], 8);
+                if (z) I[t] = _mm512_add_epi32(I[t], _mm512_set1_epi32(G == 32 ? xs->zq32[g * tt + t] : xs->zq16[g * tt + t]));
+            }
+#pragma GCC unroll 8
+            for (int c = 0; c < C; c++)
+#pragma GCC unroll 8
+                for (int t = 0; t < tt; t++) I[t] = dpbusd_bcast(I[t], W[c], xs->xl + ((long)g * C + c) * tt + t);
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < tt; t++) {
+            const float dx = G == 32 ? xs->d32[g * tt + t] : xs->d32[g / 2 * tt + t];
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I[t]), _mm512_mul_ps(sv, _mm512_set1_ps(dx)), acc[t]);
+            if (has_m)
+                acc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(G == 32 ? xs->sx32[g * tt + t] : xs->sx16[g * tt + t]), acc[t]);
+        }
+    }
+    const __mmask16 mask = (__mmask16)((1u << nvalid) - 1);
+    #pragma GCC unroll 8
+    for (int t = 0; t < tt; t++) _mm512_mask_storeu_ps(y + (long)t * N, mask, acc[t]);
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* AVX2 (no VNNI): a 16-row panel is two 8-row halves of 32 bytes (each 64-byte VNNI-order vector's
+ * first and second half). 16-bit activations (int16 mode) come as int16 pairs (items 0, 2 and 1, 3 of
+ * each 4: prep_tile_blocks) and a lane's bytes 0, 2 and 1, 3 are widened to int16, so a lane's 4-item
+ * dot product is two vpmaddwd (s16 x s16, pairs summed to int32: |w| < 256, |x| <= 32639, exact) and
+ * I = u . x - z sum xq is the same exact integer as the VNNI kernel's 256 (u . hi) + u . lo - z sum xq,
+ * then the same float epilogue per lane (the same bits). (It replaced vpmaddubsw over the hi and lo
+ * bytes: 6 operations a lane and token for 4-6 bit weights, 16 for bytes split into nibbles, against 4
+ * here.) 8-bit activations (int8 mode): vpmaddubsw (u8 x s8 -> pairs summed to int16) then vpmaddwd by
+ * 1, exact while a pair's |u0 x0 + u1 x1| <= 32767: weights of up to 6 bits (2 * 63 * 128 = 16128);
+ * bytes (Q8_0) split into nibbles, 16 * hi + lo. Tokens go TS (3; 4 for 6-bit weights) at a
+ * time through the panel's groups, both halves at once. */
+#define Q_AHEAD 4096
+/* the 32 weight bytes of half h of vector c of group g: unsigned values < 64 (vb < 8), or raw bytes */
+static inline __attribute__((always_inline)) __m256i unpack_avx2(const uint8_t *qg, int C, int vb, int c, int h) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    if (vb == 8) return _mm256_loadu_si256((const __m256i *)(qg + c * 64 + 32 * h));
+    const int v = c % (C / 2);
+    const __m256i b = _mm256_loadu_si256((const __m256i *)(qg + v * 64 + 32 * h));
+    __m256i w = c < C / 2 ? _mm256_and_si256(b, m4) : _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
+    const uint8_t *pl = qg + C / 2 * 64;
+    if (vb == 6) { /* bits 2j..2j+1 of plane c / 4 to bits 4..5 (16-bit shifts: the mask drops what crosses bytes) */
+        const __m256i p = _mm256_loadu_si256((const __m256i *)(pl + (c / 4) * 64 + 32 * h));
+        const int j = c % 4;
+        const __m256i sh = j < 2 ? _mm256_slli_epi16(p, 4 - 2 * j) : j == 2 ? p : _mm256_srli_epi16(p, 2);
+        w = _mm256_or_si256(w, _mm256_and_si256(sh, _mm256_set1_epi8(0x30)));
+    } else if (vb == 5) { /* bit c of the plane to bit 4 */
+        const __m256i p = _mm256_loadu_si256((const __m256i *)(pl + 32 * h));
+        const __m256i sh = c < 4 ? _mm256_slli_epi16(p, 4 - c) : c == 4 ? p : _mm256_srli_epi16(p, c - 4);
+        w = _mm256_or_si256(w, _mm256_and_si256(sh, _mm256_set1_epi8(0x10)));
+    }
+    return w;
+}
+
+/* 8-bit activations: I += w . x for every lane; bytes (vb = 8) as 16 (hi nibble) + lo nibble */
+static inline __attribute__((always_inline)) __m256i dot_w_avx2(__m256i I, __m256i w, int32_t x4, int vb) {
+    const __m256i x = _mm256_set1_epi32(x4), ones = _mm256_set1_epi16(1);
+    if (vb < 8) return _mm256_add_epi32(I, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), m4), x),
+                                         _mm256_set1_epi16(16));
+    const __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(w, m4), x), ones);
+    return _mm256_add_epi32(I, _mm256_add_epi32(hi, lo));
+}
+
+#define AVX2_TS 4 /* the most tokens a pass over a panel's groups takes (panel_tile's TS) */
+static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, const uint8_t *SM, int z,
+                                                             const xtile_t *xs, int K, const int G, const int vb,
+                                                             const int b16, const int has_m, const int unit, int SB,
+                                                             float *y, int N, int nvalid, const int tt) {
+    const int C = G / 4, NG = K / G, GPS = SB / G, SBB = (1 + has_m) * (2 + (unit ? 0 : GPS)) * PN;
+    const __m256i m00ff = _mm256_set1_epi16(0xFF), lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    /* 2 halves x TS tokens of I in registers; Q6_K's heavier unpacking pays for a fourth token (kernel
+     * 1.09-1.18x at 8-256 rows), the other formats measured 0.91-1.08x with it */
+    const int TS = vb == 6 ? 4 : 3;
+    #pragma GCC unroll 4
+    for (int t0 = 0; t0 < tt; t0 += TS) {
+        const int S = tt - t0 < TS ? tt - t0 : TS; /* tokens in this pass (a literal once tt is) */
+        /* The float accumulators live in memory (L1), touched once per group and token, so that the 16 ymm
+         * registers hold the 6 integer chains and the weight vectors (in registers beside them: 0.85-1.09x
+         * the time of this, measured with the chains' asm below in place). */
+        float acc[AVX2_TS][2][8] __attribute__((aligned(32)));
+        for (int t = 0; t < AVX2_TS; t++)
+            for (int h = 0; h < 2; h++) _mm256_store_ps(acc[t][h], _mm256_setzero_ps());
+        for (int g = 0; g < NG; g++) {
+            const uint8_t *sbp = SM + (long)(g / GPS) * SBB, *qg = Q + (long)g * G * PN * vb / 8;
+            if (t0 == 0)
+                for (int o = 0; o < G * PN * vb / 8; o += 64) _mm_prefetch((const char *)qg + Q_AHEAD + o, _MM_HINT_T0);
+            /* one int32 chain per token and half: u . x (16 bits) or u . xq (8 bits). (One half at a time
+             * for 6 tokens, unpacking a half's weights once for 6: 0.88-1.01x; both halves per token with
+             * its pairs broadcast once: 0.98-1.03x; neither kept.) */
+            __m256i I[AVX2_TS][2];
+            for (int t = 0; t < AVX2_TS; t++) I[t][0] = I[t][1] = _mm256_setzero_si256();
+            #pragma GCC unroll 8
+            for (int c = 0; c < C; c++) {
+                #pragma GCC unroll 2
+                for (int h = 0; h < 2; h++) {
+                    const __m256i w = unpack_avx2(qg, C, vb, c, h);
+                    /* 16 bits: bytes 0, 2 and 1, 3 of each lane's four as int16 (unsigned, < 256) */
+                    const __m256i w02 = _mm256_and_si256(w, m00ff), w13 = _mm256_srli_epi16(w, 8);
+                    #pragma GCC unroll 4
+                    for (int t = 0; t < S; t++) {
+                        const long i = ((long)g * C + c) * tt + t0 + t;
+                        if (b16) { /* int16 pairs: (w0 x0 + w2 x2) + (w1 x1 + w3 x3), one vpmaddwd each */
+                            I[t][h] = _mm256_add_epi32(I[t][h], _mm256_madd_epi16(w02, _mm256_set1_epi32(xs->xh[i])));
+                            I[t][h] = _mm256_add_epi32(I[t][h], _mm256_madd_epi16(w13, _mm256_set1_epi32(xs->xl[i])));
+                        } else {
+                            I[t][h] = dot_w_avx2(I[t][h], w, xs->xh[i], vb);
+                        }
+                        /* keep the chain a chain: GCC otherwise reassociates the unrolled integer sums into
+                         * trees whose products no longer fit the 16 registers and spills them */
+                        __asm__("" : "+x"(I[t][h]));
+                    }
+                }
+            }
+            const int8_t *cp = (const int8_t *)sbp + (1 + has_m) * 2 * PN + (g % GPS) * (1 + has_m) * PN;
+            #pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) { /* s = D * c and m = D_m * c_m, as the AVX-512 kernel forms them */
+                const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sbp + 16 * h)));
+                const __m256 sv = unit ? D : _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cp + 8 * h)))));
+                __m256 mv = _mm256_setzero_ps();
+                if (has_m) {
+                    const __m256 Dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sbp + 2 * PN + 16 * h)));
+                    mv = unit ? Dm : _mm256_mul_ps(Dm, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cp + PN + 8 * h)))));
+                }
+                #pragma GCC unroll 4
+                for (int t = 0; t < S; t++) {
+                    const long gt = (long)g * tt + t0 + t;
+                    const int32_t zq = z ? (G == 32 ? xs->zq32[gt] : xs->zq16[gt]) : 0;
+                    const float dx = G == 32 ? xs->d32[gt] : xs->d32[(long)g / 2 * tt + t0 + t];
+                    const __m256i It = z ? _mm256_add_epi32(I[t][h], _mm256_set1_epi32(zq)) : I[t][h];
+                    __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(It), _mm256_mul_ps(sv, _mm256_set1_ps(dx)), _mm256_load_ps(acc[t][h]));
+                    if (has_m)
+                        a = _mm256_fmadd_ps(mv, _mm256_set1_ps(G == 32 ? xs->sx32[gt] : xs->sx16[gt]), a);
+                    _mm256_store_ps(acc[t][h], a);
+                }
+            }
+        }
+        for (int t = 0; t < S; t++)
+            for (int h = 0; h < 2; h++) {
+                const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(nvalid - 8 * h), lane);
+                _mm256_maskstore_ps(y + (long)(t0 + t) * N + 8 * h, mask, _mm256_load_ps(acc[t][h]));
+            }
+    }
+}
+#else
+/* portable C : the same sequence per lane */
+static inline void panel_tile(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, const int G,
+                              const int vb, const int b16, const int has_m, const int unit, int SB, float *y, int N,
+                              int nvalid, const int tt) {
+    float acc[TT][PN];
+    for (int t = 0; t < tt; t++)
+        for (int l = 0; l < PN; l++) acc[t][l] = 0.0f;
+    const int C = G / 4, NG = K / G, GPS = SB / G, SBB = (1 + has_m) * (2 + (unit ? 0 : GPS)) * PN;
+    for (int g = 0; g < NG; g++) {
+        const uint8_t *sbp = SM + (long)(g / GPS) * SBB;
+        const int8_t *cp = (const int8_t *)sbp + (1 + has_m) * 2 * PN + (g % GPS) * (1 + has_m) * PN;
+        float sv[PN], mv[PN];
+        for (int l = 0; l < PN; l++) {
+            sv[l] = load_fp16(sbp + 2 * l) * (unit ? 1.0f : (float)cp[l]);
+            mv[l] = has_m ? load_fp16(sbp + 2 * PN + 2 * l) * (unit ? 1.0f : (float)cp[PN + l]) : 0.0f;
+        }
+        uint8_t w[32 * PN]; /* [C][PN][4] unsigned weights of the group */
+        if (vb < 8) { /* the layout of plane_pack */
+            const uint8_t *qg = Q + (long)g * G * PN * vb / 8, *pl = qg + C / 2 * 64;
+            for (int i = 0; i < C / 2 * PN * 4; i++) {
+                w[i] = qg[i] & 0x0F;
+                w[i + C / 2 * PN * 4] = qg[i] >> 4;
+            }
+            for (int c = 0; c < C && vb > 4; c++)
+                for (int i = 0; i < 64; i++)
+                    w[c * 64 + i] |= (uint8_t)(vb == 6 ? ((pl[(c / 4) * 64 + i] >> (2 * (c % 4))) & 3) << 4
+                                                       : ((pl[i] >> c) & 1) << 4);
+        } else {
+            memcpy(w, Q + (long)g * G * 16, (size_t)G * PN);
+        }
+        for (int t = 0; t < tt; t++) {
+            const int32_t zq = z ? (G == 32 ? xs->zq32[g * tt + t] : xs->zq16[g * tt + t]) : 0;
+            const float dx = G == 32 ? xs->d32[g * tt + t] : xs->d32[g / 2 * tt + t];
+            const float sx = has_m ? (G == 32 ? xs->sx32[g * tt + t] : xs->sx16[g * tt + t]) : 0.0f;
+            for (int l = 0; l < PN; l++) {
+                int32_t hi = 0, lo = 0;
+                for (int c = 0; c < C; c++) {
+                    const int32_t wh = xs->xh[((long)g * C + c) * tt + t], wl = b16 ? xs->xl[((long)g * C + c) * tt + t] : 0;
+                    for (int j = 0; j < 4; j++) {
+                        hi += (int32_t)w[(c * PN + l) * 4 + j] * (int8_t)(wh >> (8 * j));
+                        if (b16) lo += (int32_t)w[(c * PN + l) * 4 + j] * (int8_t)(wl >> (8 * j));
+                    }
+                }
+                const int32_t I = (b16 ? hi * 256 + lo : hi) + zq;
+                acc[t][l] = fmaf((float)I, sv[l] * dx, acc[t][l]);
+                if (has_m) acc[t][l] = fmaf(mv[l], sx, acc[t][l]);
+            }
+        }
+    }
+    for (int t = 0; t < tt; t++)
+        for (int l = 0; l < nvalid; l++) y[(long)t * N + l] = acc[t][l];
+}
+#endif
+
+/* One function per panel kind (G, VB, B16, HM, U) and tile size tt, each one panel_tile with literal
+ * arguments (the accumulators then live in registers): gcc's per-function passes (points-to analysis,
+ * value numbering) take time that grows faster than a function's size, and when a unit's every kind and
+ * tile size was inlined into one function (one switch) the AVX2 build of the int8 kernels took 154 s of
+ * CPU instead of ~60 (the same loops; the tile size is picked through a table of functions instead). */
+#define PANEL_TT(NAME, G, VB, B16, HM, U, T)                                                                            \
+    static __attribute__((noinline)) void NAME(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K,   \
+                                               int SB, float *y, int N, int nvalid) {                                  \
+        panel_tile(Q, SM, z, xs, K, G, VB, B16, HM, U, SB, y, N, nvalid, T);                                          \
+    }
+#define PANEL_KIND(NAME, G, VB, B16, HM, U)                                                                            \
+    PANEL_TT(NAME##_1, G, VB, B16, HM, U, 1) PANEL_TT(NAME##_2, G, VB, B16, HM, U, 2)                                  \
+    PANEL_TT(NAME##_3, G, VB, B16, HM, U, 3) PANEL_TT(NAME##_4, G, VB, B16, HM, U, 4)                                  \
+    PANEL_TT(NAME##_5, G, VB, B16, HM, U, 5) PANEL_TT(NAME##_6, G, VB, B16, HM, U, 6)                                  \
+    PANEL_TT(NAME##_7, G, VB, B16, HM, U, 7) PANEL_TT(NAME##_8, G, VB, B16, HM, U, 8)                                  \
+    static void NAME(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, int SB, float *y, int N,    \
+                     int nvalid, int tt) {                                                                             \
+        static void (*const f[])(const uint8_t *, const uint8_t *, int, const xtile_t *, int, int, float *, int, int) = \
+            {NAME##_1, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6, NAME##_7, NAME##_8};                \
+        f[tt < TT ? tt : TT](Q, SM, z, xs, K, SB, y, N, nvalid);                                                       \
+    }
+
+/* the four kinds of one (G, VB, U), 8- or 16-bit activations, with or without offsets, and function NAME
+ * that picks one */
+#define PANEL_KINDS(NAME, G, VB, U)                                                                                    \
+    PANEL_KIND(NAME##_a8, G, VB, 0, 0, U)                                                                              \
+    PANEL_KIND(NAME##_a8m, G, VB, 0, 1, U)                                                                             \
+    PANEL_KIND(NAME##_a16, G, VB, 1, 0, U)                                                                             \
+    PANEL_KIND(NAME##_a16m, G, VB, 1, 1, U)                                                                            \
+    static void NAME(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, int b16, int has_m, int SB, \
+                     float *y, int N, int nvalid, int tt) {                                                            \
+        (b16 ? (has_m ? NAME##_a16m : NAME##_a16) : (has_m ? NAME##_a8m : NAME##_a8))(Q, SM, z, xs, K, SB, y, N,       \
+                                                                                     nvalid, tt);                      \
+    }
+
+#endif /* RATCHET_PANEL_UNIT */
+#endif
