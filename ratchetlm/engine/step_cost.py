@@ -175,6 +175,8 @@ def attention_per_token(model_config: Any) -> float:
     products (2 x heads x head_dim multiply-adds a layer) over the layer's weight multiply-adds,
     doubled because attention runs nearer memory speed than the batched matmuls."""
     c = model_config
+    if not all(hasattr(c, f) for f in ("num_heads", "num_kv_heads", "head_dim", "hidden_size", "intermediate_size")):
+        return 0.0  # not Llama-shaped (DeepSeek-V4, compressed KV): the fitted per-row cost absorbs attention
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     per_layer_weights = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
     return 2.0 * (2 * q) / per_layer_weights

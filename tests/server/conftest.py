@@ -7,8 +7,12 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import pytest
@@ -24,6 +28,27 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def serve_in_thread(llm_or_loader: Any, name: str = "m", config: Any = None) -> Iterator[int]:
+    """``build_app`` served by uvicorn on a thread of this process (free port); yields the port."""
+    import uvicorn
+
+    from ratchetlm.server.app import build_app
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(llm_or_loader, name, config), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    while not server.started:
+        time.sleep(0.02)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        t.join(30)
 
 
 @dataclass

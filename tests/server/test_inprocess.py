@@ -11,29 +11,17 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 
 import httpx
-import uvicorn
 
 from ratchetlm import SamplingParams
 from ratchetlm.engine.config import EngineConfig
 from ratchetlm.engine.llm_engine import LLMEngine
-from ratchetlm.server.app import build_app
-from tests.server.conftest import free_port
+from tests.server.conftest import serve_in_thread
 
 
 @contextmanager
 def serve(llm_or_loader, name="m", config=None):
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(llm_or_loader, name, config), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    t = threading.Thread(target=server.run, daemon=True)
-    t.start()
-    while not server.started:
-        time.sleep(0.02)
-    try:
+    with serve_in_thread(llm_or_loader, name, config) as port:
         yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        t.join(30)
 
 
 def _sse(text: str) -> list:

@@ -7,33 +7,18 @@ import json
 import socket
 import threading
 import time
-from contextlib import contextmanager
 
 import httpx
 import pytest
-import uvicorn
 
-from ratchetlm.server.app import build_app
 from ratchetlm.server.config import ServerConfig
 from ratchetlm.server.errors import APIError
 from ratchetlm.server.prepare import CHARS_PER_TOKEN, LARGE_BODY, encode_bounded, longest_token_chars
-from tests.server.conftest import free_port
+from tests.server.conftest import serve_in_thread
 
 
-@contextmanager
 def serve(llm, cfg: ServerConfig):
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(llm, "m", cfg), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    t = threading.Thread(target=server.run, daemon=True)
-    t.start()
-    while not server.started:
-        time.sleep(0.02)
-    try:
-        yield port
-    finally:
-        server.should_exit = True
-        t.join(30)
+    return serve_in_thread(llm, "m", cfg)
 
 
 class SlowTokenizing:
