@@ -102,7 +102,7 @@ def test_the_integer_modes_keep_their_contract_with_a_half_cache(llm_int8):
 
 def test_exact_mode_with_a_half_cache_stays_close(llm_fp32):
     """Opt-in in the exact mode (SDPA reads the half cache widened): the greedy text of the fp32 cache."""
-    llm = LLM(progress=False, kv_cache_dtype="float16", kv_cache_blocks=64)
+    llm = LLM(progress=False, numerics="exact", kv_cache_dtype="float16", kv_cache_blocks=64)
     assert llm.engine.cache.k.dtype == torch.float16
     enc = [llm.tokenize(p) for p in PROMPTS[:3]]
     got = [o.outputs[0].token_ids for o in llm.generate(enc, GREEDY)]

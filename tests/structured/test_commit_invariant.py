@@ -158,7 +158,7 @@ def test_the_found_case_commits_what_plain_decoding_does(llm_fp32):
     """``"\x80\x16"`` (issue 40's ``LLM().generate`` case): forced ``Â`` + ``\x80``, then only EOS (no
     token spells ``\x16``) — the jump-forward commit is those three tokens, as one token per forward gives."""
     probe = Probe(engine(llm_fp32, jump_forward=True))
-    prompt = llm_fp32.encode("0")
+    prompt = llm_fp32.tokenize("0")
     (sid,) = probe.run([prompt], [SamplingParams(max_tokens=16, temperature=0, structured=S(regex="\x80\x16"))])
     seq = probe.engine.seqs[sid]
     assert seq.finish_reason == "stop" and llm_fp32.tokenizer.decode(seq.output_ids, skip_special_tokens=True) == "\x80"
@@ -192,7 +192,7 @@ def test_an_early_end_inside_a_commit_keeps_no_kv_past_its_last_token(llm_fp32, 
 
     monkeypatch.setattr(GrammarMatcher, "allowed", allowed_on_the_committed_matcher)
     probe = Probe(engine(llm_fp32, jump_forward=True))
-    prompt = llm_fp32.encode("0")
+    prompt = llm_fp32.tokenize("0")
     (sid,) = probe.run([prompt], [SamplingParams(temperature=0.0, max_tokens=16, structured=S(regex="\x80\x16"))])
     tokens, k, v = probe.final[sid]
     assert len(tokens) == len(prompt) + 1, "the stopped matcher ended the 3-token commit after its first token"
