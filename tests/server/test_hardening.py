@@ -83,11 +83,11 @@ def test_max_tokens_is_clamped_to_the_context(hardened):
     assert usage["total_tokens"] == 96 and r.json()["choices"][0]["finish_reason"] == "length"
 
 
-def test_a_huge_prompt_is_refused_on_a_prefix_while_health_answers(server):
-    """A multi-megabyte prompt (about a second to tokenize whole) is refused without tokenizing it
-    whole (server/prepare.py: encode_bounded; here on its length alone), naming max_model_len, and /health answers meanwhile. That
-    preparation never blocks other requests is tests/server/test_preparation.py's (with a tokenizer
-    slow on purpose)."""
+def test_a_huge_prompt_is_refused_by_its_length_while_health_answers(server):
+    """A multi-megabyte prompt (about a second to tokenize whole) is refused on its length alone,
+    without tokenizing it (server/prepare.py: encode_bounded), naming max_model_len, and /health
+    answers meanwhile. That preparation never blocks other requests is
+    tests/server/test_preparation.py's (with a tokenizer slow on purpose)."""
     prompt = "lorem ipsum dolor sit amet " * 100_000  # 2.7 MB
     result: dict[str, httpx.Response] = {}
     t = threading.Thread(target=lambda: result.setdefault("r", _post(server, CMPL, {"prompt": prompt})))
