@@ -100,8 +100,10 @@ class LLMEngine:
         self.blocks = self.runner.blocks
         ctx = StrategyContext(runner=self.runner, model_config=model_config, max_model_len=self.max_model_len)
         self.strategy: DecodeStrategy = create_strategy(cfg.decoding, ctx, cfg.decoding_options)
-        # the step-time budget: prompt chunks sized by a measured cost model (engine/step_cost.py)
-        target = cfg.step_time_target()
+        # the step-time budget: prompt chunks sized by a measured cost model (engine/step_cost.py). The
+        # pooling runner schedules no steps, and its write-free forwards run on other threads
+        # (engine/pooling.py): a probe's forwards on the engine thread would race them on the runner.
+        target = math.inf if cfg.runner == "pooling" else cfg.step_time_target()
         self.step_cost = None if math.isinf(target) else MeasuredStepCost(
             lambda: probe_prior(model, model_config, self.device, self.dtype))
         self.scheduler = Scheduler(self.blocks, self.strategy.tokens_wanted, self.strategy.on_preempt,
