@@ -402,10 +402,5 @@ async def _serve(state: ServerState, request: Request, model: type[Any], plan_cl
         usage_chunk = (lambda: plan.usage_chunk(runner.states)) if include_usage else None
         return StreamingResponse(runner.stream(plan.chunk, usage_chunk), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    try:
-        await runner.collect()
-    except APIError:
-        raise
-    except Exception as e:
-        raise APIError(str(e), 500) from None
+    await runner.collect()  # an engine fault is the request's 4xx/5xx (Runner.collect)
     return JSONResponse(plan.response(runner.states))

@@ -160,6 +160,11 @@ class Runner:
         except EngineError as e:
             outcome = "error"
             raise APIError(str(e), e.status) from None
+        except APIError:
+            raise
+        except Exception as e:  # noqa: BLE001 (a fault of this request: its client gets a 500, the server goes on)
+            outcome = "error"
+            raise APIError(str(e), 500) from None
         finally:
             self._end(outcome)
 

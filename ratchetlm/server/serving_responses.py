@@ -152,12 +152,7 @@ class ResponsesPlan:
         if self.req.stream:
             return StreamingResponse(self.events(runner), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        try:
-            await runner.collect()
-        except APIError:
-            raise
-        except Exception as e:
-            raise APIError(str(e), 500) from None
+        await runner.collect()  # an engine fault is the request's 4xx/5xx (Runner.collect)
         return JSONResponse(self.whole(runner.states))
 
     # ------------------------------------------------------------------ streaming
