@@ -103,11 +103,13 @@ def load_model(
     else:
         model.load_hf_weights(iter_hf_weights(source.path, progress, skip=in_blocks))
     model = model.to(device=device).eval()
-    fast_int = kernels.int8_isa() in FAST_INT_ISAS
+    # the integer modes run on CPU block weights only: a CUDA or dense load never builds the CPU kernels
+    isa = kernels.int8_isa() if in_blocks else None
+    fast_int = isa in FAST_INT_ISAS
     choice = NumericsChoice(numerics, "as requested")
     if numerics == "auto":  # by weight format, where the weights have integer values and the kernels are fast
         has_int = bool(in_blocks) and model.set_numerics("int16") > 0
-        choice = choose_auto(file_type(reader), has_int, kernels.int8_isa())
+        choice = choose_auto(file_type(reader), has_int, isa)
         model.set_numerics(choice.numerics)
     elif numerics != "exact" and model.set_numerics(numerics) == 0:
         raise ModelLoadError(f"numerics={numerics!r} needs quantized GGUF block weights on CPU in fp32 with the "

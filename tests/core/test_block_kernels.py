@@ -222,7 +222,9 @@ def test_default_model_holds_only_blocks_of_the_file(llm_fp32, hf_smollm):
 
 
 def test_switch_off_and_compiler_missing_fall_back_to_dense(monkeypatch, tmp_path, caplog):
-    off = LLM(progress=False, numerics="exact", dtype="float32", gguf_kernels=False, kv_cache_blocks=32)
+    with monkeypatch.context() as m:  # a load without block weights never asks which integer kernels exist
+        m.setattr(kernels, "int8_isa", lambda: pytest.fail("int8_isa() on a load without block weights"))
+        off = LLM(progress=False, numerics="exact", dtype="float32", gguf_kernels=False, kv_cache_blocks=32)
     assert all(layer.qkv.blocks is None and layer.qkv.weight is not None for layer in off.engine.model.layers)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(kernels, "_compiler", lambda: None)
