@@ -31,6 +31,9 @@ _SERVER_HELP = {
                             "(least recently used dropped first; 0 = none kept)",
     "tool_call_parser": "tool-call format of the model family: auto (from the chat template) | smollm2 | "
                         "hermes (qwen) | llama3_json (llama3)",
+    "reasoning_parser": "split <think>...</think> from the answer into message.reasoning (and reasoning_content), "
+                        "as vLLM's parser of the name does: deepseek_r1 | qwen3 (default: none, the thinking "
+                        "stays in the content)",
     "response_role": "role of the generated chat message (vLLM's flag)",
     "chat_template_content_format": "message content reaches the chat template as a string | openai (a list of "
                                     "text parts) | auto (parts when the template loops over a message's content)",
@@ -80,8 +83,6 @@ def add_vllm_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="vLLM's source of default sampling parameters: 'vllm' (vLLM's defaults: what runs here) or "
                         "'auto' (the model's generation_config.json: refused when it sets sampling defaults; a GGUF "
                         "has none); a folder is refused. Not given: vLLM's defaults")
-    g.add_argument("--reasoning-parser", default=None,
-                   help="refused: reasoning text stays in the message content here (no reasoning_content)")
 
 
 def check_vllm_serve_flags(args: argparse.Namespace) -> str | None:
@@ -89,9 +90,6 @@ def check_vllm_serve_flags(args: argparse.Namespace) -> str | None:
     import logging
 
     log = logging.getLogger("ratchetlm")
-    if args.reasoning_parser is not None:
-        return (f"--reasoning-parser {args.reasoning_parser}: not supported; reasoning text would stay in the "
-                "message content instead of reasoning_content")
     if args.generation_config not in (None, *GENERATION_CONFIGS):
         return (f"--generation-config {args.generation_config}: not supported (the default sampling parameters "
                 "are vLLM's own; give 'vllm', or sampling parameters in each request)")

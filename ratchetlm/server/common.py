@@ -19,6 +19,7 @@ from ratchetlm.server.errors import APIError, from_value_error
 from ratchetlm.server.metrics import ChoiceTimer, ServerMetrics
 from ratchetlm.server.prepare import encode_bounded, longest_token_chars
 from ratchetlm.server.protocol import CommonRequest
+from ratchetlm.structured.reasoning import ReasoningFormat
 
 
 def make_params(req: CommonRequest, *, max_tokens: int, choice: int, logprobs: int | None = None,
@@ -200,6 +201,7 @@ class ServingContext:
     tool_call_parser: str | None = None  # --tool-call-parser (None/"auto": from the chat template)
     response_role: str = "assistant"  # --response-role: the role of the generated chat message
     content_format: str = "auto"  # --chat-template-content-format: string | openai | auto
+    reasoning: ReasoningFormat | None = None  # --reasoning-parser, when the model can write its tags
     _token_chars: int | None = None  # the vocabulary's longest token (0: unknown), for encode_bounded
 
     @property
