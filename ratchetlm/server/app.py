@@ -132,7 +132,8 @@ class ServerState:
         self.ctx = ServingContext(llm, self.model_name, self.metrics, TokenText(llm.tokenizer),
                                   tool_call_parser=self.cfg.tool_call_parser, response_role=self.cfg.response_role,
                                   content_format=self.cfg.chat_template_content_format,
-                                  reasoning=reasoning_of(llm, self.cfg.reasoning_parser))
+                                  reasoning=reasoning_of(llm, self.cfg.reasoning_parser),
+                                  sampling_defaults=dict(getattr(llm, "default_sampling", {}) or {}))
         self.engine = eng
 
     def load(self, loader: Callable[[], Any]) -> None:

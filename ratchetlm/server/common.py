@@ -7,7 +7,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,9 +24,11 @@ from ratchetlm.structured.reasoning import ReasoningFormat
 
 def make_params(req: CommonRequest, *, max_tokens: int, choice: int, logprobs: int | None = None,
                 prompt_logprobs: int | None = None,
-                structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                structured: StructuredOutputsParams | None = None,
+                defaults: Mapping[str, Any] | None = None) -> SamplingParams:
     """OpenAI fields -> SamplingParams; with a seed, choice ``i`` uses ``seed + i`` so n>1 choices
-    differ but each is reproducible. ValueErrors (naming the field) become 400s."""
+    differ but each is reproducible. ``defaults``: the model's sampling defaults (``--generation-config``)
+    for the fields the request leaves out. ValueErrors (naming the field) become 400s."""
     seed = None if req.seed is None else req.seed + choice
     kw: dict[str, Any] = dict(
         max_tokens=max_tokens, seed=seed, ignore_eos=req.ignore_eos,
@@ -38,6 +40,8 @@ def make_params(req: CommonRequest, *, max_tokens: int, choice: int, logprobs: i
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "logit_bias", "min_tokens"):
         v = getattr(req, name)
+        if v is None and defaults:
+            v = defaults.get(name)
         if v is not None:
             kw[name] = v
     if req.bad_words:
@@ -202,6 +206,9 @@ class ServingContext:
     response_role: str = "assistant"  # --response-role: the role of the generated chat message
     content_format: str = "auto"  # --chat-template-content-format: string | openai | auto
     reasoning: ReasoningFormat | None = None  # --reasoning-parser, when the model can write its tags
+    # the model's default sampling parameters (--generation-config, engine/generation_config.py):
+    # SamplingParams fields for requests that leave them out
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     _token_chars: int | None = None  # the vocabulary's longest token (0: unknown), for encode_bounded
 
     @property

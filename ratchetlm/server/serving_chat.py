@@ -69,15 +69,16 @@ class ChatPlan:
         self.prompt_ids = ctx.encode(text, "messages", req.add_special_tokens)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        if max_tokens is None:
-            max_tokens = max(1, ctx.max_model_len - len(self.prompt_ids))  # the rest of the context
+        if max_tokens is None:  # the model's default (generation_config's max_new_tokens), else the rest of the context
+            max_tokens = ctx.sampling_defaults.get("max_tokens") or max(1, ctx.max_model_len - len(self.prompt_ids))
         if max_tokens < 1:
             raise APIError(f"{param} must be >= 1, got {max_tokens}", 400, param)
         max_tokens = ctx.clamp_max_tokens(max_tokens, self.prompt_ids)
         self.k = (req.top_logprobs or 0) if req.logprobs else None
         structured = constraint[1] if constraint is not None else None
         self.subs = [Submission(j, self.prompt_ids, make_params(req, max_tokens=max_tokens, choice=j, logprobs=self.k,
-                                                                structured=structured),
+                                                                structured=structured,
+                                                                defaults=ctx.sampling_defaults),
                                 req.cache_salt)
                      for j in range(req.n)]
         self.parsers: dict[int, StreamingToolParser] = {}

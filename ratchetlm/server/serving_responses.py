@@ -113,16 +113,20 @@ class ResponsesPlan:
             "max_output_tokens": req.max_output_tokens, "model": self.ctx.model_name, "output": output,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id, "reasoning": None, "store": req.store,
-            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "temperature": self._sampling("temperature", req.temperature),
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
             "tool_choice": req.tool_choice or "auto", "tools": tools,
-            "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled",
+            "top_p": self._sampling("top_p", req.top_p), "truncation": "disabled",
             "metadata": req.metadata or {},
         }
         for key, value in (("usage", usage), ("user", req.user)):  # objects / strings when present (no nulls)
             if value is not None:
                 body[key] = value
         return body
+
+    def _sampling(self, name: str, given: float | None) -> float:
+        """The value a sampling parameter ran with: the request's, else the model's default, else 1."""
+        return float(given if given is not None else self.ctx.sampling_defaults.get(name, 1.0))
 
     def usage(self, states: list[ChoiceState]) -> dict[str, Any]:
         u = self.chat.usage(states)

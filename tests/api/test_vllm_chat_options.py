@@ -139,7 +139,7 @@ def test_vllm_serve_flags_parse_and_map():
 
 @pytest.mark.parametrize("flags, says", [
     (["--reasoning-parser", "granite"], "unknown reasoning parser 'granite'; known: deepseek_r1, qwen3"),
-    (["--generation-config", "/some/folder"], "generation-config"),
+    (["--generation-config", "/some/folder"], "generation_config must be 'auto', 'vllm' or a folder"),
     (["--tool-call-parser", "pythonic"], "unknown tool call parser 'pythonic'"),
     (["--chat-template-content-format", "html"], "chat_template_content_format"),
 ])
