@@ -92,6 +92,13 @@ def reasoning_of(llm: Any, name: str | None) -> ReasoningFormat | None:
     return fmt
 
 
+def _override_cap(llm: Any) -> int | None:
+    """``--override-generation-config``'s ``max_new_tokens``: vLLM caps every request with it."""
+    override = getattr(getattr(llm, "config", None), "override_generation_config", None) or {}
+    cap = override.get("max_new_tokens")
+    return None if cap is None else int(cap)
+
+
 class ServerState:
     """Loading status and, once loaded, the engine thread and serving context."""
 
@@ -133,7 +140,8 @@ class ServerState:
                                   tool_call_parser=self.cfg.tool_call_parser, response_role=self.cfg.response_role,
                                   content_format=self.cfg.chat_template_content_format,
                                   reasoning=reasoning_of(llm, self.cfg.reasoning_parser),
-                                  sampling_defaults=dict(getattr(llm, "default_sampling", {}) or {}))
+                                  sampling_defaults=dict(getattr(llm, "default_sampling", {}) or {}),
+                                  max_tokens_cap=_override_cap(llm))
         self.engine = eng
 
     def load(self, loader: Callable[[], Any]) -> None:

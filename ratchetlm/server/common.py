@@ -209,6 +209,8 @@ class ServingContext:
     # the model's default sampling parameters (--generation-config, engine/generation_config.py):
     # SamplingParams fields for requests that leave them out
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    # --override-generation-config's max_new_tokens caps every request's max_tokens, as in vLLM
+    max_tokens_cap: int | None = None
     _token_chars: int | None = None  # the vocabulary's longest token (0: unknown), for encode_bounded
 
     @property
@@ -223,7 +225,10 @@ class ServingContext:
 
     def clamp_max_tokens(self, max_tokens: int, prompt_ids: list[int]) -> int:
         """``max_tokens`` clamped to what the context leaves after the prompt (a prompt that leaves
-        nothing keeps it: the engine then refuses the prompt as too long, naming it)."""
+        nothing keeps it: the engine then refuses the prompt as too long, naming it) and to
+        ``max_tokens_cap``."""
+        if self.max_tokens_cap is not None:
+            max_tokens = min(max_tokens, self.max_tokens_cap)
         left = self.max_model_len - len(prompt_ids)
         return min(max_tokens, left) if left >= 1 else max_tokens
 

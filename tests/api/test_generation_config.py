@@ -108,6 +108,15 @@ def test_the_server_applies_them_to_requests_that_leave_them_out(tiny, folder):
         assert greedy not in runs and len(runs) > 1  # vLLM's defaults: temperature 1
 
 
+def test_an_overridden_max_new_tokens_caps_every_request(folder):
+    """vLLM: --override-generation-config's max_new_tokens is also a ceiling on what a request asks."""
+    with serve(LLM(str(folder), override_generation_config={"max_new_tokens": 3}, **KW), "m") as base:
+        for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "the tea"}]}),
+                           ("/v1/completions", {"prompt": "the tea"})):
+            r = httpx.post(base + path, json={"model": "m", "max_tokens": 8, "ignore_eos": True, **body}, timeout=120)
+            assert r.json()["usage"]["completion_tokens"] == 3, path
+
+
 def test_serve_takes_the_flags(folder):
     from ratchetlm.cli import engine_kwargs
     from ratchetlm.server.cli import build_parser, check_engine_flags
