@@ -232,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "instead of streaming text")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="stderr log level")
-    add_engine_args(g, skip=("seed",))
+    # its sampling flags have their own defaults (greedy, 128 tokens): the model's (generation_config) never apply
+    add_engine_args(g, skip=("seed", "generation_config", "override_generation_config"))
     g.set_defaults(func=cmd_generate)
     for name, module, help_ in (
         ("serve", "ratchetlm.server.cli", "run the OpenAI-compatible HTTP server (ratchet serve [MODEL])"),
