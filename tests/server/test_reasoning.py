@@ -140,6 +140,12 @@ def test_chat_splits_real_engine_output(thinker):
         assert len([d for d in deltas if d.get("reasoning")]) > 1  # streamed as it came, not at the end
         for c in chunks:
             assert_valid("chat_chunk", c)
+        # with logprobs, every token's entry goes out exactly once, on whichever side released it
+        chunks = _stream(base, _forced("two plus two</think>four", logprobs=True,
+                                       stream_options={"include_usage": True}))
+        entries = [e for c in chunks if c["choices"] for e in (c["choices"][0]["logprobs"] or {}).get("content", [])]
+        assert len(entries) == chunks[-1]["usage"]["completion_tokens"]
+        assert "".join(e["token"] for e in entries).startswith("two plus two</think>four")
 
         # enable_thinking false: the template closed the tag, so a "</think>" is just text
         body = _forced("x</think>y", chat_template_kwargs={"enable_thinking": False})
