@@ -84,7 +84,11 @@ class ChatPlan:
         self.parsers: dict[int, StreamingToolParser] = {}
         # --reasoning-parser: whether the output starts inside the thinking (the prompt opened it)
         self.reasoning = ctx.reasoning
-        self.reasoning_inside = ctx.reasoning.starts_inside(text) if ctx.reasoning is not None else False
+        # ... unless a grammar makes the whole output the answer: JSON (or a forced tool call) from
+        # its first token leaves no room for thinking, so none of it is taken for thinking
+        answer_only = constraint is not None and (constraint[0] in ("response_format", "tool_choice")
+                                                  or constraint[1].json is not None or bool(constraint[1].json_object))
+        self.reasoning_inside = ctx.reasoning is not None and ctx.reasoning.starts_inside(text) and not answer_only
         self.splitters: dict[int, ReasoningSplitter] = {}
 
     def _logprobs(self, ids: list[int], lps: list[dict[int, float]] | None) -> dict[str, Any] | None:

@@ -17,6 +17,9 @@ The formats, as vLLM's parsers of the same names read an output:
   prompt left a ``<think>`` open (Qwen3 thinking models' templates); then reasoning up to the
   first ``</think>``. ``enable_thinking: false`` renders a closed ``<think></think>`` into the
   prompt, so the output is all content.
+
+An output a grammar forces to be JSON (or a tool call) from its first token has no room for
+thinking: the server starts it outside the reasoning whatever the format (server/serving_chat.py).
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ class ReasoningSplitter:
 
     def __init__(self, fmt: ReasoningFormat, inside: bool) -> None:
         self.fmt = fmt
-        self.inside = inside or fmt.opens_in_prompt  # the output starts inside the reasoning (the prompt opened it)
+        self.inside = inside  # the output starts inside the reasoning (ReasoningFormat.starts_inside)
         self.state = "head"  # head (only whitespace so far: a leading start tag may come) | reasoning | content
         self.buf = ""  # text not released yet: a possible tag, or the head's whitespace
         self.reasoned = False  # any reasoning was found (even empty: "<think></think>")

@@ -24,22 +24,23 @@ from tests.server.test_inprocess import serve
 
 R1, QWEN3 = REASONING_PARSERS["deepseek_r1"], REASONING_PARSERS["qwen3"]
 
-# (format, output starts inside the thinking, output) -> (reasoning or None, content)
+# (format, end of the prompt, output) -> (reasoning or None, content)
 CASES = [
-    (QWEN3, False, "<think>a b</think>\n\nthe answer", ("a b", "\n\nthe answer")),
-    (QWEN3, False, "  <think>x</think>y", ("x", "y")),
-    (QWEN3, False, "no thinking at all", (None, "no thinking at all")),
-    (QWEN3, False, "<thin", (None, "<thin")),  # a tag that never completed is text
-    (QWEN3, False, "x</think>y", (None, "x</think>y")),  # not opened (enable_thinking false)
-    (QWEN3, True, "x</think>y", ("x", "y")),  # the prompt opened it (a thinking template)
-    (QWEN3, False, "<think>cut off by max_tokens", ("cut off by max_tokens", "")),
-    (QWEN3, False, "<think></think>", ("", "")),
-    (QWEN3, False, "a <think>b</think>c", (None, "a <think>b</think>c")),  # only a leading tag opens it
-    (R1, False, "step 1</think>the answer", ("step 1", "the answer")),  # R1's template opened the tag
-    (R1, False, "<think>step 1</think>the answer", ("step 1", "the answer")),
-    (R1, False, "never closed", ("never closed", "")),
-    (R1, False, "a</think>b</think>c", ("a", "b</think>c")),  # the first end tag ends it
-    (R1, False, "a</thi", ("a</thi", "")),
+    (QWEN3, "", "<think>a b</think>\n\nthe answer", ("a b", "\n\nthe answer")),
+    (QWEN3, "", "  <think>x</think>y", ("x", "y")),
+    (QWEN3, "", "no thinking at all", (None, "no thinking at all")),
+    (QWEN3, "", "<thin", (None, "<thin")),  # a tag that never completed is text
+    (QWEN3, "", "x</think>y", (None, "x</think>y")),  # not opened
+    (QWEN3, "<think>\n\n</think>\n\n", "x</think>y", (None, "x</think>y")),  # closed (enable_thinking false)
+    (QWEN3, "assistant: <think>\n", "x</think>y", ("x", "y")),  # the prompt opened it (a thinking template)
+    (QWEN3, "", "<think>cut off by max_tokens", ("cut off by max_tokens", "")),
+    (QWEN3, "", "<think></think>", ("", "")),
+    (QWEN3, "", "a <think>b</think>c", (None, "a <think>b</think>c")),  # only a leading tag opens it
+    (R1, "", "step 1</think>the answer", ("step 1", "the answer")),  # R1's template opened the tag
+    (R1, "", "<think>step 1</think>the answer", ("step 1", "the answer")),
+    (R1, "", "never closed", ("never closed", "")),
+    (R1, "", "a</think>b</think>c", ("a", "b</think>c")),  # the first end tag ends it
+    (R1, "", "a</thi", ("a</thi", "")),
 ]
 
 
@@ -48,7 +49,8 @@ def _pieces(text: str, cuts: tuple[int, ...]) -> list[str]:
     return [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
-def _streamed(fmt, inside, pieces):
+def _streamed(fmt, prompt, pieces):
+    inside = fmt.starts_inside(prompt)
     sp = ReasoningSplitter(fmt, inside)
     r = c = ""
     for p in pieces:
@@ -58,19 +60,19 @@ def _streamed(fmt, inside, pieces):
     return r + a, c + b
 
 
-@pytest.mark.parametrize("fmt, inside, text, expected", CASES)
-def test_the_splitter_reads_outputs_as_vllm_does(fmt, inside, text, expected):
-    assert split_reasoning(fmt, text, inside) == expected
+@pytest.mark.parametrize("fmt, prompt, text, expected", CASES)
+def test_the_splitter_reads_outputs_as_vllm_does(fmt, prompt, text, expected):
+    assert split_reasoning(fmt, text, fmt.starts_inside(prompt)) == expected
 
 
-@pytest.mark.parametrize("fmt, inside, text, expected", CASES)
-def test_streamed_pieces_split_exactly_as_the_whole_output(fmt, inside, text, expected):
+@pytest.mark.parametrize("fmt, prompt, text, expected", CASES)
+def test_streamed_pieces_split_exactly_as_the_whole_output(fmt, prompt, text, expected):
     """Tags cut anywhere (one character per piece, every two-piece cut) are still found, and never
     leak into either side."""
     want = (expected[0] or "", expected[1])
-    assert _streamed(fmt, inside, list(text)) == want
+    assert _streamed(fmt, prompt, list(text)) == want
     for i in range(len(text) + 1):
-        assert _streamed(fmt, inside, _pieces(text, (i,))) == want, i
+        assert _streamed(fmt, prompt, _pieces(text, (i,))) == want, i
 
 
 def test_nothing_is_held_back_longer_than_a_tag_may_need():
@@ -151,6 +153,14 @@ def test_chat_splits_real_engine_output(thinker):
         body = _forced("x</think>y", chat_template_kwargs={"enable_thinking": False})
         msg = httpx.post(base + "/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["message"]
         assert msg["content"] == "x</think>y" and "reasoning" not in msg
+
+        # a JSON grammar makes the whole output the answer, even after a template that opened <think>
+        schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"],
+                  "additionalProperties": False}
+        body = {"model": "m", "messages": USER, "max_tokens": 50, "temperature": 0,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+        msg = httpx.post(base + "/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["message"]
+        assert json.loads(msg["content"])["a"] in ("x", "y") and "reasoning" not in msg
 
         # include_reasoning false (vLLM's request field): the thinking is dropped, the answer stays
         body = _forced("hmm</think>four", include_reasoning=False)
