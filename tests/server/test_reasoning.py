@@ -83,6 +83,16 @@ def test_nothing_is_held_back_longer_than_a_tag_may_need():
     assert ReasoningSplitter(QWEN3, False).feed("Hello") == ("", "Hello")  # no tag: released at once
 
 
+def test_a_model_has_think_tags_in_its_vocabulary_or_its_template():
+    from tests.models.tiny import byte_tokenizer
+
+    tok = byte_tokenizer()
+    assert not QWEN3.applies_to(tok, None)  # bytes can spell "<think>", but the model was never taught it
+    assert QWEN3.applies_to(tok, "{{ '<think>' }}...{{ '</think>' }}")  # its template writes the tags
+    tok.add_tokens(["<think>", "</think>"])  # Qwen3 / DeepSeek-R1 vocabularies have them as tokens
+    assert QWEN3.applies_to(tok, None) and R1.applies_to(tok, None)
+
+
 def test_the_registry_names_its_parsers():
     assert reasoning_format("qwen3") is QWEN3
     with pytest.raises(ValueError, match="unknown reasoning parser 'granite'; known: deepseek_r1, qwen3"):
