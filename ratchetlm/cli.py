@@ -57,6 +57,11 @@ _ENGINE_HELP = {
               "/v1/embeddings; no generation)",
     "pooling_type": "pooling runner: last (the last token's hidden state) | mean (over the prompt's tokens)",
     "pooling_normalize": "pooling runner: L2-normalise the pooled vectors (true/false)",
+    "generation_config": "default sampling parameters of requests that omit them (vLLM's): auto (the model's: "
+                         "generation_config.json, a GGUF's general.sampling.*) | vllm (none: temperature 1, ...) | "
+                         "a folder holding a generation_config.json",
+    "override_generation_config": "JSON object of default sampling parameters applied over --generation-config's, "
+                                  "e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 256}'",
 }
 
 # vLLM CLI habits without a field of their own (engine/engine_args.py decides what they mean here)
@@ -83,7 +88,7 @@ def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> N
             continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else None
-        if f.name == "decoding_options":
+        if f.name in ("decoding_options", "override_generation_config"):
             p.add_argument(flag, type=json.loads, default=None, help=_ENGINE_HELP[f.name])
         elif f.type in ("bool",):  # ``--flag`` alone means true (vLLM's store_true habit)
             p.add_argument(flag, type=_bool, nargs="?", const=True, default=default, metavar="BOOL",
@@ -227,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "instead of streaming text")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="stderr log level")
-    add_engine_args(g, skip=("seed",))
+    # its sampling flags have their own defaults (greedy, 128 tokens): the model's (generation_config) never apply
+    add_engine_args(g, skip=("seed", "generation_config", "override_generation_config"))
     g.set_defaults(func=cmd_generate)
     for name, module, help_ in (
         ("serve", "ratchetlm.server.cli", "run the OpenAI-compatible HTTP server (ratchet serve [MODEL])"),

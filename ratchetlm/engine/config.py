@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ratchetlm.engine.dtype import DTYPES, DtypeChoice, choose_dtype
+from ratchetlm.engine.generation_config import check_generation_config
 from ratchetlm.engine.step_cost import DEFAULT_MAX_STEP_MS
 
 NUMERICS = ("exact", "int8", "int16")
@@ -79,6 +80,10 @@ class EngineConfig:
     runner: str = "auto"
     pooling_type: str = "last"  # pooling runner: "last" (the last token's hidden state) or "mean" (over the prompt)
     pooling_normalize: bool = True  # pooling runner: L2-normalise the pooled vector (a request may override)
+    # vLLM's: the default sampling parameters of requests that omit them (engine/generation_config.py):
+    # "auto" = the model's (generation_config.json / GGUF general.sampling.*), "vllm" = none, or a folder
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | None = None  # applied on top (max_new_tokens, temperature, ...)
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -132,6 +137,7 @@ class EngineConfig:
             # its forwards are whole prompts, where the exact mode is the faster one (1.3x the int16 mode's
             # prompts/s, benchmarks/bench_embeddings.py) and HF-identical
             object.__setattr__(self, "numerics", "exact")
+        check_generation_config(self.generation_config, self.override_generation_config)
         u = self.gpu_memory_utilization
         if u is not None and (isinstance(u, bool) or not isinstance(u, int | float) or not 0 < u <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")

@@ -50,13 +50,13 @@ IGNORED = frozenset({
     "max_seq_len_to_capture", "disable_custom_all_reduce", "disable_log_stats", "disable_log_requests",
     "max_logprobs", "compilation_config", "max_parallel_loading_workers", "distributed_executor_backend",
     "enable_chunked_prefill", "max_num_partial_prefills", "max_long_partial_prefills", "scheduling_policy",
-    "worker_cls", "worker_extension_cls", "enable_sleep_mode", "generation_config", "model_impl",
+    "worker_cls", "worker_extension_cls", "enable_sleep_mode", "model_impl",
     "async_scheduling", "limit_mm_per_prompt", "mm_processor_kwargs", "allowed_local_media_path",
     "preemption_mode", "calculate_kv_scales", "kv_transfer_config", "kv_events_config",
     "structured_outputs_config", "guided_decoding_backend", "disable_async_output_proc",
     "use_tqdm_on_load", "pt_load_map_location", "enable_expert_parallel", "reasoning_parser",
     "tokenizer_pool_size", "num_scheduler_steps", "block_allocator", "ray_workers_use_nsight",
-    "otlp_traces_endpoint", "collect_detailed_traces", "override_generation_config", "max_cpu_loras",
+    "otlp_traces_endpoint", "collect_detailed_traces", "max_cpu_loras",
     "max_loras", "max_lora_rank", "seed_everything", "stream_interval", "enable_return_routed_experts",
 })
 

@@ -17,6 +17,7 @@ from tqdm import tqdm
 from ratchetlm.engine.choices import ChoiceRun, choice_params, completion, request_output
 from ratchetlm.engine.config import EngineConfig
 from ratchetlm.engine.engine_args import split_engine_args
+from ratchetlm.engine.generation_config import model_sampling_defaults
 from ratchetlm.engine.llm_engine import LLMEngine
 from ratchetlm.engine.pooling import PoolingParams, PoolingRequestOutput, embed, encode
 from ratchetlm.engine.prompts import Prompt, PromptTokenizer, as_prompt_list, prompt_text, render_chat
@@ -90,6 +91,14 @@ class LLM:
                 self.tokenizer, tok_source = other
             self._prompts = PromptTokenizer(self.tokenizer, special_tokens(tok_source, self.tokenizer))
             self.model_config = loaded.config
+            # vLLM's generation_config: the model's recommended sampling, for requests that give none
+            self.default_sampling = model_sampling_defaults(self.config.generation_config, loaded.source,
+                                                            self.config.override_generation_config)
+            if self.default_sampling:
+                log.info("default sampling parameters (generation_config=%s%s): %s; a request's own values win "
+                         "(generation_config='vllm' ignores the model's)", self.config.generation_config,
+                         " + override" if self.config.override_generation_config else "",
+                         ", ".join(f"{k}={v}" for k, v in self.default_sampling.items()))
             self.forward_lock = threading.Lock()  # write-free pooling forwards from several threads (engine/pooling.py)
             self.engine = LLMEngine(self.config, loaded.model, loaded.config, tokenizer=self.tokenizer,
                                     parallel=parallel)
@@ -107,6 +116,11 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the sampling parameters of a ``generate`` / ``chat`` call given none: the model's
+        defaults (``generation_config``, engine/generation_config.py) over SamplingParams' own."""
+        return SamplingParams(**self.default_sampling)
 
     # ------------------------------------------------------------------ prompts (engine/prompts.py)
 
@@ -145,6 +159,8 @@ class LLM:
         if self.config.runner == "pooling":
             raise ValueError("this LLM runs the pooling runner (runner='pooling'): use embed / encode; generation "
                              "needs runner='generate'")
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = _params_list(sampling_params, len(encoded))
         runs: dict[int, Any] = {}
         try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import sys
 import threading
@@ -62,6 +63,9 @@ from ratchetlm.server.serving_completion import CompletionPlan
 from ratchetlm.server.serving_embedding import EmbeddingRequest, create_embeddings, runner_of
 from ratchetlm.server.serving_responses import ResponsesPlan, ResponsesRequest, add_response_routes
 from ratchetlm.server.serving_tokenize import detokenize, tokenize, tokenizer_info
+from ratchetlm.structured.reasoning import ReasoningFormat, reasoning_format
+
+log = logging.getLogger("ratchetlm")
 
 _PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][^\s'\"\\/:]+)+[\\/]?")  # absolute paths in an error message
 
@@ -72,6 +76,27 @@ def public_error(e: Exception, hide: tuple[str, ...] = ()) -> str:
     for h in sorted((h for h in hide if h), key=len, reverse=True):
         msg = msg.replace(h, "<path>")
     return f"{type(e).__name__}: {_PATH.sub('<path>', msg)}"
+
+
+def reasoning_of(llm: Any, name: str | None) -> ReasoningFormat | None:
+    """The ``--reasoning-parser`` format, or None when not asked for or when the model has no think
+    tags (neither in its vocabulary nor in its chat template: nothing to split, as the log says)."""
+    if name is None:
+        return None
+    fmt = reasoning_format(name)
+    if not fmt.applies_to(llm.tokenizer, getattr(llm.tokenizer, "chat_template", None)):
+        log.info("--reasoning-parser %s: the model has no %s...%s tags (neither in its vocabulary nor in its chat "
+                 "template): nothing to split, the output stays in the content", name, fmt.start, fmt.end)
+        return None
+    log.info("--reasoning-parser %s: %s...%s goes to message.reasoning / reasoning_content", name, fmt.start, fmt.end)
+    return fmt
+
+
+def _override_cap(llm: Any) -> int | None:
+    """``--override-generation-config``'s ``max_new_tokens``: vLLM caps every request with it."""
+    override = getattr(getattr(llm, "config", None), "override_generation_config", None) or {}
+    cap = override.get("max_new_tokens")
+    return None if cap is None else int(cap)
 
 
 class ServerState:
@@ -113,7 +138,10 @@ class ServerState:
         eng.start()
         self.ctx = ServingContext(llm, self.model_name, self.metrics, TokenText(llm.tokenizer),
                                   tool_call_parser=self.cfg.tool_call_parser, response_role=self.cfg.response_role,
-                                  content_format=self.cfg.chat_template_content_format)
+                                  content_format=self.cfg.chat_template_content_format,
+                                  reasoning=reasoning_of(llm, self.cfg.reasoning_parser),
+                                  sampling_defaults=dict(getattr(llm, "default_sampling", {}) or {}),
+                                  max_tokens_cap=_override_cap(llm))
         self.engine = eng
 
     def load(self, loader: Callable[[], Any]) -> None:

@@ -31,6 +31,9 @@ _SERVER_HELP = {
                             "(least recently used dropped first; 0 = none kept)",
     "tool_call_parser": "tool-call format of the model family: auto (from the chat template) | smollm2 | "
                         "hermes (qwen) | llama3_json (llama3)",
+    "reasoning_parser": "split <think>...</think> from the answer into message.reasoning (and reasoning_content), "
+                        "as vLLM's parser of the name does: deepseek_r1 | qwen3 (default: none, the thinking "
+                        "stays in the content)",
     "response_role": "role of the generated chat message (vLLM's flag)",
     "chat_template_content_format": "message content reaches the chat template as a string | openai (a list of "
                                     "text parts) | auto (parts when the template loops over a message's content)",
@@ -41,7 +44,6 @@ _NO_OP_FLAGS = {
     "enable_auto_tool_choice": "tool calls are always parsed when a request has tools (tool_choice auto)",
     "disable_log_requests": "request contents are never logged here",
 }
-GENERATION_CONFIGS = ("auto", "vllm")  # vLLM's --generation-config values honoured here (see add_vllm_serve_flags)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,12 +78,6 @@ def add_vllm_serve_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--uvicorn-log-level", default=None,
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's own log level (default: --log-level)")
-    g.add_argument("--generation-config", default=None,
-                   help="vLLM's source of default sampling parameters: 'vllm' (vLLM's defaults: what runs here) or "
-                        "'auto' (the model's generation_config.json: refused when it sets sampling defaults; a GGUF "
-                        "has none); a folder is refused. Not given: vLLM's defaults")
-    g.add_argument("--reasoning-parser", default=None,
-                   help="refused: reasoning text stays in the message content here (no reasoning_content)")
 
 
 def check_vllm_serve_flags(args: argparse.Namespace) -> str | None:
@@ -89,33 +85,10 @@ def check_vllm_serve_flags(args: argparse.Namespace) -> str | None:
     import logging
 
     log = logging.getLogger("ratchetlm")
-    if args.reasoning_parser is not None:
-        return (f"--reasoning-parser {args.reasoning_parser}: not supported; reasoning text would stay in the "
-                "message content instead of reasoning_content")
-    if args.generation_config not in (None, *GENERATION_CONFIGS):
-        return (f"--generation-config {args.generation_config}: not supported (the default sampling parameters "
-                "are vLLM's own; give 'vllm', or sampling parameters in each request)")
-    if args.generation_config == "auto" and _has_generation_defaults(args.model):
-        return ("--generation-config auto: the model's generation_config.json would set default sampling "
-                "parameters, which this server does not apply; give --generation-config vllm")
     for name, why in _NO_OP_FLAGS.items():
         if getattr(args, name):
             log.info("--%s: accepted; %s", name.replace("_", "-"), why)
     return None
-
-
-def _has_generation_defaults(model: str | None) -> bool:
-    """Whether ``model`` (an HF folder) has a generation_config.json with sampling defaults."""
-    import json
-
-    if model is None or not os.path.isdir(model):
-        return False
-    path = os.path.join(model, "generation_config.json")
-    if not os.path.isfile(path):
-        return False
-    with open(path, encoding="utf-8") as f:
-        cfg = json.load(f)
-    return any(k in cfg for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"))
 
 
 def read_chat_template(arg: str) -> str:

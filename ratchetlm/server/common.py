@@ -7,7 +7,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,13 +19,16 @@ from ratchetlm.server.errors import APIError, from_value_error
 from ratchetlm.server.metrics import ChoiceTimer, ServerMetrics
 from ratchetlm.server.prepare import encode_bounded, longest_token_chars
 from ratchetlm.server.protocol import CommonRequest
+from ratchetlm.structured.reasoning import ReasoningFormat
 
 
 def make_params(req: CommonRequest, *, max_tokens: int, choice: int, logprobs: int | None = None,
                 prompt_logprobs: int | None = None,
-                structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                structured: StructuredOutputsParams | None = None,
+                defaults: Mapping[str, Any] | None = None) -> SamplingParams:
     """OpenAI fields -> SamplingParams; with a seed, choice ``i`` uses ``seed + i`` so n>1 choices
-    differ but each is reproducible. ValueErrors (naming the field) become 400s."""
+    differ but each is reproducible. ``defaults``: the model's sampling defaults (``--generation-config``)
+    for the fields the request leaves out. ValueErrors (naming the field) become 400s."""
     seed = None if req.seed is None else req.seed + choice
     kw: dict[str, Any] = dict(
         max_tokens=max_tokens, seed=seed, ignore_eos=req.ignore_eos,
@@ -37,6 +40,8 @@ def make_params(req: CommonRequest, *, max_tokens: int, choice: int, logprobs: i
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "logit_bias", "min_tokens"):
         v = getattr(req, name)
+        if v is None and defaults:
+            v = defaults.get(name)
         if v is not None:
             kw[name] = v
     if req.bad_words:
@@ -205,6 +210,12 @@ class ServingContext:
     tool_call_parser: str | None = None  # --tool-call-parser (None/"auto": from the chat template)
     response_role: str = "assistant"  # --response-role: the role of the generated chat message
     content_format: str = "auto"  # --chat-template-content-format: string | openai | auto
+    reasoning: ReasoningFormat | None = None  # --reasoning-parser, when the model can write its tags
+    # the model's default sampling parameters (--generation-config, engine/generation_config.py):
+    # SamplingParams fields for requests that leave them out
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    # --override-generation-config's max_new_tokens caps every request's max_tokens, as in vLLM
+    max_tokens_cap: int | None = None
     _token_chars: int | None = None  # the vocabulary's longest token (0: unknown), for encode_bounded
 
     @property
@@ -219,7 +230,10 @@ class ServingContext:
 
     def clamp_max_tokens(self, max_tokens: int, prompt_ids: list[int]) -> int:
         """``max_tokens`` clamped to what the context leaves after the prompt (a prompt that leaves
-        nothing keeps it: the engine then refuses the prompt as too long, naming it)."""
+        nothing keeps it: the engine then refuses the prompt as too long, naming it) and to
+        ``max_tokens_cap``."""
+        if self.max_tokens_cap is not None:
+            max_tokens = min(max_tokens, self.max_tokens_cap)
         left = self.max_model_len - len(prompt_ids)
         return min(max_tokens, left) if left >= 1 else max_tokens
 

@@ -33,6 +33,8 @@ class ServerConfig:
     # CORS: origins a browser page may call from ("*" = any); empty = no CORS headers (browsers refuse)
     allowed_origins: tuple[str, ...] = ()
     tool_call_parser: str = "auto"  # structured/tool_calls.py: auto | smollm2 | hermes (qwen) | llama3_json
+    # vLLM's --reasoning-parser (structured/reasoning.py): <think>...</think> -> message.reasoning; None = off
+    reasoning_parser: str | None = None
     data_parallel_size: int = 1  # engine replicas (processes) behind this front (server/replicas.py)
     response_role: str = "assistant"  # vLLM's --response-role: the role of the generated chat message
     # vLLM's --chat-template-content-format: message content reaches the template as a string, as
@@ -73,6 +75,10 @@ class ServerConfig:
         from ratchetlm.structured.tool_calls import tool_format
 
         tool_format(self.tool_call_parser)  # raises ValueError naming the choices
+        if self.reasoning_parser is not None:
+            from ratchetlm.structured.reasoning import reasoning_format
+
+            reasoning_format(self.reasoning_parser)  # raises ValueError naming the known parsers
 
 
 def parse_origins(text: str) -> tuple[str, ...]:

@@ -163,6 +163,9 @@ class ChatMessage(_Model):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = Field(default=None, validate_default=True)
+    # an earlier assistant turn's thinking (vLLM's names), handed to the template as reasoning_content
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -192,6 +195,9 @@ class ChatMessage(_Model):
         for k in ("name", "tool_call_id"):
             if getattr(self, k) is not None:
                 d[k] = getattr(self, k)
+        thinking = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if thinking is not None:
+            d["reasoning_content"] = thinking
         return d
 
 
@@ -229,6 +235,7 @@ class ChatCompletionRequest(CommonRequest):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False  # the template writes its own BOS; true never doubles it
+    include_reasoning: bool = True  # vLLM's: false drops the thinking a --reasoning-parser splits off
 
 
 class TokenizeRequest(_Request):

@@ -9,10 +9,15 @@ structured/tool_stream.py: ``delta.tool_calls``, the id and name as soon as they
 the arguments piece by piece) with ``finish_reason "tool_calls"``; text outside the calls stays
 ``content``. ``tool_choice: "required"`` or a named
 function is enforced by a grammar; ``"none"`` leaves the tools out of the prompt.
+
+Reasoning (``--reasoning-parser``, structured/reasoning.py): the thinking is split off first, as
+``message.reasoning`` and ``message.reasoning_content`` (``delta.reasoning`` /
+``delta.reasoning_content`` when streamed); tool calls are searched for in the rest only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -21,6 +26,7 @@ from ratchetlm.server.common import ChoiceState, ServingContext, make_params, ne
 from ratchetlm.server.errors import APIError
 from ratchetlm.server.protocol import ChatCompletionRequest, ChatMessage
 from ratchetlm.server.structured import ToolPlan, compile_constraint, requested_constraint, tool_plan
+from ratchetlm.structured.reasoning import ReasoningSplitter, split_reasoning
 from ratchetlm.structured.tool_calls import ToolCall
 from ratchetlm.structured.tool_stream import StreamingToolParser
 
@@ -63,18 +69,27 @@ class ChatPlan:
         self.prompt_ids = ctx.encode(text, "messages", req.add_special_tokens)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        if max_tokens is None:
-            max_tokens = max(1, ctx.max_model_len - len(self.prompt_ids))  # the rest of the context
+        if max_tokens is None:  # the model's default (generation_config's max_new_tokens), else the rest of the context
+            max_tokens = ctx.sampling_defaults.get("max_tokens") or max(1, ctx.max_model_len - len(self.prompt_ids))
         if max_tokens < 1:
             raise APIError(f"{param} must be >= 1, got {max_tokens}", 400, param)
         max_tokens = ctx.clamp_max_tokens(max_tokens, self.prompt_ids)
         self.k = (req.top_logprobs or 0) if req.logprobs else None
         structured = constraint[1] if constraint is not None else None
         self.subs = [Submission(j, self.prompt_ids, make_params(req, max_tokens=max_tokens, choice=j, logprobs=self.k,
-                                                                structured=structured),
+                                                                structured=structured,
+                                                                defaults=ctx.sampling_defaults),
                                 req.cache_salt)
                      for j in range(req.n)]
         self.parsers: dict[int, StreamingToolParser] = {}
+        # --reasoning-parser: whether the output starts inside the thinking (the prompt opened it)
+        self.reasoning = ctx.reasoning
+        # ... unless a grammar makes the whole output the answer: JSON (or a forced tool call) from
+        # its first token leaves no room for thinking, so none of it is taken for thinking
+        answer_only = constraint is not None and (constraint[0] in ("response_format", "tool_choice")
+                                                  or constraint[1].json is not None or bool(constraint[1].json_object))
+        self.reasoning_inside = ctx.reasoning is not None and ctx.reasoning.starts_inside(text) and not answer_only
+        self.splitters: dict[int, ReasoningSplitter] = {}
 
     def _logprobs(self, ids: list[int], lps: list[dict[int, float]] | None) -> dict[str, Any] | None:
         if self.k is None:
@@ -103,8 +118,15 @@ class ChatPlan:
     def response(self, states: list[ChoiceState]) -> dict[str, Any]:
         choices = []
         for st in states:
-            content, calls, reason = self._calls("".join(st.text), st.finish_reason)
+            text, thinking = "".join(st.text), None
+            if self.reasoning is not None:
+                thinking, text = split_reasoning(self.reasoning, text, self.reasoning_inside)
+            content, calls, reason = self._calls(text, st.finish_reason)
+            if thinking is not None and not content:
+                content = None  # all thinking (vLLM's null content)
             message: dict[str, Any] = {"role": self.ctx.response_role, "content": content, "refusal": None}
+            if thinking is not None and self.req.include_reasoning:
+                message["reasoning"] = message["reasoning_content"] = thinking
             if calls:
                 message["tool_calls"] = [c.as_openai() for c in calls]
             choices.append({"index": st.index, "message": message,
@@ -127,14 +149,36 @@ class ChatPlan:
         return c
 
     def chunk(self, st: ChoiceState, d: Delta) -> dict[str, Any] | list[dict[str, Any]] | None:
+        first = st.chunks_sent == 0
+        if self.reasoning is not None:  # the thinking goes out first, the rest as content below
+            sp = self.splitters.get(st.index)
+            if sp is None:
+                sp = self.splitters[st.index] = ReasoningSplitter(self.reasoning, self.reasoning_inside)
+            thinking, text = sp.feed(d.text)
+            if d.finished:
+                more = sp.finish()
+                thinking, text = thinking + more[0], text + more[1]
+            if not self.req.include_reasoning:
+                thinking = ""
+            out: list[dict[str, Any]] = []
+            if thinking or (self.k is not None and d.token_ids and not text):
+                delta = {"reasoning": thinking, "reasoning_content": thinking} if thinking else {"content": ""}
+                out.append(self._chunk(st, delta, self._logprobs(d.token_ids, d.logprobs), None, first))
+                d = dataclasses.replace(d, token_ids=[], logprobs=None)  # their log-probs went out here
+                first = False
+            rest = self._content_chunks(st, dataclasses.replace(d, text=text), first)
+            return out + ([rest] if isinstance(rest, dict) else rest or [])
+        return self._content_chunks(st, d, first)
+
+    def _content_chunks(self, st: ChoiceState, d: Delta, first: bool) -> dict[str, Any] | list[dict[str, Any]] | None:
         if self.tools is not None and self.tools.parses:
-            return self._tool_chunks(st, d)
+            return self._tool_chunks(st, d, first)
         if not d.text and not d.finished and not (self.k is not None and d.token_ids):
             return None  # nothing visible yet (held-back partial character or stop prefix)
         return self._chunk(st, {"content": d.text}, self._logprobs(d.token_ids, d.logprobs),
-                           d.finish_reason if d.finished else None, st.chunks_sent == 0)
+                           d.finish_reason if d.finished else None, first)
 
-    def _tool_chunks(self, st: ChoiceState, d: Delta) -> list[dict[str, Any]]:
+    def _tool_chunks(self, st: ChoiceState, d: Delta, first: bool) -> list[dict[str, Any]]:
         """Content is released up to a possible call; a call's id and name go out as soon as they
         are written, then its arguments piece by piece (structured/tool_stream.py)."""
         assert self.tools is not None
@@ -143,7 +187,6 @@ class ChatPlan:
             parser = self.parsers[st.index] = StreamingToolParser(
                 self.tools.fmt, self.tools.forced is not None, None if self.tools.parallel else 1)
         out: list[dict[str, Any]] = []
-        first = st.chunks_sent == 0
         text, calls = parser.feed(d.text)
         if text or (self.k is not None and d.token_ids):
             out.append(self._chunk(st, {"content": text}, self._logprobs(d.token_ids, d.logprobs), None, first))

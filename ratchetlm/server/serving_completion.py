@@ -44,7 +44,7 @@ class CompletionPlan:
             Submission(i * req.n + j, ids, make_params(
                 req, max_tokens=1 if self.score_only else ctx.clamp_max_tokens(max_tokens, ids), choice=j,
                 logprobs=None if self.score_only else req.logprobs, prompt_logprobs=prompt_lp,
-                structured=structured), req.cache_salt)
+                structured=structured, defaults=ctx.sampling_defaults), req.cache_salt)
             for i, (_, ids) in enumerate(self.prompts) for j in range(req.n)
         ]
         self.offsets = [0] * len(self.subs)

@@ -6,6 +6,8 @@ calls included), structured outputs and sampling. Only the rendering differs: th
 becomes an output ``message`` item with one ``output_text`` part, each call a ``function_call``
 item; streams are the Responses events (``response.created`` ... ``response.completed``, each with
 a ``sequence_number`` and an SSE ``event:`` line, no ``[DONE]``), translated from the chat chunks.
+With ``--reasoning-parser`` the thinking comes first, as a ``reasoning`` item with one
+``reasoning_text`` content part (streamed as ``response.reasoning_text.delta`` / ``.done``).
 
 ``previous_response_id`` continues a stored conversation (server/responses_store.py): the earlier
 turns' messages and outputs come first, then this request's input.
@@ -51,6 +53,11 @@ def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
+def _reasoning_item(text: str, status: str) -> dict[str, Any]:
+    return {"id": _id("rs"), "type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}],
+            "status": status}
+
+
 class ResponsesPlan:
     """What ``_serve`` needs of a plan (``subs``, ``prompt_param``) plus :meth:`respond`, which
     renders the response (whole or as events) from the request group's run."""
@@ -85,6 +92,7 @@ class ResponsesPlan:
         # streaming state: the output items so far, the open message and calls
         self.items: list[dict[str, Any]] = []
         self.msg: dict[str, Any] | None = None
+        self.thought: dict[str, Any] | None = None  # the open reasoning item
         self.held = ""  # leading whitespace of a message not opened yet
         self.calls: dict[int, dict[str, Any]] = {}  # tool-call index -> its open item
         self.finish_reason: str | None = None
@@ -105,16 +113,20 @@ class ResponsesPlan:
             "max_output_tokens": req.max_output_tokens, "model": self.ctx.model_name, "output": output,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id, "reasoning": None, "store": req.store,
-            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "temperature": self._sampling("temperature", req.temperature),
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
             "tool_choice": req.tool_choice or "auto", "tools": tools,
-            "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled",
+            "top_p": self._sampling("top_p", req.top_p), "truncation": "disabled",
             "metadata": req.metadata or {},
         }
         for key, value in (("usage", usage), ("user", req.user)):  # objects / strings when present (no nulls)
             if value is not None:
                 body[key] = value
         return body
+
+    def _sampling(self, name: str, given: float | None) -> float:
+        """The value a sampling parameter ran with: the request's, else the model's default, else 1."""
+        return float(given if given is not None else self.ctx.sampling_defaults.get(name, 1.0))
 
     def usage(self, states: list[ChoiceState]) -> dict[str, Any]:
         u = self.chat.usage(states)
@@ -139,7 +151,10 @@ class ResponsesPlan:
         content, calls = msg.get("content"), msg.get("tool_calls") or []
         status = "incomplete" if reason == "length" else "completed"
         output = []
-        if not calls or (content or "").strip():
+        thinking = msg.get("reasoning")
+        if thinking is not None:
+            output.append(_reasoning_item(thinking, status))
+        if (not calls and thinking is None) or (content or "").strip():
             output.append({"id": _id("msg"), "type": "message", "role": "assistant", "status": status,
                            "content": [_text_part(content or "")]})
         for c in calls:
@@ -193,6 +208,8 @@ class ResponsesPlan:
         for one in [c] if isinstance(c, dict) else (c or []):
             choice = one["choices"][0]
             delta = choice["delta"]
+            if delta.get("reasoning"):
+                out += self._thinking(delta["reasoning"])
             if delta.get("content"):
                 out += self._text(delta["content"])
             for call in delta.get("tool_calls") or []:
@@ -202,13 +219,40 @@ class ResponsesPlan:
                 out += self._close_all()
         return out
 
+    def _thinking(self, text: str) -> list[Event]:
+        if self.thought is None:
+            self.thought = _reasoning_item("", "in_progress")
+            self.thought_index = len(self.items)
+            self.items.append(self.thought)
+            added = {"type": "response.output_item.added", "output_index": self.thought_index,
+                     "item": {**self.thought, "content": []}}
+            part = {"type": "response.content_part.added", "item_id": self.thought["id"],
+                    "output_index": self.thought_index, "content_index": 0,
+                    "part": {"type": "reasoning_text", "text": ""}}
+            return [added, part, *self._thinking(text)]
+        self.thought["content"][0]["text"] += text
+        return [{"type": "response.reasoning_text.delta", "item_id": self.thought["id"],
+                 "output_index": self.thought_index, "content_index": 0, "delta": text}]
+
+    def _close_thinking(self) -> list[Event]:
+        item, self.thought = self.thought, None
+        if item is None:
+            return []
+        item["status"] = "incomplete" if self.finish_reason == "length" else "completed"
+        i, part = self.items.index(item), item["content"][0]
+        return [{"type": "response.reasoning_text.done", "item_id": item["id"], "output_index": i,
+                 "content_index": 0, "text": part["text"]},
+                {"type": "response.content_part.done", "item_id": item["id"], "output_index": i, "content_index": 0,
+                 "part": dict(part)},
+                {"type": "response.output_item.done", "output_index": i, "item": json.loads(json.dumps(item))}]
+
     def _text(self, text: str) -> list[Event]:
         if self.msg is None:
             if not (self.held + text).strip():
                 self.held += text  # whitespace before calls is not a message
                 return []
             text, self.held = self.held + text, ""
-            return self._open_message() + self._text(text)
+            return self._close_thinking() + self._open_message() + self._text(text)
         self.msg["content"][0]["text"] += text
         return [{"type": "response.output_text.delta", "item_id": self.msg["id"], "output_index": self.msg_index,
                  "content_index": 0, "delta": text, "logprobs": []}]
@@ -241,7 +285,7 @@ class ResponsesPlan:
         out: list[Event] = []
         args = call["function"].get("arguments") or ""
         if call.get("id") is not None:  # a new call: its head
-            out += self._close_message()
+            out += self._close_thinking() + self._close_message()
             item = {"id": _id("fc"), "type": "function_call", "call_id": call["id"],
                     "name": call["function"]["name"], "arguments": "", "status": "in_progress"}
             self.calls[call["index"]] = item
@@ -255,13 +299,14 @@ class ResponsesPlan:
         return out
 
     def _close_all(self) -> list[Event]:
+        out = self._close_thinking()
         if not self.items and self.msg is None:  # nothing but (maybe) whitespace: an empty message
             text, self.held = self.held, ""
-            out = self._open_message()
+            out += self._open_message()
             if text:
                 out += self._text(text)
             return out + self._close_message()
-        out = self._close_message()
+        out += self._close_message()
         for item in self.calls.values():
             item["status"] = "completed"
             i = self.items.index(item)

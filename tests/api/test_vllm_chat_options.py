@@ -122,7 +122,8 @@ def test_server_chat_options_models_card_and_response_role(tiny):
 
 VLLM_SERVE = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--no-enable-prefix-caching",
               "--disable-log-requests", "--generation-config", "vllm", "--uvicorn-log-level", "warning",
-              "--response-role", "assistant", "--chat-template-content-format", "string"]
+              "--response-role", "assistant", "--chat-template-content-format", "string",
+              "--reasoning-parser", "deepseek_r1"]
 
 
 def test_vllm_serve_flags_parse_and_map():
@@ -137,8 +138,8 @@ def test_vllm_serve_flags_parse_and_map():
 
 
 @pytest.mark.parametrize("flags, says", [
-    (["--reasoning-parser", "deepseek_r1"], "reasoning_content"),
-    (["--generation-config", "/some/folder"], "generation-config"),
+    (["--reasoning-parser", "granite"], "unknown reasoning parser 'granite'; known: deepseek_r1, qwen3"),
+    (["--generation-config", "/some/folder"], "generation_config must be 'auto', 'vllm' or a folder"),
     (["--tool-call-parser", "pythonic"], "unknown tool call parser 'pythonic'"),
     (["--chat-template-content-format", "html"], "chat_template_content_format"),
 ])

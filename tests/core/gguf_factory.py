@@ -55,11 +55,13 @@ def encode_tensor(name: str, w: np.ndarray, type_name: str, rng: np.random.Gener
 def write_tiny_gguf(path: Path, arch: str, types: list[str], *, hidden: int = 256, inter: int = 512,
                     layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
                     tied: bool = True, seed: int = 0, override: dict[str, str] | None = None,
-                    pre: str = "default", add_bos: bool | None = None, chat_template: str | None = None) -> Path:
+                    pre: str = "default", add_bos: bool | None = None, chat_template: str | None = None,
+                    metadata: dict[str, float | int] | None = None) -> Path:
     """A ``arch`` model (llama / qwen2 / qwen3 layout) whose 2-D tensors cycle through ``types``;
     ``override`` names the format of particular tensors (e.g. an unsupported one). ``pre``,
     ``add_bos`` (``tokenizer.ggml.add_bos_token``, absent when None) and ``chat_template`` are
-    written as the tokenizer's metadata."""
+    written as the tokenizer's metadata; ``metadata``: more keys (a float is written as float32, an int
+    as int32), e.g. ``general.sampling.temp``."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -89,6 +91,8 @@ def write_tiny_gguf(path: Path, arch: str, types: list[str], *, hidden: int = 25
         w.add_add_bos_token(add_bos)
     if chat_template is not None:
         w.add_chat_template(chat_template)
+    for key, value in (metadata or {}).items():
+        (w.add_int32 if isinstance(value, int) else w.add_float32)(key, value)
 
     def normal(*shape: int, scale: float = 0.05) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)

@@ -75,7 +75,7 @@ def test_a_failed_stream_reports_schema_valid_events():
 
     plan = ResponsesPlan.__new__(ResponsesPlan)
     plan.req = ResponsesRequest.model_validate({"input": "hi"})
-    plan.ctx = SimpleNamespace(model_name="m")
+    plan.ctx = SimpleNamespace(model_name="m", sampling_defaults={})
     plan.id, plan.created = "resp_1", 0
     failed = plan.snapshot("failed", [])
     failed["error"] = {"code": "server_error", "message": "boom"}
