@@ -37,10 +37,14 @@ log = logging.getLogger(__name__)
 
 PROBE_ROWS = (1, 16, 128)
 DEFAULT_MAX_STEP_MS = {"cpu": 100.0, "cuda": 50.0}  # EngineConfig.max_step_ms=None resolves to these
-# a step with a prompt chunk may take this many times its decode rows' own time when that is more than
-# max_step_ms (a machine too busy, or too many streams, for the target): the streams' gap stays a small
-# multiple of their inter-token latency, and the prompt still advances at a useful rate
-DECODE_STRETCH = 3.0
+# A step that holds decode rows and a prompt chunk is sized to max_step_ms, kept between these multiples
+# of its decode rows' own predicted time (the streams' inter-token latency, ITL). At least STRETCH_MIN:
+# the chunk gets >= 3/4 of the step, so a prompt fed beside streams reaches its first token within ~4/3
+# of its time on an idle server (a prompt row costs about what it costs in one whole-prompt forward on
+# a CPU) however busy the machine or many the streams. At most STRETCH_MAX: the streams' largest gap
+# stays <= 5x their ITL when max_step_ms is many times a decode step (a quiet machine, a GPU).
+STRETCH_MIN = 4.0
+STRETCH_MAX = 5.0
 
 
 @dataclass(frozen=True)
