@@ -12,7 +12,7 @@ import pytest
 from ratchetlm import SamplingParams
 from ratchetlm.engine.config import EngineConfig
 from ratchetlm.engine.llm_engine import LLMEngine
-from ratchetlm.engine.step_cost import STRETCH_MIN, LinearStepCost, MeasuredStepCost, Prior, Rows
+from ratchetlm.engine.step_cost import STRETCH_MIN, LinearStepCost, MeasuredStepCost, Prior, Rows, reads
 
 # a deterministic cost model (ms): the schedule must not depend on how busy the test machine is
 FAKE = LinearStepCost(fixed=2.0, per_row=1.0, per_logit=0.5, per_context=0.002)
@@ -199,6 +199,48 @@ def test_measured_cost_learns_fixed_and_per_row_parts_from_the_steps():
     assert cost.predict_ms(decode) == pytest.approx(42.0, rel=0.05)
     assert cost.predict_ms(chunk) == pytest.approx(222.0, rel=0.05)
     assert cost.fixed > 0 and cost.per_row > 0
+
+
+def test_measured_cost_learns_what_a_cached_token_costs():
+    """The prior knows nothing of attention; the machine pays 5 us a row for each cached token it reads
+    and 20 us a sequence for each cached token it holds (the K/V read once). After decode steps at
+    growing contexts and chunk steps of 4 to 16 rows at contexts growing to 1,950 (a long prompt being
+    fed), the next chunks' steps are predicted within a few percent, a 2-row one (mostly the
+    sequence's K/V read) within 10%."""
+    prior = Prior(fixed=10.0, per_row=1.0, head=0.0, attention=0.0)
+    cost = MeasuredStepCost(lambda: prior, warmup=0)
+    cost.calibrate()
+
+    def truth(rows):
+        return 8.0 + 2.0 * sum(r.n for r in rows) + 0.005 * reads(rows) + 0.02 * sum(r.context for r in rows)
+
+    for i in range(80):
+        decode = [Rows.decode(1, 40 + i + 10 * j) for j in range(4)]
+        rows = decode if i % 2 else [*decode, Rows.prefill(4 + i % 13, 25 * i)]
+        cost.observe(rows, truth(rows))
+    for k, rel in ((12, 0.03), (8, 0.05), (2, 0.1)):
+        late = [*(Rows.decode(1, 150) for _ in range(4)), Rows.prefill(k, 2000)]
+        assert cost.predict_ms(late) == pytest.approx(truth(late), rel=rel), k
+    assert cost.per_read > 0 and cost.per_context > 0
+
+
+def test_a_long_prompt_does_not_move_what_a_decode_step_is_predicted_to_cost():
+    """Decode steps measured 30 ms; then a hundred chunk steps all take 60 ms more than the fit
+    expects of their rows (a cost the model's rows do not explain). The decode steps' prediction,
+    which the budget scales, stays near 30 ms: a step is forgotten only by newer steps of its kind,
+    and the chunk steps' common cost goes to ``per_chunk``."""
+    prior = Prior(fixed=10.0, per_row=5.0, head=0.0, attention=0.0)
+    cost = MeasuredStepCost(lambda: prior, warmup=0)
+    cost.calibrate()
+    decode = [Rows.decode(1, 100)] * 4
+    for _ in range(30):
+        cost.observe(decode, 30.0)
+    assert cost.predict_ms(decode) == pytest.approx(30.0, rel=0.02)
+    for i in range(100):
+        rows = [*decode, Rows.prefill(8 + i % 3, 20 * i)]
+        cost.observe(rows, 30.0 + 5.0 * rows[-1].n + 60.0)
+    assert cost.predict_ms(decode) == pytest.approx(30.0, rel=0.05)
+    assert cost.predict_ms([*decode, Rows.prefill(9, 2000)]) == pytest.approx(30.0 + 45.0 + 60.0, rel=0.05)
 
 
 def test_an_outlier_step_moves_the_fit_a_bounded_amount():
