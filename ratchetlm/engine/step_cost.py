@@ -10,11 +10,15 @@ last prefill row).
 :class:`MeasuredStepCost` is the model the engine uses:
 
     ms = fixed + per_row * D + per_prompt_row * P + per_read * sum_i n_i * (context_i + n_i / 2)
+         + per_context * sum_i context_i + per_chunk * [a prompt chunk in the step]
 
 ``fixed`` is what any forward costs (reading the weights, Python, sampling), ``per_row`` what each of
 its D decode and draft rows adds and ``per_prompt_row`` each of its P prompt-chunk rows (a row through
 the LM head counts ``1 + head``, the head relative to a row), ``per_read`` what one row reading one
-cached token adds (attention: a prompt chunk late in a long prompt is mostly that). A probe at first
+cached token adds (attention's arithmetic), ``per_context`` what each cached token of the step's
+sequences adds (its K/V are read once a layer whatever the rows: late in a long prompt even a
+one-token chunk costs a decode step or two), ``per_chunk`` what steps with a prompt chunk share
+beyond those (see :class:`MeasuredStepCost`). A probe at first
 use times forwards over 1, 16 and 128 new rows and the head (decoding/speculative/cost_curve.py's
 timing: a few layers scaled to the stack, fastest of the runs, wall time) for the prior; its
 ``attention`` (``per_read / per_row``) comes from the model's shape. Then every finished step's
@@ -193,12 +197,14 @@ class MeasuredStepCost:
     """The engine's model: a :class:`Prior` probed on first use (``calibrate``; the server calls it at
     start-up so no request waits for it), refit to the observed step times as
 
-        ms = fixed + per_row * decode_rows + [per_chunk + per_prompt_row * prompt_rows] + per_read * reads
+        ms = fixed + per_row * decode_rows + [per_chunk + per_prompt_row * prompt_rows]
+             + per_read * reads + per_context * held
 
-    (rows through the LM head count ``1 + head``; ``reads``: cached tokens read, see :func:`reads``;
-    the bracket only in a step with a prompt chunk). Decode and prompt rows get their own costs: on a
-    CPU a step's first few rows cost less each than the next ones (the weights are read once for all
-    of them), so four decode rows are not four fifteenths of a 15-row step. And a decode step's time,
+    (rows through the LM head count ``1 + head``; ``reads``: cached tokens read, see :func:`reads`;
+    ``held``: the step's sequences' cached tokens; the bracket only in a step with a prompt chunk).
+    Decode and prompt rows get their own costs: on a CPU a step's first few rows cost less each than
+    the next ones (the weights are read once for all of them), so four decode rows are not four
+    fifteenths of a 15-row step. And a decode step's time,
     which the budget scales, must stay what decode steps measure while a long prompt's hundred chunk
     steps (nearly one shape, on a machine whose load drifts) teach the fit what a chunk costs:
     ``per_chunk`` takes what they share, so they need not move ``fixed``."""
