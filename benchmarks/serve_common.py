@@ -28,8 +28,9 @@ def free_port() -> int:
 
 def start(cmd: list[str], health: str, port: int, env: dict[str, str] | None = None, cwd: str | None = None,
           timeout: float = 600) -> tuple[subprocess.Popen, str]:
-    """Run ``cmd`` (a server listening on ``port``) and wait until GET ``health`` answers 200."""
-    proc = subprocess.Popen(cmd, env=env, cwd=cwd)
+    """Run ``cmd`` (a server listening on ``port``) and wait until GET ``health`` answers 200. Its
+    output goes to stderr: a benchmark's tables are its stdout."""
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=sys.stderr)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
