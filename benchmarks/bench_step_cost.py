@@ -83,9 +83,10 @@ def accuracy(llm: LLM, cfg: EngineConfig, prompt: list[int], repeats: int) -> No
             seen[k].append((ms, prior.fixed + prior.per_row * prior.work(r), cost.predict_ms(r)))
     print(f"\naccuracy: 4 decode rows + a prompt chunk of k rows (medians of {repeats}; the prompt's context "
           f"grows to {eng.seqs[long].num_cached}); load {load()}")
-    print(f"refit: {cost.fixed:.1f} ms + {cost.per_row:.2f} ms a row + {cost.per_read * 1e3:.2f} us a cached token "
-          f"read; prior: {prior.fixed:.1f} + {prior.per_row:.2f} + {prior.per_row * prior.attention * 1e3:.2f} "
-          f"(head {prior.head:.2f} of a row)")
+    print(f"refit: {cost.fixed:.1f} ms + {cost.per_row:.2f} ms a decode row + {cost.per_prompt_row:.2f} a prompt row "
+          f"+ {cost.per_read * 1e3:.2f} us a cached token read + {cost.per_context * 1e3:.2f} us a cached token held "
+          f"+ {cost.per_chunk:.1f} ms a chunk; prior: {prior.fixed:.1f} + {prior.per_row:.2f} a row + "
+          f"{prior.per_row * prior.attention * 1e3:.2f} us a read (head {prior.head:.2f} of a row)")
     print("| k | measured (ms) | prior's prediction | refit prediction | refit / measured |")
     print("|---|---|---|---|---|")
     for k in KS:
