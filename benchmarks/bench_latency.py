@@ -14,11 +14,14 @@ in each (issue 40's scenarios; one run each unless ``--repeats``, medians printe
 
     python benchmarks/bench_latency.py                                   # peer: --max-step-ms inf
     python benchmarks/bench_latency.py --peer-pythonpath /work/main      # peer: another checkout
+    python benchmarks/bench_latency.py --peer-pythonpath DIR --only prompt,tool --repeats 3
 
-Both servers run under ``nice -n 10``: the client must read each token when it is sent, or its own lag
-on a busy machine smooths the gaps it measures. The default peer is this tree with the step-time budget
-off (``--max-step-ms inf``: the token budget alone, as before issue 40); ``--peer-pythonpath`` runs
-another checkout's server instead (e.g. main before the change) with ``--peer-args``.
+``--nice N`` runs both servers niced (the client must read each token when it is sent, or its own lag
+on a busy machine smooths the gaps it measures; but a niced server on a machine others keep busy gets
+less of it than they do). The default peer is this tree with the step-time budget off
+(``--max-step-ms inf``: the token budget alone, as before issue 40); ``--peer-pythonpath`` runs
+another checkout's server instead (e.g. main before the change) with ``--peer-args``. A ratio (largest
+gap / median ITL, TTFT under streams / idle) is the median of each run's own ratio.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ import random
 import shlex
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -39,34 +41,11 @@ from typing import Any
 
 import httpx
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.serve_common import start_ratchet, stop  # noqa: E402
+
 WORDS = ("river stone maple quiet engine orbit copper lantern meadow signal harbor violet canyon ember "
          "glacier thunder willow falcon marble prism cedar velvet summit tide").split()
-
-
-NICE = 10  # the servers run niced: the client must read every token as it comes (its own lag hides gaps)
-
-
-def start_server(extra: list[str], pythonpath: str) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=pythonpath)
-    proc = subprocess.Popen(["nice", "-n", str(NICE), sys.executable, "-m", "ratchetlm", "serve", "--host", "127.0.0.1",
-                             "--port", str(port), "--log-level", "warning", *extra], env=env,
-                            cwd=pythonpath)  # `python -m` puts the working directory ahead of PYTHONPATH
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.terminate()
-    raise SystemExit("server did not become healthy")
 
 
 def words(n: int, seed: int) -> str:
@@ -173,7 +152,10 @@ def slow_body(url: str, every: float, give_up: float) -> tuple[float, str]:
     return give_up, "still open"
 
 
-def scenario(url: str, repeats: int, seed0: int, tokens: int) -> dict[str, float]:
+SCENARIOS = ("prompt", "tool", "huge", "slow-body")
+
+
+def scenario(url: str, repeats: int, seed0: int, tokens: int, only: set[str]) -> dict[str, float]:
     out: dict[str, list[float]] = {}
 
     def add(k: str, v: float) -> None:
@@ -193,22 +175,30 @@ def scenario(url: str, repeats: int, seed0: int, tokens: int) -> dict[str, float
 
     for k in range(repeats):
         seed = seed0 + 10 * k
-        idle_ids, mixed_ids = long_prompt_ids(url, tokens, seed), long_prompt_ids(url, tokens, seed + 1)
-        add("idle_ttft", asyncio.run(alone(ttft_of("/v1/completions", {"prompt": idle_ids, "max_tokens": 1}))))
-        itl, gap, ttft = asyncio.run(under_streams(url, ttft_of("/v1/completions",
-                                                                {"prompt": mixed_ids, "max_tokens": 1})))
-        add("itl", itl)
-        add("gap", gap)
-        add("mixed_ttft", ttft)
-        chat = {"messages": [{"role": "user", "content": f"Call the tool ({seed})."}], "tools": [nested_tool(50)],
-                "max_tokens": 1}
-        itl, gap, ttft = asyncio.run(under_streams(url, ttft_of("/v1/chat/completions", chat)))
-        add("tool_itl", itl)
-        add("tool_gap", gap)
-        add("small_idle", asyncio.run(alone(small)))
-        small_huge, big_done = asyncio.run(huge_then_small(url, 7.5))
-        add("small_huge", small_huge)
-        add("huge_done", big_done)
+        if "prompt" in only:
+            idle_ids, mixed_ids = long_prompt_ids(url, tokens, seed), long_prompt_ids(url, tokens, seed + 1)
+            add("idle_ttft", asyncio.run(alone(ttft_of("/v1/completions", {"prompt": idle_ids, "max_tokens": 1}))))
+            itl, gap, ttft = asyncio.run(under_streams(url, ttft_of("/v1/completions",
+                                                                    {"prompt": mixed_ids, "max_tokens": 1})))
+            add("itl", itl)
+            add("gap", gap)
+            add("mixed_ttft", ttft)
+            add("gap_ratio", gap / itl)
+            add("ttft_ratio", ttft / out["idle_ttft"][-1])
+        if "tool" in only:
+            chat = {"messages": [{"role": "user", "content": f"Call the tool ({seed})."}],
+                    "tools": [nested_tool(50)], "max_tokens": 1}
+            itl, gap, ttft = asyncio.run(under_streams(url, ttft_of("/v1/chat/completions", chat)))
+            add("tool_itl", itl)
+            add("tool_gap", gap)
+            add("tool_ratio", gap / itl)
+        if "huge" in only:
+            add("small_idle", asyncio.run(alone(small)))
+            small_huge, big_done = asyncio.run(huge_then_small(url, 7.5))
+            add("small_huge", small_huge)
+            add("huge_done", big_done)
+        print(f"    run {k + 1}: " + ", ".join(f"{key} {v[-1]:.3f}" for key, v in out.items()) + f"  load {uptime()}",
+              file=sys.stderr)
     return {k: statistics.median(v) for k, v in out.items()}
 
 
@@ -227,7 +217,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--prompt-tokens", type=int, default=2000)
     ap.add_argument("--slow-body-every", type=float, default=7.5)
+    ap.add_argument("--nice", type=int, default=0, help="niceness of both servers (default 0)")
+    ap.add_argument("--only", default=",".join(SCENARIOS),
+                    help=f"comma-separated scenarios to run, of {', '.join(SCENARIOS)} (default: all)")
     args = ap.parse_args()
+    only = set(args.only.split(","))
+    if not only <= set(SCENARIOS):
+        ap.error(f"--only: unknown scenario(s) {', '.join(sorted(only - set(SCENARIOS)))}")
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     peer_path = args.peer_pythonpath or here
     peer_args = args.peer_args if args.peer_args is not None else ("" if args.peer_pythonpath else "--max-step-ms inf")
@@ -235,39 +231,42 @@ def main() -> None:
     results = {}
     for name, path, extra in (("peer", peer_path, shlex.split(peer_args)), ("this", here, [])):
         print(f"== {name}: PYTHONPATH={path} {' '.join(common + extra)}  load {uptime()}", file=sys.stderr)
-        proc, url = start_server(common + extra, path)
+        proc, url = start_ratchet(common + extra, path, nice=args.nice)
         try:
             asyncio.run(huge_then_small(url, 0.001))  # warm-up
-            results[name] = scenario(url, args.repeats, 1000 if name == "peer" else 2000, args.prompt_tokens)
-            if name == "this":
+            results[name] = scenario(url, args.repeats, 1000 if name == "peer" else 2000, args.prompt_tokens, only)
+            if name == "this" and "slow-body" in only:
                 results[name]["slow_body"], results[name]["slow_body_status"] = slow_body(  # type: ignore[assignment]
                     url, args.slow_body_every, 60)
         finally:
-            proc.terminate()
-            proc.wait(30)
+            stop(proc)
         print(f"   {name}: {results[name]}  load {uptime()}", file=sys.stderr)
     p, t = results["peer"], results["this"]
-    ms = lambda s: f"{s * 1e3:.0f}"  # noqa: E731
-    print(f"\npeer: {peer_path} {peer_args!r}; this: {here}; repeats {args.repeats}; load at end {uptime()}")
+    ms = lambda s: f"{s * 1e3:,.0f}"  # noqa: E731
+    print(f"\npeer: {peer_path} {peer_args!r}; this: {here}; medians of {args.repeats}; load at end {uptime()}")
     print("| scenario | peer | this | target |")
     print("|---|---|---|---|")
     n = args.prompt_tokens
-    print(f"| streams' median ITL before the {n}-token prompt (ms) | {ms(p['itl'])} | {ms(t['itl'])} | |")
-    print(f"| streams' largest gap after it arrived (ms) | {ms(p['gap'])} | {ms(t['gap'])} | "
-          f"<= 6x ITL and <= 250 |")
-    print(f"| largest gap / median ITL | {p['gap'] / p['itl']:.1f}x | {t['gap'] / t['itl']:.1f}x | <= 6x |")
-    print(f"| {n}-token prompt TTFT, idle server (ms) | {ms(p['idle_ttft'])} | {ms(t['idle_ttft'])} | |")
-    print(f"| the same under 4 streams (ms) | {ms(p['mixed_ttft'])} | {ms(t['mixed_ttft'])} | <= 1.5x idle |")
-    print(f"| TTFT under streams / idle | {p['mixed_ttft'] / p['idle_ttft']:.2f}x | "
-          f"{t['mixed_ttft'] / t['idle_ttft']:.2f}x | <= 1.5x |")
-    print(f"| 50-level tool schema: streams' largest gap (ms) / median ITL | {ms(p['tool_gap'])} / "
-          f"{ms(p['tool_itl'])} | {ms(t['tool_gap'])} / {ms(t['tool_itl'])} | <= 6x ITL, <= 250 |")
-    print(f"| one-token request, idle (ms) | {ms(p['small_idle'])} | {ms(t['small_idle'])} | |")
-    print(f"| one-token request, two 7.5 MB prompts in flight (ms) | {ms(p['small_huge'])} | {ms(t['small_huge'])} "
-          f"| <= 500 |")
-    print(f"| both 7.5 MB prompts answered (400) after (s) | {p['huge_done']:.1f} | {t['huge_done']:.1f} | |")
-    print(f"| one byte every {args.slow_body_every:g} s: answer | (not run) | {t['slow_body_status']} after "
-          f"{t['slow_body']:.1f} s | 408 at the deadline |")
+    if "prompt" in only:
+        print(f"| streams' median ITL before the {n}-token prompt (ms) | {ms(p['itl'])} | {ms(t['itl'])} | |")
+        print(f"| streams' largest gap after it arrived (ms) | {ms(p['gap'])} | {ms(t['gap'])} | "
+              f"<= 6x ITL and <= 250 |")
+        print(f"| largest gap / median ITL | {p['gap_ratio']:.1f}x | {t['gap_ratio']:.1f}x | <= 6x |")
+        print(f"| {n}-token prompt TTFT, idle server (ms) | {ms(p['idle_ttft'])} | {ms(t['idle_ttft'])} | |")
+        print(f"| the same under 4 streams (ms) | {ms(p['mixed_ttft'])} | {ms(t['mixed_ttft'])} | <= 1.5x idle |")
+        print(f"| TTFT under streams / idle | {p['ttft_ratio']:.2f}x | {t['ttft_ratio']:.2f}x | <= 1.5x |")
+    if "tool" in only:
+        print(f"| 50-level tool schema: streams' largest gap / median ITL (ms) | {ms(p['tool_gap'])} / "
+              f"{ms(p['tool_itl'])} | {ms(t['tool_gap'])} / {ms(t['tool_itl'])} | <= 250 |")
+        print(f"| the same, as a ratio | {p['tool_ratio']:.1f}x | {t['tool_ratio']:.1f}x | <= 6x |")
+    if "huge" in only:
+        print(f"| one-token request, idle (ms) | {ms(p['small_idle'])} | {ms(t['small_idle'])} | |")
+        print(f"| one-token request, two 7.5 MB prompts in flight (ms) | {ms(p['small_huge'])} | "
+              f"{ms(t['small_huge'])} | <= 500 |")
+        print(f"| both 7.5 MB prompts answered (400) after (s) | {p['huge_done']:.1f} | {t['huge_done']:.1f} | |")
+    if "slow-body" in only:
+        print(f"| one byte every {args.slow_body_every:g} s: answer | (not run) | {t['slow_body_status']} after "
+              f"{t['slow_body']:.1f} s | 408 at the deadline |")
 
 
 if __name__ == "__main__":

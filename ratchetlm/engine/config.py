@@ -38,8 +38,9 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048  # an upper bound; the step-time budget below usually binds first
     # the step-time budget (engine/step_cost.py): while any sequence decodes, a prompt is fed in chunks
-    # the measured cost model predicts to keep each step under this many milliseconds, so a long
-    # prompt never freezes other streams. None: 100 on CPU, 50 on CUDA; inf: off (token budget only)
+    # the measured cost model predicts to keep each step under this many milliseconds (kept within 4-5x
+    # the decode rows' own time), so a long prompt never freezes other streams. None: 100 on CPU, 50 on
+    # CUDA; inf: off (token budget only)
     max_step_ms: float | None = None
     max_waiting: int = 1024  # queue limit; add_request beyond it raises QueueFullError
     # most tentative K/V rows one forward may stage (kv/staging.py); proposals past it fall back to recompute

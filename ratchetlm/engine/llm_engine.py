@@ -108,7 +108,7 @@ class LLMEngine:
             lambda: probe_prior(model, model_config, self.device, self.dtype))
         self.scheduler = Scheduler(self.blocks, self.strategy.tokens_wanted, self.strategy.on_preempt,
                                    cfg.max_num_seqs, cfg.max_num_batched_tokens, self.strategy.on_finish,
-                                   cost=self.step_cost, max_step_ms=target, min_chunk=cfg.block_size)
+                                   cost=self.step_cost, max_step_ms=target)
         # tokenizer: for bad_words and structured outputs (grammar compilation); None refuses those
         self.controls = ControlsFactory(tokenizer, model_config.vocab_size, model_config.eos_token_ids,
                                         jump_forward=cfg.jump_forward)

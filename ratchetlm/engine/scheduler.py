@@ -6,7 +6,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 
-from ratchetlm.engine.step_cost import DECODE_STRETCH, Rows, StepCost
+from ratchetlm.engine.step_cost import STRETCH_MAX, STRETCH_MIN, Rows, StepCost
 from ratchetlm.kv.block_manager import BlockManager
 from ratchetlm.sequence import SeqStatus, Sequence
 
@@ -54,7 +54,7 @@ class Scheduler:
         on_finish: Callable[[Sequence], None] | None = None,
         cost: StepCost | None = None,
         max_step_ms: float = math.inf,
-        min_chunk: int = 16,
+        min_chunk: int = 1,
     ) -> None:
         self.blocks = blocks
         self.tokens_wanted = tokens_wanted
@@ -65,7 +65,9 @@ class Scheduler:
         # the step-time budget (engine/step_cost.py): prompt chunks fill a step up to max_step_ms
         self.cost = cost
         self.max_step_ms = max_step_ms
-        self.min_chunk = min_chunk  # a step's first prompt chunk is never smaller (the prompt must advance)
+        # a step's first prompt chunk is never smaller (the prompt must advance). One token: a chunk may
+        # end anywhere in a KV block (the cache writes by slot; only full committed blocks are named)
+        self.min_chunk = min_chunk
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # (sequence, leader): queued once the leader's prompt K/V is committed (see ``add``)
@@ -104,8 +106,8 @@ class Scheduler:
         """This step's (sequence, token budget) pairs: running sequences' decode rows first (with
         their drafts: the strategy sizes those), then prompt chunks of running and waiting
         sequences. With a step-time budget and decode rows in the step, a prompt chunk is the
-        largest the cost model predicts to keep the step under ``max_step_ms``, or under
-        ``DECODE_STRETCH`` x the decode rows' own time when that is more (at least ``min_chunk``
+        largest the cost model predicts to keep the step under ``max_step_ms`` clamped to
+        [``STRETCH_MIN``, ``STRETCH_MAX``] x the decode rows' own time (at least ``min_chunk``
         tokens for the step's first chunk, so a prompt always advances); without
         decode rows (nobody is waiting for a token) a prompt gets the whole token budget."""
         if self.held:
@@ -148,14 +150,17 @@ class Scheduler:
 
     def _chunk(self, step: _Step, seq: Sequence, want: int) -> int:
         """Tokens of ``seq``'s prompt this step: ``want`` without a time budget or with no decode row
-        in the step, else the largest chunk the cost model fits under ``max_step_ms`` (binary search:
-        the predicted time grows with the chunk)."""
+        in the step, else the largest chunk (any number of tokens: a chunk may end mid-block) the
+        cost model fits under the step's limit (binary search: the predicted time grows with the
+        chunk)."""
         if self.cost is None or not math.isfinite(self.max_step_ms) or not step.decodes or want <= 0:
             return want
         cost = self.cost
-        # decode rows alone over the target (a busy machine, many streams): a chunk may stretch the
-        # step to DECODE_STRETCH x their time instead of crawling at min_chunk tokens a step
-        limit = max(self.max_step_ms, DECODE_STRETCH * cost.predict_ms(step.decode_rows))
+        # max_step_ms, but at least STRETCH_MIN x the decode rows' own time (a busy machine, many
+        # streams: the prompt keeps most of each step) and at most STRETCH_MAX x it (a quiet machine:
+        # the streams' gap stays a small multiple of their inter-token latency)
+        decode_ms = cost.predict_ms(step.decode_rows)
+        limit = min(max(self.max_step_ms, STRETCH_MIN * decode_ms), STRETCH_MAX * decode_ms)
 
         def fits(n: int) -> bool:
             return cost.predict_ms([*step.rows, Rows.prefill(n, seq.num_cached)]) <= limit

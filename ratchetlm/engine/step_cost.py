@@ -9,17 +9,25 @@ last prefill row).
 
 :class:`MeasuredStepCost` is the model the engine uses:
 
-    ms = fixed + per_row * work,   work = R + head * L + attention * sum_i n_i * (context_i + n_i / 2)
+    ms = fixed + per_row * D + per_prompt_row * P + per_read * sum_i n_i * (context_i + n_i / 2)
+         + per_context * sum_i context_i + per_chunk * [a prompt chunk in the step]
 
-``fixed`` is what any forward costs (reading the weights, Python, sampling), ``per_row`` what each row
-adds; ``head`` (the LM head per row) and ``attention`` (one row reading one cached token) are relative
-to a row. A probe at first use times forwards over 1, 16 and 128 new rows and the head
-(decoding/speculative/cost_curve.py's timing: a few layers scaled to the stack, fastest of the runs,
-wall time) for the prior; ``attention`` comes from the model's shape. Then every finished step's
-measured time refits ``fixed`` and ``per_row``: least squares with exponential forgetting (each step
-weighs 0.9 of the one after it), held toward the probe by a small constant prior, so the budget follows
-a machine that gets busier or quieter and learns what a prompt row costs beside decode rows. Only speed
-depends on the model: it changes how prompts are chunked, never a token (rows are batch-invariant).
+``fixed`` is what any forward costs (reading the weights, Python, sampling), ``per_row`` what each of
+its D decode and draft rows adds and ``per_prompt_row`` each of its P prompt-chunk rows (a row through
+the LM head counts ``1 + head``, the head relative to a row), ``per_read`` what one row reading one
+cached token adds (attention's arithmetic), ``per_context`` what each cached token of the step's
+sequences adds (its K/V are read once a layer whatever the rows: late in a long prompt even a
+one-token chunk costs a decode step or two), ``per_chunk`` what steps with a prompt chunk share
+beyond those (see :class:`MeasuredStepCost`). A probe at first
+use times forwards over 1, 16 and 128 new rows and the head (decoding/speculative/cost_curve.py's
+timing: a few layers scaled to the stack, fastest of the runs, wall time) for the prior; its
+``attention`` (``per_read / per_row``) comes from the model's shape. Then every finished step's
+measured time refits the parts: least squares with exponential forgetting (each step weighs 0.9
+of the newer one of its kind), none negative, held toward the probe by a few pseudo-steps on its line,
+so the budget follows a machine that gets busier or quieter and learns what a prompt row and a cached
+token cost beside decode rows (the attention kernel's cost per cached token is not its share of the
+multiply-adds). Only speed depends on the model: it changes how prompts are chunked, never a token
+(rows are batch-invariant).
 """
 
 from __future__ import annotations
@@ -37,10 +45,14 @@ log = logging.getLogger(__name__)
 
 PROBE_ROWS = (1, 16, 128)
 DEFAULT_MAX_STEP_MS = {"cpu": 100.0, "cuda": 50.0}  # EngineConfig.max_step_ms=None resolves to these
-# a step with a prompt chunk may take this many times its decode rows' own time when that is more than
-# max_step_ms (a machine too busy, or too many streams, for the target): the streams' gap stays a small
-# multiple of their inter-token latency, and the prompt still advances at a useful rate
-DECODE_STRETCH = 3.0
+# A step that holds decode rows and a prompt chunk is sized to max_step_ms, kept between these multiples
+# of its decode rows' own predicted time (the streams' inter-token latency, ITL). At least STRETCH_MIN:
+# the chunk gets >= 3/4 of the step, so a prompt fed beside streams reaches its first token within ~4/3
+# of its time on an idle server (a prompt row costs about what it costs in one whole-prompt forward on
+# a CPU) however busy the machine or many the streams. At most STRETCH_MAX: the streams' largest gap
+# stays <= 5x their ITL when max_step_ms is many times a decode step (a quiet machine, a GPU).
+STRETCH_MIN = 4.0
+STRETCH_MAX = 5.0
 
 
 @dataclass(frozen=True)
@@ -51,6 +63,7 @@ class Rows:
     n: int
     context: int
     logits: int
+    prompt: bool = False  # a prompt chunk (the fit tells the steps that hold one apart)
 
     @staticmethod
     def decode(n: int, context: int) -> Rows:
@@ -60,7 +73,7 @@ class Rows:
     @staticmethod
     def prefill(n: int, context: int) -> Rows:
         """A prompt chunk: only its last row's logits are read (or none, mid prompt; one is counted)."""
-        return Rows(n, context, 1)
+        return Rows(n, context, 1, prompt=True)
 
 
 class StepCost(Protocol):
@@ -100,38 +113,140 @@ class Prior:
     head: float  # LM head per row, relative to a row
     attention: float  # one row reading one cached token, relative to a row
 
+    def rows(self, rows: list[Rows]) -> float:
+        """Rows, each through the LM head counting ``1 + head``."""
+        return sum(x.n for x in rows) + self.head * sum(x.logits for x in rows)
+
     def work(self, rows: list[Rows]) -> float:
-        return (sum(x.n for x in rows) + self.head * sum(x.logits for x in rows)
-                + self.attention * sum(x.n * (x.context + x.n / 2) for x in rows))
+        return self.rows(rows) + self.attention * reads(rows)
+
+
+def reads(rows: list[Rows]) -> float:
+    """Cached tokens the step's rows read: each of a chunk's ``n`` rows reads its context and the
+    chunk's rows before it."""
+    return sum(x.n * (x.context + x.n / 2) for x in rows)
+
+
+def _features(prior: Prior, rows: list[Rows]) -> tuple[float, ...]:
+    """(1, decode and draft rows, prompt-chunk rows, cached tokens read, cached tokens of the step's
+    sequences, 1 if a prompt chunk is in the step); rows through the LM head count ``1 + head``."""
+    prompt = [x for x in rows if x.prompt]
+    return (1.0, prior.rows([x for x in rows if not x.prompt]), prior.rows(prompt), reads(rows),
+            float(sum(x.context for x in rows)), float(bool(prompt)))
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """``a x = b`` by Gaussian elimination with partial pivoting (a few unknowns); None if singular."""
+    n = len(b)
+    m = [[*row, v] for row, v in zip(a, b, strict=True)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(m[r][c]))
+        if abs(m[p][c]) < 1e-12:
+            return None
+        m[c], m[p] = m[p], m[c]
+        for r in range(c + 1, n):
+            f = m[r][c] / m[c][c]
+            for k in range(c, n + 1):
+                m[r][k] -= f * m[c][k]
+    x = [0.0] * n
+    for c in reversed(range(n)):
+        x[c] = (m[c][n] - sum(m[c][k] * x[k] for k in range(c + 1, n))) / m[c][c]
+    return x
+
+
+def nonnegative_least_squares(a: list[list[float]], b: list[float], tol: float = 1e-12) -> list[float]:
+    """``argmin_{x >= 0} x^T a x - 2 b^T x`` for a small symmetric positive definite ``a`` (the normal
+    equations of a least-squares fit): Lawson and Hanson's active-set method."""
+    n = len(b)
+    x = [0.0] * n
+    free: list[int] = []
+
+    def gradient() -> list[float]:  # b - a x: where the objective still falls
+        return [b[i] - sum(a[i][j] * x[j] for j in range(n)) for i in range(n)]
+
+    for _ in range(3 * n):
+        w = gradient()
+        j = max((i for i in range(n) if i not in free), key=lambda i: w[i], default=None)
+        if j is None or w[j] <= tol * max(1.0, abs(b[j])):
+            break
+        free.append(j)
+        while True:
+            sub = _solve([[a[r][c] for c in free] for r in free], [b[r] for r in free])
+            if sub is None:
+                free.remove(j)
+                return x
+            z = [0.0] * n
+            for i, v in zip(free, sub, strict=True):
+                z[i] = v
+            if all(z[i] > 0 for i in free):
+                x = z
+                break
+            # step toward z until the first free part reaches 0; it leaves the free set
+            alpha = min(x[i] / (x[i] - z[i]) for i in free if z[i] <= 0)
+            x = [xi + alpha * (zi - xi) for xi, zi in zip(x, z, strict=True)]
+            free = [i for i in free if x[i] > tol]
+            for i in range(n):
+                if i not in free:
+                    x[i] = 0.0
+            if not free:
+                break
+    return x
 
 
 class MeasuredStepCost:
     """The engine's model: a :class:`Prior` probed on first use (``calibrate``; the server calls it at
-    start-up so no request waits for it), refit to the observed step times."""
+    start-up so no request waits for it), refit to the observed step times as
+
+        ms = fixed + per_row * decode_rows + [per_chunk + per_prompt_row * prompt_rows]
+             + per_read * reads + per_context * held
+
+    (rows through the LM head count ``1 + head``; ``reads``: cached tokens read, see :func:`reads`;
+    ``held``: the step's sequences' cached tokens; the bracket only in a step with a prompt chunk).
+    Decode and prompt rows get their own costs: on a CPU a step's first few rows cost less each than
+    the next ones (the weights are read once for all of them), so four decode rows are not four
+    fifteenths of a 15-row step. And a decode step's time,
+    which the budget scales, must stay what decode steps measure while a long prompt's hundred chunk
+    steps (nearly one shape, on a machine whose load drifts) teach the fit what a chunk costs:
+    ``per_chunk`` takes what they share, so they need not move ``fixed``."""
+
+    # the prior as pseudo-steps the fit never forgets (a ridge toward it; the prior has no per_context
+    # and no per_chunk): [Rows] of one and 64 decode rows, 4 decode rows after 1,024 cached tokens, a
+    # 16-row chunk at the start of a prompt and one after 1,024 cached tokens
+    PSEUDO = ((Rows.decode(1, 0),), (Rows.decode(64, 0),), (Rows.decode(1, 1024),) * 4, (Rows.prefill(16, 0),),
+              (Rows.prefill(16, 1024),))
+    N = 6  # parts: fixed, per_row, per_prompt_row, per_read, per_context, per_chunk
 
     def __init__(self, probe: Callable[[], Prior], forget: float = 0.9, prior_weight: float = 0.05,
                  warmup: int = 2) -> None:
         self.probe = probe
         self.forget = forget  # each older step's weight relative to the next one's
-        self.prior_weight = prior_weight  # pseudo-steps at one and at 64 rows that the fit never forgets
+        self.prior_weight = prior_weight  # the weight of each of PSEUDO's steps
         self.warmup = warmup  # the first steps' times (weight packing, buffer sizing) are not the steady state
         self.prior: Prior | None = None
-        self.fixed = self.per_row = 0.0
+        self.fixed = self.per_row = self.per_prompt_row = self.per_read = self.per_context = self.per_chunk = 0.0
         self.observed = 0
-        self._s = [[0.0, 0.0], [0.0, 0.0]]  # forgotten sums of x x^T, x = (1, work)
-        self._r = [0.0, 0.0]  # and of x * ms
+        # per kind of step (decode rows only; with a prompt chunk): forgotten sums of x x^T (x: the
+        # features) and of x * ms. A step is forgotten only by newer steps of its kind, so a long
+        # prompt's hundred chunk steps do not wash out what the decode steps before it measured
+        self._s = {kind: [[0.0] * self.N for _ in range(self.N)] for kind in (False, True)}
+        self._r = {kind: [0.0] * self.N for kind in (False, True)}
 
     def calibrate(self) -> Prior:
         if self.prior is None:
-            self.prior = self.probe()
-            self.fixed, self.per_row = self.prior.fixed, self.prior.per_row
+            p = self.prior = self.probe()
+            self.fixed, self.per_row, self.per_prompt_row, self.per_read = (p.fixed, p.per_row, p.per_row,
+                                                                            p.per_row * p.attention)
             log.info("step cost prior: %.1f ms + %.2f ms a row; head %.2f, attention %.2e per cached token "
-                     "(relative to a row)", self.fixed, self.per_row, self.prior.head, self.prior.attention)
+                     "(relative to a row)", p.fixed, p.per_row, p.head, p.attention)
         return self.prior
 
     def predict_ms(self, rows: list[Rows]) -> float:
         prior = self.calibrate()
-        return self.fixed + self.per_row * prior.work(rows) if rows else 0.0
+        if not rows:
+            return 0.0
+        _, d, pr, rd, ctx, chunk = _features(prior, rows)
+        return (self.fixed + self.per_row * d + self.per_prompt_row * pr + self.per_read * rd + self.per_context * ctx
+                + self.per_chunk * chunk)
 
     def observe(self, rows: list[Rows], ms: float) -> None:
         """A step over ``rows`` took ``ms``: refit (only once calibrated: steps before any prediction
@@ -141,33 +256,29 @@ class MeasuredStepCost:
         self.observed += 1
         if self.observed <= self.warmup:
             return
-        w = self.prior.work(rows)
         pred = self.predict_ms(rows)
         y = min(max(ms, pred / 4), pred * 4)  # one outlier (another process's burst) moves the fit a bounded step
-        f, s, r = self.forget, self._s, self._r
-        s[0][0] = f * s[0][0] + 1.0
-        s[0][1] = f * s[0][1] + w
-        s[1][1] = f * s[1][1] + w * w
-        r[0] = f * r[0] + y
-        r[1] = f * r[1] + w * y
-        # the prior as pseudo-observations at work 1 and 64 on the probe's line (a ridge toward it)
+        x = _features(self.prior, rows)
+        n, kind = self.N, x[5] > 0
+        f, s, r = self.forget, self._s[kind], self._r[kind]
+        for i in range(n):
+            r[i] = f * r[i] + x[i] * y
+            for j in range(n):
+                s[i][j] = f * s[i][j] + x[i] * x[j]
         p, q = self.prior, self.prior_weight
-        a00, a01, a11 = s[0][0] + 2 * q, s[0][1] + q * 65, s[1][1] + q * (1 + 64 * 64)
-        b0 = r[0] + q * (2 * p.fixed + 65 * p.per_row)
-        b1 = r[1] + q * (p.fixed + p.per_row + 64 * (p.fixed + 64 * p.per_row))
-        det = a00 * a11 - a01 * a01
-        if det <= 0:
-            return
-        fixed = (b0 * a11 - b1 * a01) / det
-        per_row = (a00 * b1 - a01 * b0) / det
-        # both parts are costs: a fit that makes one negative (noise in a narrow range of steps) moves
-        # all of the time into the other
-        if per_row <= 0:
-            self.fixed, self.per_row = r[0] / s[0][0], 1e-3
-        elif fixed < 0:
-            self.fixed, self.per_row = 0.0, b1 / a11
-        else:
-            self.fixed, self.per_row = fixed, per_row
+        a = [[self._s[False][i][j] + self._s[True][i][j] for j in range(n)] for i in range(n)]
+        b = [self._r[False][i] + self._r[True][i] for i in range(n)]
+        for pseudo in self.PSEUDO:
+            xp = _features(p, list(pseudo))
+            yp = p.fixed + p.per_row * p.work(list(pseudo))
+            for i in range(n):
+                b[i] += q * xp[i] * yp
+                for j in range(n):
+                    a[i][j] += q * xp[i] * xp[j]
+        # every part is a cost: the best fit with none negative (noise in a narrow range of steps
+        # would otherwise make one negative and another too large)
+        (self.fixed, self.per_row, self.per_prompt_row, self.per_read, self.per_context,
+         self.per_chunk) = nonnegative_least_squares(a, b)
 
 
 def attention_per_token(model_config: Any) -> float:

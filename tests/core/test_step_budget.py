@@ -5,13 +5,14 @@ for token as with the prompt fed whole."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 
 from ratchetlm import SamplingParams
 from ratchetlm.engine.config import EngineConfig
 from ratchetlm.engine.llm_engine import LLMEngine
-from ratchetlm.engine.step_cost import DECODE_STRETCH, LinearStepCost, MeasuredStepCost, Prior, Rows
+from ratchetlm.engine.step_cost import STRETCH_MIN, LinearStepCost, MeasuredStepCost, Prior, Rows, reads
 
 # a deterministic cost model (ms): the schedule must not depend on how busy the test machine is
 FAKE = LinearStepCost(fixed=2.0, per_row=1.0, per_logit=0.5, per_context=0.002)
@@ -29,19 +30,25 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
-def run_mixed(llm, max_step_ms: float, cost=FAKE):
-    """Four streams decode; then a LONG-token prompt arrives. Returns (outputs by request, the
-    schedule of every step after it arrived: [(seq_id, tokens, prefilling, context)], long id)."""
-    eng = engine_on(llm, max_step_ms=max_step_ms)
+def long_prompt(llm, tokens: int = LONG) -> list[int]:
+    return llm.tokenize(" ".join(f"item{i}" for i in range(400)))[:tokens]
+
+
+def run_mixed(llm, max_step_ms: float, cost=FAKE, stream_tokens: int = STREAM, prompt_tokens: int = LONG,
+              engine=None, **kwargs):
+    """Four streams decode; then a ``prompt_tokens``-token prompt arrives. Returns (outputs by request, the
+    schedule of every step after it arrived: [(seq_id, tokens, prefilling, context)], stream ids,
+    long id); ``engine`` receives the engine."""
+    eng = engine_on(llm, max_step_ms=max_step_ms, **kwargs)
+    if engine is not None:
+        engine.append(eng)
     eng.scheduler.cost = cost
     enc = llm.tokenize
-    streams = [eng.add_request(enc(f"Count slowly from {i} upwards:"), greedy(STREAM)) for i in range(4)]
+    streams = [eng.add_request(enc(f"Count slowly from {i} upwards:"), greedy(stream_tokens)) for i in range(4)]
     for _ in range(3):  # admitted and prefilled together, then decoding
         eng.step()
     assert all(eng.seqs[s].num_output_tokens >= 2 for s in streams)
-    text = " ".join(f"item{i}" for i in range(400))
-    long_prompt = enc(text)[:LONG]
-    long = eng.add_request(long_prompt, greedy(4))
+    long = eng.add_request(long_prompt(llm, prompt_tokens), greedy(4))
     steps: list[list[tuple[int, int, bool, int]]] = []
     schedule = eng.scheduler.schedule
 
@@ -101,8 +108,8 @@ def test_without_decode_rows_a_prompt_takes_the_whole_token_budget(llm_default):
 
 
 def test_decode_rows_over_the_target_stretch_the_step_to_a_multiple_of_their_own_time(llm_default):
-    """A machine too busy for the target: the prompt's chunks fill DECODE_STRETCH x the decode
-    rows' time instead of crawling at ``min_chunk`` tokens a step."""
+    """A machine too busy for the target: the prompt's chunks fill STRETCH_MIN x the decode rows'
+    time (the prompt keeps 3/4 of each step) instead of crawling at a few tokens a step."""
     busy = LinearStepCost(fixed=20.0, per_row=1.0, per_logit=0.5, per_context=0.002)
     _, steps, _, long = run_mixed(llm_default, 3.0, busy)  # four decode rows alone predict ~26 ms
     chunks = []
@@ -110,11 +117,71 @@ def test_decode_rows_over_the_target_stretch_the_step_to_a_multiple_of_their_own
         chunk = [(n, c) for sid, n, pf, c in st if sid == long and pf]
         if chunk and chunk[0][0] + chunk[0][1] < LONG:  # (not the last chunk: what was left)
             decodes = [Rows.decode(n, c) for _, n, pf, c in st if not pf]
-            budget = DECODE_STRETCH * busy.predict_ms(decodes)
+            budget = STRETCH_MIN * busy.predict_ms(decodes)
             # the largest chunk under the stretched budget: one more token would not fit
             assert 3.0 < predicted(st, busy) <= budget < predicted(st, busy) + 1.0 + busy.per_context * LONG, st
             chunks.append(chunk[0][0])
     assert chunks and min(chunks) > 16, chunks
+
+
+@dataclass
+class PromptHeavy:
+    """A fake cost (ms) in which a prompt row is dearer the more it attends to: a row through the LM
+    head (every decode and draft row, a chunk's last) 1 ms; each other row of a chunk after ``c``
+    cached tokens ``scale`` x (1 + c / 4) ms. Beside four decode rows (a 16 ms step at least:
+    STRETCH_MIN x 4 ms) a chunk is 12 tokens at the prompt's start, 3 from its 12th token, 2 from its
+    21st, 1 from its 41st; ``scale`` = the rows a stream decodes a step keeps that schedule."""
+
+    scale: float = 1.0
+
+    def predict_ms(self, rows: list[Rows]) -> float:
+        return sum(r.logits + (r.n - r.logits) * self.scale * (1 + r.context / 4) for r in rows)
+
+    def observe(self, rows: list[Rows], ms: float) -> None:
+        return None
+
+
+SMALL = {"prompt_tokens": 64, "stream_tokens": 48}
+
+
+@pytest.fixture(scope="module")
+def plain_small(llm_default):
+    """The reference: the 64-token prompt fed whole (no step-time budget), plain decoding."""
+    return run_mixed(llm_default, math.inf, **SMALL)[0]
+
+
+@pytest.mark.parametrize(("decoding", "scale"), [
+    ({}, 1.0),
+    ({"decoding": "speculative", "decoding_options": {"method": "ngram"}}, 9.0),  # a row and 8 drafts a stream
+], ids=["autoregressive", "ngram"])
+def test_chunks_of_a_few_tokens_give_the_same_tokens_as_the_whole_prompt(llm_default, plain_small, decoding, scale):
+    """Chunks of 1 to 12 tokens that end anywhere in a KV block (beside an n-gram strategy's drafts,
+    too): every request's greedy output equals plain decoding's with the prompt fed whole, token for
+    token."""
+    outs, steps, _, long = run_mixed(llm_default, 1.0, PromptHeavy(scale), **SMALL, **decoding)
+    chunks = [n for st in steps for sid, n, pf, _ in st if sid == long and pf]
+    assert sum(chunks) == 64 and chunks.count(1) >= 5 and any(n % 16 for n in chunks[:-1]), chunks
+    if not decoding:
+        assert chunks[:6] == [12, 3, 3, 3, 2, 2] and chunks[-20:] == [1] * 20, chunks
+    assert list(outs.values()) == list(plain_small.values())
+
+
+def test_tiny_chunks_under_preemption_and_prefix_caching(llm_default, plain_small):
+    """A pool too small for the streams and the prompt: the prompt, fed a few tokens a step, is
+    preempted (its partial block freed), re-hits its own committed blocks and resumes mid-prompt; a
+    later request with the same prompt starts from its cached blocks. Outputs equal plain decoding's,
+    and the block bookkeeping is whole."""
+    engine: list[LLMEngine] = []
+    outs, _, _, long = run_mixed(llm_default, 1.0, PromptHeavy(), engine=engine, kv_cache_blocks=18, **SMALL)
+    eng = engine[0]
+    assert eng.scheduler.num_preemptions > 0 and eng.blocks.stats.recompute_hits > 0
+    assert list(outs.values()) == list(plain_small.values())
+    again = eng.add_request(long_prompt(llm_default, 64), greedy(4))
+    while eng.has_unfinished():
+        eng.step()
+    seq = eng.release(again)
+    assert seq.num_prefix_hit_tokens == 48 and seq.output_ids == plain_small[long]
+    assert eng.blocks.audit()["referenced"] == 0
 
 
 def test_measured_cost_learns_fixed_and_per_row_parts_from_the_steps():
@@ -132,6 +199,48 @@ def test_measured_cost_learns_fixed_and_per_row_parts_from_the_steps():
     assert cost.predict_ms(decode) == pytest.approx(42.0, rel=0.05)
     assert cost.predict_ms(chunk) == pytest.approx(222.0, rel=0.05)
     assert cost.fixed > 0 and cost.per_row > 0
+
+
+def test_measured_cost_learns_what_a_cached_token_costs():
+    """The prior knows nothing of attention; the machine pays 5 us a row for each cached token it reads
+    and 20 us a sequence for each cached token it holds (the K/V read once). After decode steps at
+    growing contexts and chunk steps of 4 to 16 rows at contexts growing to 1,950 (a long prompt being
+    fed), the next chunks' steps are predicted within a few percent, a 2-row one (mostly the
+    sequence's K/V read) within 10%."""
+    prior = Prior(fixed=10.0, per_row=1.0, head=0.0, attention=0.0)
+    cost = MeasuredStepCost(lambda: prior, warmup=0)
+    cost.calibrate()
+
+    def truth(rows):
+        return 8.0 + 2.0 * sum(r.n for r in rows) + 0.005 * reads(rows) + 0.02 * sum(r.context for r in rows)
+
+    for i in range(80):
+        decode = [Rows.decode(1, 40 + i + 10 * j) for j in range(4)]
+        rows = decode if i % 2 else [*decode, Rows.prefill(4 + i % 13, 25 * i)]
+        cost.observe(rows, truth(rows))
+    for k, rel in ((12, 0.03), (8, 0.05), (2, 0.1)):
+        late = [*(Rows.decode(1, 150) for _ in range(4)), Rows.prefill(k, 2000)]
+        assert cost.predict_ms(late) == pytest.approx(truth(late), rel=rel), k
+    assert cost.per_read > 0 and cost.per_context > 0
+
+
+def test_a_long_prompt_does_not_move_what_a_decode_step_is_predicted_to_cost():
+    """Decode steps measured 30 ms; then a hundred chunk steps all take 60 ms more than the fit
+    expects of their rows (a cost the model's rows do not explain). The decode steps' prediction,
+    which the budget scales, stays near 30 ms: a step is forgotten only by newer steps of its kind,
+    and the chunk steps' common cost goes to ``per_chunk``."""
+    prior = Prior(fixed=10.0, per_row=5.0, head=0.0, attention=0.0)
+    cost = MeasuredStepCost(lambda: prior, warmup=0)
+    cost.calibrate()
+    decode = [Rows.decode(1, 100)] * 4
+    for _ in range(30):
+        cost.observe(decode, 30.0)
+    assert cost.predict_ms(decode) == pytest.approx(30.0, rel=0.02)
+    for i in range(100):
+        rows = [*decode, Rows.prefill(8 + i % 3, 20 * i)]
+        cost.observe(rows, 30.0 + 5.0 * rows[-1].n + 60.0)
+    assert cost.predict_ms(decode) == pytest.approx(30.0, rel=0.05)
+    assert cost.predict_ms([*decode, Rows.prefill(9, 2000)]) == pytest.approx(30.0 + 45.0 + 60.0, rel=0.05)
 
 
 def test_an_outlier_step_moves_the_fit_a_bounded_amount():

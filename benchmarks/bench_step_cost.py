@@ -1,0 +1,150 @@
+"""The step-time budget in one process, step by step: how well the cost model predicts a step, and what
+the chunks it picks do to the streams' gaps and to the long prompt's time to its first token.
+
+Two parts, on the default model (engine defaults: the measured cost model, ``--max-step-ms`` as given):
+
+* accuracy: four streams decode; each step adds a prompt chunk of k = 0, 1, 2, 4, 8, 16, 32, 64 tokens
+  (forced, in turn, ``--repeats`` rounds); per k the median measured step time beside the probe's
+  prediction (the prior) and the refit model's (what the scheduler uses);
+* the budget at work: four streams decode, then a ``--prompt-tokens`` prompt arrives and the scheduler
+  sizes its chunks; per run: the decode-only steps' median before it arrived (the streams' inter-token
+  latency), the largest step while it was fed (their largest gap), the prompt's time to its first
+  token against the same prompt on an idle engine, and the chunk sizes.
+
+    python benchmarks/bench_step_cost.py [--threads 1] [--prompt-tokens 2000] [--runs 1]
+
+Wall-clock times of ``LLMEngine.step``: no server, no client, so no HTTP or event-loop lag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from ratchetlm import LLM, SamplingParams
+from ratchetlm.engine.config import EngineConfig
+from ratchetlm.engine.llm_engine import LLMEngine
+from ratchetlm.engine.step_cost import Rows
+
+KS = (0, 1, 2, 4, 8, 16, 32, 64)
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def timed_step(eng: LLMEngine) -> float:
+    t0 = time.perf_counter()
+    eng.step()
+    return (time.perf_counter() - t0) * 1000.0
+
+
+def start_streams(llm: LLM, eng: LLMEngine, tokens: int) -> list[int]:
+    ids = [eng.add_request(llm.tokenize(f"Stream {i}: count from {i * 100} upwards, one number a line:"),
+                           greedy(tokens)) for i in range(4)]
+    for _ in range(8):
+        eng.step()
+    return ids
+
+
+def accuracy(llm: LLM, cfg: EngineConfig, prompt: list[int], repeats: int) -> None:
+    eng = LLMEngine(cfg, llm.engine.model, llm.model_config)
+    cost = eng.step_cost
+    assert cost is not None
+    prior = cost.calibrate()
+    start_streams(llm, eng, 4000)
+    sched = eng.scheduler
+    k_now = [0]
+    sched._chunk = lambda step, seq, want: min(k_now[0], want)  # type: ignore[method-assign]
+    long = eng.add_request(prompt, greedy(1))
+    seen: dict[int, list[tuple[float, float, float]]] = {k: [] for k in KS}
+    schedule = sched.schedule
+    rows: list[list[Rows]] = []
+
+    def recorded():  # the step's rows as scheduled, for the predictions
+        out = schedule()
+        rows.append([(Rows.prefill if sched.prefilling(s) else Rows.decode)(n, s.num_cached) for s, n in out])
+        return out
+
+    sched.schedule = recorded  # type: ignore[method-assign]
+    for _ in range(repeats):
+        for k in KS:
+            k_now[0] = k  # (k = 0: the prompt gets no tokens, admitted or not)
+            ms = timed_step(eng)
+            r = rows[-1]
+            seen[k].append((ms, prior.fixed + prior.per_row * prior.work(r), cost.predict_ms(r)))
+    print(f"\naccuracy: 4 decode rows + a prompt chunk of k rows (medians of {repeats}; the prompt's context "
+          f"grows to {eng.seqs[long].num_cached}); load {load()}")
+    print(f"refit: {cost.fixed:.1f} ms + {cost.per_row:.2f} ms a decode row + {cost.per_prompt_row:.2f} a prompt row "
+          f"+ {cost.per_read * 1e3:.2f} us a cached token read + {cost.per_context * 1e3:.2f} us a cached token held "
+          f"+ {cost.per_chunk:.1f} ms a chunk; prior: {prior.fixed:.1f} + {prior.per_row:.2f} a row + "
+          f"{prior.per_row * prior.attention * 1e3:.2f} us a read (head {prior.head:.2f} of a row)")
+    print("| k | measured (ms) | prior's prediction | refit prediction | refit / measured |")
+    print("|---|---|---|---|---|")
+    for k in KS:
+        m, p, f = (statistics.median(x[i] for x in seen[k]) for i in range(3))
+        print(f"| {k} | {m:.1f} | {p:.1f} | {f:.1f} | {f / m:.2f} |")
+
+
+def budget_run(llm: LLM, cfg: EngineConfig, prompt: list[int], idle_prompt: list[int]) -> dict[str, float]:
+    eng = LLMEngine(cfg, llm.engine.model, llm.model_config)
+    t0 = time.perf_counter()
+    sid = eng.add_request(idle_prompt, greedy(1))
+    while eng.has_unfinished():
+        eng.step()
+    idle = time.perf_counter() - t0
+    eng.release(sid)
+    start_streams(llm, eng, 4000)
+    before = [timed_step(eng) for _ in range(12)]
+    long = eng.add_request(prompt, greedy(1))
+    t0 = time.perf_counter()
+    during, chunks = [], []
+    while not eng.seqs[long].output_ids:
+        c0 = eng.seqs[long].num_cached
+        during.append(timed_step(eng))
+        chunks.append(eng.seqs[long].num_cached - c0)
+    ttft = time.perf_counter() - t0
+    itl = statistics.median(before)
+    print(f"  run: ITL {itl:.0f} ms, largest step {max(during):.0f} ms ({max(during) / itl:.1f}x), "
+          f"p90 {sorted(during)[int(0.9 * (len(during) - 1))]:.0f} ms; TTFT {ttft:.1f} s vs idle {idle:.1f} s "
+          f"({ttft / idle:.2f}x); {len(chunks)} steps, chunks {chunks[:6]} ... {chunks[-4:]}; load {load()}",
+          flush=True)
+    return {"itl": itl, "gap": max(during), "gap_ratio": max(during) / itl, "ttft": ttft, "idle": idle,
+            "ttft_ratio": ttft / idle}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--prompt-tokens", type=int, default=2000)
+    ap.add_argument("--max-step-ms", type=float, default=None)
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of the accuracy part")
+    ap.add_argument("--runs", type=int, default=1, help="runs of the budget part (medians printed)")
+    ap.add_argument("--skip-accuracy", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    llm = LLM(progress=False)
+    cfg = EngineConfig(max_step_ms=args.max_step_ms, progress=False)
+    text = " ".join(f"word{i} river{i % 7}" for i in range(args.prompt_tokens))
+    ids = llm.tokenize(text)
+    print(f"threads {args.threads}; max_step_ms {cfg.step_time_target()}; load {load()}")
+    if not args.skip_accuracy:
+        accuracy(llm, cfg, ids[: args.prompt_tokens], args.repeats)
+    runs = [budget_run(llm, cfg, ids[i + 1 : i + 1 + args.prompt_tokens], ids[i + 3 : i + 3 + args.prompt_tokens])
+            for i in range(args.runs)]
+    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    print(f"\nthe budget at work ({args.prompt_tokens}-token prompt beside 4 streams; medians of {args.runs}): "
+          f"ITL {med['itl']:.0f} ms, largest gap {med['gap']:.0f} ms = {med['gap_ratio']:.1f}x ITL; TTFT "
+          f"{med['ttft']:.1f} s vs idle {med['idle']:.1f} s = {med['ttft_ratio']:.2f}x; load {load()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""The step-time budget's prompt chunks, at the scheduler alone (no model): with a fake cost model the
+chunk size is exact. A chunk is the largest the model fits under ``max_step_ms`` clamped to
+[STRETCH_MIN, STRETCH_MAX] x the decode rows' own time; it may be any number of tokens (one, or one
+that ends mid-block), and the KV blocks it reserves cover exactly the positions it writes."""
+
+from __future__ import annotations
+
+import pytest
+
+from ratchetlm import SamplingParams
+from ratchetlm.engine.scheduler import Scheduler
+from ratchetlm.engine.step_cost import STRETCH_MAX, STRETCH_MIN, LinearStepCost, Rows
+from ratchetlm.kv.block_manager import BlockManager
+from ratchetlm.sequence import SeqStatus, Sequence
+
+BLOCK = 16
+ROW = LinearStepCost(per_row=1.0)  # 1 ms a row, nothing else: a step's time is its row count
+
+
+def make(cost: LinearStepCost, max_step_ms: float, num_blocks: int = 64) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, BLOCK, enable_caching=True),
+                     tokens_wanted=lambda s: len(s.token_ids) - s.num_cached, on_preempt=lambda s: None,
+                     max_num_seqs=8, max_num_batched_tokens=2048, cost=cost, max_step_ms=max_step_ms)
+
+
+def stream(sched: Scheduler, sid: int, context: int = 8) -> Sequence:
+    """A running sequence past its prompt: its next step is one decode row after ``context`` tokens."""
+    seq = Sequence(sid, list(range(1, context + 2)), context, SamplingParams(max_tokens=64, temperature=0),
+                   num_cached=context, status=SeqStatus.RUNNING)
+    sched.blocks.grow(seq, context)
+    sched.running.append(seq)
+    return seq
+
+
+def prompt(sched: Scheduler, sid: int, tokens: int) -> Sequence:
+    seq = Sequence(sid, [1000 + sid * 97 + i for i in range(tokens)], tokens, SamplingParams(max_tokens=1))
+    sched.add(seq)
+    return seq
+
+
+def computed(sched: Scheduler, out: list[tuple[Sequence, int]]) -> None:
+    """What a step does to the counts, as the engine's commit does: every scheduled row's K/V
+    committed (a decode row also appends its token) and the blocks that became full named."""
+    for seq, n in out:
+        before = seq.num_cached
+        seq.num_cached += n
+        if seq.num_cached == len(seq.token_ids):
+            seq.token_ids.append(7)
+        sched.blocks.cache_full_blocks(seq, before)
+
+
+def rows(out: list[tuple[Sequence, int]]) -> list[Rows]:
+    return [Rows.prefill(n, s.num_cached) if s.num_cached < s.num_prompt_tokens else Rows.decode(n, s.num_cached)
+            for s, n in out]
+
+
+def chunk_of(out: list[tuple[Sequence, int]], seq: Sequence) -> int:
+    return sum(n for s, n in out if s is seq)
+
+
+@pytest.mark.parametrize(("max_step_ms", "chunk"), [
+    (18.0, 14),  # within [4, 5] x the 4 ms of decode rows: the target binds
+    (10.0, 12),  # under 4 x: the prompt still gets STRETCH_MIN - 1 times the decode rows' time
+    (1000.0, 16),  # over 5 x: the streams' gap stays STRETCH_MAX x their inter-token latency
+])
+def test_chunk_fills_the_target_clamped_to_a_multiple_of_the_decode_rows(max_step_ms, chunk):
+    assert (STRETCH_MIN, STRETCH_MAX) == (4.0, 5.0)
+    sched = make(ROW, max_step_ms)
+    streams = [stream(sched, i) for i in range(4)]
+    long = prompt(sched, 9, 500)
+    out = sched.schedule()
+    assert [(s.seq_id, n) for s, n in out] == [(s.seq_id, 1) for s in streams] + [(long.seq_id, chunk)]
+    assert len(long.block_table) == -(-chunk // BLOCK)  # blocks for exactly the chunk's positions
+
+
+def test_chunks_smaller_than_a_block_end_anywhere_in_it():
+    """One stream (1 ms) and a 4.5 ms target: 3-token chunks, each starting where the last ended
+    mid-block; the table always covers exactly the positions computed so far plus the chunk."""
+    sched = make(ROW, 4.5)
+    s = stream(sched, 0)
+    long = prompt(sched, 1, 40)
+    chunks = []
+    while long.num_cached < 40:
+        out = sched.schedule()
+        assert out[0] == (s, 1)
+        chunks.append(chunk_of(out, long))
+        assert len(long.block_table) == -(-(long.num_cached + chunks[-1]) // BLOCK)
+        computed(sched, out)
+    assert chunks == [3] * 13 + [1]
+    assert long.num_cached == 40 and len(long.block_table) == 3
+
+
+def test_a_prompt_row_costlier_than_the_budget_still_advances_one_token_a_step():
+    """Attention makes each prompt row at a long context cost more than what the step has left: the
+    chunk is one token (it fits exactly, or nothing fits and the prompt still advances)."""
+    cost = LinearStepCost(per_row=1.0, per_context=0.01)  # a row after c cached tokens: 1 + c / 100 ms
+    sched = make(cost, 4.5)
+    stream(sched, 0, context=0)  # 1.005 ms: the limit is 4.5 (within [4, 5] x that)
+    long = prompt(sched, 1, 400)
+    sched.waiting.remove(long)  # its first 200 tokens are cached: one more row costs 3.005 ms, two 6.02
+    long.num_cached, long.status = 200, SeqStatus.RUNNING
+    sched.blocks.grow(long, 200)
+    sched.running.append(long)
+    out = sched.schedule()
+    assert chunk_of(out, long) == 1 and cost.predict_ms(rows(out)) <= 4.5
+    computed(sched, out)
+    long.num_cached = 300  # one row now costs 4.005 ms: over the limit beside the stream, yet one token goes
+    sched.blocks.grow(long, 300)
+    out = sched.schedule()
+    assert chunk_of(out, long) == 1 and cost.predict_ms(rows(out)) > 4.5
+
+
+def test_a_second_prompt_gets_what_the_first_chunk_left():
+    """Two prompts arrive: the first takes what the step has left; the second gets nothing this step
+    (no floor for a step's second chunk) and waits unadmitted, holding no blocks."""
+    sched = make(ROW, 18.0)
+    streams = [stream(sched, i) for i in range(4)]
+    a, b = prompt(sched, 8, 100), prompt(sched, 9, 100)
+    out = sched.schedule()
+    assert [(s.seq_id, n) for s, n in out] == [(s.seq_id, 1) for s in streams] + [(a.seq_id, 14)]
+    assert list(sched.waiting) == [b] and b.block_table == []
+
+
+def test_without_decode_rows_the_prompt_takes_the_token_budget():
+    sched = make(ROW, 4.5)
+    long = prompt(sched, 0, 300)
+    assert [(s.seq_id, n) for s, n in sched.schedule()] == [(long.seq_id, 300)]
+
+
+def test_a_prompt_preempted_mid_block_resumes_from_its_last_full_block():
+    """A pool of 5 blocks: three streams hold one each; a prompt fed 11 tokens a step holds the other
+    two at 22 tokens. Its next chunk needs a third block: it is preempted (every stream is already in
+    the step), its one full committed block stays cached, the partial one is freed, and it is
+    readmitted in the same step from that block's end (16 tokens), not from token 0."""
+    sched = make(ROW, 14.0, num_blocks=5)  # 3 ms of decode rows: the 14 ms target is within [12, 15]
+    streams = [stream(sched, i, context=1) for i in range(3)]  # one block each: room for 15 more tokens
+    long = prompt(sched, 9, 200)
+    for _ in range(2):
+        out = sched.schedule()
+        assert [(s.seq_id, n) for s, n in out] == [(0, 1), (1, 1), (2, 1), (9, 11)]
+        computed(sched, out)
+    assert long.num_cached == 22 and len(long.block_table) == 2 and sched.blocks.num_free == 0
+    out = sched.schedule()
+    assert long.num_preemptions == 1 and sched.num_preemptions == 1 and long.status is SeqStatus.RUNNING
+    assert [(s.seq_id, n) for s, n in out] == [(s.seq_id, 1) for s in streams] + [(9, 11)]
+    assert long.num_cached == 16 and len(long.block_table) == 2  # the hit, then blocks for 16 + 11 tokens
+    assert sched.blocks.stats.recompute_hits == 16
+    computed(sched, out)
+    assert sched.blocks.audit() == {"free": 0, "cached_unreferenced": 0, "referenced": 5}
