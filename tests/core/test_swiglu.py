@@ -4,6 +4,8 @@ the build vectorises it (the decode chain and the layer path both call it: tests
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 import torch
@@ -70,6 +72,21 @@ def test_integer_mode_layers_take_the_kernel_and_exact_mode_keeps_torch(llm_fp32
     finally:
         model.set_numerics("exact")
     assert not any(ly.kernel_silu for ly in model.layers)
+
+
+@pytest.mark.parametrize("variant", list(KERNEL_VARIANTS))
+def test_fused_down_projections_activation_has_silu_muls_bits(variant, kernel_builds):
+    """The activation the fused down projection quantizes (16 elements a vector on AVX-512, then a scalar
+    tail) is ratchet_silu_mul's, bit for bit, in every build."""
+    lib = kernel_builds[variant]
+    if lib is None:
+        pytest.skip("no C compiler")
+    gu = _gate_up(5, 4099, seed=3)  # a row length with a scalar tail after the vectors
+    gu[1, :4099] = torch.linspace(-120.0, 120.0, 4099)  # both of exp's clamps and everything between
+    act = torch.empty(5, 4099)
+    lib.ratchet_swiglu_act.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.ratchet_swiglu_act(gu.data_ptr(), 5, 4099, act.data_ptr())
+    assert np.array_equal(act.numpy().view(np.uint32), _silu_mul_lib(lib, gu).numpy().view(np.uint32))
 
 
 @pytest.mark.parametrize("variant", list(KERNEL_VARIANTS))
