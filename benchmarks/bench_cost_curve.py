@@ -9,6 +9,11 @@ engine's gain schedule measures for itself at start (four layers scaled plus the
 fastest of three) and what that probe cost, so the two can be compared.
 
     python benchmarks/bench_cost_curve.py [--model PATH.gguf] [--modes exact int8 int16] [--threads 2]
+        [--clock wall|cpu] [--agg median|min]
+
+``--clock cpu --agg min`` (one thread only) times each forward by the process's CPU seconds and keeps
+the fastest: on a machine shared with other jobs wall-clock medians measure the neighbours (the
+engine's own probe, decoding/speculative/cost_curve.py, uses CPU time at one thread for that reason).
 """
 
 from __future__ import annotations
@@ -32,17 +37,25 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["exact", "int8", "int16"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall clock, or the process's CPU time (one thread only)")
+    ap.add_argument("--agg", choices=("median", "min"), default="median")
     args = ap.parse_args()
+    if args.clock == "cpu" and args.threads != 1:
+        raise SystemExit("--clock cpu needs --threads 1 (CPU time adds up every thread's work)")
     torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    agg = statistics.median if args.agg == "median" else min
     print(f"model {args.model or 'default (bundled SmolLM2-135M-Instruct GGUF)'}; threads {args.threads}; "
           f"load average {os.getloadavg()[0]:.2f}")
-    print(f"ms per forward (median of {args.repeats}) and ratio to 1 row; 'probe': the engine's own curve")
+    print(f"ms per forward ({args.agg} of {args.repeats}, {args.clock} clock) and ratio to 1 row; "
+          "'probe': the engine's own curve")
     print(f"{'mode':>6} " + " ".join(f"{'k=' + str(k):>14}" for k in ROWS))
     cpu = torch.device("cpu")
     for mode in args.modes:
         llm = LLM(args.model, progress=False, numerics=mode, kv_cache_blocks=16)
         model = llm.engine.model
-        ms = [1e3 * cost_curve.seconds(model, cpu, k, args.repeats, agg=statistics.median) for k in ROWS]
+        ms = [1e3 * cost_curve.seconds(model, cpu, k, args.repeats, agg=agg, clock=clock) for k in ROWS]
         print(f"{mode:>6} " + " ".join(f"{t:8.1f} {t / ms[0]:4.2f}x" for t in ms), flush=True)
         t, c = time.perf_counter(), time.process_time()
         probe = cost_curve.curve(model, cpu)

@@ -32,4 +32,34 @@ static inline float exp_ieee(float x) {
 
 static inline float silu_mul1(float g, float u) { return (g / (1.0f + exp_ieee(-g))) * u; }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* silu_mul1 on 16 elements: the same operations in the same order (the clamps as selects, so a NaN
+ * passes as in the scalar code), hence the same bits. Written out because gcc's own vectorisation of
+ * the scalar loop used 256-bit vectors and three masked divisions per 8 elements: the down
+ * projection's activations (ratchet_mm_q8w_swiglu) measured ~2-3 cycles an element. */
+static inline __m512 exp_ieee16(__m512 x) {
+    const __m512 hi = _mm512_set1_ps(88.0f), lo = _mm512_set1_ps(-87.3f), big = _mm512_set1_ps(12582912.0f);
+    x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ), hi);
+    x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), lo);
+    const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), big), big);
+    const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
+                                   _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+static inline __m512 silu_mul16(__m512 g, __m512 u) {
+    const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32((int)0x80000000u)));
+    return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ieee16(neg))), u);
+}
+#endif
+
 #endif

@@ -4,13 +4,19 @@ the build vectorises it (the decode chain and the layer path both call it: tests
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from ratchetlm import kernels
+from ratchetlm.layers.block_quant import BlockWeight
 from ratchetlm.layers.swiglu import silu_mul
+
+from ..conftest import KERNEL_VARIANTS
+from .test_block_kernels import random_raw
 
 
 def _gate_up(rows: int, ffn: int, seed: int = 0) -> torch.Tensor:  # [rows, 2 * ffn]
@@ -66,3 +72,41 @@ def test_integer_mode_layers_take_the_kernel_and_exact_mode_keeps_torch(llm_fp32
     finally:
         model.set_numerics("exact")
     assert not any(ly.kernel_silu for ly in model.layers)
+
+
+@pytest.mark.parametrize("variant", list(KERNEL_VARIANTS))
+def test_fused_down_projections_activation_has_silu_muls_bits(variant, kernel_builds):
+    """The activation the fused down projection quantizes (16 elements a vector on AVX-512, then a scalar
+    tail) is ratchet_silu_mul's, bit for bit, in every build."""
+    lib = kernel_builds[variant]
+    if lib is None:
+        pytest.skip("no C compiler")
+    gu = _gate_up(5, 4099, seed=3)  # a row length with a scalar tail after the vectors
+    gu[1, :4099] = torch.linspace(-120.0, 120.0, 4099)  # both of exp's clamps and everything between
+    act = torch.empty(5, 4099)
+    lib.ratchet_swiglu_act.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.ratchet_swiglu_act(gu.data_ptr(), 5, 4099, act.data_ptr())
+    assert np.array_equal(act.numpy().view(np.uint32), _silu_mul_lib(lib, gu).numpy().view(np.uint32))
+
+
+@pytest.mark.parametrize("variant", list(KERNEL_VARIANTS))
+@pytest.mark.parametrize("bits", [8, 16])
+def test_fused_down_projection_is_silu_mul_then_the_matmul_bit_for_bit(variant, bits, kernel_builds):
+    """ratchet_mm_q8w_swiglu (the decode chain's MLP: silu(g) * u made as the down projection quantizes its
+    input, 16 elements a vector on AVX-512) gives the bits of ratchet_silu_mul then ratchet_mm_q8w, in every
+    build, for any number of rows."""
+    lib = kernel_builds[variant]
+    if lib is None:
+        pytest.skip("no C compiler")
+    lib.ratchet_mm_q8w_swiglu.argtypes = lib.ratchet_mm_q8w.argtypes
+    ffn, n = 1536, 40
+    w = BlockWeight.from_gguf("Q4_1", random_raw("Q4_1", n, ffn, seed=4), ffn)
+    _, handle, _ = w.q8_call(lib, bits)
+    gu = _gate_up(11, ffn, seed=2)
+    gu[1, :ffn] = torch.linspace(-120.0, 120.0, ffn)  # both of exp's clamps and everything between
+    act = _silu_mul_lib(lib, gu)
+    for rows in (1, 3, 11):
+        fused, ref = torch.empty(rows, n), torch.empty(rows, n)
+        lib.ratchet_mm_q8w_swiglu(gu.data_ptr(), rows, handle, fused.data_ptr(), 1)
+        lib.ratchet_mm_q8w(act.data_ptr(), rows, handle, ref.data_ptr(), 1)
+        assert np.array_equal(fused.numpy().view(np.uint32), ref.numpy().view(np.uint32)), rows
