@@ -19,7 +19,7 @@ import torch
 
 from ratchetlm.decoding.speculative.proposers import DraftBeam, Proposer, register_proposer, verify_cost
 from ratchetlm.decoding.speculative.recycling import SuccessorTable
-from ratchetlm.decoding.speculative.suffix_index import History, SequenceIndex, TrieNode
+from ratchetlm.decoding.speculative.suffix_index import History, SequenceIndex, SpanNode, TrieNode
 from ratchetlm.decoding.speculative.tree_select import Calibration, CostTable, DraftSource, Plan, build, judge, to_beam
 from ratchetlm.sequence import Sequence
 
@@ -47,7 +47,7 @@ class SuffixSource:
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def expand(self, state: tuple[TrieNode, int], token: int) -> list[tuple[int, Hashable, Any]]:
+    def expand(self, state: tuple[TrieNode | SpanNode, int], token: int) -> list[tuple[int, Hashable, Any]]:
         node, m = state
         total = sum(k.count for k in node.kids.values())
         kids = sorted(node.kids.items(), key=lambda kv: -kv[1].count)[:SUFFIX_WIDTH]
