@@ -38,7 +38,8 @@ class Proposer(ABC):
     # position (the features a trained draft head such as EAGLE, Medusa or an MTP module reads).
     wants_features: bool = False
     # True: the strategy hands :meth:`observe_logits` the logits of every row each forward computed
-    # (committed, rejected or prefill's last), once per step (Token Recycling's successor table)
+    # (committed, rejected or prefill's last), once per step (Token Recycling's successor table);
+    # read at every commit, so a proposer may turn it off for a step it did not propose in
     wants_logits: bool = False
 
     def __init__(self, cfg: Any, ctx: Any) -> None:

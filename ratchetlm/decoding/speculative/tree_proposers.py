@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ratchetlm.decoding.speculative.idle_gate import IdleGate
 from ratchetlm.decoding.speculative.proposers import DraftBeam, Proposer, register_proposer, verify_cost
 from ratchetlm.decoding.speculative.recycling import SuccessorTable
 from ratchetlm.decoding.speculative.suffix_index import History, SequenceIndex, SpanNode, TrieNode
@@ -49,8 +50,10 @@ class SuffixSource:
 
     def expand(self, state: tuple[TrieNode | SpanNode, int], token: int) -> list[tuple[int, Hashable, Any]]:
         node, m = state
-        total = sum(k.count for k in node.kids.values())
-        kids = sorted(node.kids.items(), key=lambda kv: -kv[1].count)[:SUFFIX_WIDTH]
+        found: dict[int, TrieNode] | dict[int, SpanNode] = node.kids
+        kids: list[tuple[int, TrieNode | SpanNode]] = sorted(found.items(), key=lambda kv: -kv[1].count)
+        total = sum(k.count for _, k in kids)
+        kids = kids[:SUFFIX_WIDTH]
         seen = 0 if total == 1 else 1 if total < 5 else 2
         return [(t, (self.name, min(m, 8), min(int(4 * k.count / total), 4), seen), (k, m + 1) if k.kids else None)
                 for t, k in kids]
@@ -90,12 +93,18 @@ class TreeProposer(Proposer):
         self.calib = Calibration(prior=prior)
         self.costs = CostTable(verify_cost(cfg, ctx))
         self.gain = cfg.depth_schedule != "constant"
+        self.gate = IdleGate()  # batch sizes at which the gain rule drafts nothing: plain steps, no proposing
         self.counts = {"trees": 0, "nodes": 0, "skipped": 0}
 
     def max_draft_tokens(self, depth: int) -> int:
         return self.cfg.tree_nodes
 
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[DraftBeam | None]:
+        # a gated step is a plain one: nothing proposed, and the strategy hands over no logits (no top-k)
+        gated = self.gain and not self.gate.open(len(seqs))
+        self.wants_logits = self.recycling and not gated
+        if gated:
+            return [None] * len(seqs)
         out: list[DraftBeam | None] = []
         drafted = 0  # rows this step's earlier sequences drafted
         for seq, d in zip(seqs, depths, strict=True):
@@ -115,6 +124,8 @@ class TreeProposer(Proposer):
             drafted += len(plan.nodes) + 1
             beam = to_beam(plan.nodes)
             out.append(DraftBeam(beam, torch.zeros(beam.shape)))
+        if self.gain:
+            self.gate.observe(len(seqs), drafted > 0)
         return out
 
     def _roots(self, seq: Sequence) -> dict[int, Any]:
@@ -149,7 +160,7 @@ class TreeProposer(Proposer):
     def metrics(self) -> dict[str, float]:
         c = self.counts
         return {"spec_decode_tree_drafts": c["trees"], "spec_decode_tree_draft_nodes": c["nodes"],
-                "spec_decode_gain_skipped_drafts": c["skipped"]}
+                "spec_decode_gain_skipped_drafts": c["skipped"], "spec_decode_idle_plain_steps": self.gate.skipped}
 
 
 @register_proposer("recycling")
