@@ -4,7 +4,9 @@ top-k) but for a periodic probe; the output stays plain greedy's, token for toke
 
 from __future__ import annotations
 
-from ratchetlm.decoding.speculative import tree_proposers
+import pytest
+
+from ratchetlm.decoding.speculative import proposers, tree_proposers
 from ratchetlm.decoding.speculative.idle_gate import IdleGate
 
 from .conftest import GREEDY, make_engine, run_engine
@@ -36,15 +38,14 @@ def test_a_draft_reopens_the_gate_and_batch_sizes_are_separate():
     assert gate.open(8) is False and gate.open(3) is True
 
 
-def test_default_at_batch_8_with_no_draft_that_pays_is_plain(spec_llm, encoded, reference, monkeypatch):
+def test_hybrid_at_batch_8_with_no_draft_that_pays_is_plain(spec_llm, encoded, reference, monkeypatch):
     """Every verified row priced at a whole forward: no tree can pay, so after the gate's patience
-    the default strategy neither builds trees nor takes the successor table's top-k, and decodes
-    the same tokens as plain greedy."""
+    the hybrid neither builds trees nor takes the successor table's top-k, and decodes the same
+    tokens as plain greedy."""
     builds: list[int] = []  # the batch size of every tree built
     real = tree_proposers.build
     monkeypatch.setattr(tree_proposers, "build", lambda *a, **k: builds.append(a[7]) or real(*a, **k))
-    eng = make_engine(spec_llm, "speculative", depth_schedule="gain", verify_token_cost=1.0)
-    assert eng.strategy.cfg.method == "hybrid"
+    eng = make_engine(spec_llm, "speculative", method="hybrid", depth_schedule="gain", verify_token_cost=1.0)
     proposer = eng.strategy.proposer
     gate = proposer.gate
     events: list[str] = []  # per step, in order: the gate's answer ("open" / "gated"), then "top-k" if taken
@@ -63,6 +64,22 @@ def test_default_at_batch_8_with_no_draft_that_pays_is_plain(spec_llm, encoded, 
     assert events.count("top-k") >= 1 + proposed_at_8  # (prefill's step, every proposing step)
 
 
-def test_default_at_batch_8_with_the_measured_curve_equals_plain(spec_llm, encoded, reference):
-    eng = make_engine(spec_llm, "speculative", depth_schedule="gain", verify_token_cost=None)
+def test_default_at_batch_8_with_no_draft_that_pays_is_plain(spec_llm, encoded, reference, monkeypatch):
+    """The default (n-gram, gain schedule) likewise stops looking up matches at a batch size where
+    none was worth drafting."""
+    lookups: list[int] = []
+    real = proposers.ngram_candidates
+    monkeypatch.setattr(proposers, "ngram_candidates", lambda *a, **k: lookups.append(1) or real(*a, **k))
+    eng = make_engine(spec_llm, "speculative", depth_schedule="gain", verify_token_cost=1.0)
+    assert eng.strategy.cfg.method == "ngram"
+    assert run_engine(eng, encoded[:8], GREEDY) == reference[:8]
+    m = eng.strategy.metrics()
+    gate = eng.strategy.proposer.gate
+    assert m["spec_decode_num_drafts"] == 0 and m["spec_decode_idle_plain_steps"] == gate.skipped > 0
+    assert len(lookups) == 8 * (gate.idle[8] - gate.skipped)
+
+
+@pytest.mark.parametrize("method", ["ngram", "hybrid"])
+def test_batch_8_with_the_measured_curve_equals_plain(spec_llm, encoded, reference, method):
+    eng = make_engine(spec_llm, "speculative", method=method, depth_schedule="gain", verify_token_cost=None)
     assert run_engine(eng, encoded[:8], GREEDY) == reference[:8]

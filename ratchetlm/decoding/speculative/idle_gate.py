@@ -1,16 +1,17 @@
 """When a batch makes every draft too dear, stop paying for proposing: the step is a plain step.
 
-The tree proposers' gain rule (tree_select.py) decides per step and sequence whether a draft pays
-on the cost curve at the step's batch. On a CPU a big batch prices nearly every draft out (at 8
-decoding sequences one sequence's share of a plain forward is ~0.2 one-row forwards, one more
-verified row ~0.2 too), and a step in which no sequence drafts runs the plain forward, but it still
-paid for the proposing: a tree built per sequence in Python and Token Recycling's top-k over every
-computed row, ~3 ms a step at batch 8 (docs/benchmarks.md), 5-8% of a decode step there — the
-whole of the measured loss against plain decoding at batch 8.
+The gain rule (gain.py for n-gram drafts, tree_select.py for the tree proposers) decides per step
+and sequence whether a draft pays on the cost curve at the step's batch. On a CPU a big batch prices
+nearly every draft out (at 8 decoding sequences one sequence's share of a plain forward is ~0.2
+one-row forwards, one more verified row ~0.2 too), and a step in which no sequence drafts runs the
+plain forward, but it still paid for the proposing: a lookup per sequence and, for the hybrid, a
+tree built in Python and Token Recycling's top-k over every computed row (~3 ms a step at batch 8 on
+one core, 5-8% of a decode step there: the loss measured against plain decoding at batch 8,
+docs/benchmarks.md).
 
 The gate learns, per batch size, whether proposing is idle: after ``patience`` consecutive steps at
 a batch size in which the rule drafted nothing for any sequence, steps at that batch size skip the
-proposer and the successor-table update (the strategy takes the plain path for every sequence),
+proposer (and the successor-table update; the strategy takes the plain path for every sequence),
 except every ``probe``-th step, which proposes as usual; a step that drafts resets its batch size's
 count. The decision depends only on earlier steps, so the output is unchanged (verification is
 lossless for any draft policy, greedy or sampled).
