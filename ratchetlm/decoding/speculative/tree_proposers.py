@@ -27,6 +27,13 @@ from ratchetlm.sequence import Sequence
 TRIE_DEPTH = 20  # substrings indexed per position: a match of up to MAX_MATCH plus its continuation
 MAX_MATCH = 12  # longest suffix match looked up (longer ones are rare and no more telling)
 SUFFIX_WIDTH = 4  # most frequent continuations kept per suffix node
+# A tree step's extra cost against the measured cost curve's price for its rows (tree_select.py): at
+# batch 1 on one core (default model, int8, contexts of 100-300 tokens, process CPU time, medians of
+# ~200 steps each) steps verifying trees of at most 4 / 8 / 16 nodes cost 1.64x / 2.45x / 4.41x a plain
+# step where the curve (1.21x at 4 rows, 1.50x at 8, 2.61x at 16) priced them at ~1.3x / 1.6x / 2.8x:
+# the curve times bare forwards (no context, tree mask, staging, commit or top-k of every row).
+# Priced at the curve, trees of 1-4 nodes looked worth it at MAL 1.4 (QA, math) and lost there.
+TREE_PRICE = 1.6
 _PLAN = "spec_tree_plan"  # strategy_state keys: the last tree (judged once committed tokens pass it)
 _INDEX = "spec_suffix_index"  # this sequence's SequenceIndex
 
@@ -91,7 +98,8 @@ class TreeProposer(Proposer):
             self.sources += [SuffixSource("suffix"), SuffixSource("history")]
         self.wants_logits = self.recycling
         self.calib = Calibration(prior=prior)
-        self.costs = CostTable(verify_cost(cfg, ctx))
+        # a price fixed by verify_token_cost is taken as given; the measured curve's at its real price
+        self.costs = CostTable(verify_cost(cfg, ctx), 1.0 if cfg.verify_token_cost is not None else TREE_PRICE)
         self.gain = cfg.depth_schedule != "constant"
         self.gate = IdleGate()  # batch sizes at which the gain rule drafts nothing: plain steps, no proposing
         self.counts = {"trees": 0, "nodes": 0, "skipped": 0}
