@@ -16,10 +16,12 @@ decoding/speculative/stats.py counts only steps that carried a draft, so it read
 identity** (cases whose tokens equal AR's). Overall: the same aggregate over every case, and the median
 of the per-case speed-ups. ``--llamacpp``: the same token ids through llama-cpp-python on the same file
 and threads, plain and with its prompt-lookup draft (``LlamaPromptLookupDecoding``); those columns
-compare decode-phase tokens/s (after the first token) of the config with llama.cpp's.
+compare decode-phase tokens/s (after the first token) of the config with llama.cpp's. ``--batch N``
+then runs the sample's first turns N different prompts at a time through AR and every config
+(interleaved per batch): speed-up against AR and greedy identity at that batch.
 
     python benchmarks/bench_specbench.py [--model FILE.gguf] [--numerics auto] [--configs default ngram]
-        [--per-group 3] [--max-tokens 128] [--chat | --no-chat] [--llamacpp] [--threads 2] [--clock cpu]
+        [--per-group 3] [--max-tokens 128] [--chat | --no-chat] [--llamacpp] [--threads 2] [--clock cpu] [--batch 8]
 
 ``--configs``: ``default`` (the ``speculative`` strategy's default options) or any registered proposer
 name (``ngram``, ``eagle``, ...: decoding/speculative/proposers.py), optionally with options,
@@ -200,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--llamacpp", action="store_true", help="also llama-cpp-python, plain and prompt lookup")
     ap.add_argument("--pld-tokens", type=int, default=2, help="LlamaPromptLookupDecoding's num_pred_tokens")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=1,
+                    help="N > 1: also the sample's first turns N at a time (different prompts batched), each "
+                         "config against AR on the same batches")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="time runs by wall clock or by this process's CPU seconds (a busy shared machine; "
                          "meaningful with --threads 1)")
@@ -209,8 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Runs the benchmark, prints its tables; returns {"cases": [...], "rows": {(config, group): row}, ...}."""
     a = build_parser().parse_args(argv)
-    if a.per_group < 1 or a.max_tokens < 2:
-        raise SystemExit("--per-group must be >= 1 and --max-tokens >= 2")
+    if a.per_group < 1 or a.max_tokens < 2 or a.batch < 1:
+        raise SystemExit("--per-group and --batch must be >= 1 and --max-tokens >= 2")
     try:
         configs = dict(parse_config(c) for c in a.configs)
     except ValueError as e:
@@ -276,7 +281,47 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       f"{len(ar.tokens)} out, tok/s {cells}; {mals}", flush=True)
                 answers.append(llm.tokenizer.decode(ar.tokens, skip_special_tokens=True))
     rows = report(cases, list(configs), a.groups, "llama.cpp" in engines)
-    return {"cases": cases, "rows": rows, "numerics": llm.config.numerics, "chat": chat, "llm": llm}
+    batched = None
+    if a.batch > 1:
+        firsts = [prompts.ids([q["turns"][0]], []) for qs in sample.values() for q in qs]
+        random.Random(a.seed).shuffle(firsts)  # mixed groups in every batch
+        batches = [firsts[i : i + a.batch] for i in range(0, len(firsts) - a.batch + 1, a.batch)]
+        batched = run_batches({k: e for k, e in engines.items() if isinstance(e, LLMEngine)}, batches, params)
+    return {"cases": cases, "rows": rows, "numerics": llm.config.numerics, "chat": chat, "llm": llm,
+            "batched": batched}
+
+
+def run_batches(engines: dict[str, LLMEngine], batches: list[list[list[int]]], params: SamplingParams
+                ) -> dict[str, dict[str, float]]:
+    """Each batch of different prompts through every engine in turn (interleaved): per config its
+    speed-up against AR (total tokens over total seconds, request to last token) and how many
+    requests' tokens equal AR's."""
+    secs = dict.fromkeys(engines, 0.0)
+    toks = dict.fromkeys(engines, 0)
+    same = dict.fromkeys(engines, 0)
+    for batch in batches:
+        ref: list[list[int]] = []
+        for label, eng in engines.items():
+            t = CLOCK()
+            ids = [eng.add_request(p, params) for p in batch]
+            while eng.has_unfinished():
+                eng.step()
+            secs[label] += CLOCK() - t
+            outs = [list(eng.seqs[i].output_ids) for i in ids]
+            for i in ids:
+                eng.release(i)
+            ref = ref or outs
+            toks[label] += sum(map(len, outs))
+            same[label] += sum(o == r for o, r in zip(outs, ref, strict=True))
+    n = sum(map(len, batches))
+    ar = toks["AR"] / secs["AR"]
+    print(f"\nbatched: {len(batches)} batches of {len(batches[0])} different prompts (first turns), tok/s AR {ar:.1f}")
+    out = {}
+    for label in engines:
+        if label != "AR":
+            out[label] = {"speedup": toks[label] / secs[label] / ar, "same": same[label], "n": n}
+            print(f"  {label}: {out[label]['speedup']:.2f}x AR, identical {same[label]}/{n}")
+    return out
 
 
 def _agg(cases: list[Case], label: str) -> dict[str, float]:
