@@ -205,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=int, default=1,
                     help="N > 1: also the sample's first turns N at a time (different prompts batched), each "
                          "config against AR on the same batches")
+    ap.add_argument("--batch-only", action="store_true", help="with --batch: skip the batch-1 cases")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="time runs by wall clock or by this process's CPU seconds (a busy shared machine; "
                          "meaningful with --threads 1)")
@@ -216,6 +217,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = build_parser().parse_args(argv)
     if a.per_group < 1 or a.max_tokens < 2 or a.batch < 1:
         raise SystemExit("--per-group and --batch must be >= 1 and --max-tokens >= 2")
+    if a.batch_only and a.batch < 2:
+        raise SystemExit("--batch-only needs --batch N with N >= 2")
     try:
         configs = dict(parse_config(c) for c in a.configs)
     except ValueError as e:
@@ -264,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{a.max_tokens} tokens, {a.threads} threads, {a.clock} clock, {a.per_group} per group, load average "
           f"{os.getloadavg()[0]:.1f}", flush=True)
     cases: list[Case] = []
-    for g, qs in sample.items():
+    for g, qs in ({} if a.batch_only else sample).items():
         for q in qs:
             answers: list[str] = []
             for turn in range(len(q["turns"])):
@@ -280,7 +283,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 print(f"  {g} q{q['question_id']} turn {turn + 1}: {len(case.prompt)} prompt tokens, "
                       f"{len(ar.tokens)} out, tok/s {cells}; {mals}", flush=True)
                 answers.append(llm.tokenizer.decode(ar.tokens, skip_special_tokens=True))
-    rows = report(cases, list(configs), a.groups, "llama.cpp" in engines)
+    rows = report(cases, list(configs), a.groups, "llama.cpp" in engines) if cases else {}
     batched = None
     if a.batch > 1:
         firsts = [prompts.ids([q["turns"][0]], []) for qs in sample.values() for q in qs]
