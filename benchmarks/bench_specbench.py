@@ -16,10 +16,12 @@ decoding/speculative/stats.py counts only steps that carried a draft, so it read
 identity** (cases whose tokens equal AR's). Overall: the same aggregate over every case, and the median
 of the per-case speed-ups. ``--llamacpp``: the same token ids through llama-cpp-python on the same file
 and threads, plain and with its prompt-lookup draft (``LlamaPromptLookupDecoding``); those columns
-compare decode-phase tokens/s (after the first token) of the config with llama.cpp's.
+compare decode-phase tokens/s (after the first token) of the config with llama.cpp's. ``--batch N``
+then runs the sample's first turns N different prompts at a time through AR and every config
+(interleaved per batch): speed-up against AR and greedy identity at that batch.
 
     python benchmarks/bench_specbench.py [--model FILE.gguf] [--numerics auto] [--configs default ngram]
-        [--per-group 3] [--max-tokens 128] [--chat | --no-chat] [--llamacpp] [--threads 2]
+        [--per-group 3] [--max-tokens 128] [--chat | --no-chat] [--llamacpp] [--threads 2] [--clock cpu] [--batch 8]
 
 ``--configs``: ``default`` (the ``speculative`` strategy's default options) or any registered proposer
 name (``ngram``, ``eagle``, ...: decoding/speculative/proposers.py), optionally with options,
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -103,16 +106,22 @@ class Run:
         return len(self.tokens) - 1
 
 
+# --clock cpu: this process's CPU seconds instead of wall seconds. With one thread per engine on a machine
+# shared with busy neighbours, wall time measures the neighbours (a case's AR tok/s varied 2.4x in one run
+# at load 8); CPU time still counts cache and memory-bandwidth contention, so interleaving stays.
+CLOCK = time.perf_counter
+
+
 def run_case(eng: LLMEngine, prompt: list[int], params: SamplingParams) -> Run:
-    t = time.perf_counter()
+    t = CLOCK()
     rid = eng.add_request(prompt, params)
     seq = eng.seqs[rid]
     t_first, f_first = None, 0
     while eng.has_unfinished():
         eng.step()
         if t_first is None and seq.output_ids:
-            t_first, f_first = time.perf_counter(), eng.runner.num_forwards
-    end = time.perf_counter()
+            t_first, f_first = CLOCK(), eng.runner.num_forwards
+    end = CLOCK()
     assert t_first is not None
     return Run(list(seq.output_ids), end - t, end - t_first, eng.runner.num_forwards - f_first)
 
@@ -134,16 +143,16 @@ class LlamaCpp:
         self.eos = self.llm.token_eos()
 
     def run(self, prompt: list[int], max_tokens: int) -> Run:
-        t = time.perf_counter()
+        t = CLOCK()
         out: list[int] = []
         t_first = t
         for tok in self.llm.generate(prompt, temp=0.0, top_k=1, reset=True):
             if not out:
-                t_first = time.perf_counter()
+                t_first = CLOCK()
             out.append(int(tok))
             if tok == self.eos or len(out) >= max_tokens:
                 break
-        end = time.perf_counter()
+        end = CLOCK()
         return Run(out, end - t, end - t_first, 0)
 
 
@@ -193,18 +202,29 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--llamacpp", action="store_true", help="also llama-cpp-python, plain and prompt lookup")
     ap.add_argument("--pld-tokens", type=int, default=2, help="LlamaPromptLookupDecoding's num_pred_tokens")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=1,
+                    help="N > 1: also the sample's first turns N at a time (different prompts batched), each "
+                         "config against AR on the same batches")
+    ap.add_argument("--batch-only", action="store_true", help="with --batch: skip the batch-1 cases")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="time runs by wall clock or by this process's CPU seconds (a busy shared machine; "
+                         "meaningful with --threads 1)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Runs the benchmark, prints its tables; returns {"cases": [...], "rows": {(config, group): row}, ...}."""
     a = build_parser().parse_args(argv)
-    if a.per_group < 1 or a.max_tokens < 2:
-        raise SystemExit("--per-group must be >= 1 and --max-tokens >= 2")
+    if a.per_group < 1 or a.max_tokens < 2 or a.batch < 1:
+        raise SystemExit("--per-group and --batch must be >= 1 and --max-tokens >= 2")
+    if a.batch_only and a.batch < 2:
+        raise SystemExit("--batch-only needs --batch N with N >= 2")
     try:
         configs = dict(parse_config(c) for c in a.configs)
     except ValueError as e:
         raise SystemExit(f"--configs: {e}") from None
+    global CLOCK
+    CLOCK = time.process_time if a.clock == "cpu" else time.perf_counter
     torch.set_num_threads(a.threads)
     llm = LLM(a.model, progress=False, dtype="float32", numerics=a.numerics)
     path = str(resolve(a.model).path)
@@ -244,9 +264,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         go(label, warm[:64])
     form = "chat template" if chat else "plain prompts"
     print(f"Spec-Bench, {Path(path).name}, numerics {llm.config.numerics}, {form}, batch 1, greedy, max "
-          f"{a.max_tokens} tokens, {a.threads} threads, {a.per_group} per group", flush=True)
+          f"{a.max_tokens} tokens, {a.threads} threads, {a.clock} clock, {a.per_group} per group, load average "
+          f"{os.getloadavg()[0]:.1f}", flush=True)
     cases: list[Case] = []
-    for g, qs in sample.items():
+    for g, qs in ({} if a.batch_only else sample).items():
         for q in qs:
             answers: list[str] = []
             for turn in range(len(q["turns"])):
@@ -262,8 +283,48 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 print(f"  {g} q{q['question_id']} turn {turn + 1}: {len(case.prompt)} prompt tokens, "
                       f"{len(ar.tokens)} out, tok/s {cells}; {mals}", flush=True)
                 answers.append(llm.tokenizer.decode(ar.tokens, skip_special_tokens=True))
-    rows = report(cases, list(configs), a.groups, "llama.cpp" in engines)
-    return {"cases": cases, "rows": rows, "numerics": llm.config.numerics, "chat": chat, "llm": llm}
+    rows = report(cases, list(configs), a.groups, "llama.cpp" in engines) if cases else {}
+    batched = None
+    if a.batch > 1:
+        firsts = [prompts.ids([q["turns"][0]], []) for qs in sample.values() for q in qs]
+        random.Random(a.seed).shuffle(firsts)  # mixed groups in every batch
+        batches = [firsts[i : i + a.batch] for i in range(0, len(firsts) - a.batch + 1, a.batch)]
+        batched = run_batches({k: e for k, e in engines.items() if isinstance(e, LLMEngine)}, batches, params)
+    return {"cases": cases, "rows": rows, "numerics": llm.config.numerics, "chat": chat, "llm": llm,
+            "batched": batched}
+
+
+def run_batches(engines: dict[str, LLMEngine], batches: list[list[list[int]]], params: SamplingParams
+                ) -> dict[str, dict[str, float]]:
+    """Each batch of different prompts through every engine in turn (interleaved): per config its
+    speed-up against AR (total tokens over total seconds, request to last token) and how many
+    requests' tokens equal AR's."""
+    secs = dict.fromkeys(engines, 0.0)
+    toks = dict.fromkeys(engines, 0)
+    same = dict.fromkeys(engines, 0)
+    for batch in batches:
+        ref: list[list[int]] = []
+        for label, eng in engines.items():
+            t = CLOCK()
+            ids = [eng.add_request(p, params) for p in batch]
+            while eng.has_unfinished():
+                eng.step()
+            secs[label] += CLOCK() - t
+            outs = [list(eng.seqs[i].output_ids) for i in ids]
+            for i in ids:
+                eng.release(i)
+            ref = ref or outs
+            toks[label] += sum(map(len, outs))
+            same[label] += sum(o == r for o, r in zip(outs, ref, strict=True))
+    n = sum(map(len, batches))
+    ar = toks["AR"] / secs["AR"]
+    print(f"\nbatched: {len(batches)} batches of {len(batches[0])} different prompts (first turns), tok/s AR {ar:.1f}")
+    out = {}
+    for label in engines:
+        if label != "AR":
+            out[label] = {"speedup": toks[label] / secs[label] / ar, "same": same[label], "n": n}
+            print(f"  {label}: {out[label]['speedup']:.2f}x AR, identical {same[label]}/{n}")
+    return out
 
 
 def _agg(cases: list[Case], label: str) -> dict[str, float]:

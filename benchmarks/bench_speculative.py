@@ -54,7 +54,7 @@ ORDINARY = {
 }
 CONFIGS = {
     "plain AR": None,
-    "hybrid default (gain)": {},
+    "hybrid default (gain)": dict(method="hybrid"),  # (the default was the hybrid when this label was named)
     "hybrid static 16": dict(method="hybrid", depth_schedule="constant"),
     "suffix (gain)": dict(method="suffix"),
     "recycling (gain)": dict(method="recycling"),

@@ -66,8 +66,8 @@ def test_length_follows_the_evidence_and_the_batch():
 def test_auto_schedule_is_gain_where_it_applies():
     from ratchetlm.decoding.speculative.config import SpecConfig
 
-    assert SpecConfig().method == "hybrid" and SpecConfig().depth_schedule == "gain"  # the default's trees
-    for method in ("ngram", "eagle", "recycling", "suffix"):
+    assert SpecConfig().method == "ngram" and SpecConfig().depth_schedule == "gain"  # the default
+    for method in ("hybrid", "eagle", "recycling", "suffix"):
         assert SpecConfig(method=method).depth_schedule == "gain"
     assert SpecConfig(method="draft").depth_schedule == "constant"
     assert SpecConfig(method="ngram", depth_schedule="constant").depth_schedule == "constant"

@@ -90,7 +90,7 @@ def test_speculative_sampling_through_the_engine_matches_the_target(tiny, exact)
 
 
 # the training-free trees: the successor table (filled by the batch's own forwards, shared by all
-# requests; 30 at a time, so later waves draft from a warm table) and the default hybrid with static
+# requests; 30 at a time, so later waves draft from a warm table) and the hybrid with static
 # 8-node trees, so every step verifies a real tree
 TREES = {"recycling": dict(method="recycling", tree_nodes=8, max_num_seqs=30),
          "hybrid": dict(method="hybrid", tree_nodes=8, max_num_seqs=30)}

@@ -48,7 +48,7 @@ def test_configs_are_registry_names_with_options(bench):
 
 def test_a_tiny_run_on_the_default_model(bench, capsys):
     out = bench.main(["--configs", "ngram:depth_schedule=constant", "--per-group", "1", "--max-tokens", "8",
-                      "--groups", "mt_bench", "qa", "--threads", "1"])
+                      "--groups", "mt_bench", "qa", "--threads", "1", "--batch", "2"])
     cases = out["cases"]
     assert [(c.group, c.turn) for c in cases] == [("mt_bench", 1), ("mt_bench", 2), ("qa", 1)]
     first, second = cases[0], cases[1]
@@ -72,3 +72,6 @@ def test_a_tiny_run_on_the_default_model(bench, capsys):
     assert overall["same"] == overall["n"] == 3
     assert 1.0 <= overall["mal"] <= 8 and overall["speedup"] > 0
     assert "| overall | 3 |" in llm_text and "MAL" in llm_text
+    # --batch 2: the two first turns at once, identical to AR's
+    assert out["batched"][name]["same"] == out["batched"][name]["n"] == 2
+    assert out["batched"][name]["speedup"] > 0 and "batches of 2 different prompts" in llm_text

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -90,6 +91,19 @@ def test_sequence_index_longest_match_equals_a_naive_scan(seed):
                 node, m = got
                 assert m == want[0]
                 assert {t: c.count for t, c in node.kids.items()} == dict(want[1])
+                assert trie_substrings(node) == naive_below(tokens[:n], m, depth)  # every level below it
+
+
+def naive_below(tokens: list[int], m: int, depth: int) -> Counter:
+    """Continuations of the last ``m`` tokens' earlier occurrences, as a depth-``depth`` trie counts
+    them: every prefix (up to ``depth - m`` tokens) of what followed each occurrence."""
+    n, suf = len(tokens), tokens[len(tokens) - m:]
+    out: Counter = Counter()
+    for e in range(m - 1, n - 1):
+        if tokens[e - m + 1: e + 1] == suf:
+            for j in range(1, min(depth - m, n - 1 - e) + 1):
+                out[tuple(tokens[e + 1: e + 1 + j])] += 1
+    return out
 
 
 def all_substrings(texts: list[list[int]], depth: int) -> Counter:
@@ -97,9 +111,10 @@ def all_substrings(texts: list[list[int]], depth: int) -> Counter:
                    for j in range(i + 1, min(len(t), i + depth) + 1))
 
 
-def trie_substrings(trie: SuffixTrie) -> Counter:
+def trie_substrings(trie: SuffixTrie | Any) -> Counter:
+    """Every path below ``trie``'s root (or below a node) with its count."""
     out: Counter = Counter()
-    stack = [((), trie.root)]
+    stack = [((), trie.root if isinstance(trie, SuffixTrie) else trie)]
     while stack:
         path, node = stack.pop()
         for t, kid in node.kids.items():

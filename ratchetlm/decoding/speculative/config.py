@@ -15,10 +15,13 @@ GAIN_METHODS = ("ngram", "eagle", *TREE_METHODS)  # methods the gain schedule ap
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """``method``: proposer name ("hybrid", the default: one tree per step merging Token Recycling's
+    """``method``: proposer name ("ngram", the default: prompt lookup, its draft length chosen by
+    expected gain on the measured cost curve; "hybrid": one tree per step merging Token Recycling's
     successor table and suffix-trie matches over the request and the engine's recent outputs, cut
-    by expected gain on the measured cost curve; "recycling" and "suffix" each alone;
-    "ngram" prompt lookup, "draft" layer-skip self-draft,
+    by expected gain; "recycling" and "suffix" each alone; the default is the one measured fastest
+    on Spec-Bench at batch 1 on a CPU, docs/benchmarks.md: ngram 1.17x AR, suffix 1.16x, hybrid 1.11x
+    though its MAL was the highest — its bigger trees and per-row top-k cost more than they added;
+    "draft" layer-skip self-draft,
     "draft_model" a separate local draft model, "eagle" a trained EAGLE head, "mtp" DeepSeek-V4's own
     multi-token-prediction module).
     ``num_candidates`` M: candidates per step (n-gram occurrences / beam width); 1 = chain.
@@ -63,7 +66,7 @@ class SpecConfig:
     ``recycle_k``: successors kept per token in the recycling table (the paper's k = 8).
     ``history_tokens``: tokens of recent finished outputs the suffix trie keeps per engine (0 = none)."""
 
-    method: str = "hybrid"
+    method: str = "ngram"
     num_candidates: int = 1
     depth: int = None  # type: ignore[assignment]  # None: the method's default, resolved below
     min_n: int = 1

@@ -20,6 +20,7 @@ import torch
 
 from ratchetlm.decoding.speculative.cost_curve import CostCurve, measured
 from ratchetlm.decoding.speculative.gain import GainSchedule, PendingContinuation
+from ratchetlm.decoding.speculative.idle_gate import IdleGate
 from ratchetlm.sequence import Sequence
 
 PAD = -1
@@ -38,7 +39,8 @@ class Proposer(ABC):
     # position (the features a trained draft head such as EAGLE, Medusa or an MTP module reads).
     wants_features: bool = False
     # True: the strategy hands :meth:`observe_logits` the logits of every row each forward computed
-    # (committed, rejected or prefill's last), once per step (Token Recycling's successor table)
+    # (committed, rejected or prefill's last), once per step (Token Recycling's successor table);
+    # read at every commit, so a proposer may turn it off for a step it did not propose in
     wants_logits: bool = False
 
     def __init__(self, cfg: Any, ctx: Any) -> None:
@@ -159,11 +161,15 @@ class NgramProposer(Proposer):
         super().__init__(cfg, ctx)
         self.gain = GainSchedule(cfg.max_n, cfg.depth, verify_cost(cfg, ctx)) if cfg.depth_schedule == "gain" else None
         self.gain_skipped = 0  # steps whose n-gram match was not worth drafting
+        self.gate = IdleGate()  # batch sizes at which the gain rule drafts nothing: plain steps, no lookups
 
     def metrics(self) -> dict[str, float]:
-        return {} if self.gain is None else {"spec_decode_gain_skipped_drafts": self.gain_skipped}
+        return {} if self.gain is None else {"spec_decode_gain_skipped_drafts": self.gain_skipped,
+                                             "spec_decode_idle_plain_steps": self.gate.skipped}
 
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[DraftBeam | None]:
+        if self.gain is not None and not self.gate.open(len(seqs)):
+            return [None] * len(seqs)
         out: list[DraftBeam | None] = []
         m = self.cfg.num_candidates
         drafted = 0  # rows this step's earlier sequences drafted (their cost is already taken)
@@ -183,6 +189,8 @@ class NgramProposer(Proposer):
             for i, (_, x) in enumerate(cands):
                 toks[i, : len(x)] = torch.tensor(x, dtype=torch.long)
             out.append(DraftBeam(toks, torch.zeros(toks.shape)))
+        if self.gain is not None:
+            self.gate.observe(len(seqs), drafted > 0)
         return out
 
     def _gain_length(self, seq: Sequence, cands: list[tuple[int, list[int]]], max_depth: int, batch: int,

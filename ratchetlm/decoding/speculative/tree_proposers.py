@@ -17,15 +17,23 @@ from typing import Any
 
 import torch
 
+from ratchetlm.decoding.speculative.idle_gate import IdleGate
 from ratchetlm.decoding.speculative.proposers import DraftBeam, Proposer, register_proposer, verify_cost
 from ratchetlm.decoding.speculative.recycling import SuccessorTable
-from ratchetlm.decoding.speculative.suffix_index import History, SequenceIndex, TrieNode
+from ratchetlm.decoding.speculative.suffix_index import History, SequenceIndex, SpanNode, TrieNode
 from ratchetlm.decoding.speculative.tree_select import Calibration, CostTable, DraftSource, Plan, build, judge, to_beam
 from ratchetlm.sequence import Sequence
 
 TRIE_DEPTH = 20  # substrings indexed per position: a match of up to MAX_MATCH plus its continuation
 MAX_MATCH = 12  # longest suffix match looked up (longer ones are rare and no more telling)
 SUFFIX_WIDTH = 4  # most frequent continuations kept per suffix node
+# A tree step's extra cost against the measured cost curve's price for its rows (tree_select.py): at
+# batch 1 on one core (default model, int8, contexts of 100-300 tokens, process CPU time, medians of
+# ~200 steps each) steps verifying trees of at most 4 / 8 / 16 nodes cost 1.64x / 2.45x / 4.41x a plain
+# step where the curve (1.21x at 4 rows, 1.50x at 8, 2.61x at 16) priced them at ~1.3x / 1.6x / 2.8x:
+# the curve times bare forwards (no context, tree mask, staging, commit or top-k of every row).
+# Priced at the curve, trees of 1-4 nodes looked worth it at MAL 1.4 (QA, math) and lost there.
+TREE_PRICE = 1.6
 _PLAN = "spec_tree_plan"  # strategy_state keys: the last tree (judged once committed tokens pass it)
 _INDEX = "spec_suffix_index"  # this sequence's SequenceIndex
 
@@ -47,10 +55,12 @@ class SuffixSource:
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def expand(self, state: tuple[TrieNode, int], token: int) -> list[tuple[int, Hashable, Any]]:
+    def expand(self, state: tuple[TrieNode | SpanNode, int], token: int) -> list[tuple[int, Hashable, Any]]:
         node, m = state
-        total = sum(k.count for k in node.kids.values())
-        kids = sorted(node.kids.items(), key=lambda kv: -kv[1].count)[:SUFFIX_WIDTH]
+        found: dict[int, TrieNode] | dict[int, SpanNode] = node.kids
+        kids: list[tuple[int, TrieNode | SpanNode]] = sorted(found.items(), key=lambda kv: -kv[1].count)
+        total = sum(k.count for _, k in kids)
+        kids = kids[:SUFFIX_WIDTH]
         seen = 0 if total == 1 else 1 if total < 5 else 2
         return [(t, (self.name, min(m, 8), min(int(4 * k.count / total), 4), seen), (k, m + 1) if k.kids else None)
                 for t, k in kids]
@@ -88,14 +98,21 @@ class TreeProposer(Proposer):
             self.sources += [SuffixSource("suffix"), SuffixSource("history")]
         self.wants_logits = self.recycling
         self.calib = Calibration(prior=prior)
-        self.costs = CostTable(verify_cost(cfg, ctx))
+        # a price fixed by verify_token_cost is taken as given; the measured curve's at its real price
+        self.costs = CostTable(verify_cost(cfg, ctx), 1.0 if cfg.verify_token_cost is not None else TREE_PRICE)
         self.gain = cfg.depth_schedule != "constant"
+        self.gate = IdleGate()  # batch sizes at which the gain rule drafts nothing: plain steps, no proposing
         self.counts = {"trees": 0, "nodes": 0, "skipped": 0}
 
     def max_draft_tokens(self, depth: int) -> int:
         return self.cfg.tree_nodes
 
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[DraftBeam | None]:
+        # a gated step is a plain one: nothing proposed, and the strategy hands over no logits (no top-k)
+        gated = self.gain and not self.gate.open(len(seqs))
+        self.wants_logits = self.recycling and not gated
+        if gated:
+            return [None] * len(seqs)
         out: list[DraftBeam | None] = []
         drafted = 0  # rows this step's earlier sequences drafted
         for seq, d in zip(seqs, depths, strict=True):
@@ -115,6 +132,8 @@ class TreeProposer(Proposer):
             drafted += len(plan.nodes) + 1
             beam = to_beam(plan.nodes)
             out.append(DraftBeam(beam, torch.zeros(beam.shape)))
+        if self.gain:
+            self.gate.observe(len(seqs), drafted > 0)
         return out
 
     def _roots(self, seq: Sequence) -> dict[int, Any]:
@@ -149,7 +168,7 @@ class TreeProposer(Proposer):
     def metrics(self) -> dict[str, float]:
         c = self.counts
         return {"spec_decode_tree_drafts": c["trees"], "spec_decode_tree_draft_nodes": c["nodes"],
-                "spec_decode_gain_skipped_drafts": c["skipped"]}
+                "spec_decode_gain_skipped_drafts": c["skipped"], "spec_decode_idle_plain_steps": self.gate.skipped}
 
 
 @register_proposer("recycling")

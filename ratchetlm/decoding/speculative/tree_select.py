@@ -13,11 +13,14 @@ the edge probabilities from the root), so with nodes taken best-first by path pr
 child's never exceeds its parent's: every prefix of the order is a tree) the tree of ``n`` nodes
 is worth::
 
-    value(n) = (1 + Σ_{first n} p_path) / (share + C(B + e + n + 1) − C(B + e)),   value(0) = 1 / share
+    value(n) = (1 + Σ_{first n} p_path) / (share + k·(C(B + e + n + 1) − C(B + e))),   value(0) = 1 / share
 
 — the gain schedule's rule (gain.py) with the chain's ``P(≥ j)`` replaced by node path
 probabilities: ``C`` the measured cost curve, ``share = C(B)/B``, ``e`` the rows earlier sequences
-of the step drafted. The tree is the ``n`` maximising it (0: a plain step).
+of the step drafted. The tree is the ``n`` maximising it (0: a plain step). ``k``
+(``CostTable.tree_price``, ``TREE_PRICE`` in tree_proposers.py for the measured curve) is what a tree
+step's rows really cost against the curve's price: the curve times bare forwards with no context,
+mask, staging or per-row top-k, and a tree step measured ~1.6x the curve's extra cost.
 
 Judging: every candidate child of every node the tree *selected* (drafted or not) is scored once the
 committed tokens pass it — hit if it is the committed token — walking down the committed path while
@@ -105,10 +108,12 @@ def _children(sources: list[DraftSource], states: dict[int, Any], token: int, ca
 
 
 class CostTable:
-    """The cost curve at 0..R rows as an array (grown on demand; row 0 read as 1)."""
+    """The cost curve at 0..R rows as an array (grown on demand; row 0 read as 1). ``tree_price``:
+    what a draft's rows really cost per unit of the curve's price for them (1: the curve as is)."""
 
-    def __init__(self, cost: CostCurve) -> None:
-        self.cost, self.c = cost, np.ones(1)
+    def __init__(self, cost: CostCurve, tree_price: float = 1.0) -> None:
+        assert tree_price >= 1.0, tree_price
+        self.cost, self.c, self.tree_price = cost, np.ones(1), tree_price
 
     def __call__(self, rows: int) -> np.ndarray:
         if len(self.c) <= rows:
@@ -130,6 +135,7 @@ def build(sources: list[DraftSource], roots: dict[int, Any], root_token: int, ca
     c = costs(batch + drafted + max_nodes + 2)
     share = c[batch] / batch
     base = batch + drafted
+    c = c[base] + costs.tree_price * (c - c[base])  # a draft's rows at their real price (c[base] unchanged)
     nodes: list[Node] = []
     expected, best, best_n = 1.0, 1.0 / share, 0
     while heap and len(nodes) < max_nodes:
