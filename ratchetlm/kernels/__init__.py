@@ -33,12 +33,15 @@ import torch  # noqa: F401  (must be loaded before the kernel library: shared Op
 log = logging.getLogger(__name__)
 
 # Each source is one translation unit and one object, compiled in parallel; the slowest first, so that a
-# parallel build ends on the quick ones (the int8 panel kernel is one unit per stored-value width).
+# parallel build ends on the quick ones (the int8 panel kernel is one unit per stored-value width, the
+# few-token fp32 kernels two units beside the matmul driver).
 SOURCES = tuple(Path(__file__).with_name(n) for n in (
-    "matmul_int8_vb4.c", "matmul_int8_vb8.c", "matmul.c", "matmul_int8_vb6.c", "matmul_int8_vb5.c", "attention.c",
-    "matmul_int8.c", "dequant.c", "norm_rope.c", "argmax.c", "chain.c"))
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("ggml_types.h", "units_avx512.h", "units_avx2.h", "silu.h",
-                                                           "attention_avx2.h", "matmul_int8_panel.h"))
+    "matmul_int8_vb8.c", "matmul_int8_vb4.c", "matmul_int8_vb5.c", "matmul_int8_vb6.c", "matmul_few_k.c",
+    "matmul_few_blocks.c", "attention.c", "matmul_int8.c", "matmul.c", "dequant.c", "norm_rope.c", "argmax.c",
+    "chain.c"))
+HEADERS = tuple(Path(__file__).with_name(n) for n in (
+    "ggml_types.h", "units_avx512.h", "units_avx2.h", "silu.h", "attention_avx2.h", "matmul_int8_panel.h",
+    "matmul_vec.h", "matmul_few.h"))
 # -ffp-contract=off: dequantization must round exactly like gguf-py's numpy code (no fused d * q + m).
 _CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fPIC"]
 _LDFLAGS = ["-shared", "-fopenmp"]

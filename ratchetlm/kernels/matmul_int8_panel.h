@@ -196,85 +196,87 @@ static inline __attribute__((always_inline)) __m256i dot_w_avx2(__m256i I, __m25
     return _mm256_add_epi32(I, _mm256_add_epi32(hi, lo));
 }
 
-#define AVX2_TS 4 /* the most tokens a pass over a panel's groups takes (panel_tile's TS) */
-static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, const uint8_t *SM, int z,
+#define AVX2_TS 4 /* the most tokens a pass over a panel's groups takes */
+#define PANEL_PASSES 1 /* the kinds below instantiate panel_pass, not panel_tile */
+/* Q6_K's heavier unpacking pays for a fourth token per pass (kernel 1.09-1.18x at 8-256 rows), the
+ * other formats measured 0.91-1.08x with it */
+#define AVX2_PASS(vb) ((vb) == 6 ? 4 : 3)
+/* One pass over the panel's groups for the S tokens t0 .. t0 + S - 1 of a tile of tt. S is a literal
+ * at every call (the integer chains live in registers); tt and t0 are literals where the kinds below
+ * can afford them (they only move pointers: a literal stride measured 3-10% faster than one read at
+ * run time, at 1-8 tokens). */
+static inline __attribute__((always_inline)) void panel_pass(const uint8_t *Q, const uint8_t *SM, int z,
                                                              const xtile_t *xs, int K, const int G, const int vb,
                                                              const int b16, const int has_m, const int unit, int SB,
-                                                             float *y, int N, int nvalid, const int tt) {
+                                                             float *y, int N, int nvalid, int tt, int t0,
+                                                             const int S) {
     const int C = G / 4, NG = K / G, GPS = SB / G, SBB = (1 + has_m) * (2 + (unit ? 0 : GPS)) * PN;
     const __m256i m00ff = _mm256_set1_epi16(0xFF), lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    /* 2 halves x TS tokens of I in registers; Q6_K's heavier unpacking pays for a fourth token (kernel
-     * 1.09-1.18x at 8-256 rows), the other formats measured 0.91-1.08x with it */
-    const int TS = vb == 6 ? 4 : 3;
-    #pragma GCC unroll 4
-    for (int t0 = 0; t0 < tt; t0 += TS) {
-        const int S = tt - t0 < TS ? tt - t0 : TS; /* tokens in this pass (a literal once tt is) */
-        /* The float accumulators live in memory (L1), touched once per group and token, so that the 16 ymm
-         * registers hold the 6 integer chains and the weight vectors (in registers beside them: 0.85-1.09x
-         * the time of this, measured with the chains' asm below in place). */
-        float acc[AVX2_TS][2][8] __attribute__((aligned(32)));
-        for (int t = 0; t < AVX2_TS; t++)
-            for (int h = 0; h < 2; h++) _mm256_store_ps(acc[t][h], _mm256_setzero_ps());
-        for (int g = 0; g < NG; g++) {
-            const uint8_t *sbp = SM + (long)(g / GPS) * SBB, *qg = Q + (long)g * G * PN * vb / 8;
-            if (t0 == 0)
-                for (int o = 0; o < G * PN * vb / 8; o += 64) _mm_prefetch((const char *)qg + Q_AHEAD + o, _MM_HINT_T0);
-            /* one int32 chain per token and half: u . x (16 bits) or u . xq (8 bits). (One half at a time
-             * for 6 tokens, unpacking a half's weights once for 6: 0.88-1.01x; both halves per token with
-             * its pairs broadcast once: 0.98-1.03x; neither kept.) */
-            __m256i I[AVX2_TS][2];
-            for (int t = 0; t < AVX2_TS; t++) I[t][0] = I[t][1] = _mm256_setzero_si256();
-            #pragma GCC unroll 8
-            for (int c = 0; c < C; c++) {
-                #pragma GCC unroll 2
-                for (int h = 0; h < 2; h++) {
-                    const __m256i w = unpack_avx2(qg, C, vb, c, h);
-                    /* 16 bits: bytes 0, 2 and 1, 3 of each lane's four as int16 (unsigned, < 256) */
-                    const __m256i w02 = _mm256_and_si256(w, m00ff), w13 = _mm256_srli_epi16(w, 8);
-                    #pragma GCC unroll 4
-                    for (int t = 0; t < S; t++) {
-                        const long i = ((long)g * C + c) * tt + t0 + t;
-                        if (b16) { /* int16 pairs: (w0 x0 + w2 x2) + (w1 x1 + w3 x3), one vpmaddwd each */
-                            I[t][h] = _mm256_add_epi32(I[t][h], _mm256_madd_epi16(w02, _mm256_set1_epi32(xs->xh[i])));
-                            I[t][h] = _mm256_add_epi32(I[t][h], _mm256_madd_epi16(w13, _mm256_set1_epi32(xs->xl[i])));
-                        } else {
-                            I[t][h] = dot_w_avx2(I[t][h], w, xs->xh[i], vb);
-                        }
-                        /* keep the chain a chain: GCC otherwise reassociates the unrolled integer sums into
-                         * trees whose products no longer fit the 16 registers and spills them */
-                        __asm__("" : "+x"(I[t][h]));
-                    }
-                }
-            }
-            const int8_t *cp = (const int8_t *)sbp + (1 + has_m) * 2 * PN + (g % GPS) * (1 + has_m) * PN;
+    /* The float accumulators live in memory (L1), touched once per group and token, so that the 16 ymm
+     * registers hold the 6 integer chains and the weight vectors (in registers beside them: 0.85-1.09x
+     * the time of this, measured with the chains' asm below in place). */
+    float acc[AVX2_TS][2][8] __attribute__((aligned(32)));
+    for (int t = 0; t < AVX2_TS; t++)
+        for (int h = 0; h < 2; h++) _mm256_store_ps(acc[t][h], _mm256_setzero_ps());
+    for (int g = 0; g < NG; g++) {
+        const uint8_t *sbp = SM + (long)(g / GPS) * SBB, *qg = Q + (long)g * G * PN * vb / 8;
+        if (t0 == 0)
+            for (int o = 0; o < G * PN * vb / 8; o += 64) _mm_prefetch((const char *)qg + Q_AHEAD + o, _MM_HINT_T0);
+        /* one int32 chain per token and half: u . x (16 bits) or u . xq (8 bits). (One half at a time
+         * for 6 tokens, unpacking a half's weights once for 6: 0.88-1.01x; both halves per token with
+         * its pairs broadcast once: 0.98-1.03x; neither kept.) */
+        __m256i I[AVX2_TS][2];
+        for (int t = 0; t < AVX2_TS; t++) I[t][0] = I[t][1] = _mm256_setzero_si256();
+        #pragma GCC unroll 8
+        for (int c = 0; c < C; c++) {
             #pragma GCC unroll 2
-            for (int h = 0; h < 2; h++) { /* s = D * c and m = D_m * c_m, as the AVX-512 kernel forms them */
-                const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sbp + 16 * h)));
-                const __m256 sv = unit ? D : _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cp + 8 * h)))));
-                __m256 mv = _mm256_setzero_ps();
-                if (has_m) {
-                    const __m256 Dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sbp + 2 * PN + 16 * h)));
-                    mv = unit ? Dm : _mm256_mul_ps(Dm, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cp + PN + 8 * h)))));
-                }
+            for (int h = 0; h < 2; h++) {
+                const __m256i w = unpack_avx2(qg, C, vb, c, h);
+                /* 16 bits: bytes 0, 2 and 1, 3 of each lane's four as int16 (unsigned, < 256) */
+                const __m256i w02 = _mm256_and_si256(w, m00ff), w13 = _mm256_srli_epi16(w, 8);
                 #pragma GCC unroll 4
                 for (int t = 0; t < S; t++) {
-                    const long gt = (long)g * tt + t0 + t;
-                    const int32_t zq = z ? (G == 32 ? xs->zq32[gt] : xs->zq16[gt]) : 0;
-                    const float dx = G == 32 ? xs->d32[gt] : xs->d32[(long)g / 2 * tt + t0 + t];
-                    const __m256i It = z ? _mm256_add_epi32(I[t][h], _mm256_set1_epi32(zq)) : I[t][h];
-                    __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(It), _mm256_mul_ps(sv, _mm256_set1_ps(dx)), _mm256_load_ps(acc[t][h]));
-                    if (has_m)
-                        a = _mm256_fmadd_ps(mv, _mm256_set1_ps(G == 32 ? xs->sx32[gt] : xs->sx16[gt]), a);
-                    _mm256_store_ps(acc[t][h], a);
+                    const long i = ((long)g * C + c) * tt + t0 + t;
+                    if (b16) { /* int16 pairs: (w0 x0 + w2 x2) + (w1 x1 + w3 x3), one vpmaddwd each */
+                        I[t][h] = _mm256_add_epi32(I[t][h], _mm256_madd_epi16(w02, _mm256_set1_epi32(xs->xh[i])));
+                        I[t][h] = _mm256_add_epi32(I[t][h], _mm256_madd_epi16(w13, _mm256_set1_epi32(xs->xl[i])));
+                    } else {
+                        I[t][h] = dot_w_avx2(I[t][h], w, xs->xh[i], vb);
+                    }
+                    /* keep the chain a chain: GCC otherwise reassociates the unrolled integer sums into
+                     * trees whose products no longer fit the 16 registers and spills them */
+                    __asm__("" : "+x"(I[t][h]));
                 }
             }
         }
-        for (int t = 0; t < S; t++)
-            for (int h = 0; h < 2; h++) {
-                const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(nvalid - 8 * h), lane);
-                _mm256_maskstore_ps(y + (long)(t0 + t) * N + 8 * h, mask, _mm256_load_ps(acc[t][h]));
+        const int8_t *cp = (const int8_t *)sbp + (1 + has_m) * 2 * PN + (g % GPS) * (1 + has_m) * PN;
+        #pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) { /* s = D * c and m = D_m * c_m, as the AVX-512 kernel forms them */
+            const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sbp + 16 * h)));
+            const __m256 sv = unit ? D : _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cp + 8 * h)))));
+            __m256 mv = _mm256_setzero_ps();
+            if (has_m) {
+                const __m256 Dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sbp + 2 * PN + 16 * h)));
+                mv = unit ? Dm : _mm256_mul_ps(Dm, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cp + PN + 8 * h)))));
             }
+            #pragma GCC unroll 4
+            for (int t = 0; t < S; t++) {
+                const long gt = (long)g * tt + t0 + t;
+                const int32_t zq = z ? (G == 32 ? xs->zq32[gt] : xs->zq16[gt]) : 0;
+                const float dx = G == 32 ? xs->d32[gt] : xs->d32[(long)g / 2 * tt + t0 + t];
+                const __m256i It = z ? _mm256_add_epi32(I[t][h], _mm256_set1_epi32(zq)) : I[t][h];
+                __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(It), _mm256_mul_ps(sv, _mm256_set1_ps(dx)), _mm256_load_ps(acc[t][h]));
+                if (has_m)
+                    a = _mm256_fmadd_ps(mv, _mm256_set1_ps(G == 32 ? xs->sx32[gt] : xs->sx16[gt]), a);
+                _mm256_store_ps(acc[t][h], a);
+            }
+        }
     }
+    for (int t = 0; t < S; t++)
+        for (int h = 0; h < 2; h++) {
+            const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(nvalid - 8 * h), lane);
+            _mm256_maskstore_ps(y + (long)(t0 + t) * N + 8 * h, mask, _mm256_load_ps(acc[t][h]));
+        }
 }
 #else
 /* portable C : the same sequence per lane */
@@ -331,11 +333,58 @@ static inline void panel_tile(const uint8_t *Q, const uint8_t *SM, int z, const 
 }
 #endif
 
-/* One function per panel kind (G, VB, B16, HM, U) and tile size tt, each one panel_tile with literal
- * arguments (the accumulators then live in registers): gcc's per-function passes (points-to analysis,
- * value numbering) take time that grows faster than a function's size, and when a unit's every kind and
- * tile size was inlined into one function (one switch) the AVX2 build of the int8 kernels took 154 s of
- * CPU instead of ~60 (the same loops; the tile size is picked through a table of functions instead). */
+/* One function per panel kind (G, VB, B16, HM, U) and tile shape, each one panel_tile (panel_pass) with
+ * literal arguments (the accumulators then live in registers): gcc's per-function passes (points-to
+ * analysis, value numbering) take time that grows faster than a function's size, and when a unit's every
+ * kind and tile size was inlined into one function (one switch) the AVX2 build of the int8 kernels took
+ * 154 s of CPU instead of ~74 (the same loops; the tile size is picked through a table of functions). */
+#if defined(PANEL_PASSES)
+/* AVX2: a tile of tt tokens is passes of AVX2_PASS(VB) tokens and one shorter; with a function per tile
+ * size 1..8 (each its passes, 36 token-passes a kind) the four AVX2 units took 74 s of CPU to compile. The
+ * pass functions here: tt = S for tiles of one pass (decode, short verify: tt, t0 literal), the passes of
+ * a full tile of TT (prefill: tt literal), and one per S with tt and t0 read at run time for the tiles of
+ * 4-7 tokens (17 token-passes a kind; a function never called is never emitted, e.g. S = 4 where passes
+ * take 3). */
+#define PANEL_S(NAME, G, VB, B16, HM, U, S, TTL)                                                                       \
+    static __attribute__((noinline)) void NAME(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K,   \
+                                               int SB, float *y, int N, int nvalid, int tt, int t0) {                  \
+        panel_pass(Q, SM, z, xs, K, G, VB, B16, HM, U, SB, y, N, nvalid, TTL ? TTL : tt, TTL == S ? 0 : t0, S);        \
+    }
+#define PANEL_KIND(NAME, G, VB, B16, HM, U)                                                                            \
+    PANEL_S(NAME##_1, G, VB, B16, HM, U, 1, 1) PANEL_S(NAME##_2, G, VB, B16, HM, U, 2, 2)                              \
+    PANEL_S(NAME##_3, G, VB, B16, HM, U, 3, 3) PANEL_S(NAME##_4, G, VB, B16, HM, U, 4, 4)                              \
+    PANEL_S(NAME##_r1, G, VB, B16, HM, U, 1, 0) PANEL_S(NAME##_r2, G, VB, B16, HM, U, 2, 0)                            \
+    PANEL_S(NAME##_r3, G, VB, B16, HM, U, 3, 0) PANEL_S(NAME##_r4, G, VB, B16, HM, U, 4, 0)                            \
+    PANEL_S(NAME##_8a, G, VB, B16, HM, U, AVX2_PASS(VB), TT)                                                           \
+    PANEL_S(NAME##_8b, G, VB, B16, HM, U, TT % AVX2_PASS(VB), TT)                                                      \
+    static void NAME(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, int SB, float *y, int N,    \
+                     int nvalid, int tt) {                                                                             \
+        const int TS = AVX2_PASS(VB);                                                                                  \
+        if (tt == 1)                                                                                                   \
+            NAME##_1(Q, SM, z, xs, K, SB, y, N, nvalid, tt, 0);                                                        \
+        else if (tt == 2)                                                                                              \
+            NAME##_2(Q, SM, z, xs, K, SB, y, N, nvalid, tt, 0);                                                        \
+        else if (tt == 3)                                                                                              \
+            NAME##_3(Q, SM, z, xs, K, SB, y, N, nvalid, tt, 0);                                                        \
+        else if (TS == 4 && tt == 4)                                                                                   \
+            NAME##_4(Q, SM, z, xs, K, SB, y, N, nvalid, tt, 0);                                                        \
+        else if (tt == TT) {                                                                                           \
+            for (int t0 = 0; t0 + TS <= TT; t0 += TS) NAME##_8a(Q, SM, z, xs, K, SB, y, N, nvalid, tt, t0);           \
+            if (TT % TS) NAME##_8b(Q, SM, z, xs, K, SB, y, N, nvalid, tt, TT - TT % TS);                               \
+        } else                                                                                                         \
+            for (int t0 = 0; t0 < tt; t0 += TS) {                                                                      \
+                const int S = tt - t0 < TS ? tt - t0 : TS;                                                             \
+                if (S == 1)                                                                                            \
+                    NAME##_r1(Q, SM, z, xs, K, SB, y, N, nvalid, tt, t0);                                              \
+                else if (S == 2)                                                                                       \
+                    NAME##_r2(Q, SM, z, xs, K, SB, y, N, nvalid, tt, t0);                                              \
+                else if (AVX2_PASS(VB) == 4 && S == 4)                                                                 \
+                    NAME##_r4(Q, SM, z, xs, K, SB, y, N, nvalid, tt, t0);                                              \
+                else                                                                                                   \
+                    NAME##_r3(Q, SM, z, xs, K, SB, y, N, nvalid, tt, t0);                                              \
+            }                                                                                                          \
+    }
+#else
 #define PANEL_TT(NAME, G, VB, B16, HM, U, T)                                                                            \
     static __attribute__((noinline)) void NAME(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K,   \
                                                int SB, float *y, int N, int nvalid) {                                  \
@@ -352,6 +401,7 @@ static inline void panel_tile(const uint8_t *Q, const uint8_t *SM, int z, const 
             {NAME##_1, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6, NAME##_7, NAME##_8};                \
         f[tt < TT ? tt : TT](Q, SM, z, xs, K, SB, y, N, nvalid);                                                       \
     }
+#endif
 
 /* the four kinds of one (G, VB, U), 8- or 16-bit activations, with or without offsets, and function NAME
  * that picks one */
