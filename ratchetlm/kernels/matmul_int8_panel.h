@@ -384,7 +384,28 @@ static inline void panel_tile(const uint8_t *Q, const uint8_t *SM, int z, const 
                     NAME##_r3(Q, SM, z, xs, K, SB, y, N, nvalid, tt, t0);                                              \
             }                                                                                                          \
     }
+/* a kind no single format's panels take (PANEL_KINDS' FAST flags): only the passes with tt and t0 read at
+ * run time (the same bits, 3-10% slower on AVX2; 6-10 token-passes instead of 17-24) */
+#define PANEL_KIND_RARE(NAME, G, VB, B16, HM, U)                                                                       \
+    PANEL_S(NAME##_r1, G, VB, B16, HM, U, 1, 0) PANEL_S(NAME##_r2, G, VB, B16, HM, U, 2, 0)                            \
+    PANEL_S(NAME##_r3, G, VB, B16, HM, U, 3, 0) PANEL_S(NAME##_r4, G, VB, B16, HM, U, 4, 0)                            \
+    static void NAME(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, int SB, float *y, int N,    \
+                     int nvalid, int tt) {                                                                             \
+        const int TS = AVX2_PASS(VB);                                                                                  \
+        for (int t0 = 0; t0 < tt; t0 += TS) {                                                                          \
+            const int S = tt - t0 < TS ? tt - t0 : TS;                                                                 \
+            if (S == 1)                                                                                                \
+                NAME##_r1(Q, SM, z, xs, K, SB, y, N, nvalid, tt, t0);                                                  \
+            else if (S == 2)                                                                                           \
+                NAME##_r2(Q, SM, z, xs, K, SB, y, N, nvalid, tt, t0);                                                  \
+            else if (AVX2_PASS(VB) == 4 && S == 4)                                                                     \
+                NAME##_r4(Q, SM, z, xs, K, SB, y, N, nvalid, tt, t0);                                                  \
+            else                                                                                                       \
+                NAME##_r3(Q, SM, z, xs, K, SB, y, N, nvalid, tt, t0);                                                  \
+        }                                                                                                              \
+    }
 #else
+#define PANEL_KIND_RARE PANEL_KIND
 #define PANEL_TT(NAME, G, VB, B16, HM, U, T)                                                                            \
     static __attribute__((noinline)) void NAME(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K,   \
                                                int SB, float *y, int N, int nvalid) {                                  \
@@ -403,13 +424,18 @@ static inline void panel_tile(const uint8_t *Q, const uint8_t *SM, int z, const 
     }
 #endif
 
+#define PANEL_KIND_FAST1 PANEL_KIND
+#define PANEL_KIND_FAST0 PANEL_KIND_RARE
 /* the four kinds of one (G, VB, U), 8- or 16-bit activations, with or without offsets, and function NAME
- * that picks one */
-#define PANEL_KINDS(NAME, G, VB, U)                                                                                    \
-    PANEL_KIND(NAME##_a8, G, VB, 0, 0, U)                                                                              \
-    PANEL_KIND(NAME##_a8m, G, VB, 0, 1, U)                                                                             \
-    PANEL_KIND(NAME##_a16, G, VB, 1, 0, U)                                                                             \
-    PANEL_KIND(NAME##_a16m, G, VB, 1, 1, U)                                                                            \
+ * that picks one. F0, F1 (1 or 0): whether the kinds without / with offsets are panels a single format
+ * makes (Q4_0 ... Q8_0, the K-quants: matmul_int8.c), or arise only where a fused weight mixes formats
+ * (a zero point or offsets from another part, e.g. Q6_K rows beside Q8_0 rows: 8-bit values in groups
+ * of 16), which the AVX2 build compiles as the cheaper PANEL_KIND_RARE (3 of the 4 AVX2 units' time). */
+#define PANEL_KINDS(NAME, G, VB, U, F0, F1)                                                                            \
+    PANEL_KIND_FAST##F0(NAME##_a8, G, VB, 0, 0, U)                                                                     \
+    PANEL_KIND_FAST##F1(NAME##_a8m, G, VB, 0, 1, U)                                                                    \
+    PANEL_KIND_FAST##F0(NAME##_a16, G, VB, 1, 0, U)                                                                    \
+    PANEL_KIND_FAST##F1(NAME##_a16m, G, VB, 1, 1, U)                                                                   \
     static void NAME(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, int b16, int has_m, int SB, \
                      float *y, int N, int nvalid, int tt) {                                                            \
         (b16 ? (has_m ? NAME##_a16m : NAME##_a16) : (has_m ? NAME##_a8m : NAME##_a8))(Q, SM, z, xs, K, SB, y, N,       \
