@@ -8,6 +8,12 @@ it is done; later processes load the cached library from ``~/.cache/ratchetlm/ke
 compiler is found or the build fails, :func:`load` returns None and callers keep their dense PyTorch
 path (same results).
 
+Why not at install time: the library is built for the machine that runs it (``-march=native``, and the
+cache key holds this CPU's flags), while pip builds a project once wherever it installs it and keeps
+the wheel in its cache for other machines and containers; a build step would also have to write into
+the user's home from pip's isolated build (often another user or HOME: sudo, a Docker layer). It
+would move the same compile to ``pip install``, not remove it.
+
 The shared object links ``libgomp.so.1`` by soname; torch is imported first and has already
 loaded its own ``libgomp.so.1``, so both use one OpenMP runtime and one thread pool.
 """
@@ -49,9 +55,10 @@ _LDFLAGS = ["-shared", "-fopenmp"]
 _ARCH_FLAGS: tuple[list[str], ...] = (["-march=native"], [])
 # CPU seconds of a whole build (every unit, gcc 12 -O3) on the developers' 2.5 GHz Xeon, by the kernel paths
 # the flags select: the estimate the first-use log line gives, divided over the parallel jobs. Measured
-# 2026-11-28 on a busy machine: AVX-512 46-55 s, AVX2 125 s, portable C 7 s (one cc call for every
-# source before, serial: AVX-512 ~55 s, AVX2 ~170 s, of which matmul_int8.c 154 s)
-BUILD_CPU_S = {"avx512": 50.0, "avx2": 120.0, "portable C": 8.0}
+# 2026-11-28 at load 12-13 (docs/benchmarks.md, "Kernel build time"): AVX-512 35 s, AVX2 40 s
+# (-march=znver3 38 s), portable C 4 s; before the AVX2 panel kernel compiled passes instead of tile
+# sizes and the few-token kernels got units of their own: AVX-512 49 s, AVX2 92 s (znver3 91 s)
+BUILD_CPU_S = {"avx512": 35.0, "avx2": 40.0, "portable C": 4.0}
 
 
 def cache_dir() -> Path:
