@@ -202,9 +202,8 @@ static inline __attribute__((always_inline)) __m256i dot_w_avx2(__m256i I, __m25
  * other formats measured 0.91-1.08x with it */
 #define AVX2_PASS(vb) ((vb) == 6 ? 4 : 3)
 /* One pass over the panel's groups for the S tokens t0 .. t0 + S - 1 of a tile of tt. S is a literal
- * at every call (the integer chains live in registers); tt and t0 are literals where the kinds below
- * can afford them (they only move pointers: a literal stride measured 3-10% faster than one read at
- * run time, at 1-8 tokens). */
+ * at every call (the integer chains live in registers); tt and t0 only move pointers, literals where
+ * the kinds below say so. */
 static inline __attribute__((always_inline)) void panel_pass(const uint8_t *Q, const uint8_t *SM, int z,
                                                              const xtile_t *xs, int K, const int G, const int vb,
                                                              const int b16, const int has_m, const int unit, int SB,
@@ -339,56 +338,61 @@ static inline void panel_tile(const uint8_t *Q, const uint8_t *SM, int z, const 
  * kind and tile size was inlined into one function (one switch) the AVX2 build of the int8 kernels took
  * 154 s of CPU instead of ~74 (the same loops; the tile size is picked through a table of functions). */
 #if defined(PANEL_PASSES)
-/* AVX2: a tile of tt tokens is passes of AVX2_PASS(VB) tokens and one shorter; with a function per tile
- * size 1..8 (each its passes, 36 token-passes a kind) the four AVX2 units took 74 s of CPU to compile. The
- * pass functions here: tt = S for tiles of one pass (decode, short verify: tt, t0 literal), the passes of
- * a full tile of TT (prefill: tt literal), and one per S with tt and t0 read at run time for the tiles of
- * 4-7 tokens (17 token-passes a kind; a function never called is never emitted, e.g. S = 4 where passes
- * take 3). */
-#define PANEL_S(NAME, G, VB, B16, HM, U, S, TTL)                                                                       \
+/* AVX2: a tile of tt tokens is passes of AVX2_PASS(VB) (TS) tokens and one shorter; with a function per
+ * tile size 1..8 (each its passes, 36 token-passes a kind) the four AVX2 units took 74 s of CPU to
+ * compile. The pass functions here, with S and t0 literals (t0 read at run time measured 5-20% slower):
+ * tt = S for tiles of one pass (decode, short verify), the passes of a full tile of TT (prefill, tt a
+ * literal too), and for tiles of 4-7 tokens a first pass of TS and the rest at t0 = TS (and 6) with tt
+ * read at run time (the same speed within noise): 24 token-passes a kind (28 for TS = 4). A function
+ * never called is never emitted (e.g. S = 4 where passes take 3). */
+#define PANEL_S(NAME, G, VB, B16, HM, U, S, TTL, T0L)                                                                  \
     static __attribute__((noinline)) void NAME(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K,   \
                                                int SB, float *y, int N, int nvalid, int tt, int t0) {                  \
-        panel_pass(Q, SM, z, xs, K, G, VB, B16, HM, U, SB, y, N, nvalid, TTL ? TTL : tt, TTL == S ? 0 : t0, S);        \
+        panel_pass(Q, SM, z, xs, K, G, VB, B16, HM, U, SB, y, N, nvalid, TTL ? TTL : tt, T0L < 0 ? t0 : T0L, S);       \
     }
 #define PANEL_KIND(NAME, G, VB, B16, HM, U)                                                                            \
-    PANEL_S(NAME##_1, G, VB, B16, HM, U, 1, 1) PANEL_S(NAME##_2, G, VB, B16, HM, U, 2, 2)                              \
-    PANEL_S(NAME##_3, G, VB, B16, HM, U, 3, 3) PANEL_S(NAME##_4, G, VB, B16, HM, U, 4, 4)                              \
-    PANEL_S(NAME##_r1, G, VB, B16, HM, U, 1, 0) PANEL_S(NAME##_r2, G, VB, B16, HM, U, 2, 0)                            \
-    PANEL_S(NAME##_r3, G, VB, B16, HM, U, 3, 0) PANEL_S(NAME##_r4, G, VB, B16, HM, U, 4, 0)                            \
-    PANEL_S(NAME##_8a, G, VB, B16, HM, U, AVX2_PASS(VB), TT)                                                           \
-    PANEL_S(NAME##_8b, G, VB, B16, HM, U, TT % AVX2_PASS(VB), TT)                                                      \
+    PANEL_S(NAME##_1, G, VB, B16, HM, U, 1, 1, 0) PANEL_S(NAME##_2, G, VB, B16, HM, U, 2, 2, 0)                        \
+    PANEL_S(NAME##_3, G, VB, B16, HM, U, 3, 3, 0) PANEL_S(NAME##_4, G, VB, B16, HM, U, 4, 4, 0)                        \
+    PANEL_S(NAME##_8p0, G, VB, B16, HM, U, AVX2_PASS(VB), TT, 0)                                                       \
+    PANEL_S(NAME##_8p1, G, VB, B16, HM, U, AVX2_PASS(VB), TT, AVX2_PASS(VB))                                           \
+    PANEL_S(NAME##_8p2, G, VB, B16, HM, U, 2, TT, 6)                                                                   \
+    PANEL_S(NAME##_rf, G, VB, B16, HM, U, AVX2_PASS(VB), 0, 0)                                                         \
+    PANEL_S(NAME##_rm1, G, VB, B16, HM, U, 1, 0, AVX2_PASS(VB))                                                        \
+    PANEL_S(NAME##_rm2, G, VB, B16, HM, U, 2, 0, AVX2_PASS(VB))                                                        \
+    PANEL_S(NAME##_rm3, G, VB, B16, HM, U, 3, 0, AVX2_PASS(VB))                                                        \
+    PANEL_S(NAME##_rt1, G, VB, B16, HM, U, 1, 0, 6)                                                                    \
     static void NAME(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, int SB, float *y, int N,    \
                      int nvalid, int tt) {                                                                             \
         const int TS = AVX2_PASS(VB);                                                                                  \
-        if (tt == 1)                                                                                                   \
+        if (tt == 1) {                                                                                                 \
             NAME##_1(Q, SM, z, xs, K, SB, y, N, nvalid, tt, 0);                                                        \
-        else if (tt == 2)                                                                                              \
+        } else if (tt == 2) {                                                                                          \
             NAME##_2(Q, SM, z, xs, K, SB, y, N, nvalid, tt, 0);                                                        \
-        else if (tt == 3)                                                                                              \
+        } else if (tt == 3) {                                                                                          \
             NAME##_3(Q, SM, z, xs, K, SB, y, N, nvalid, tt, 0);                                                        \
-        else if (TS == 4 && tt == 4)                                                                                   \
+        } else if (AVX2_PASS(VB) == 4 && tt == 4) {                                                                    \
             NAME##_4(Q, SM, z, xs, K, SB, y, N, nvalid, tt, 0);                                                        \
-        else if (tt == TT) {                                                                                           \
-            for (int t0 = 0; t0 + TS <= TT; t0 += TS) NAME##_8a(Q, SM, z, xs, K, SB, y, N, nvalid, tt, t0);           \
-            if (TT % TS) NAME##_8b(Q, SM, z, xs, K, SB, y, N, nvalid, tt, TT - TT % TS);                               \
-        } else                                                                                                         \
-            for (int t0 = 0; t0 < tt; t0 += TS) {                                                                      \
-                const int S = tt - t0 < TS ? tt - t0 : TS;                                                             \
-                if (S == 1)                                                                                            \
-                    NAME##_r1(Q, SM, z, xs, K, SB, y, N, nvalid, tt, t0);                                              \
-                else if (S == 2)                                                                                       \
-                    NAME##_r2(Q, SM, z, xs, K, SB, y, N, nvalid, tt, t0);                                              \
-                else if (AVX2_PASS(VB) == 4 && S == 4)                                                                 \
-                    NAME##_r4(Q, SM, z, xs, K, SB, y, N, nvalid, tt, t0);                                              \
-                else                                                                                                   \
-                    NAME##_r3(Q, SM, z, xs, K, SB, y, N, nvalid, tt, t0);                                              \
-            }                                                                                                          \
+        } else if (tt == TT) { /* passes of TS tokens at t0 = 0, TS (and 2 at 6 where TS = 3) */                      \
+            NAME##_8p0(Q, SM, z, xs, K, SB, y, N, nvalid, tt, 0);                                                      \
+            NAME##_8p1(Q, SM, z, xs, K, SB, y, N, nvalid, tt, TS);                                                     \
+            if (AVX2_PASS(VB) == 3) NAME##_8p2(Q, SM, z, xs, K, SB, y, N, nvalid, tt, 6);                              \
+        } else { /* 4-7 tokens: TS at t0 = 0, the rest at TS (and 1 at 6: 7 tokens where TS = 3) */                   \
+            NAME##_rf(Q, SM, z, xs, K, SB, y, N, nvalid, tt, 0);                                                       \
+            const int rest = tt - TS;                                                                                  \
+            if (rest == 1)                                                                                             \
+                NAME##_rm1(Q, SM, z, xs, K, SB, y, N, nvalid, tt, TS);                                                 \
+            else if (rest == 2)                                                                                        \
+                NAME##_rm2(Q, SM, z, xs, K, SB, y, N, nvalid, tt, TS);                                                 \
+            else                                                                                                       \
+                NAME##_rm3(Q, SM, z, xs, K, SB, y, N, nvalid, tt, TS);                                                 \
+            if (AVX2_PASS(VB) == 3 && rest == 4) NAME##_rt1(Q, SM, z, xs, K, SB, y, N, nvalid, tt, 6);                 \
+        }                                                                                                              \
     }
-/* a kind no single format's panels take (PANEL_KINDS' FAST flags): only the passes with tt and t0 read at
- * run time (the same bits, 3-10% slower on AVX2; 6-10 token-passes instead of 17-24) */
+/* a kind no single format's panels take (PANEL_KINDS' FAST flags): only passes with tt and t0 read at
+ * run time (the same bits, 5-20% slower on AVX2; 6-10 token-passes instead of 24-28) */
 #define PANEL_KIND_RARE(NAME, G, VB, B16, HM, U)                                                                       \
-    PANEL_S(NAME##_r1, G, VB, B16, HM, U, 1, 0) PANEL_S(NAME##_r2, G, VB, B16, HM, U, 2, 0)                            \
-    PANEL_S(NAME##_r3, G, VB, B16, HM, U, 3, 0) PANEL_S(NAME##_r4, G, VB, B16, HM, U, 4, 0)                            \
+    PANEL_S(NAME##_r1, G, VB, B16, HM, U, 1, 0, -1) PANEL_S(NAME##_r2, G, VB, B16, HM, U, 2, 0, -1)                    \
+    PANEL_S(NAME##_r3, G, VB, B16, HM, U, 3, 0, -1) PANEL_S(NAME##_r4, G, VB, B16, HM, U, 4, 0, -1)                    \
     static void NAME(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, int SB, float *y, int N,    \
                      int nvalid, int tt) {                                                                             \
         const int TS = AVX2_PASS(VB);                                                                                  \
@@ -430,7 +434,7 @@ static inline void panel_tile(const uint8_t *Q, const uint8_t *SM, int z, const 
  * that picks one. F0, F1 (1 or 0): whether the kinds without / with offsets are panels a single format
  * makes (Q4_0 ... Q8_0, the K-quants: matmul_int8.c), or arise only where a fused weight mixes formats
  * (a zero point or offsets from another part, e.g. Q6_K rows beside Q8_0 rows: 8-bit values in groups
- * of 16), which the AVX2 build compiles as the cheaper PANEL_KIND_RARE (3 of the 4 AVX2 units' time). */
+ * of 16), which the AVX2 build compiles as the cheaper PANEL_KIND_RARE. */
 #define PANEL_KINDS(NAME, G, VB, U, F0, F1)                                                                            \
     PANEL_KIND_FAST##F0(NAME##_a8, G, VB, 0, 0, U)                                                                     \
     PANEL_KIND_FAST##F1(NAME##_a8m, G, VB, 0, 1, U)                                                                    \
