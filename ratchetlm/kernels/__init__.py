@@ -55,10 +55,10 @@ _LDFLAGS = ["-shared", "-fopenmp"]
 _ARCH_FLAGS: tuple[list[str], ...] = (["-march=native"], [])
 # CPU seconds of a whole build (every unit, gcc 12 -O3) on the developers' 2.5 GHz Xeon, by the kernel paths
 # the flags select: the estimate the first-use log line gives, divided over the parallel jobs. Measured
-# 2026-11-28 at load 12-13 (docs/benchmarks.md, "Kernel build time"): AVX-512 35 s, AVX2 40 s
-# (-march=znver3 38 s), portable C 4 s; before the AVX2 panel kernel compiled passes instead of tile
-# sizes and the few-token kernels got units of their own: AVX-512 49 s, AVX2 92 s (znver3 91 s)
-BUILD_CPU_S = {"avx512": 35.0, "avx2": 40.0, "portable C": 4.0}
+# 2026-11-28 (docs/benchmarks.md, "Kernel build time"; a shared machine): AVX-512 35 s, AVX2 42 s at load
+# 4-7 (-march=znver3 45 s at load 5-16), portable C 6 s; before the AVX2 panel kernel compiled passes
+# instead of tile sizes and the few-token kernels got units of their own: AVX-512 37-49 s, AVX2 83-92 s
+BUILD_CPU_S = {"avx512": 35.0, "avx2": 42.0, "portable C": 6.0}
 
 
 def cache_dir() -> Path:
