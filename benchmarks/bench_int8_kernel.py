@@ -59,9 +59,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--against", help="another kernel library (.so): A/B ratios in this process")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per cell (with --against)")
+    ap.add_argument("--kernel-flags", help="compile this build with these flags instead of -march=native")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     set_blas_rows(0)  # the block kernels at every row count
+    if args.kernel_flags:
+        lib = kernels.compile_library(args.kernel_flags.split())
+        if lib is None:
+            raise SystemExit("the kernels did not build with " + args.kernel_flags)
+        kernels.load = lambda: lib  # block_matmul's default library
     n, k = map(int, args.shape.split("x"))
     print(f"load {os.getloadavg()[0]:.1f}; {n}x{k}, {args.threads} thread(s); ms per matmul (best) / ratio to 1 row "
           f"/ G MAC/s")
@@ -86,7 +92,7 @@ def against(args: argparse.Namespace, n: int, k: int) -> None:
     other = ctypes.CDLL(os.path.abspath(args.against))
     kernels._declare(other)
     assert this is not None
-    modes = [m for m in args.modes if m != "exact"]
+    modes = args.modes
     print(f"time of this build / {os.path.basename(args.against)} (best of {args.rounds} interleaved rounds each)")
     print("type  mode   " + " ".join(f"{r:>6}" for r in ROWS))
     with torch.inference_mode():
@@ -96,13 +102,13 @@ def against(args: argparse.Namespace, n: int, k: int) -> None:
                 ratios = []
                 for r in ROWS:
                     x = torch.randn(r, k)
-                    a, b = (block_matmul(x, w, lib=lib, numerics=mode) for lib in (this, other))
+                    a, b = (block_matmul(x, w, lib=lib, path="kernel", numerics=mode) for lib in (this, other))
                     assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (type_name, mode, r)
                     best = {id(this): float("inf"), id(other): float("inf")}
                     for _ in range(args.rounds):
                         for lib in (this, other):
                             def call(x=x, w=w, lib=lib, mode=mode):
-                                return block_matmul(x, w, lib=lib, numerics=mode)
+                                return block_matmul(x, w, lib=lib, path="kernel", numerics=mode)
 
                             ms = best_ms(call, 0.05)
                             best[id(lib)] = min(best[id(lib)], ms)

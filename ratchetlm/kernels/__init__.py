@@ -8,6 +8,12 @@ it is done; later processes load the cached library from ``~/.cache/ratchetlm/ke
 compiler is found or the build fails, :func:`load` returns None and callers keep their dense PyTorch
 path (same results).
 
+Why not at install time: the library is built for the machine that runs it (``-march=native``, and the
+cache key holds this CPU's flags), while pip builds a project once wherever it installs it and keeps
+the wheel in its cache for other machines and containers; a build step would also have to write into
+the user's home from pip's isolated build (often another user or HOME: sudo, a Docker layer). It
+would move the same compile to ``pip install``, not remove it.
+
 The shared object links ``libgomp.so.1`` by soname; torch is imported first and has already
 loaded its own ``libgomp.so.1``, so both use one OpenMP runtime and one thread pool.
 """
@@ -33,12 +39,15 @@ import torch  # noqa: F401  (must be loaded before the kernel library: shared Op
 log = logging.getLogger(__name__)
 
 # Each source is one translation unit and one object, compiled in parallel; the slowest first, so that a
-# parallel build ends on the quick ones (the int8 panel kernel is one unit per stored-value width).
+# parallel build ends on the quick ones (the int8 panel kernel is one unit per stored-value width, the
+# few-token fp32 kernels two units beside the matmul driver).
 SOURCES = tuple(Path(__file__).with_name(n) for n in (
-    "matmul_int8_vb4.c", "matmul_int8_vb8.c", "matmul.c", "matmul_int8_vb6.c", "matmul_int8_vb5.c", "attention.c",
-    "matmul_int8.c", "dequant.c", "norm_rope.c", "argmax.c", "chain.c"))
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("ggml_types.h", "units_avx512.h", "units_avx2.h", "silu.h",
-                                                           "attention_avx2.h", "matmul_int8_panel.h"))
+    "matmul_int8_vb8.c", "matmul_int8_vb4.c", "matmul_int8_vb5.c", "matmul_int8_vb6.c", "matmul_few_k.c",
+    "matmul_few_blocks.c", "attention.c", "matmul_int8.c", "matmul.c", "dequant.c", "norm_rope.c", "argmax.c",
+    "chain.c"))
+HEADERS = tuple(Path(__file__).with_name(n) for n in (
+    "ggml_types.h", "units_avx512.h", "units_avx2.h", "silu.h", "attention_avx2.h", "matmul_int8_panel.h",
+    "matmul_vec.h", "matmul_few.h"))
 # -ffp-contract=off: dequantization must round exactly like gguf-py's numpy code (no fused d * q + m).
 _CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fPIC"]
 _LDFLAGS = ["-shared", "-fopenmp"]
@@ -46,9 +55,10 @@ _LDFLAGS = ["-shared", "-fopenmp"]
 _ARCH_FLAGS: tuple[list[str], ...] = (["-march=native"], [])
 # CPU seconds of a whole build (every unit, gcc 12 -O3) on the developers' 2.5 GHz Xeon, by the kernel paths
 # the flags select: the estimate the first-use log line gives, divided over the parallel jobs. Measured
-# 2026-11-28 on a busy machine: AVX-512 46-55 s, AVX2 125 s, portable C 7 s (one cc call for every
-# source before, serial: AVX-512 ~55 s, AVX2 ~170 s, of which matmul_int8.c 154 s)
-BUILD_CPU_S = {"avx512": 50.0, "avx2": 120.0, "portable C": 8.0}
+# 2026-11-28 (docs/benchmarks.md, "Kernel build time"; a shared machine): AVX-512 35 s, AVX2 42 s at load
+# 4-7 (-march=znver3 45 s at load 5-16), portable C 6 s; before the AVX2 panel kernel compiled passes
+# instead of tile sizes and the few-token kernels got units of their own: AVX-512 37-49 s, AVX2 83-92 s
+BUILD_CPU_S = {"avx512": 35.0, "avx2": 42.0, "portable C": 6.0}
 
 
 def cache_dir() -> Path:

@@ -15,75 +15,14 @@
  * choice of P, R, T, KC, M or thread count changes that order (tiling only decides which
  * accumulators share registers; a K chunk spills and reloads whole vectors), so a row's result does
  * not depend on how many rows share the call: decode, verify and prefill agree bit for bit.
+ *
+ * Up to TF tokens go through the few-token kernels instead (matmul_few.h; their own translation units,
+ * matmul_few_blocks.c and matmul_few_k.c, so that the build compiles them in parallel), same order.
  */
 #include <stdlib.h>
 
-#include "ggml_types.h"
-
-#define MIN(a, b) ((a) < (b) ? (a) : (b))
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
-
-#if defined(__AVX512F__)
-#define KERNEL_ISA "avx512"
-#define VLEN 16
-#ifndef R
-#define R 4 /* weight rows per register tile */
-#define T 6 /* tokens per register tile: R * T accumulators + R weight vectors <= 32 registers */
-#endif
-typedef __m512 vec_t;
-#define VZERO() _mm512_setzero_ps()
-#define VLOAD(p) _mm512_loadu_ps(p)
-#define VLOAD_N(p, n) _mm512_maskz_loadu_ps((__mmask16)((1u << (n)) - 1), p)
-#define VFMA(a, b, acc) _mm512_fmadd_ps(a, b, acc)
-#define VSUM(v) _mm512_reduce_add_ps(v)
-#elif defined(__AVX2__) && defined(__FMA__)
-#define KERNEL_ISA "avx2"
-#define VLEN 8
-#define R 4
-#define T 3 /* 12 accumulators + 4 weights of 16 registers */
-typedef __m256 vec_t;
-#define VZERO() _mm256_setzero_ps()
-#define VLOAD(p) _mm256_loadu_ps(p)
-static inline __m256 VLOAD_N(const float *p, int n) {
-    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), iota));
-}
-#define VFMA(a, b, acc) _mm256_fmadd_ps(a, b, acc)
-static inline float VSUM(__m256 v) {
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
-}
-#else
-#define KERNEL_ISA "scalar"
-#define VLEN 8 /* 8 independent lanes in plain C (the compiler may use SSE for them) */
-#define R 2
-#define T 2
-typedef struct {
-    float v[VLEN];
-} vec_t;
-static inline vec_t VZERO(void) {
-    vec_t r;
-    for (int i = 0; i < VLEN; i++) r.v[i] = 0.0f;
-    return r;
-}
-static inline vec_t VLOAD_N(const float *p, int n) {
-    vec_t r;
-    for (int i = 0; i < VLEN; i++) r.v[i] = i < n ? p[i] : 0.0f;
-    return r;
-}
-#define VLOAD(p) VLOAD_N(p, VLEN)
-static inline vec_t VFMA(vec_t a, vec_t b, vec_t acc) { /* no fused multiply-add in portable C */
-    for (int i = 0; i < VLEN; i++) acc.v[i] = acc.v[i] + a.v[i] * b.v[i];
-    return acc;
-}
-static inline float VSUM(vec_t a) {
-    for (int w = VLEN / 2; w > 0; w /= 2)
-        for (int i = 0; i < w; i++) a.v[i] = a.v[i] + a.v[i + w];
-    return a.v[0];
-}
-#endif
+#include "matmul_few.h" /* TF: the most tokens of the few-token kernels (0: none on this ISA) */
+#include "matmul_vec.h"
 
 #ifndef KC
 #define KC 256 /* weights per K chunk when many tokens share a panel (multiple of every block size) */
@@ -180,98 +119,6 @@ typedef struct {
     int row0, rows, col0;
 } panel_t;
 
-/* ------------------------------------------------------------ few tokens, from registers (AVX-512, AVX2)
- * Decode and short verify read each weight once and use it for at most a few tokens: a trip through
- * the scratch buffer (a 64-byte store and reload per 16 weights) costs as much as the multiply
- * (one token, Q4_K weights in L2: 1.6 ns per 16 weights through the scratch, 0.9 ns here).
- * Here each 32-weight unit of a block is dequantized into 32 / VLEN vectors (units_avx512.h,
- * units_avx2.h: the same operations as to_float) and multiplied at once, up to RF rows x TF tokens per
- * tile. The reduction order is the scratch path's (one accumulator per output, lanes in increasing k,
- * VSUM), so the two paths give the same bits and a call may take either. */
-#if defined(__AVX512F__)
-#include "units_avx512.h"
-#define FEW_RF(tt) ((tt) <= 4 ? 4 : 2) /* rows per tile: 4 x 4 or 2 x 8 accumulators of 32 registers */
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include "units_avx2.h"
-#define FEW_RF(tt) ((tt) <= 2 ? 4 : (tt) <= 4 ? 2 : 1) /* at most 8 accumulators of 16 registers */
-#endif
-#if defined(FEW_RF)
-/* Software prefetch PREFETCH_AHEAD bytes ahead in each row, into L1 (T0) or, for the formats with the
- * most bytes per weight, L2 (T1: 8-bit and 16-bit rows would crowd L1). Measured on 1B decode steps,
- * in one process alternating builds: 8 KB ahead vs 4 KB 1.06x (Q4_K_M); T1 vs T0 1.2x on Q8_0, 0.9x
- * on Q6_K, 0.96x on Q4_1 (AVX-512). */
-#define PREFETCH_AHEAD 8192
-#define PREFETCH_BLOCK(p, nbytes, hint)                                                            \
-    for (int o_ = 0; o_ < (nbytes); o_ += 64) _mm_prefetch((const char *)(p) + PREFETCH_AHEAD + o_, hint)
-#define RF 4 /* most weight rows per tile */
-#define TF 8 /* most tokens (batch-8 decode through registers: 1.8x faster than through the scratch) */
-
-#define FEW_KERNEL(NAME, UB, UBYTES, STATE, HINT)                                                      \
-    ALWAYS_INLINE void few_##NAME##_tile(const uint8_t *const *rows, const float *x, int K, float *y, int N,     \
-                                         const int rr, const int tt) {                             \
-        vec_t acc[RF][TF];                                                                         \
-        for (int r = 0; r < rr; r++)                                                               \
-            for (int t = 0; t < tt; t++) acc[r][t] = VZERO();                                      \
-        for (int b = 0; b < K / UB; b++) {                                                         \
-            STATE st[RF];                                                                          \
-            for (int r = 0; r < rr; r++) {                                                         \
-                PREFETCH_BLOCK(rows[r] + (long)b * UBYTES, UBYTES, HINT);                             \
-                NAME##_prep(rows[r] + (long)b * UBYTES, &st[r]);                                   \
-            }                                                                                      \
-            for (int j = 0; j < UB / 32; j++) {                                                    \
-                const float *xk = x + (long)b * UB + 32 * j;                                       \
-                for (int r = 0; r < rr; r++) {                                                     \
-                    vec_t v[UNIT_VECS];                                                            \
-                    UNIT(NAME, rows[r] + (long)b * UBYTES, &st[r], j, v);                          \
-                    for (int t = 0; t < tt; t++)                                                   \
-                        for (int i = 0; i < UNIT_VECS; i++)                                        \
-                            acc[r][t] = VFMA(VLOAD(xk + (long)t * K + VLEN * i), v[i], acc[r][t]); \
-                }                                                                                  \
-            }                                                                                      \
-        }                                                                                          \
-        for (int r = 0; r < rr; r++)                                                               \
-            for (int t = 0; t < tt; t++) y[(long)t * N + r] = VSUM(acc[r][t]);                     \
-    }                                                                                              \
-    void few_##NAME(const uint8_t *const *rows, const float *x, int K, float *y, int N, int rr, int tt) { \
-        const int rf = FEW_RF(tt);                                                                 \
-        for (int r0 = 0; r0 < rr;) {                                                               \
-            const int n = rr - r0 >= rf ? rf : 1;                                                  \
-            switch ((n > 1) * 16 + tt) {                                                           \
-            case 16 + 1: few_##NAME##_tile(rows + r0, x, K, y + r0, N, FEW_RF(1), 1); break;       \
-            case 16 + 2: few_##NAME##_tile(rows + r0, x, K, y + r0, N, FEW_RF(2), 2); break;       \
-            case 16 + 3: few_##NAME##_tile(rows + r0, x, K, y + r0, N, FEW_RF(3), 3); break;       \
-            case 16 + 4: few_##NAME##_tile(rows + r0, x, K, y + r0, N, FEW_RF(4), 4); break;       \
-            case 16 + 5: few_##NAME##_tile(rows + r0, x, K, y + r0, N, FEW_RF(5), 5); break;       \
-            case 16 + 6: few_##NAME##_tile(rows + r0, x, K, y + r0, N, FEW_RF(6), 6); break;       \
-            case 16 + 7: few_##NAME##_tile(rows + r0, x, K, y + r0, N, FEW_RF(7), 7); break;       \
-            case 16 + 8: few_##NAME##_tile(rows + r0, x, K, y + r0, N, FEW_RF(8), 8); break;       \
-            case 1: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 1, 1); break;                    \
-            case 2: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 1, 2); break;                    \
-            case 3: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 1, 3); break;                    \
-            case 4: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 1, 4); break;                    \
-            case 5: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 1, 5); break;                    \
-            case 6: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 1, 6); break;                    \
-            case 7: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 1, 7); break;                    \
-            default: few_##NAME##_tile(rows + r0, x, K, y + r0, N, 1, 8); break;                   \
-            }                                                                                      \
-            r0 += n;                                                                               \
-        }                                                                                          \
-    }
-
-FEW_KERNEL(f32, 32, 128, none_t, _MM_HINT_T1)
-FEW_KERNEL(f16, 32, 64, none_t, _MM_HINT_T1)
-FEW_KERNEL(bf16, 32, 64, none_t, _MM_HINT_T1)
-FEW_KERNEL(q4_0, 32, 18, tab_t, _MM_HINT_T0)
-FEW_KERNEL(q4_1, 32, 20, tab_t, _MM_HINT_T0)
-FEW_KERNEL(q5_0, 32, 22, tab_t, _MM_HINT_T0)
-FEW_KERNEL(q5_1, 32, 24, tab_t, _MM_HINT_T0)
-FEW_KERNEL(q8_0, 32, 34, tab_t, _MM_HINT_T1)
-FEW_KERNEL(q4_k, 256, 144, kstate_t, _MM_HINT_T0)
-FEW_KERNEL(q5_k, 256, 176, kstate_t, _MM_HINT_T0)
-FEW_KERNEL(q6_k, 256, 210, kstate_t, _MM_HINT_T0)
-#else
-#define TF 0
-#endif
 
 /* whether every part has a few-token kernel for this K (F32 / F16 / BF16 need K % 32 == 0) */
 static int few_ok(const part_t *parts, int nparts, int K) {

@@ -200,86 +200,87 @@ static inline __attribute__((always_inline)) __m256i dot_w_avx2(__m256i I, __m25
     return _mm256_add_epi32(I, _mm256_add_epi32(hi, lo));
 }
 
-#define AVX2_TS 4 /* the most tokens a pass over a panel's groups takes (panel_tile's TS) */
-static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, const uint8_t *SM, int z,
+#define AVX2_TS 4 /* the most tokens a pass over a panel's groups takes */
+#define PANEL_PASSES 1 /* the kinds below instantiate panel_pass, not panel_tile */
+/* Q6_K's heavier unpacking pays for a fourth token per pass (kernel 1.09-1.18x at 8-256 rows), the
+ * other formats measured 0.91-1.08x with it */
+#define AVX2_PASS(vb) ((vb) == 6 ? 4 : 3)
+/* One pass over the panel's groups for the S tokens t0 .. t0 + S - 1 of a tile of tt. S is a literal
+ * at every call (the integer chains live in registers); tt and t0 only move pointers, literals where
+ * the kinds below say so. */
+static inline __attribute__((always_inline)) void panel_pass(const uint8_t *Q, const uint8_t *SM, int z,
                                                              const xtile_t *xs, int K, const int G, const int vb,
                                                              const int b16, const int has_m, const int unit, int SB,
-                                                             float *y, int N, int nvalid, const int tt) {
+                                                             float *y, int N, int nvalid, int tt, int t0,
+                                                             const int S) {
     const int C = G / 4, NG = K / G, GPS = SB / G, SBB = (1 + has_m) * (2 + (unit ? 0 : GPS)) * PN;
     const int gsh = __builtin_ctz((unsigned)GPS); /* GPS is a power of two: shifts, not a division per group */
     const __m256i m00ff = _mm256_set1_epi16(0xFF), lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    /* 2 halves x TS tokens of I in registers; Q6_K's heavier unpacking pays for a fourth token (kernel
-     * 1.09-1.18x at 8-256 rows), the other formats measured 0.91-1.08x with it */
-    const int TS = vb == 6 ? 4 : 3;
-    #pragma GCC unroll 4
-    for (int t0 = 0; t0 < tt; t0 += TS) {
-        const int S = tt - t0 < TS ? tt - t0 : TS; /* tokens in this pass (a literal once tt is) */
-        /* The float accumulators live in memory (L1), touched once per group and token, so that the 16 ymm
-         * registers hold the 6 integer chains and the weight vectors (in registers beside them: 0.85-1.09x
-         * the time of this, measured with the chains' asm below in place). */
-        float acc[AVX2_TS][2][8] __attribute__((aligned(32)));
-        for (int t = 0; t < AVX2_TS; t++)
-            for (int h = 0; h < 2; h++) _mm256_store_ps(acc[t][h], _mm256_setzero_ps());
-        for (int g = 0; g < NG; g++) {
-            const uint8_t *sbp = SM + (long)(g >> gsh) * SBB, *qg = Q + (long)g * G * PN * vb / 8;
-            if (t0 == 0)
-                for (int o = 0; o < G * PN * vb / 8; o += 64) _mm_prefetch((const char *)qg + Q_AHEAD + o, _MM_HINT_T0);
-            /* one int32 chain per token and half: u . x (16 bits) or u . xq (8 bits). (One half at a time
-             * for 6 tokens, unpacking a half's weights once for 6: 0.88-1.01x; both halves per token with
-             * its pairs broadcast once: 0.98-1.03x; neither kept.) */
-            __m256i I[AVX2_TS][2];
-            for (int t = 0; t < AVX2_TS; t++) I[t][0] = I[t][1] = _mm256_setzero_si256();
-            #pragma GCC unroll 8
-            for (int c = 0; c < C; c++) {
-                #pragma GCC unroll 2
-                for (int h = 0; h < 2; h++) {
-                    const __m256i w = unpack_avx2(qg, C, vb, c, h);
-                    /* 16 bits: bytes 0, 2 and 1, 3 of each lane's four as int16 (unsigned, < 256) */
-                    const __m256i w02 = _mm256_and_si256(w, m00ff), w13 = _mm256_srli_epi16(w, 8);
-                    #pragma GCC unroll 4
-                    for (int t = 0; t < S; t++) {
-                        const long i = ((long)g * C + c) * tt + t0 + t;
-                        if (b16) { /* int16 pairs: (w0 x0 + w2 x2) + (w1 x1 + w3 x3), one vpmaddwd each */
-                            I[t][h] = _mm256_add_epi32(I[t][h], _mm256_madd_epi16(w02, _mm256_set1_epi32(xs->xh[i])));
-                            I[t][h] = _mm256_add_epi32(I[t][h], _mm256_madd_epi16(w13, _mm256_set1_epi32(xs->xl[i])));
-                        } else {
-                            I[t][h] = dot_w_avx2(I[t][h], w, xs->xh[i], vb);
-                        }
-                        /* keep the chain a chain: GCC otherwise reassociates the unrolled integer sums into
-                         * trees whose products no longer fit the 16 registers and spills them */
-                        __asm__("" : "+x"(I[t][h]));
-                    }
-                }
-            }
-            const int8_t *cp = (const int8_t *)sbp + (1 + has_m) * 2 * PN + (g & (GPS - 1)) * (1 + has_m) * PN;
+    /* The float accumulators live in memory (L1), touched once per group and token, so that the 16 ymm
+     * registers hold the 6 integer chains and the weight vectors (in registers beside them: 0.85-1.09x
+     * the time of this, measured with the chains' asm below in place). */
+    float acc[AVX2_TS][2][8] __attribute__((aligned(32)));
+    for (int t = 0; t < AVX2_TS; t++)
+        for (int h = 0; h < 2; h++) _mm256_store_ps(acc[t][h], _mm256_setzero_ps());
+    for (int g = 0; g < NG; g++) {
+        const uint8_t *sbp = SM + (long)(g >> gsh) * SBB, *qg = Q + (long)g * G * PN * vb / 8;
+        if (t0 == 0)
+            for (int o = 0; o < G * PN * vb / 8; o += 64) _mm_prefetch((const char *)qg + Q_AHEAD + o, _MM_HINT_T0);
+        /* one int32 chain per token and half: u . x (16 bits) or u . xq (8 bits). (One half at a time
+         * for 6 tokens, unpacking a half's weights once for 6: 0.88-1.01x; both halves per token with
+         * its pairs broadcast once: 0.98-1.03x; neither kept.) */
+        __m256i I[AVX2_TS][2];
+        for (int t = 0; t < AVX2_TS; t++) I[t][0] = I[t][1] = _mm256_setzero_si256();
+        #pragma GCC unroll 8
+        for (int c = 0; c < C; c++) {
             #pragma GCC unroll 2
-            for (int h = 0; h < 2; h++) { /* s = D * c and m = D_m * c_m, as the AVX-512 kernel forms them */
-                const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sbp + 16 * h)));
-                const __m256 sv = unit ? D : _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cp + 8 * h)))));
-                __m256 mv = _mm256_setzero_ps();
-                if (has_m) {
-                    const __m256 Dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sbp + 2 * PN + 16 * h)));
-                    mv = unit ? Dm : _mm256_mul_ps(Dm, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cp + PN + 8 * h)))));
-                }
+            for (int h = 0; h < 2; h++) {
+                const __m256i w = unpack_avx2(qg, C, vb, c, h);
+                /* 16 bits: bytes 0, 2 and 1, 3 of each lane's four as int16 (unsigned, < 256) */
+                const __m256i w02 = _mm256_and_si256(w, m00ff), w13 = _mm256_srli_epi16(w, 8);
                 #pragma GCC unroll 4
                 for (int t = 0; t < S; t++) {
-                    const long gt = (long)g * tt + t0 + t;
-                    const int32_t zq = z ? (G == 32 ? xs->zq32[gt] : xs->zq16[gt]) : 0;
-                    const float dx = G == 32 ? xs->d32[gt] : xs->d32[(long)g / 2 * tt + t0 + t];
-                    const __m256i It = z ? _mm256_add_epi32(I[t][h], _mm256_set1_epi32(zq)) : I[t][h];
-                    __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(It), _mm256_mul_ps(sv, _mm256_set1_ps(dx)), _mm256_load_ps(acc[t][h]));
-                    if (has_m)
-                        a = _mm256_fmadd_ps(mv, _mm256_set1_ps(G == 32 ? xs->sx32[gt] : xs->sx16[gt]), a);
-                    _mm256_store_ps(acc[t][h], a);
+                    const long i = ((long)g * C + c) * tt + t0 + t;
+                    if (b16) { /* int16 pairs: (w0 x0 + w2 x2) + (w1 x1 + w3 x3), one vpmaddwd each */
+                        I[t][h] = _mm256_add_epi32(I[t][h], _mm256_madd_epi16(w02, _mm256_set1_epi32(xs->xh[i])));
+                        I[t][h] = _mm256_add_epi32(I[t][h], _mm256_madd_epi16(w13, _mm256_set1_epi32(xs->xl[i])));
+                    } else {
+                        I[t][h] = dot_w_avx2(I[t][h], w, xs->xh[i], vb);
+                    }
+                    /* keep the chain a chain: GCC otherwise reassociates the unrolled integer sums into
+                     * trees whose products no longer fit the 16 registers and spills them */
+                    __asm__("" : "+x"(I[t][h]));
                 }
             }
         }
-        for (int t = 0; t < S; t++)
-            for (int h = 0; h < 2; h++) {
-                const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(nvalid - 8 * h), lane);
-                _mm256_maskstore_ps(y + (long)(t0 + t) * N + 8 * h, mask, _mm256_load_ps(acc[t][h]));
+        const int8_t *cp = (const int8_t *)sbp + (1 + has_m) * 2 * PN + (g & (GPS - 1)) * (1 + has_m) * PN;
+        #pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) { /* s = D * c and m = D_m * c_m, as the AVX-512 kernel forms them */
+            const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sbp + 16 * h)));
+            const __m256 sv = unit ? D : _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cp + 8 * h)))));
+            __m256 mv = _mm256_setzero_ps();
+            if (has_m) {
+                const __m256 Dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sbp + 2 * PN + 16 * h)));
+                mv = unit ? Dm : _mm256_mul_ps(Dm, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cp + PN + 8 * h)))));
             }
+            #pragma GCC unroll 4
+            for (int t = 0; t < S; t++) {
+                const long gt = (long)g * tt + t0 + t;
+                const int32_t zq = z ? (G == 32 ? xs->zq32[gt] : xs->zq16[gt]) : 0;
+                const float dx = G == 32 ? xs->d32[gt] : xs->d32[(long)g / 2 * tt + t0 + t];
+                const __m256i It = z ? _mm256_add_epi32(I[t][h], _mm256_set1_epi32(zq)) : I[t][h];
+                __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(It), _mm256_mul_ps(sv, _mm256_set1_ps(dx)), _mm256_load_ps(acc[t][h]));
+                if (has_m)
+                    a = _mm256_fmadd_ps(mv, _mm256_set1_ps(G == 32 ? xs->sx32[gt] : xs->sx16[gt]), a);
+                _mm256_store_ps(acc[t][h], a);
+            }
+        }
     }
+    for (int t = 0; t < S; t++)
+        for (int h = 0; h < 2; h++) {
+            const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(nvalid - 8 * h), lane);
+            _mm256_maskstore_ps(y + (long)(t0 + t) * N + 8 * h, mask, _mm256_load_ps(acc[t][h]));
+        }
 }
 #else
 /* portable C : the same sequence per lane */
@@ -336,11 +337,84 @@ static inline void panel_tile(const uint8_t *Q, const uint8_t *SM, int z, const 
 }
 #endif
 
-/* One function per panel kind (G, VB, B16, HM, U) and tile size tt, each one panel_tile with literal
- * arguments (the accumulators then live in registers): gcc's per-function passes (points-to analysis,
- * value numbering) take time that grows faster than a function's size, and when a unit's every kind and
- * tile size was inlined into one function (one switch) the AVX2 build of the int8 kernels took 154 s of
- * CPU instead of ~60 (the same loops; the tile size is picked through a table of functions instead). */
+/* One function per panel kind (G, VB, B16, HM, U) and tile shape, each one panel_tile (panel_pass) with
+ * literal arguments (the accumulators then live in registers): gcc's per-function passes (points-to
+ * analysis, value numbering) take time that grows faster than a function's size, and when a unit's every
+ * kind and tile size was inlined into one function (one switch) the AVX2 build of the int8 kernels took
+ * 154 s of CPU instead of ~74 (the same loops; the tile size is picked through a table of functions). */
+#if defined(PANEL_PASSES)
+/* AVX2: a tile of tt tokens is passes of AVX2_PASS(VB) (TS) tokens and one shorter; with a function per
+ * tile size 1..8 (each its passes, 36 token-passes a kind) the four AVX2 units took 74 s of CPU to
+ * compile. The pass functions here, with S and t0 literals (t0 read at run time measured 5-20% slower):
+ * tt = S for tiles of one pass (decode, short verify), the passes of a full tile of TT (prefill, tt a
+ * literal too), and for tiles of 4-7 tokens a first pass of TS and the rest at t0 = TS (and 6) with tt
+ * read at run time (the same speed within noise): 24 token-passes a kind (28 for TS = 4). A function
+ * never called is never emitted (e.g. S = 4 where passes take 3). */
+#define PANEL_S(NAME, G, VB, B16, HM, U, S, TTL, T0L)                                                                  \
+    static __attribute__((noinline)) void NAME(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K,   \
+                                               int SB, float *y, int N, int nvalid, int tt, int t0) {                  \
+        panel_pass(Q, SM, z, xs, K, G, VB, B16, HM, U, SB, y, N, nvalid, TTL ? TTL : tt, T0L < 0 ? t0 : T0L, S);       \
+    }
+#define PANEL_KIND(NAME, G, VB, B16, HM, U)                                                                            \
+    PANEL_S(NAME##_1, G, VB, B16, HM, U, 1, 1, 0) PANEL_S(NAME##_2, G, VB, B16, HM, U, 2, 2, 0)                        \
+    PANEL_S(NAME##_3, G, VB, B16, HM, U, 3, 3, 0) PANEL_S(NAME##_4, G, VB, B16, HM, U, 4, 4, 0)                        \
+    PANEL_S(NAME##_8p0, G, VB, B16, HM, U, AVX2_PASS(VB), TT, 0)                                                       \
+    PANEL_S(NAME##_8p1, G, VB, B16, HM, U, AVX2_PASS(VB), TT, AVX2_PASS(VB))                                           \
+    PANEL_S(NAME##_8p2, G, VB, B16, HM, U, 2, TT, 6)                                                                   \
+    PANEL_S(NAME##_rf, G, VB, B16, HM, U, AVX2_PASS(VB), 0, 0)                                                         \
+    PANEL_S(NAME##_rm1, G, VB, B16, HM, U, 1, 0, AVX2_PASS(VB))                                                        \
+    PANEL_S(NAME##_rm2, G, VB, B16, HM, U, 2, 0, AVX2_PASS(VB))                                                        \
+    PANEL_S(NAME##_rm3, G, VB, B16, HM, U, 3, 0, AVX2_PASS(VB))                                                        \
+    PANEL_S(NAME##_rt1, G, VB, B16, HM, U, 1, 0, 6)                                                                    \
+    static void NAME(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, int SB, float *y, int N,    \
+                     int nvalid, int tt) {                                                                             \
+        const int TS = AVX2_PASS(VB);                                                                                  \
+        if (tt == 1) {                                                                                                 \
+            NAME##_1(Q, SM, z, xs, K, SB, y, N, nvalid, tt, 0);                                                        \
+        } else if (tt == 2) {                                                                                          \
+            NAME##_2(Q, SM, z, xs, K, SB, y, N, nvalid, tt, 0);                                                        \
+        } else if (tt == 3) {                                                                                          \
+            NAME##_3(Q, SM, z, xs, K, SB, y, N, nvalid, tt, 0);                                                        \
+        } else if (AVX2_PASS(VB) == 4 && tt == 4) {                                                                    \
+            NAME##_4(Q, SM, z, xs, K, SB, y, N, nvalid, tt, 0);                                                        \
+        } else if (tt == TT) { /* passes of TS tokens at t0 = 0, TS (and 2 at 6 where TS = 3) */                      \
+            NAME##_8p0(Q, SM, z, xs, K, SB, y, N, nvalid, tt, 0);                                                      \
+            NAME##_8p1(Q, SM, z, xs, K, SB, y, N, nvalid, tt, TS);                                                     \
+            if (AVX2_PASS(VB) == 3) NAME##_8p2(Q, SM, z, xs, K, SB, y, N, nvalid, tt, 6);                              \
+        } else { /* 4-7 tokens: TS at t0 = 0, the rest at TS (and 1 at 6: 7 tokens where TS = 3) */                   \
+            NAME##_rf(Q, SM, z, xs, K, SB, y, N, nvalid, tt, 0);                                                       \
+            const int rest = tt - TS;                                                                                  \
+            if (rest == 1)                                                                                             \
+                NAME##_rm1(Q, SM, z, xs, K, SB, y, N, nvalid, tt, TS);                                                 \
+            else if (rest == 2)                                                                                        \
+                NAME##_rm2(Q, SM, z, xs, K, SB, y, N, nvalid, tt, TS);                                                 \
+            else                                                                                                       \
+                NAME##_rm3(Q, SM, z, xs, K, SB, y, N, nvalid, tt, TS);                                                 \
+            if (AVX2_PASS(VB) == 3 && rest == 4) NAME##_rt1(Q, SM, z, xs, K, SB, y, N, nvalid, tt, 6);                 \
+        }                                                                                                              \
+    }
+/* a kind no single format's panels take (PANEL_KINDS' FAST flags): only passes with tt and t0 read at
+ * run time (the same bits, 5-20% slower on AVX2; 6-10 token-passes instead of 24-28) */
+#define PANEL_KIND_RARE(NAME, G, VB, B16, HM, U)                                                                       \
+    PANEL_S(NAME##_r1, G, VB, B16, HM, U, 1, 0, -1) PANEL_S(NAME##_r2, G, VB, B16, HM, U, 2, 0, -1)                    \
+    PANEL_S(NAME##_r3, G, VB, B16, HM, U, 3, 0, -1) PANEL_S(NAME##_r4, G, VB, B16, HM, U, 4, 0, -1)                    \
+    static void NAME(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, int SB, float *y, int N,    \
+                     int nvalid, int tt) {                                                                             \
+        const int TS = AVX2_PASS(VB);                                                                                  \
+        for (int t0 = 0; t0 < tt; t0 += TS) {                                                                          \
+            const int S = tt - t0 < TS ? tt - t0 : TS;                                                                 \
+            if (S == 1)                                                                                                \
+                NAME##_r1(Q, SM, z, xs, K, SB, y, N, nvalid, tt, t0);                                                  \
+            else if (S == 2)                                                                                           \
+                NAME##_r2(Q, SM, z, xs, K, SB, y, N, nvalid, tt, t0);                                                  \
+            else if (AVX2_PASS(VB) == 4 && S == 4)                                                                     \
+                NAME##_r4(Q, SM, z, xs, K, SB, y, N, nvalid, tt, t0);                                                  \
+            else                                                                                                       \
+                NAME##_r3(Q, SM, z, xs, K, SB, y, N, nvalid, tt, t0);                                                  \
+        }                                                                                                              \
+    }
+#else
+#define PANEL_KIND_RARE PANEL_KIND
 #define PANEL_TT(NAME, G, VB, B16, HM, U, T)                                                                            \
     static __attribute__((noinline)) void NAME(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K,   \
                                                int SB, float *y, int N, int nvalid) {                                  \
@@ -357,14 +431,20 @@ static inline void panel_tile(const uint8_t *Q, const uint8_t *SM, int z, const 
             {NAME##_1, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6, NAME##_7, NAME##_8};                \
         f[tt < TT ? tt : TT](Q, SM, z, xs, K, SB, y, N, nvalid);                                                       \
     }
+#endif
 
+#define PANEL_KIND_FAST1 PANEL_KIND
+#define PANEL_KIND_FAST0 PANEL_KIND_RARE
 /* the four kinds of one (G, VB, U), 8- or 16-bit activations, with or without offsets, and function NAME
- * that picks one */
-#define PANEL_KINDS(NAME, G, VB, U)                                                                                    \
-    PANEL_KIND(NAME##_a8, G, VB, 0, 0, U)                                                                              \
-    PANEL_KIND(NAME##_a8m, G, VB, 0, 1, U)                                                                             \
-    PANEL_KIND(NAME##_a16, G, VB, 1, 0, U)                                                                             \
-    PANEL_KIND(NAME##_a16m, G, VB, 1, 1, U)                                                                            \
+ * that picks one. F0, F1 (1 or 0): whether the kinds without / with offsets are panels a single format
+ * makes (Q4_0 ... Q8_0, the K-quants: matmul_int8.c), or arise only where a fused weight mixes formats
+ * (a zero point or offsets from another part, e.g. Q6_K rows beside Q8_0 rows: 8-bit values in groups
+ * of 16), which the AVX2 build compiles as the cheaper PANEL_KIND_RARE. */
+#define PANEL_KINDS(NAME, G, VB, U, F0, F1)                                                                            \
+    PANEL_KIND_FAST##F0(NAME##_a8, G, VB, 0, 0, U)                                                                     \
+    PANEL_KIND_FAST##F1(NAME##_a8m, G, VB, 0, 1, U)                                                                    \
+    PANEL_KIND_FAST##F0(NAME##_a16, G, VB, 1, 0, U)                                                                    \
+    PANEL_KIND_FAST##F1(NAME##_a16m, G, VB, 1, 1, U)                                                                   \
     static void NAME(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, int b16, int has_m, int SB, \
                      float *y, int N, int nvalid, int tt) {                                                            \
         (b16 ? (has_m ? NAME##_a16m : NAME##_a16) : (has_m ? NAME##_a8m : NAME##_a8))(Q, SM, z, xs, K, SB, y, N,       \
