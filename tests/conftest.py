@@ -138,7 +138,15 @@ def pytest_xdist_auto_num_workers(config):
 
 # Serial seconds of the heaviest work units (a file, or an xdist_group), so that the scheduler starts them
 # first and the workers finish together; anything else counts COST_PER_TEST per test.
-UNIT_COST_S = {}
+# (2-core CPU, 2026-11-28; rough, only their order matters)
+UNIT_COST_S = {
+    "v4_long_run": 215, "tests/deepseek_v4/test_mtp.py": 125, "tests/models/test_gemma3_real.py": 90,
+    "tests/server/test_embeddings.py": 80, "tests/speculative/test_prefix_cache.py": 70,
+    "tests/server/test_structured.py": 63, "tests/server/test_surface.py": 60, "tests/server/test_data_parallel.py": 55,
+    "tests/core/test_generation.py": 55, "tests/speculative/test_sampling_e2e.py": 50,
+    "tests/core/test_block_kernels.py": 50, "tests/core/test_prefix_cache.py": 50, "tests/api/test_dependencies.py": 42,
+    "tests/server/test_fuzz.py": 38, "tests/speculative/test_eagle.py": 35, "tests/api/test_cli.py": 35,
+}
 COST_PER_TEST = 0.8
 
 
