@@ -179,9 +179,17 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_configure(config):
-    """On the xdist controller, before the workers start: the native kernel build and the Gemma 3 file, once,
-    so that two workers neither compile the same library nor write the same file at the same time."""
-    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", 0):
+    """An xdist worker runs torch on its share of the cores. On the xdist controller, before the workers
+    start: the native kernel build and the Gemma 3 file, once, so that two workers neither compile the same
+    library nor write the same file at the same time."""
+    if hasattr(config, "workerinput"):  # a worker: the cores shared out (two workers on two threads each thrash)
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:
+            cores = os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // int(config.workerinput.get("workercount", 1))))
+        return
+    if not getattr(config.option, "numprocesses", 0):
         return
     from pathlib import Path
 
