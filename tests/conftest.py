@@ -148,12 +148,16 @@ UNIT_COST_S = {
     "tests/server/test_fuzz.py": 38, "tests/speculative/test_eagle.py": 35, "tests/api/test_cli.py": 35,
 }
 COST_PER_TEST = 0.8
+# directories whose tests share session fixtures of their own (tiny models, tokenizers, grammar compilers) that
+# cost more than splitting their tests gains: one unit each
+DIR_UNITS = ("tests/wedlm/", "tests/structured/", "tests/text/")
+UNIT_COST_S.update({"tests/wedlm/": 60, "tests/structured/": 35, "tests/text/": 25})
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadgroup``, with the tests of a file kept together (module fixtures are built once) unless
-    an ``xdist_group`` mark puts them in a group across files (tests sharing an expensive session
-    fixture), and the heaviest units handed out first."""
+    """``--dist loadgroup``, with the tests of a file (of a directory in DIR_UNITS) kept together (module
+    fixtures are built once) unless an ``xdist_group`` mark puts them in a group across files (tests sharing an
+    expensive session fixture), and the heaviest units handed out first."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -164,7 +168,8 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             if nodeid.rfind("@") > nodeid.rfind("]"):
                 return nodeid.split("@")[-1]
-            return nodeid.split("::", 1)[0]
+            path = nodeid.split("::", 1)[0]
+            return next((d for d in DIR_UNITS if path.startswith(d)), path)
 
         def _assign_work_unit(self, node) -> None:
             if not self.ordered:  # longest first (the queue is complete once the first unit goes out)
