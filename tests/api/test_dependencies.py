@@ -64,6 +64,6 @@ def test_transformers_floor_converts_and_templates(tmp_path):
                            capture_output=True, text=True, env=env, timeout=120)
     assert Version(check.stdout.strip()) == Version(floor)
     tests = ["tests/text/test_tokenizer_cache.py", "tests/api/test_outputs.py::test_prompt_dicts_and_lists"]
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", *tests],
                          capture_output=True, text=True, env=env, cwd=REPO, timeout=1200)
     assert run.returncode == 0, run.stdout[-3000:]

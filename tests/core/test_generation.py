@@ -31,18 +31,29 @@ def _greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
-@pytest.mark.parametrize("engine", ["llm_fp32", "llm_fp32_dense"])
-def test_greedy_matches_hf_generate(engine, hf_smollm, request):
-    """Both stop at EOS (id 2) or after 64 tokens; the token lists must be identical — with the
-    GGUF block kernels (the default) and with dense fp32 matmuls."""
-    llm_fp32 = request.getfixturevalue(engine)
-    outs = llm_fp32.generate(PROMPTS, SamplingParams(max_tokens=64, temperature=0))
-    for prompt, out in zip(PROMPTS, outs, strict=True):
+@pytest.fixture(scope="module")
+def hf_greedy(hf_smollm, llm_fp32):
+    """HF ``generate``'s greedy continuation of each prompt (stops at EOS, id 2, or after 64 tokens),
+    computed once for both engines below."""
+    refs = []
+    for prompt in PROMPTS:
         ids = torch.tensor([llm_fp32.tokenize(prompt)])
         with torch.no_grad():
             ref = hf_smollm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False,
                                      eos_token_id=2, pad_token_id=2)
-        assert out.token_ids == ref[0, ids.shape[1]:].tolist(), prompt
+        refs.append((ids[0].tolist(), ref[0, ids.shape[1]:].tolist()))
+    return refs
+
+
+@pytest.mark.parametrize("engine", ["llm_fp32", "llm_fp32_dense"])
+def test_greedy_matches_hf_generate(engine, hf_greedy, request):
+    """Both stop at EOS (id 2) or after 64 tokens; the token lists must be identical — with the
+    GGUF block kernels (the default) and with dense fp32 matmuls."""
+    llm_fp32 = request.getfixturevalue(engine)
+    outs = llm_fp32.generate(PROMPTS, SamplingParams(max_tokens=64, temperature=0))
+    for prompt, out, (ids, ref) in zip(PROMPTS, outs, hf_greedy, strict=True):
+        assert llm_fp32.tokenize(prompt) == ids, prompt  # the same prompt tokens HF was given
+        assert out.token_ids == ref, prompt
         assert out.finish_reason == ("stop" if out.token_ids[-1] == 2 else "length")
         visible = out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids
         assert out.text == llm_fp32.tokenizer.decode(visible)

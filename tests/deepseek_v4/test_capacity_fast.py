@@ -26,8 +26,9 @@ def _call(model, starts: list[int], decode_seq: int) -> tuple[torch.Tensor, obje
     """One decode call per engine: sequence ``i`` has ``starts[i]`` tokens cached (zero state) and
     feeds the token at ``starts[i]``. Returns the last-row logits ``[len(starts), V]``, the engine
     and the sequences."""
+    # 64 MiB: room for the matrix's 7 sequences at 16384 tokens (~1 MiB each at these widths) many times over
     engine = v4_engine(model, decode_seq=decode_seq, shuffle_seed=5, max_num_seqs=len(starts),
-                       kv_cache_bytes=1 << 30)
+                       kv_cache_bytes=1 << 26)
     seqs = []
     for i, p in enumerate(starts):  # a sequence's tokens depend on its start only (alone == batched)
         ids = torch.randint(0, model.config.vocab_size, (p + 1,), generator=torch.Generator().manual_seed(p)).tolist()

@@ -34,7 +34,8 @@ class Pair:
 
     def __init__(self, path: Path, hf_model) -> None:
         self.path = path
-        self.llm = LLM(str(path), dtype="float32", progress=False, numerics="exact", max_model_len=256)
+        self.llm = LLM(str(path), dtype="float32", progress=False, numerics="exact", max_model_len=256,
+                       kv_cache_blocks=128)  # 2048 tokens; the default ~1 GiB is resident memory
         self.hf = hf_model
         self.mask_id = self.llm.model_config.mask_token_id
         self.eos = self.llm.model_config.eos_token_ids

@@ -14,6 +14,7 @@ from .conftest import run
 from .factory import make_tiny_wedlm_folder
 from .test_engine_vs_reference import TINY_PROMPTS
 
+KV = 64  # KV blocks (1024 tokens) for the LLMs built here: the default ~1 GiB cache is resident memory
 OPTS = dict(window_size=8, entropy_threshold=0.8)
 
 
@@ -116,8 +117,8 @@ def test_preemption_recomputes_and_frees(tiny):
 def test_refuses_a_model_without_mask_token(tmp_path):
     path, _ = make_tiny_wedlm_folder(tmp_path, declare_mask=False)
     with pytest.raises(ValueError, match="mask_token_id"):
-        LLM(str(path), dtype="float32", progress=False, decoding="wedlm")
-    LLM(str(path), dtype="float32", progress=False)  # the same model decodes autoregressively
+        LLM(str(path), dtype="float32", progress=False, decoding="wedlm", kv_cache_blocks=KV)
+    LLM(str(path), dtype="float32", progress=False, kv_cache_blocks=KV)  # the same model decodes autoregressively
 
 
 def test_refuses_the_default_ar_model(llm_fp32):
@@ -130,7 +131,7 @@ def test_refuses_the_default_ar_model(llm_fp32):
 
 
 def test_streamed_text_and_stats(trained):
-    llm = LLM(str(trained.path), dtype="float32", progress=False, wedlm=dict(window_size=16))
+    llm = LLM(str(trained.path), dtype="float32", progress=False, wedlm=dict(window_size=16), kv_cache_blocks=KV)
     prompt = "count from 10 to 30 :"
     params = SamplingParams(temperature=0.0, max_tokens=40)
     events = list(llm.stream([prompt], params))
@@ -150,7 +151,8 @@ def test_llm_keeps_decoding_options_given_by_their_field_name(tiny):
     options, as ``wedlm={...}`` does; both at once is an error, not a silent choice."""
     opts = {"window_size": 4, "entropy_threshold": 0.2}
     for kw in ({"decoding": "wedlm", "decoding_options": opts}, {"wedlm": opts}):
-        llm = LLM(str(tiny.path), dtype="float32", progress=False, numerics="exact", max_model_len=256, **kw)
+        llm = LLM(str(tiny.path), dtype="float32", progress=False, numerics="exact", max_model_len=256,
+                  kv_cache_blocks=KV, **kw)
         cfg = llm.engine.strategy.cfg
         assert (cfg.window_size, cfg.entropy_threshold) == (4, 0.2), kw
     with pytest.raises(ValueError, match="not both"):
