@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shlex
 import statistics
@@ -32,7 +31,7 @@ from dataclasses import dataclass, field
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_serve import start_server  # noqa: E402
+from serve_common import sse_chunks, start_ratchet  # noqa: E402
 
 SYSTEM = (
     "You are the support assistant of Northwind Outdoor, a shop for hiking and camping gear. Answer customers "
@@ -103,22 +102,15 @@ async def stream(client: httpx.AsyncClient, url: str, body: dict) -> tuple[float
     """One streaming request: (TTFT, text, usage)."""
     t0 = time.perf_counter()
     ttft, parts, usage = float("nan"), [], {}
-    async with client.stream("POST", url, json={**body, "stream": True,
-                                                "stream_options": {"include_usage": True}}) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices"):
-                c = chunk["choices"][0]
-                text = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
-                if text and ttft != ttft:  # first chunk with text
-                    ttft = time.perf_counter() - t0
-                parts.append(text or "")
-            elif chunk.get("usage"):
-                usage = chunk["usage"]
+    async for chunk in sse_chunks(client, url, {**body, "stream_options": {"include_usage": True}}):
+        if chunk.get("choices"):
+            c = chunk["choices"][0]
+            text = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
+            if text and ttft != ttft:  # first chunk with text
+                ttft = time.perf_counter() - t0
+            parts.append(text or "")
+        elif chunk.get("usage"):
+            usage = chunk["usage"]
     return ttft, "".join(parts), usage
 
 
@@ -191,7 +183,7 @@ def workload(url: str, model: str, name: str, c: int, turns: int, max_tokens: in
 def measure(server_args: list[str], levels: list[int], turns: int, max_tokens: int, names: list[str]) -> dict:
     """Both servers stay up (an idle one costs no CPU); each workload runs on the caching server,
     then on the other, so a change in machine load between workloads hits both sides alike."""
-    servers = {on: start_server([*server_args, "--enable-prefix-caching", str(on).lower()]) for on in (True, False)}
+    servers = {on: start_ratchet([*server_args, "--enable-prefix-caching", str(on).lower()]) for on in (True, False)}
     out: dict = {}
     try:
         models = {on: httpx.get(url + "/v1/models").json()["data"][0]["id"] for on, (_, url) in servers.items()}

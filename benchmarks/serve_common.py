@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,31 +101,35 @@ class Timings:
     ok: bool = False
 
 
+async def sse_chunks(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    """POST ``body`` to ``url`` streamed and yield its server-sent JSON events (an HTTP error raises)."""
+    async with client.stream("POST", url, json={**body, "stream": True}) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
 async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str, Any],
                             path: str = "/v1/completions") -> Timings:
     """POST ``body`` streamed and time its events (TTFT: the first event with non-empty ``choices``)."""
     res = Timings()
     t0 = time.perf_counter()
     events = 0
-    async with client.stream("POST", url + path, json={**body, "stream": True}) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{path}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            now = time.perf_counter()
-            choices = chunk.get("choices")
-            if choices:
-                if res.times:
-                    res.itl.append(now - res.times[-1])
-                else:
-                    res.ttft = now - t0
-                res.times.append(now)
-                c = choices[0]
-                events += bool(c.get("text") or (c.get("delta") or {}).get("content"))
-            if chunk.get("usage"):
-                res.output_tokens = int(chunk["usage"]["completion_tokens"])
+    async for chunk in sse_chunks(client, url + path, body):
+        now = time.perf_counter()
+        choices = chunk.get("choices")
+        if choices:
+            if res.times:
+                res.itl.append(now - res.times[-1])
+            else:
+                res.ttft = now - t0
+            res.times.append(now)
+            c = choices[0]
+            events += bool(c.get("text") or (c.get("delta") or {}).get("content"))
+        if chunk.get("usage"):
+            res.output_tokens = int(chunk["usage"]["completion_tokens"])
     res.e2e = time.perf_counter() - t0
     res.output_tokens = res.output_tokens or events
     res.ok = bool(res.times)
