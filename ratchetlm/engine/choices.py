@@ -5,12 +5,16 @@ done in front of the engine as vLLM does it: one engine request per choice)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Any
 
+from ratchetlm.engine.llm_engine import LLMEngine
 from ratchetlm.outputs import CompletionOutput, RequestOutput, with_decoded
 from ratchetlm.sampling_params import SamplingParams
 from ratchetlm.sequence import Sequence
+from ratchetlm.text.stream import TextStream
 
 
 def choice_params(sp: SamplingParams, j: int) -> SamplingParams:
@@ -27,7 +31,7 @@ def choice_params(sp: SamplingParams, j: int) -> SamplingParams:
 
 @dataclass
 class ChoiceRun:
-    """What one choice's engine request produced (filled by ``LLM``'s event loop)."""
+    """What one choice's engine request produced (filled by :func:`choice_events`)."""
 
     index: int  # prompt position in the submitted list
     choice: int
@@ -36,6 +40,76 @@ class ChoiceRun:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+
+@dataclass
+class StreamEvent:
+    """Committed tokens of one choice of one request in one engine step, with the text they release."""
+
+    index: int  # position of the request in the submitted list
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    choice: int = 0  # which of the prompt's n choices
+    stop_reason: int | str | None = None  # the stop string / stop token id that ended it
+
+
+def submit_choices(engine: LLMEngine, tokenizer: Any, encoded: list[list[int]],
+                   sampling_params: SamplingParams | Seq[SamplingParams]) -> dict[int, tuple[ChoiceRun, TextStream]]:
+    """Queue every choice of every prompt; returns, per engine request id, its ``(ChoiceRun, TextStream)``.
+    Everything is validated before anything stays queued: on an error every queued choice is released."""
+    if isinstance(sampling_params, SamplingParams):
+        params_list = [sampling_params] * len(encoded)
+    elif len(sampling_params) != len(encoded):
+        raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(encoded)} prompts")
+    else:
+        params_list = list(sampling_params)
+    runs: dict[int, tuple[ChoiceRun, TextStream]] = {}
+    try:
+        for i, (ids_i, sp) in enumerate(zip(encoded, params_list, strict=True)):
+            leader = None  # the prompt's first choice; the others share its prompt KV
+            for j in range(sp.num_samples):
+                cp = choice_params(sp, j)
+                sid = engine.add_request(ids_i, cp, share_prompt_with=leader)
+                leader = sid if leader is None else leader
+                runs[sid] = (ChoiceRun(i, j, sp), TextStream(tokenizer, ids_i, cp.stop, cp.include_stop_str_in_output))
+    except BaseException:
+        for sid in runs:
+            engine.abort(sid)
+            engine.release(sid)
+        raise
+    return runs
+
+
+def choice_events(engine: LLMEngine, runs: dict[int, tuple[ChoiceRun, TextStream]]) -> Iterator[StreamEvent]:
+    """Step the engine until it is idle, yielding each choice's committed tokens and the text they release
+    (stop strings end a request here, in the text layer; EOS / stop token ids end it but are not text)."""
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.seq_id not in runs:
+                continue
+            run, ts = runs[out.seq_id]
+            visible = out.new_token_ids
+            stop_tok = bool(visible) and engine.is_stop_token(out.seq_id, visible[-1])
+            if out.finish_reason == "stop" and stop_tok:
+                visible = visible[:-1]
+            delta = ts.feed(visible)
+            finished, reason = out.finished, out.finish_reason
+            if delta.stopped and not finished:
+                engine.abort(out.seq_id, "stop")
+                finished, reason = True, "stop"
+            text = delta.text + (ts.finish() if finished else "")
+            run.token_ids += out.new_token_ids
+            run.text += text
+            if finished:
+                run.finish_reason = reason
+                run.stop_reason = ts.matched_stop
+                last = out.new_token_ids[-1] if out.new_token_ids else None
+                if reason == "stop" and run.stop_reason is None and last in run.params.stop_token_ids \
+                        and last not in engine.seqs[out.seq_id].eos_token_ids:
+                    run.stop_reason = last
+            yield StreamEvent(run.index, out.new_token_ids, text, finished, reason, run.choice, run.stop_reason)
 
 
 def completion(run: ChoiceRun, seq: Sequence, decode: Callable[[int], str]) -> CompletionOutput:

@@ -61,6 +61,21 @@ IGNORED = frozenset({
 })
 
 
+def decoding_shorthands(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``speculative={...}`` / ``wedlm={...}`` -> ``decoding`` + ``decoding_options`` (a copy of ``kwargs``)."""
+    kwargs = dict(kwargs)
+    for name in ("speculative", "wedlm"):
+        options = kwargs.pop(name, None)
+        if options is None:
+            continue
+        if kwargs.get("decoding_options") and kwargs.get("decoding") == name:
+            other = "speculative_config (vLLM's name)" if name == "speculative" else "decoding_options"
+            raise ValueError(f"give {name}={{...}} or {other}, not both")
+        kwargs.setdefault("decoding", name)
+        kwargs["decoding_options"] = dict(options)
+    return kwargs
+
+
 def split_engine_args(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """``LLM(**kwargs)`` -> (EngineConfig fields, extras the facade handles itself: ``tokenizer``).
     Raises ``ValueError`` for a vLLM value that would change results, ``TypeError`` for unknown names;

@@ -9,14 +9,13 @@ import threading
 import warnings
 from collections.abc import Iterator, Mapping
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 from typing import Any
 
 from tqdm import tqdm
 
-from ratchetlm.engine.choices import ChoiceRun, choice_params, completion, request_output
+from ratchetlm.engine.choices import StreamEvent, choice_events, completion, request_output, submit_choices
 from ratchetlm.engine.config import EngineConfig
-from ratchetlm.engine.engine_args import split_engine_args
+from ratchetlm.engine.engine_args import decoding_shorthands, split_engine_args
 from ratchetlm.engine.generation_config import model_sampling_defaults
 from ratchetlm.engine.llm_engine import LLMEngine
 from ratchetlm.engine.pooling import PoolingParams, PoolingRequestOutput, embed, encode
@@ -27,24 +26,10 @@ from ratchetlm.models.tokenizer import other_tokenizer, special_tokens
 from ratchetlm.outputs import RequestOutput
 from ratchetlm.runners import start_tensor_parallel
 from ratchetlm.sampling_params import SamplingParams
-from ratchetlm.text.stream import TextStream
 
 log = logging.getLogger("ratchetlm")
 
 __all__ = ["LLM", "RequestOutput", "StreamEvent"]
-
-
-@dataclass
-class StreamEvent:
-    """Committed tokens of one choice of one request in one engine step, with the text they release."""
-
-    index: int  # position of the request in the submitted list
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None
-    choice: int = 0  # which of the prompt's n choices
-    stop_reason: int | str | None = None  # the stop string / stop token id that ended it
 
 
 class LLM:
@@ -54,20 +39,8 @@ class LLM:
     ``decoding``/``decoding_options``."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        spec = kwargs.pop("speculative", None)
-        wedlm = kwargs.pop("wedlm", None)
         mask_token_id = kwargs.pop("mask_token_id", None)
-        kwargs, extras = split_engine_args(kwargs)
-        if spec is not None:
-            if kwargs.get("decoding_options") and kwargs.get("decoding") == "speculative":
-                raise ValueError("give speculative or speculative_config (vLLM's name), not both")
-            kwargs.setdefault("decoding", "speculative")
-            kwargs["decoding_options"] = dict(spec)
-        if wedlm is not None:
-            if kwargs.get("decoding_options") and kwargs.get("decoding") == "wedlm":
-                raise ValueError("give wedlm={...} or decoding_options, not both")
-            kwargs.setdefault("decoding", "wedlm")
-            kwargs["decoding_options"] = dict(wedlm)
+        kwargs, extras = split_engine_args(decoding_shorthands(kwargs))
         self.config = EngineConfig(model=model, **kwargs)
         dtype = self.config.dtype_choice()
         log.info("%s", dtype.describe())  # once per engine: what runs, and why (engine/dtype.py)
@@ -154,58 +127,12 @@ class LLM:
 
     def _submit(self, encoded: list[list[int]],
                 sampling_params: SamplingParams | Seq[SamplingParams] | None) -> dict[int, Any]:
-        """Queue every choice of every prompt; returns, per engine request id, its
-        ``(ChoiceRun, TextStream)``. Everything is validated before anything is queued."""
         if self.config.runner == "pooling":
             raise ValueError("this LLM runs the pooling runner (runner='pooling'): use embed / encode; generation "
                              "needs runner='generate'")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params_list = _params_list(sampling_params, len(encoded))
-        runs: dict[int, Any] = {}
-        try:
-            for i, (ids_i, sp) in enumerate(zip(encoded, params_list, strict=True)):
-                leader = None
-                for j in range(sp.num_samples):
-                    cp = choice_params(sp, j)
-                    sid = self.engine.add_request(ids_i, cp, share_prompt_with=leader)
-                    leader = sid if leader is None else leader
-                    runs[sid] = (ChoiceRun(i, j, sp), TextStream(self.tokenizer, ids_i, cp.stop,
-                                                                  cp.include_stop_str_in_output))
-        except BaseException:
-            for sid in runs:
-                self.engine.abort(sid)
-                self.engine.release(sid)
-            raise
-        return runs
-
-    def _events(self, runs: dict[int, Any]) -> Iterator[StreamEvent]:
-        """Step the engine until it is idle, yielding each choice's committed tokens and text."""
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.seq_id not in runs:
-                    continue
-                run, ts = runs[out.seq_id]
-                visible = out.new_token_ids
-                stop_tok = bool(visible) and self.engine.is_stop_token(out.seq_id, visible[-1])
-                if out.finish_reason == "stop" and stop_tok:
-                    visible = visible[:-1]  # EOS / stop token ids end the request but are not text
-                delta = ts.feed(visible)
-                finished, reason = out.finished, out.finish_reason
-                if delta.stopped and not finished:
-                    self.engine.abort(out.seq_id, "stop")
-                    finished, reason = True, "stop"
-                text = delta.text + (ts.finish() if finished else "")
-                run.token_ids += out.new_token_ids
-                run.text += text
-                if finished:
-                    run.finish_reason = reason
-                    run.stop_reason = ts.matched_stop
-                    last = out.new_token_ids[-1] if out.new_token_ids else None
-                    if reason == "stop" and run.stop_reason is None and last in run.params.stop_token_ids \
-                            and last not in self.engine.seqs[out.seq_id].eos_token_ids:
-                        run.stop_reason = last
-                yield StreamEvent(run.index, out.new_token_ids, text, finished, reason, run.choice, run.stop_reason)
+        return submit_choices(self.engine, self.tokenizer, encoded, sampling_params)
 
     def stream(
         self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -214,7 +141,7 @@ class LLM:
         """Run requests to completion, yielding each step's committed tokens per request and choice."""
         runs = self._submit([self.tokenize(p) for p in as_prompt_list(prompts)], _renamed(sampling_params, params))
         try:
-            yield from self._events(runs)
+            yield from choice_events(self.engine, runs)
         finally:
             for sid in runs:
                 self.engine.abort(sid)
@@ -243,7 +170,7 @@ class LLM:
         for run, _ in runs.values():
             left[run.index] += 1
         try:
-            for ev in self._events(runs):
+            for ev in choice_events(self.engine, runs):
                 if ev.finished:
                     left[ev.index] -= 1
                     bar.update(int(left[ev.index] == 0))
@@ -309,12 +236,3 @@ def _dev(cfg: EngineConfig) -> Any:
 
     return torch.device(cfg.device)
 
-
-def _params_list(params: SamplingParams | Seq[SamplingParams] | None, n: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * n
-    if isinstance(params, SamplingParams):
-        return [params] * n
-    if len(params) != n:
-        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
-    return list(params)
