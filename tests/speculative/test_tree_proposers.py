@@ -219,6 +219,27 @@ def test_tree_size_follows_the_cost_curve_batch_and_earlier_drafts():
     assert sizes[0] > sizes[2] >= sizes[3] and sizes[0] > 0
 
 
+def test_trees_shrink_with_the_context_every_node_reads():
+    """A node's row reads the sequence's cached tokens: with the curve's per-token terms the tree is the
+    reference rule's size with ``share + f·L`` and ``n·r·L`` added, smaller the longer the context."""
+    src = FixedSource({t: [t + 1, t + 100] for t in range(50)})
+    calib = calibrated([0.7, 0.2])
+    curve = CostCurve((1, 2, 4, 8, 16, 32), (1.0, 1.05, 1.2, 1.6, 2.8, 5.5), first_token=3e-4, row_token=2e-4)
+    sizes = []
+    for ctx in (0, 1500, 4000, 50000):
+        plan = build([src], {0: True}, 0, calib, CostTable(curve), 16, 8, 1, 0, True, 1, context=ctx)
+        full = build([src], {0: True}, 0, calib, CostTable(curve), 16, 8, 1, 0, False, 1, context=ctx).nodes
+        probs = [n.p for n in full]
+        share = 1.0 + 3e-4 * ctx
+        values = [1 / share] + [(1 + sum(probs[:n])) / (share + curve(n + 2) - curve(1) + n * 2e-4 * ctx)
+                                for n in range(1, len(probs) + 1)]
+        assert len(plan.nodes) == max(range(len(values)), key=lambda n: (values[n], -n)), ctx
+        sizes.append(len(plan.nodes))
+    assert sizes[0] > sizes[1] >= sizes[2] >= sizes[3], sizes
+    bare = CostCurve(curve.rows, curve.cost)
+    assert len(build([src], {0: True}, 0, calib, CostTable(bare), 16, 8, 1, 0, True, 1, context=4000).nodes) == sizes[0]
+
+
 def test_judge_scores_the_children_of_each_accepted_node_from_the_committed_tokens():
     src = FixedSource({0: [1, 2], 1: [3, 4], 3: [5]})
     calib = calibrated([0.9, 0.5])

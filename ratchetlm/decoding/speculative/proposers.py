@@ -149,7 +149,7 @@ def verify_cost(cfg: Any, ctx: Any) -> CostCurve:
     runner = getattr(ctx, "runner", None)
     if runner is None or getattr(runner, "model", None) is None:
         return CostCurve.linear(0.09)
-    return measured(runner.model, getattr(runner, "device", "cpu"))
+    return measured(runner.model, getattr(runner, "device", "cpu"), cache=getattr(runner, "cache", None))
 
 
 @register_proposer("ngram")
@@ -207,4 +207,4 @@ class NgramProposer(Proposer):
         if rec.pending and rec.pending[-1].start == len(seq.token_ids):
             rec.pending.pop()  # proposed again from the same state (a discarded step is re-run)
         rec.pending.append(PendingContinuation(len(seq.token_ids), n, cont))
-        return self.gain.length(rec, n, min(max_depth, len(cont)), batch, drafted)
+        return self.gain.length(rec, n, min(max_depth, len(cont)), batch, drafted, seq.num_cached)

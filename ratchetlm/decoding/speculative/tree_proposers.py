@@ -121,7 +121,7 @@ class TreeProposer(Proposer):
             if prev is not None and prev.start < len(tokens):
                 judge(prev, tokens, self.calib)
             plan = build(self.sources, self._roots(seq), tokens[-1], self.calib, self.costs, self.cfg.tree_nodes, d,
-                         len(seqs), drafted, self.gain, len(tokens))
+                         len(seqs), drafted, self.gain, len(tokens), seq.num_cached)
             seq.strategy_state[_PLAN] = plan
             if not plan.nodes:
                 self.counts["skipped"] += bool(plan.root_kids)
