@@ -21,6 +21,7 @@ import torch
 from ratchetlm.decoding.speculative.cost_curve import CostCurve, measured
 from ratchetlm.decoding.speculative.gain import GainSchedule, PendingContinuation
 from ratchetlm.decoding.speculative.idle_gate import IdleGate
+from ratchetlm.decoding.speculative.verify import DraftTree
 from ratchetlm.sequence import Sequence
 
 PAD = -1
@@ -30,6 +31,9 @@ PAD = -1
 class DraftBeam:
     tokens: torch.Tensor  # [M, C] int64 candidate ids, PAD after a candidate's end
     scores: torch.Tensor  # [M, C] float: proposer's cumulative score (log-prob for model drafts)
+    # the same candidates as a deduplicated tree, when the proposer built one anyway (the tree
+    # proposers): the strategy then verifies it as is instead of packing ``tokens`` back into a tree
+    tree: DraftTree | None = None
 
 
 class Proposer(ABC):

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from ratchetlm.decoding.speculative.cost_curve import CostCurve
+from ratchetlm.decoding.speculative.verify import DraftTree
 
 PRIOR = 2.0  # pseudo-observations of a key's source-wide rate in the key's own estimate
 
@@ -199,9 +200,17 @@ def to_beam(nodes: list[Node]) -> torch.Tensor:  # [M, C] int64, PAD = -1 after 
             has_kid[n.parent] = True
     leaves = [i for i in range(len(nodes)) if not has_kid[i]]
     width = 1 + max(nodes[i].depth for i in leaves)
-    beam = torch.full((len(leaves), width), -1, dtype=torch.long)
-    for r, i in enumerate(leaves):
+    rows = []
+    for i in leaves:  # (lists, then one tensor: a tensor write per entry cost ~2 us each)
+        row = [-1] * width
         while i >= 0:
-            beam[r, nodes[i].depth] = nodes[i].token
+            row[nodes[i].depth] = nodes[i].token
             i = nodes[i].parent
-    return beam
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def to_tree(nodes: list[Node]) -> DraftTree:
+    """The selected nodes as the verify forward's tree, in selection order (best first: parents
+    before children, every prefix a tree)."""
+    return DraftTree([n.token for n in nodes], [n.parent for n in nodes], [n.depth for n in nodes])
