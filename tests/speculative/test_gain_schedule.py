@@ -158,6 +158,49 @@ def test_length_is_the_best_draft_value_over_every_length():
         assert g.length(rec, m, max_depth, batch, drafted) == expect, trial
 
 
+def test_long_contexts_price_every_row_s_attention():
+    """Each verified row reads the sequence's cached context: ``share`` grows by ``first_token * L`` and a
+    draft of d tokens by ``d * row_token * L`` (draft_value and length agree); a draft that pays after
+    100 cached tokens is shortened after 1,500 and dropped after 20,000."""
+    from ratchetlm.decoding.speculative.cost_curve import CostCurve
+    from ratchetlm.decoding.speculative.gain import draft_value
+
+    curve = CostCurve((1, 2, 4, 8, 16), (1.0, 1.02, 1.15, 1.5, 2.6), first_token=3e-4, row_token=2e-4)
+    bare = CostCurve(curve.rows, curve.cost)
+    share = 1.0 + 3e-4 * 1500
+    assert draft_value(2.0, 0, curve, 1, context=1500) == pytest.approx(2.0 / share)
+    assert draft_value(2.5, 3, curve, 1, context=1500) == pytest.approx(2.5 / (share + curve(5) - curve(1) + 3 * 0.3))
+    assert draft_value(2.5, 3, curve, 1, context=0) == draft_value(2.5, 3, bare, 1)
+    g = GainSchedule(4, 8, curve)
+    rec = _record_with(g, m=2, agreed=0, times=2)  # two continuations wrong at once, two right throughout
+    for _ in range(2):
+        rec.counts.add(2, 8, 8)
+        g.totals.add(2, 8, 8)
+    lengths = [g.length(rec, 2, 8, 1, context=n) for n in (100, 1500, 20000)]
+    assert lengths == [6, 3, 0], lengths  # each length the argmax below
+    gain = 1.0 + np.concatenate([[0.0], np.cumsum(g.agreement(rec, 2)[:8])])
+    free = GainSchedule(4, 8, bare)
+    free.totals = g.totals  # the same evidence
+    for n in (100, 1500, 20000):
+        best = int(np.argmax([draft_value(float(x), d, curve, 1, 0, n) for d, x in enumerate(gain)]))
+        assert g.length(rec, 2, 8, 1, context=n) == best
+        assert free.length(rec, 2, 8, 1, context=n) == free.length(rec, 2, 8, 1)  # no terms: context is free
+
+
+def test_context_terms_are_measured_on_the_real_path(spec_llm):
+    """The probe times forwards over cached context (the runner's cache): both per-token terms come out
+    positive on a CPU (a row reading 1,024 cached tokens costs more than one reading none)."""
+    import time
+
+    from ratchetlm.decoding.speculative import cost_curve
+
+    model, cache = spec_llm.engine.model, spec_llm.engine.runner.cache
+    base = cost_curve.CostCurve.linear(0.1)
+    c = cost_curve.context_terms(model, torch.device("cpu"), cache, base, repeats=2, clock=time.process_time)
+    assert (c.rows, c.cost) == (base.rows, base.cost)
+    assert 0 < c.first_token < 0.01 and 0 < c.row_token < 0.01, c
+
+
 def test_a_step_prices_each_draft_after_the_rows_drafted_before_it():
     """Rows are cheap up to 5 here and dear beyond: at batch 2 the first sequence drafts the 2 tokens
     that still fit (2 rows + 2 drafts + 1), the second, priced after them, drafts nothing."""

@@ -75,3 +75,4 @@ def test_a_tiny_run_on_the_default_model(bench, capsys):
     # --batch 2: the two first turns at once, identical to AR's
     assert out["batched"][name]["same"] == out["batched"][name]["n"] == 2
     assert out["batched"][name]["speedup"] > 0 and "batches of 2 different prompts" in llm_text
+    assert out["batched"][name]["decode_speedup"] > 0 and "decode phase" in llm_text

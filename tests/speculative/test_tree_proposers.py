@@ -16,10 +16,10 @@ from ratchetlm.decoding.speculative.cost_curve import CostCurve
 from ratchetlm.decoding.speculative.draft_tree import trees_from_beams
 from ratchetlm.decoding.speculative.recycling import SuccessorTable, top_k_indices
 from ratchetlm.decoding.speculative.suffix_index import History, SequenceIndex, SuffixTrie
-from ratchetlm.decoding.speculative.tree_select import Calibration, CostTable, build, judge, to_beam
+from ratchetlm.decoding.speculative.tree_select import Calibration, CostTable, build, judge, to_beam, to_tree
 from ratchetlm.sampling_params import SamplingParams
 
-from .conftest import make_engine, run_engine
+from .conftest import GREEDY, make_engine, run_engine
 
 # ------------------------------------------------------------------ successor table
 
@@ -217,6 +217,77 @@ def test_tree_size_follows_the_cost_curve_batch_and_earlier_drafts():
         assert len(plan.nodes) == reference_size([n.p for n in full], curve, b, e), (b, e)
         sizes.append(len(plan.nodes))
     assert sizes[0] > sizes[2] >= sizes[3] and sizes[0] > 0
+
+
+def test_trees_shrink_with_the_context_every_node_reads():
+    """A node's row reads the sequence's cached tokens: with the curve's per-token terms the tree is the
+    reference rule's size with ``share + f·L`` and ``n·r·L`` added, smaller the longer the context."""
+    src = FixedSource({t: [t + 1, t + 100] for t in range(50)})
+    calib = calibrated([0.7, 0.2])
+    curve = CostCurve((1, 2, 4, 8, 16, 32), (1.0, 1.05, 1.2, 1.6, 2.8, 5.5), first_token=3e-4, row_token=2e-4)
+    sizes = []
+    for ctx in (0, 1500, 4000, 50000):
+        plan = build([src], {0: True}, 0, calib, CostTable(curve), 16, 8, 1, 0, True, 1, context=ctx)
+        full = build([src], {0: True}, 0, calib, CostTable(curve), 16, 8, 1, 0, False, 1, context=ctx).nodes
+        probs = [n.p for n in full]
+        share = 1.0 + 3e-4 * ctx
+        values = [1 / share] + [(1 + sum(probs[:n])) / (share + curve(n + 2) - curve(1) + n * 2e-4 * ctx)
+                                for n in range(1, len(probs) + 1)]
+        assert len(plan.nodes) == max(range(len(values)), key=lambda n: (values[n], -n)), ctx
+        sizes.append(len(plan.nodes))
+    assert sizes[0] > sizes[1] >= sizes[2] >= sizes[3], sizes
+    bare = CostCurve(curve.rows, curve.cost)
+    assert len(build([src], {0: True}, 0, calib, CostTable(bare), 16, 8, 1, 0, True, 1, context=4000).nodes) == sizes[0]
+
+
+def paths(tree) -> set[tuple[int, ...]]:
+    """Every node's root-to-node token path: what a tree verifies, whatever its node order."""
+    out = set()
+    for k in range(len(tree)):
+        path = []
+        while k >= 0:
+            path.append(tree.tokens[k])
+            k = tree.parent[k]
+        out.add(tuple(reversed(path)))
+    return out
+
+
+def test_the_built_tree_is_the_tree_its_candidates_pack_into():
+    """The tree proposers hand the strategy their tree as built (no pack() of the candidates): the same
+    root-to-node paths and depths as packing ``to_beam``, in selection order (best first)."""
+    src = FixedSource({0: [1, 2, 3], 1: [4, 5], 2: [6], 4: [7, 8], 6: [9], 7: [10]})
+    for rates in ([0.8, 0.3, 0.1], [0.5, 0.45, 0.4], [0.95, 0.02, 0.01]):
+        plan = build([src], {0: True}, 0, calibrated(rates), CostTable(CostCurve.linear(0.0)), 9, 8, 1, 0, False, 1)
+        tree, packed = to_tree(plan.nodes), trees_from_beams([to_beam(plan.nodes)])[0]
+        assert paths(tree) == paths(packed) and len(tree) == len(packed) == 9
+        assert sorted(tree.depth) == sorted(packed.depth)
+        assert [n.token for n in plan.nodes] == tree.tokens  # selection order
+
+
+def test_hybrid_drafts_reach_the_verify_forward_as_built(spec_llm, encoded, reference, monkeypatch):
+    """No pack() for the hybrid's trees: each staged proposal carries exactly its DraftBeam's tree,
+    and the text is plain greedy's."""
+    from ratchetlm.decoding.speculative import draft_tree
+
+    monkeypatch.setattr(draft_tree, "pack", lambda beam: pytest.fail("a built tree was packed again"))
+    eng = make_engine(spec_llm, "speculative", method="hybrid", depth_schedule="constant")
+    trees: list[Any] = []
+    real = eng.strategy.proposer.propose
+
+    def spy(seqs, depths):
+        beams = real(seqs, depths)
+        trees.extend(b.tree for b in beams if b is not None)
+        return beams
+
+    eng.strategy.proposer.propose = spy
+    seen: list[Any] = []
+    tree_proposal = eng.strategy._tree_proposal
+    monkeypatch.setattr(eng.strategy, "_tree_proposal",
+                        lambda seq, draft, *a, **k: seen.append(draft) or tree_proposal(seq, draft, *a, **k))
+    out = run_engine(eng, [encoded[i] for i in (0, 1)], GREEDY)
+    assert out == [reference[i] for i in (0, 1)]
+    # every tree drafted reached a verify forward as the same object (SCV's continuations are cut from it)
+    assert trees and all(any(t is d for d in seen) for t in trees)
 
 
 def test_judge_scores_the_children_of_each_accepted_node_from_the_committed_tokens():

@@ -38,9 +38,15 @@ class CostCurve:
 
     rows: tuple[int, ...]  # increasing, starting at 1
     cost: tuple[float, ...]  # cost[0] == 1, non-decreasing
+    # what a sequence's cached context adds, per cached token, in one-row forwards (:func:`context_terms`):
+    # its first row (reads the context's K/V from memory) and each further row of the same sequence
+    # (attention's arithmetic again: the kernel reads the context once per row). 0: context is free.
+    first_token: float = 0.0
+    row_token: float = 0.0
 
     def __post_init__(self) -> None:
         assert len(self.rows) == len(self.cost) >= 2 and self.rows[0] == 1 and self.cost[0] == 1.0, self
+        assert self.first_token >= 0.0 and self.row_token >= 0.0, self
         assert all(a < b for a, b in zip(self.rows, self.rows[1:], strict=False)), self.rows
         assert all(a <= b for a, b in zip(self.cost, self.cost[1:], strict=False)), self.cost
 
@@ -55,7 +61,9 @@ class CostCurve:
         return c0 + (c1 - c0) * (rows - r0) / (r1 - r0)
 
     def __str__(self) -> str:
-        return " ".join(f"{r}:{c:.2f}" for r, c in zip(self.rows, self.cost, strict=True))
+        ctx = f"; per cached token: first row {self.first_token:.2e}, each further row {self.row_token:.2e}"
+        return " ".join(f"{r}:{c:.2f}" for r, c in zip(self.rows, self.cost, strict=True)) + (
+            ctx if self.first_token or self.row_token else "")
 
 
 def from_times(rows: tuple[int, ...], seconds: list[float]) -> CostCurve:
@@ -74,14 +82,15 @@ _measured: weakref.WeakKeyDictionary[Any, dict[int, CostCurve]] = weakref.WeakKe
 PROBE_LAYERS = 4  # decoder layers timed per row count (they are alike; the rest is scaled from them)
 
 
-def measured(model: Any, device: torch.device | str = "cpu", fallback: float = 0.09) -> CostCurve:
+def measured(model: Any, device: torch.device | str = "cpu", fallback: float = 0.09, cache: Any = None) -> CostCurve:
     """The cost curve of ``model`` on this machine with the current torch threads, measured on first
     use and kept for the process (logged once). Only ``PROBE_LAYERS`` decoder layers and the head
     run per probe, a fraction of full forwards (at 2 threads on a busy 2-core box: 0.1-0.3 s for
     the default model, 1-2.8 s for a 1B file, exact the slowest; benchmarks/bench_cost_curve.py). A
     model the probe does not fit (not a Llama-shaped stack, or a tensor-parallel rank, whose forward
     waits for the other ranks) gets the linear model with
-    ``fallback``."""
+    ``fallback``. ``cache``: the runner's KV cache, to time forwards on top of a cached context as
+    well (:func:`context_terms`; without it context is priced free)."""
     from ratchetlm.models.llama import LlamaModel
 
     if not isinstance(model, LlamaModel) or getattr(model.tp, "size", 1) > 1:
@@ -95,7 +104,13 @@ def measured(model: Any, device: torch.device | str = "cpu", fallback: float = 0
             # 6.6x by wall time, which starved every draft); with more threads CPU time counts their
             # waiting too, so wall time stays
             clock = time.process_time if threads == 1 and torch.device(device).type == "cpu" else time.perf_counter
-            per_model[threads] = curve(model, torch.device(device), clock=clock)
+            c = curve(model, torch.device(device), clock=clock)
+            if cache is not None:
+                try:
+                    c = context_terms(model, torch.device(device), cache, c, clock=clock)
+                except Exception as e:  # noqa: BLE001 (the curve stands; context is priced free)
+                    log.warning("context cost not measured (%s: %s)", type(e).__name__, e)
+            per_model[threads] = c
             log.info("forward cost curve at %d threads (rows:time / one row): %s", threads, per_model[threads])
         except Exception as e:  # noqa: BLE001 (the schedule still works, with the constant model)
             log.warning("cost curve not measured (%s: %s); verify_token_cost=%s", type(e).__name__, e, fallback)
@@ -120,19 +135,46 @@ def curve(model: Any, device: torch.device, rows: tuple[int, ...] = ROWS, repeat
     return from_times(rows, [seconds(model, device, r, repeats, probe_layers, clock=clock) for r in rows])
 
 
+CONTEXT = 1024  # cached tokens under the context probe's forwards
+CONTEXT_ROWS = 8  # rows of its multi-row forward (a typical verify)
+
+
+def context_terms(model: Any, device: torch.device, cache: Any, base: CostCurve, context: int = CONTEXT,
+                  rows: int = CONTEXT_ROWS, repeats: int = 3, probe_layers: int | None = PROBE_LAYERS,
+                  clock: Callable[[], float] = time.perf_counter) -> CostCurve:
+    """``base`` with its per-cached-token terms: forwards over 1 and ``rows`` rows with and without
+    ``context`` cached tokens under them (the cache's first slots, whatever they hold: only time is
+    read). A verify forward's rows each read the whole context (measured on the default model, int8,
+    one core: 9 rows after 1,500 tokens 2.85x one row there, against 1.84x after 100), which the bare
+    curve does not see; priced without it, n-gram drafts on Spec-Bench's 700-1,500-token
+    summarization prompts lost to plain decoding at MAL 1.98."""
+    context = min(context, int(cache.num_slots) - rows)
+    if context < 64:
+        return base
+    t = {(r, c): seconds(model, device, r, repeats, probe_layers, clock=clock, cache=cache, context=c)
+         for r in (1, rows) for c in (0, context)}
+    one = t[1, 0]
+    first = max(t[1, context] - one, 0.0) / (context * one)
+    further = max(t[rows, context] - t[rows, 0] - (t[1, context] - one), 0.0) / ((rows - 1) * context * one)
+    return CostCurve(base.rows, base.cost, first, further)
+
+
 def seconds(model: Any, device: torch.device, rows: int, repeats: int = 2, probe_layers: int | None = None,
-            agg: Callable[[list[float]], float] = min, clock: Callable[[], float] = time.perf_counter) -> float:
+            agg: Callable[[list[float]], float] = min, clock: Callable[[], float] = time.perf_counter,
+            cache: Any = None, context: int = 0) -> float:
     """Time of one forward over ``rows`` new rows plus its logits, ``agg`` over ``repeats`` timed
     runs after one warm-up (``probe_layers``: time that many layers, scale to all; ``clock``: wall
-    time by default)."""
+    time by default; ``context``: cached tokens under the rows, the first slots of ``cache``)."""
     from ratchetlm.kv.sink import NullSink
     from ratchetlm.layers.attention import build_attention_batch
 
     n_layers = len(model.layers)
     k = n_layers if probe_layers is None else min(probe_layers, n_layers)
     ids = ((torch.arange(rows) * 7919 + 100) % int(model.config.vocab_size)).to(device)  # [rows]
-    batch = build_attention_batch(torch.arange(rows, device=device), [rows], [torch.empty(0, dtype=torch.long)],
-                                  [None], NullSink(), None)
+    groups = 1 if cache is None else len(cache.slot_groups)
+    slots = torch.arange(context, dtype=torch.long).expand(groups, context).reshape(-1)  # [G * context]
+    batch = build_attention_batch(torch.arange(context, context + rows, device=device), [rows], [slots], [None],
+                                  NullSink(), cache if context else None)
 
     def sync() -> None:
         if device.type == "cuda":

@@ -10,11 +10,13 @@ the length ``m`` of the suffix match it came from (on the default model: a 1-tok
 token is accepted 4-29% of the time, a 4-token match's 96-100%). So per step and sequence the
 schedule drafts the length ``d`` in ``[0, depth]`` maximising committed tokens per unit of cost::
 
-    value(d) = (1 + Σ_{j ≤ d} P(≥ j | m)) / (share + C(B + e + d + 1) − C(B + e)),   value(0) = 1 / share
+    value(d) = (1 + Σ_{j ≤ d} P(≥ j | m)) / (share + C(B + e + d + 1) − C(B + e) + d·r·L),   value(0) = 1 / share
 
 ``P(≥ j | m)`` is the probability that a continuation found with an ``m``-token match agrees
-with the output for at least ``j`` tokens; ``share = C(B) / B`` is one sequence's part of a
-plain forward over ``B`` decoding sequences (at batch 1, ``share = 1``) and ``e`` the rows the
+with the output for at least ``j`` tokens; ``share = C(B) / B + f·L`` is one sequence's part of a
+plain forward over ``B`` decoding sequences (at batch 1 and no context, ``share = 1``), ``f·L`` its
+first row's reading of the sequence's ``L`` cached tokens, ``r·L`` what each further row's attention over them
+adds (``f``, ``r``: the curve's per-token terms, cost_curve.py) and ``e`` the rows the
 step's earlier sequences already drafted, so the same rule drafts less in big batches, where a
 CPU verify is most compute bound.
 
@@ -115,15 +117,19 @@ class GainSchedule:
         cond = (rec.counts.hits[m, 1:] + PRIOR_WEIGHT * glob) / (rec.counts.tries[m, 1:] + PRIOR_WEIGHT)
         return np.cumprod(cond)
 
-    def length(self, rec: SequenceRecord, m: int, max_depth: int, batch: int, drafted: int = 0) -> int:
+    def length(self, rec: SequenceRecord, m: int, max_depth: int, batch: int, drafted: int = 0,
+               context: int = 0) -> int:
         """The draft length in ``[0, max_depth]`` with the most expected tokens per unit of cost
-        (``drafted``: rows the step's earlier sequences already drafted)."""
+        (``drafted``: rows the step's earlier sequences already drafted; ``context``: the sequence's
+        cached tokens, which every verified row reads)."""
         gain = 1.0 + np.concatenate([[0.0], np.cumsum(self.agreement(rec, m)[:max_depth])])  # [max_depth + 1]
         base = batch + drafted
         c = self.costs(base + max_depth + 1)
-        share = c[batch] / batch
+        share = c[batch] / batch + self.cost.first_token * context
+        reads = self.cost.row_token * context * np.arange(1, max_depth + 1)  # [max_depth] the rows' attention
+        extra = c[base + 2 : base + max_depth + 2] - c[base] + reads
         # draft_value for every length at once (the same float operations; called every step)
-        value = gain / np.concatenate([[share], share + c[base + 2 : base + max_depth + 2] - c[base]])
+        value = gain / np.concatenate([[share], share + extra])
         return int(np.argmax(value))  # ties go to the shorter draft
 
     def costs(self, rows: int) -> np.ndarray:  # [>= rows + 1] the cost curve at 0..rows rows (0: as 1)
@@ -133,13 +139,14 @@ class GainSchedule:
 
 
 def draft_value(expected_tokens: float, draft_len: int, cost: CostCurve | float, batch: int,
-                drafted: int = 0) -> float:
+                drafted: int = 0, context: int = 0) -> float:
     """Expected committed tokens per unit of forward cost for one of ``batch`` decoding sequences
     that drafts ``draft_len`` tokens (0 = a plain step) after the step's other sequences drafted
-    ``drafted`` rows; ``cost``: the cost curve (a number: ``verify_token_cost``, the linear one)."""
+    ``drafted`` rows; ``cost``: the cost curve (a number: ``verify_token_cost``, the linear one);
+    ``context``: the sequence's cached tokens (each of its rows reads them)."""
     c = cost if isinstance(cost, CostCurve) else CostCurve.linear(cost)
-    share = c(batch) / batch  # this sequence's part of a plain forward
+    share = c(batch) / batch + c.first_token * context  # this sequence's part of a plain forward
     if not draft_len:
         return expected_tokens / share
     base = batch + drafted
-    return expected_tokens / (share + c(base + draft_len + 1) - c(base))
+    return expected_tokens / (share + c(base + draft_len + 1) - c(base) + c.row_token * context * draft_len)

@@ -21,6 +21,7 @@ import torch
 from ratchetlm.decoding.speculative.cost_curve import CostCurve, measured
 from ratchetlm.decoding.speculative.gain import GainSchedule, PendingContinuation
 from ratchetlm.decoding.speculative.idle_gate import IdleGate
+from ratchetlm.decoding.speculative.verify import DraftTree
 from ratchetlm.sequence import Sequence
 
 PAD = -1
@@ -30,6 +31,9 @@ PAD = -1
 class DraftBeam:
     tokens: torch.Tensor  # [M, C] int64 candidate ids, PAD after a candidate's end
     scores: torch.Tensor  # [M, C] float: proposer's cumulative score (log-prob for model drafts)
+    # the same candidates as a deduplicated tree, when the proposer built one anyway (the tree
+    # proposers): the strategy then verifies it as is instead of packing ``tokens`` back into a tree
+    tree: DraftTree | None = None
 
 
 class Proposer(ABC):
@@ -149,7 +153,7 @@ def verify_cost(cfg: Any, ctx: Any) -> CostCurve:
     runner = getattr(ctx, "runner", None)
     if runner is None or getattr(runner, "model", None) is None:
         return CostCurve.linear(0.09)
-    return measured(runner.model, getattr(runner, "device", "cpu"))
+    return measured(runner.model, getattr(runner, "device", "cpu"), cache=getattr(runner, "cache", None))
 
 
 @register_proposer("ngram")
@@ -207,4 +211,4 @@ class NgramProposer(Proposer):
         if rec.pending and rec.pending[-1].start == len(seq.token_ids):
             rec.pending.pop()  # proposed again from the same state (a discarded step is re-run)
         rec.pending.append(PendingContinuation(len(seq.token_ids), n, cont))
-        return self.gain.length(rec, n, min(max_depth, len(cont)), batch, drafted)
+        return self.gain.length(rec, n, min(max_depth, len(cont)), batch, drafted, seq.num_cached)

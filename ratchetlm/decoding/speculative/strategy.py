@@ -165,12 +165,19 @@ class Speculative(DecodeStrategy):
                 todo.append(i)
                 depths.append(d)
         beams = self.proposer.propose([seqs[i] for i in todo], depths) if todo else []
-        drafted = [(i, self._grammar_cut(seqs[i], beam.tokens)) for i, beam in zip(todo, beams, strict=True)
-                   if beam is not None]
+        built: dict[int, DraftTree] = {}  # trees a proposer built itself (no grammar to cut them)
+        drafted: list[tuple[int, torch.Tensor]] = []
+        for i, beam in zip(todo, beams, strict=True):
+            if beam is not None and beam.tree is not None and (seqs[i].controls is None
+                                                               or seqs[i].controls.grammar is None):
+                built[i] = beam.tree
+            elif beam is not None:
+                drafted.append((i, self._grammar_cut(seqs[i], beam.tokens)))
         drafted += [(i, torch.tensor([tokens])) for i, tokens in forced.items()]
-        # every tentative tree of the step (drafts and forced chains) through one pack() call
+        # every other tentative tree of the step (drafts and forced chains) through one pack() call
         trees = trees_from_beams([tokens for _, tokens in drafted]) if drafted else []
-        for (i, _), tree in zip(drafted, trees, strict=True):
+        built.update((i, tree) for (i, _), tree in zip(drafted, trees, strict=True))
+        for i, tree in built.items():
             props[i] = self._tree_proposal(seqs[i], tree, budgets[i], True, max(tree.depth, default=-1) + 1, 0,
                                            forced=i in forced)
         return [p if p is not None else catch_up_proposal(s, b) for p, s, b in zip(props, seqs, budgets, strict=True)]

@@ -21,7 +21,16 @@ from ratchetlm.decoding.speculative.idle_gate import IdleGate
 from ratchetlm.decoding.speculative.proposers import DraftBeam, Proposer, register_proposer, verify_cost
 from ratchetlm.decoding.speculative.recycling import SuccessorTable
 from ratchetlm.decoding.speculative.suffix_index import History, SequenceIndex, SpanNode, TrieNode
-from ratchetlm.decoding.speculative.tree_select import Calibration, CostTable, DraftSource, Plan, build, judge, to_beam
+from ratchetlm.decoding.speculative.tree_select import (
+    Calibration,
+    CostTable,
+    DraftSource,
+    Plan,
+    build,
+    judge,
+    to_beam,
+    to_tree,
+)
 from ratchetlm.sequence import Sequence
 
 TRIE_DEPTH = 20  # substrings indexed per position: a match of up to MAX_MATCH plus its continuation
@@ -121,7 +130,7 @@ class TreeProposer(Proposer):
             if prev is not None and prev.start < len(tokens):
                 judge(prev, tokens, self.calib)
             plan = build(self.sources, self._roots(seq), tokens[-1], self.calib, self.costs, self.cfg.tree_nodes, d,
-                         len(seqs), drafted, self.gain, len(tokens))
+                         len(seqs), drafted, self.gain, len(tokens), seq.num_cached)
             seq.strategy_state[_PLAN] = plan
             if not plan.nodes:
                 self.counts["skipped"] += bool(plan.root_kids)
@@ -131,7 +140,7 @@ class TreeProposer(Proposer):
             self.counts["nodes"] += len(plan.nodes)
             drafted += len(plan.nodes) + 1
             beam = to_beam(plan.nodes)
-            out.append(DraftBeam(beam, torch.zeros(beam.shape)))
+            out.append(DraftBeam(beam, torch.zeros(beam.shape), to_tree(plan.nodes)))
         if self.gain:
             self.gate.observe(len(seqs), drafted > 0)
         return out

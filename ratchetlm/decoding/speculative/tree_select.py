@@ -13,10 +13,11 @@ the edge probabilities from the root), so with nodes taken best-first by path pr
 child's never exceeds its parent's: every prefix of the order is a tree) the tree of ``n`` nodes
 is worth::
 
-    value(n) = (1 + Σ_{first n} p_path) / (share + k·(C(B + e + n + 1) − C(B + e))),   value(0) = 1 / share
+    value(n) = (1 + Σ_{first n} p_path) / (share + k·(C(B + e + n + 1) − C(B + e)) + n·r·L),   value(0) = 1 / share
 
 — the gain schedule's rule (gain.py) with the chain's ``P(≥ j)`` replaced by node path
-probabilities: ``C`` the measured cost curve, ``share = C(B)/B``, ``e`` the rows earlier sequences
+probabilities: ``C`` the measured cost curve, ``share = C(B)/B + f·L`` (``f``, ``r``: the curve's
+per-cached-token terms, ``L`` the sequence's cached tokens), ``e`` the rows earlier sequences
 of the step drafted. The tree is the ``n`` maximising it (0: a plain step). ``k``
 (``CostTable.tree_price``, ``TREE_PRICE`` in tree_proposers.py for the measured curve) is what a tree
 step's rows really cost against the curve's price: the curve times bare forwards with no context,
@@ -39,6 +40,7 @@ import numpy as np
 import torch
 
 from ratchetlm.decoding.speculative.cost_curve import CostCurve
+from ratchetlm.decoding.speculative.verify import DraftTree
 
 PRIOR = 2.0  # pseudo-observations of a key's source-wide rate in the key's own estimate
 
@@ -122,10 +124,11 @@ class CostTable:
 
 
 def build(sources: list[DraftSource], roots: dict[int, Any], root_token: int, calib: Calibration, costs: CostTable,
-          max_nodes: int, max_depth: int, batch: int, drafted: int, gain: bool, start: int) -> Plan:
+          max_nodes: int, max_depth: int, batch: int, drafted: int, gain: bool, start: int,
+          context: int = 0) -> Plan:
     """Best-first tree from the root (``roots``: each source's state at the root; sources without a
     state there propose nothing). ``gain``: cut at the best value; else keep ``max_nodes`` nodes
-    (a static size)."""
+    (a static size). ``context``: the sequence's cached tokens (every verified row reads them)."""
     root_kids = _children(sources, roots, root_token, calib)
     heap: list[tuple[float, int, int, int, list[tuple], dict[int, Any]]] = []  # (-p, order, token, parent, ...)
     order = 0
@@ -133,9 +136,12 @@ def build(sources: list[DraftSource], roots: dict[int, Any], root_token: int, ca
         heapq.heappush(heap, (-p, order, tok, -1, keys, sts))
         order += 1
     c = costs(batch + drafted + max_nodes + 2)
-    share = c[batch] / batch
+    curve = costs.cost
+    share = c[batch] / batch + curve.first_token * context
     base = batch + drafted
     c = c[base] + costs.tree_price * (c - c[base])  # a draft's rows at their real price (c[base] unchanged)
+    # ... and each reads the context: c[base + n + 1] - c[base] then prices n nodes with their attention
+    c = c + curve.row_token * context * np.maximum(np.arange(len(c)) - base - 1, 0)
     nodes: list[Node] = []
     expected, best, best_n = 1.0, 1.0 / share, 0
     while heap and len(nodes) < max_nodes:
@@ -194,9 +200,17 @@ def to_beam(nodes: list[Node]) -> torch.Tensor:  # [M, C] int64, PAD = -1 after 
             has_kid[n.parent] = True
     leaves = [i for i in range(len(nodes)) if not has_kid[i]]
     width = 1 + max(nodes[i].depth for i in leaves)
-    beam = torch.full((len(leaves), width), -1, dtype=torch.long)
-    for r, i in enumerate(leaves):
+    rows = []
+    for i in leaves:  # (lists, then one tensor: a tensor write per entry cost ~2 us each)
+        row = [-1] * width
         while i >= 0:
-            beam[r, nodes[i].depth] = nodes[i].token
+            row[nodes[i].depth] = nodes[i].token
             i = nodes[i].parent
-    return beam
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def to_tree(nodes: list[Node]) -> DraftTree:
+    """The selected nodes as the verify forward's tree, in selection order (best first: parents
+    before children, every prefix a tree)."""
+    return DraftTree([n.token for n in nodes], [n.parent for n in nodes], [n.depth for n in nodes])
