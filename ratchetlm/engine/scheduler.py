@@ -22,6 +22,7 @@ class _Step:
         self.ids: set[int] = set()
         self.decodes = 0
         self.prefills = 0
+        self.sample = False  # decode rows alone: the cost model re-measures them (no prompt chunk)
 
     def add(self, seq: Sequence, n: int, prefill: bool) -> None:
         self.out.append((seq, n))
@@ -108,8 +109,10 @@ class Scheduler:
         sequences. With a step-time budget and decode rows in the step, a prompt chunk is the
         largest the cost model predicts to keep the step under ``max_step_ms`` clamped to
         [``STRETCH_MIN``, ``STRETCH_MAX``] x the decode rows' own time (at least ``min_chunk``
-        tokens for the step's first chunk, so a prompt always advances); without
-        decode rows (nobody is waiting for a token) a prompt gets the whole token budget."""
+        tokens for the step's first chunk, so a prompt always advances, except in a step the cost
+        model asks to hold the decode rows alone: it re-measures them every few steps, see
+        ``StepCost.wants_decode_sample``); without decode rows (nobody is waiting for a token) a
+        prompt gets the whole token budget."""
         if self.held:
             self._release_held()
         step = _Step(self.max_num_batched_tokens)
@@ -120,6 +123,9 @@ class Scheduler:
                 break
             if seq.status is SeqStatus.RUNNING:  # (not preempted for an earlier one's blocks)
                 self._schedule(step, seq, min(self.tokens_wanted(seq), step.tokens), prefill=False)
+        if (step.decodes and (prefilling or self.waiting) and self.cost is not None
+                and math.isfinite(self.max_step_ms)):
+            step.sample = self.cost.wants_decode_sample()
         for seq in prefilling:
             if step.tokens <= 0:
                 break
@@ -155,11 +161,14 @@ class Scheduler:
         chunk)."""
         if self.cost is None or not math.isfinite(self.max_step_ms) or not step.decodes or want <= 0:
             return want
+        if step.sample:
+            return 0
         cost = self.cost
-        # max_step_ms, but at least STRETCH_MIN x the decode rows' own time (a busy machine, many
-        # streams: the prompt keeps most of each step) and at most STRETCH_MAX x it (a quiet machine:
-        # the streams' gap stays a small multiple of their inter-token latency)
-        decode_ms = cost.predict_ms(step.decode_rows)
+        # max_step_ms, but at least STRETCH_MIN x the decode rows' own time now (a busy machine, many
+        # streams: the prompt keeps most of each step, so its TTFT stays <= 1.5x idle) and at most
+        # STRETCH_MAX x it (a quiet machine: the streams' gap stays <= 6x their inter-token latency);
+        # the arithmetic is at STRETCH_MIN in engine/step_cost.py
+        decode_ms = cost.decode_ms(step.decode_rows)
         limit = min(max(self.max_step_ms, STRETCH_MIN * decode_ms), STRETCH_MAX * decode_ms)
 
         def fits(n: int) -> bool:
