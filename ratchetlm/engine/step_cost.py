@@ -22,12 +22,14 @@ beyond those (see :class:`MeasuredStepCost`). A probe at first
 use times forwards over 1, 16 and 128 new rows and the head (decoding/speculative/cost_curve.py's
 timing: a few layers scaled to the stack, fastest of the runs, wall time) for the prior; its
 ``attention`` (``per_read / per_row``) comes from the model's shape. Then every finished step's
-measured time refits the parts: least squares with exponential forgetting (each step weighs 0.9
-of the newer one of its kind), none negative, held toward the probe by a few pseudo-steps on its line,
-so the budget follows a machine that gets busier or quieter and learns what a prompt row and a cached
+measured time enters the fit of the parts (solved lazily, when a prediction needs it): least squares
+with exponential forgetting (each step weighs 0.9 of the newer one of its kind), none negative, held
+toward the probe by a few pseudo-steps on its line, so the model learns what a prompt row and a cached
 token cost beside decode rows (the attention kernel's cost per cached token is not its share of the
-multiply-adds). Only speed depends on the model: it changes how prompts are chunked, never a token
-(rows are batch-invariant).
+multiply-adds). What the budget scales, the decode rows' time now (:meth:`MeasuredStepCost.decode_ms`),
+follows a machine that gets busier or quieter from the last decode-only steps, which the scheduler
+keeps taking while a long prompt is fed. Only speed depends on the model: it changes how prompts are
+chunked, never a token (rows are batch-invariant).
 """
 
 from __future__ import annotations
