@@ -287,6 +287,9 @@ class MeasuredStepCost:
         self._r0: list[float] = []
         # the last decode-only steps: (features, measured ms)
         self._recent: deque[tuple[tuple[float, ...], float]] = deque(maxlen=recent)
+        # the last steps before the probe (an offline engine probes when a prompt first needs a chunk):
+        # replayed by calibrate, so the decode steps just before it say what a decode step costs now
+        self._early: deque[tuple[list[Rows], float]] = deque(maxlen=2 * refit_every)
 
     def calibrate(self) -> Prior:
         if self.prior is None:
@@ -303,6 +306,9 @@ class MeasuredStepCost:
                         self._s0[i][j] += q * xp[i] * xp[j]
             log.info("step cost prior: %.1f ms + %.2f ms a row; head %.2f, attention %.2e per cached token "
                      "(relative to a row)", p.fixed, p.per_row, p.head, p.attention)
+            early, self._early = list(self._early), deque()
+            for rows, ms in early:
+                self.observe(rows, ms)
         return self.prior
 
     def parts(self) -> list[float]:
@@ -341,9 +347,12 @@ class MeasuredStepCost:
         return True
 
     def observe(self, rows: list[Rows], ms: float) -> None:
-        """A step over ``rows`` took ``ms``: add it to the fit (only once calibrated: steps before any
-        prediction was needed say nothing the probe does not)."""
-        if self.prior is None or not rows or not math.isfinite(ms) or ms <= 0:
+        """A step over ``rows`` took ``ms``: add it to the fit (before the probe, keep it for
+        ``calibrate`` to add: the features need the probe's head cost)."""
+        if not rows or not math.isfinite(ms) or ms <= 0:
+            return
+        if self.prior is None:
+            self._early.append((rows, ms))
             return
         x = _features(self.prior, rows)
         n, kind = self.N, x[5] > 0

@@ -384,3 +384,15 @@ def test_max_step_ms_defaults_by_device_and_maps_to_its_flag():
     add_engine_args(p)
     assert engine_kwargs(p.parse_args(["--max-step-ms", "40"]))["max_step_ms"] == 40.0
     assert engine_kwargs(p.parse_args([]))["max_step_ms"] is None
+
+
+def test_steps_before_the_probe_are_fitted_once_it_runs():
+    """An offline engine probes when a prompt first needs a chunk: the decode steps before it (here
+    45 ms, the probe says 14) are what the budget then scales, not the probe's guess."""
+    cost = MeasuredStepCost(lambda: Prior(fixed=10.0, per_row=1.0, head=0.0, attention=0.0), warmup=2)
+    decode = [Rows.decode(1, 100)] * 4
+    for _ in range(40):
+        cost.observe(decode, 45.0)
+    assert cost.prior is None
+    assert cost.decode_ms(decode) == pytest.approx(45.0, rel=0.02)
+    assert cost.observed == 32  # the last 2 x refit_every of them
