@@ -100,6 +100,8 @@ def accuracy(llm: LLM, cfg: EngineConfig, prompt: list[int], repeats: int) -> No
 
 def budget_run(llm: LLM, cfg: EngineConfig, prompt: list[int], idle_prompt: list[int]) -> dict[str, float]:
     eng = LLMEngine(cfg, llm.engine.model, llm.model_config)
+    if eng.step_cost is not None:  # the probe now, as the server does at start-up, not in a timed step
+        eng.step_cost.calibrate()
     t0 = time.perf_counter()
     sid = eng.add_request(idle_prompt, greedy(1))
     while eng.has_unfinished():
@@ -117,7 +119,9 @@ def budget_run(llm: LLM, cfg: EngineConfig, prompt: list[int], idle_prompt: list
         chunks.append(eng.seqs[long].num_cached - c0)
     ttft = time.perf_counter() - t0
     itl = statistics.median(before)
-    print(f"  run: ITL {itl:.0f} ms, largest step {max(during):.0f} ms ({max(during) / itl:.1f}x), "
+    big = max(range(len(during)), key=during.__getitem__)
+    print(f"  run: ITL {itl:.0f} ms, largest step {max(during):.0f} ms ({max(during) / itl:.1f}x; step {big + 1} of "
+          f"{len(during)}, chunk {chunks[big]}), "
           f"p90 {sorted(during)[int(0.9 * (len(during) - 1))]:.0f} ms; TTFT {ttft:.1f} s vs idle {idle:.1f} s "
           f"({ttft / idle:.2f}x); {len(chunks)} steps, chunks {chunks[:6]} ... {chunks[-4:]}; load {load()}",
           flush=True)
