@@ -10,6 +10,8 @@ from ratchetlm.engine.step_cost import STRETCH_MAX, STRETCH_MIN, Rows, StepCost
 from ratchetlm.kv.block_manager import BlockManager
 from ratchetlm.sequence import SeqStatus, Sequence
 
+CHUNK_GROWTH = 2  # a prompt's next budgeted chunk is at most this many times its last, plus one
+
 
 class _Step:
     """The step being built: what is scheduled, its rows for the cost model, tokens left."""
@@ -69,6 +71,8 @@ class Scheduler:
         # a step's first prompt chunk is never smaller (the prompt must advance). One token: a chunk may
         # end anywhere in a KV block (the cache writes by slot; only full committed blocks are named)
         self.min_chunk = min_chunk
+        # seq_id -> its last prompt chunk sized by the budget: the next is at most CHUNK_GROWTH x it
+        self._last_chunk: dict[int, int] = {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # (sequence, leader): queued once the leader's prompt K/V is committed (see ``add``)
@@ -164,6 +168,9 @@ class Scheduler:
         if step.sample:
             return 0
         cost = self.cost
+        last = self._last_chunk.get(seq.seq_id)
+        if last is not None:  # at most doubles: a fit from one or two chunk steps can miss the slope of a
+            want = min(want, CHUNK_GROWTH * last + 1)  # prompt row's cost (seen: 24 then 142 tokens, 22x ITL)
         # max_step_ms, but at least STRETCH_MIN x the decode rows' own time now (a busy machine, many
         # streams: the prompt keeps most of each step, so its TTFT stays <= 1.5x idle) and at most
         # STRETCH_MAX x it (a quiet machine: the streams' gap stays <= 6x their inter-token latency);
@@ -176,14 +183,17 @@ class Scheduler:
 
         floor = 0 if step.prefills else min(self.min_chunk, want)
         if fits(want):
-            return want
-        lo, hi = floor, want  # fits(lo) or lo is the floor; not fits(hi)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid
+            lo = want
+        else:
+            lo, hi = floor, want  # fits(lo) or lo is the floor; not fits(hi)
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if fits(mid):
+                    lo = mid
+                else:
+                    hi = mid
+        if lo:
+            self._last_chunk[seq.seq_id] = lo
         return lo
 
     def _schedule(self, step: _Step, seq: Sequence, want: int, prefill: bool) -> None:
@@ -229,6 +239,7 @@ class Scheduler:
         else:
             self.held = [(s, lead) for s, lead in self.held if s is not seq]
         self.blocks.free(seq)
+        self._last_chunk.pop(seq.seq_id, None)
         if self.on_finish is not None and seq.status is not SeqStatus.FINISHED:
             self.on_finish(seq)
         seq.status = SeqStatus.FINISHED

@@ -382,25 +382,11 @@ class MeasuredStepCost:
         for i in range(n):
             for j in range(i, n):
                 a[i][j] = a[j][i] = s0[i][j] + s1[i][j] + s2[i][j]
-        # the pseudo-steps at the machine's speed now: the probe's shape times the median ratio of the
-        # last decode-only steps to the prior's prediction. What no step has taught the fit yet (a
-        # prompt row's cost, before the first chunks) scales with the load the decode steps show;
-        # held at the probe's speed, a machine busier than at the probe gets first chunks sized for
-        # the probe's (seen: a 105-token chunk, a step 16x the streams' inter-token latency)
-        scale = self._prior_scale()
-        b = [scale * self._r0[i] + self._r[False][i] + self._r[True][i] for i in range(n)]
+        b = [self._r0[i] + self._r[False][i] + self._r[True][i] for i in range(n)]
         # every part is a cost: the best fit with none negative (noise in a narrow range of steps
         # would otherwise make one negative and another too large)
         self._theta = nonnegative_least_squares(a, b)
         self._pending = 0
-
-
-    def _prior_scale(self) -> float:
-        p = self.prior
-        assert p is not None
-        line = [p.fixed, p.per_row, p.per_row, p.per_row * p.attention, 0.0, 0.0]
-        ratios = [ms / q for x, ms in self._recent if (q := _dot(line, x)) > 0]
-        return min(max(statistics.median(ratios), 0.25), 4.0) if len(ratios) >= MIN_RECENT else 1.0
 
 
 def _dot(theta: list[float], x: tuple[float, ...]) -> float:

@@ -10,7 +10,7 @@ import statistics
 import pytest
 
 from ratchetlm import SamplingParams
-from ratchetlm.engine.scheduler import Scheduler
+from ratchetlm.engine.scheduler import CHUNK_GROWTH, Scheduler
 from ratchetlm.engine.step_cost import (
     SAMPLE_EVERY,
     STRETCH_MAX,
@@ -211,3 +211,22 @@ def test_the_budget_follows_the_decode_rows_when_the_machine_gets_busier_mid_pro
     # one decode-only step in SAMPLE_EVERY + 1 while the prompt is fed, and no more
     samples = [i for i, (_, k, _, _) in enumerate(trace) if k == 0]
     assert samples and all(b - a == SAMPLE_EVERY + 1 for a, b in zip(samples, samples[1:], strict=False)), samples
+
+
+def test_a_prompt_chunk_at_most_doubles_from_one_step_to_the_next():
+    """A fit from a chunk step or two can miss what a prompt row costs: the model that sized a 3-token
+    chunk suddenly predicts rows almost free. The next chunks grow CHUNK_GROWTH x + 1 a step (so each
+    step's error is at most about twice the last's) instead of jumping to the whole prompt."""
+    assert CHUNK_GROWTH == 2
+    sched = make(ROW, 4.5)
+    stream(sched, 0)
+    long = prompt(sched, 1, 500)
+    chunks = []
+    for _ in range(7):
+        out = sched.schedule()
+        chunks.append(chunk_of(out, long))
+        computed(sched, out)
+        sched.cost = LinearStepCost(fixed=4.0, per_row=0.01)  # a 1,400-token chunk would fit now
+    assert chunks == [3, 7, 15, 31, 63, 127, 254], chunks
+    sched.finish(long, "stop")
+    assert sched._last_chunk == {}

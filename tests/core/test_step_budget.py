@@ -396,17 +396,3 @@ def test_steps_before_the_probe_are_fitted_once_it_runs():
     assert cost.prior is None
     assert cost.decode_ms(decode) == pytest.approx(45.0, rel=0.02)
     assert cost.observed == 32  # the last 2 x refit_every of them
-
-
-def test_what_no_step_has_taught_yet_scales_with_the_load_the_decode_steps_show():
-    """The probe ran on a quieter machine: decode steps now take 3x its prediction. A prompt's first
-    chunk (no chunk step seen yet) is predicted on the probe's line at today's speed, 3x, not at the
-    probe's (which would let the first chunk grow 3x too large)."""
-    prior = Prior(fixed=10.0, per_row=1.0, head=0.0, attention=0.0)
-    cost = MeasuredStepCost(lambda: prior, warmup=0)
-    cost.calibrate()
-    decode = [Rows.decode(1, 0)] * 4
-    for _ in range(40):
-        cost.observe(decode, 42.0)
-    first = [*decode, Rows.prefill(100, 0)]
-    assert cost.predict_ms(first) == pytest.approx(3 * (10.0 + 104.0), rel=0.1)
