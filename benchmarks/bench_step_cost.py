@@ -12,8 +12,12 @@ Two parts, on the default model (engine defaults: the measured cost model, ``--m
   token against the same prompt on an idle engine, and the chunk sizes.
 
     python benchmarks/bench_step_cost.py [--threads 1] [--prompt-tokens 2000] [--runs 1]
+    python benchmarks/bench_step_cost.py --overhead      # the cost model's own time a step (no model)
 
 Wall-clock times of ``LLMEngine.step``: no server, no client, so no HTTP or event-loop lag.
+``--overhead`` times ``MeasuredStepCost`` alone (run it with PYTHONPATH at another checkout to compare):
+per decode-only step (``observe``) and per step that sizes a chunk (``observe`` + ``decode_ms`` if the
+model has it + the 12 predictions of the chunk's binary search).
 """
 
 from __future__ import annotations
@@ -96,6 +100,8 @@ def accuracy(llm: LLM, cfg: EngineConfig, prompt: list[int], repeats: int) -> No
 
 def budget_run(llm: LLM, cfg: EngineConfig, prompt: list[int], idle_prompt: list[int]) -> dict[str, float]:
     eng = LLMEngine(cfg, llm.engine.model, llm.model_config)
+    if eng.step_cost is not None:  # the probe now, as the server does at start-up, not in a timed step
+        eng.step_cost.calibrate()
     t0 = time.perf_counter()
     sid = eng.add_request(idle_prompt, greedy(1))
     while eng.has_unfinished():
@@ -113,12 +119,40 @@ def budget_run(llm: LLM, cfg: EngineConfig, prompt: list[int], idle_prompt: list
         chunks.append(eng.seqs[long].num_cached - c0)
     ttft = time.perf_counter() - t0
     itl = statistics.median(before)
-    print(f"  run: ITL {itl:.0f} ms, largest step {max(during):.0f} ms ({max(during) / itl:.1f}x), "
+    big = max(range(len(during)), key=during.__getitem__)
+    print(f"  run: ITL {itl:.0f} ms, largest step {max(during):.0f} ms ({max(during) / itl:.1f}x; step {big + 1} of "
+          f"{len(during)}, chunk {chunks[big]}), "
           f"p90 {sorted(during)[int(0.9 * (len(during) - 1))]:.0f} ms; TTFT {ttft:.1f} s vs idle {idle:.1f} s "
           f"({ttft / idle:.2f}x); {len(chunks)} steps, chunks {chunks[:6]} ... {chunks[-4:]}; load {load()}",
           flush=True)
     return {"itl": itl, "gap": max(during), "gap_ratio": max(during) / itl, "ttft": ttft, "idle": idle,
             "ttft_ratio": ttft / idle}
+
+
+def overhead(steps: int, rounds: int) -> None:
+    from ratchetlm.engine.step_cost import MeasuredStepCost, Prior
+
+    prior = Prior(fixed=20.0, per_row=0.8, head=0.3, attention=2e-3)
+
+    def one_round(mixed: bool) -> float:
+        cost = MeasuredStepCost(lambda: prior)
+        cost.calibrate()
+        decode_ms = getattr(cost, "decode_ms", cost.predict_ms)
+        t0 = time.perf_counter()
+        for i in range(steps):
+            rows = [Rows.decode(1, 100 + i + 10 * j) for j in range(4)]
+            if mixed:
+                decode_ms(rows)
+                for k in range(12):
+                    cost.predict_ms([*rows, Rows.prefill(1 + k * 5, 4 * i)])
+                rows = [*rows, Rows.prefill(8 + i % 5, 4 * i)]
+            cost.observe(rows, 30.0 + (i % 7) + 60.0 * mixed)
+        return (time.perf_counter() - t0) / steps * 1e6
+
+    for mixed in (False, True):
+        us = statistics.median(one_round(mixed) for _ in range(rounds))
+        print(f"{'a step that sizes a chunk' if mixed else 'a decode-only step'}: {us:.1f} us of cost-model time "
+              f"(median of {rounds} rounds of {steps} steps); load {load()}")
 
 
 def main() -> None:
@@ -129,7 +163,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="rounds of the accuracy part")
     ap.add_argument("--runs", type=int, default=1, help="runs of the budget part (medians printed)")
     ap.add_argument("--skip-accuracy", action="store_true")
+    ap.add_argument("--overhead", action="store_true", help="only time the cost model itself (no model)")
     args = ap.parse_args()
+    if args.overhead:
+        overhead(400, 7)
+        return
     torch.set_num_threads(args.threads)
     llm = LLM(progress=False)
     cfg = EngineConfig(max_step_ms=args.max_step_ms, progress=False)

@@ -38,7 +38,7 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048  # an upper bound; the step-time budget below usually binds first
     # the step-time budget (engine/step_cost.py): while any sequence decodes, a prompt is fed in chunks
-    # the measured cost model predicts to keep each step under this many milliseconds (kept within 4-5x
+    # the measured cost model predicts to keep each step under this many milliseconds (kept within 4.5-5x
     # the decode rows' own time), so a long prompt never freezes other streams. None: 100 on CPU, 50 on
     # CUDA; inf: off (token budget only)
     max_step_ms: float | None = None

@@ -10,6 +10,8 @@ from ratchetlm.engine.step_cost import STRETCH_MAX, STRETCH_MIN, Rows, StepCost
 from ratchetlm.kv.block_manager import BlockManager
 from ratchetlm.sequence import SeqStatus, Sequence
 
+CHUNK_GROWTH = 2  # a prompt's next budgeted chunk is at most this many times its last, plus one
+
 
 class _Step:
     """The step being built: what is scheduled, its rows for the cost model, tokens left."""
@@ -22,6 +24,7 @@ class _Step:
         self.ids: set[int] = set()
         self.decodes = 0
         self.prefills = 0
+        self.sample = False  # decode rows alone: the cost model re-measures them (no prompt chunk)
 
     def add(self, seq: Sequence, n: int, prefill: bool) -> None:
         self.out.append((seq, n))
@@ -68,6 +71,8 @@ class Scheduler:
         # a step's first prompt chunk is never smaller (the prompt must advance). One token: a chunk may
         # end anywhere in a KV block (the cache writes by slot; only full committed blocks are named)
         self.min_chunk = min_chunk
+        # seq_id -> its last prompt chunk sized by the budget: the next is at most CHUNK_GROWTH x it
+        self._last_chunk: dict[int, int] = {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # (sequence, leader): queued once the leader's prompt K/V is committed (see ``add``)
@@ -108,8 +113,10 @@ class Scheduler:
         sequences. With a step-time budget and decode rows in the step, a prompt chunk is the
         largest the cost model predicts to keep the step under ``max_step_ms`` clamped to
         [``STRETCH_MIN``, ``STRETCH_MAX``] x the decode rows' own time (at least ``min_chunk``
-        tokens for the step's first chunk, so a prompt always advances); without
-        decode rows (nobody is waiting for a token) a prompt gets the whole token budget."""
+        tokens for the step's first chunk, so a prompt always advances, except in a step the cost
+        model asks to hold the decode rows alone: it re-measures them every few steps, see
+        ``StepCost.wants_decode_sample``); without decode rows (nobody is waiting for a token) a
+        prompt gets the whole token budget."""
         if self.held:
             self._release_held()
         step = _Step(self.max_num_batched_tokens)
@@ -120,6 +127,9 @@ class Scheduler:
                 break
             if seq.status is SeqStatus.RUNNING:  # (not preempted for an earlier one's blocks)
                 self._schedule(step, seq, min(self.tokens_wanted(seq), step.tokens), prefill=False)
+        if (step.decodes and (prefilling or self.waiting) and self.cost is not None
+                and math.isfinite(self.max_step_ms)):
+            step.sample = self.cost.wants_decode_sample()
         for seq in prefilling:
             if step.tokens <= 0:
                 break
@@ -155,11 +165,17 @@ class Scheduler:
         chunk)."""
         if self.cost is None or not math.isfinite(self.max_step_ms) or not step.decodes or want <= 0:
             return want
+        if step.sample:
+            return 0
         cost = self.cost
-        # max_step_ms, but at least STRETCH_MIN x the decode rows' own time (a busy machine, many
-        # streams: the prompt keeps most of each step) and at most STRETCH_MAX x it (a quiet machine:
-        # the streams' gap stays a small multiple of their inter-token latency)
-        decode_ms = cost.predict_ms(step.decode_rows)
+        last = self._last_chunk.get(seq.seq_id)
+        if last is not None:  # at most doubles: a fit from one or two chunk steps can miss the slope of a
+            want = min(want, CHUNK_GROWTH * last + 1)  # prompt row's cost (seen: 24 then 142 tokens, 22x ITL)
+        # max_step_ms, but at least STRETCH_MIN x the decode rows' own time now (a busy machine, many
+        # streams: the prompt keeps most of each step, so its TTFT stays <= 1.5x idle) and at most
+        # STRETCH_MAX x it (a quiet machine: the streams' gap stays <= 6x their inter-token latency);
+        # the arithmetic is at STRETCH_MIN in engine/step_cost.py
+        decode_ms = cost.decode_ms(step.decode_rows)
         limit = min(max(self.max_step_ms, STRETCH_MIN * decode_ms), STRETCH_MAX * decode_ms)
 
         def fits(n: int) -> bool:
@@ -167,14 +183,17 @@ class Scheduler:
 
         floor = 0 if step.prefills else min(self.min_chunk, want)
         if fits(want):
-            return want
-        lo, hi = floor, want  # fits(lo) or lo is the floor; not fits(hi)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid
+            lo = want
+        else:
+            lo, hi = floor, want  # fits(lo) or lo is the floor; not fits(hi)
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if fits(mid):
+                    lo = mid
+                else:
+                    hi = mid
+        if lo:
+            self._last_chunk[seq.seq_id] = lo
         return lo
 
     def _schedule(self, step: _Step, seq: Sequence, want: int, prefill: bool) -> None:
@@ -220,6 +239,7 @@ class Scheduler:
         else:
             self.held = [(s, lead) for s, lead in self.held if s is not seq]
         self.blocks.free(seq)
+        self._last_chunk.pop(seq.seq_id, None)
         if self.on_finish is not None and seq.status is not SeqStatus.FINISHED:
             self.on_finish(seq)
         seq.status = SeqStatus.FINISHED

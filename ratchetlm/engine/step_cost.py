@@ -22,19 +22,23 @@ beyond those (see :class:`MeasuredStepCost`). A probe at first
 use times forwards over 1, 16 and 128 new rows and the head (decoding/speculative/cost_curve.py's
 timing: a few layers scaled to the stack, fastest of the runs, wall time) for the prior; its
 ``attention`` (``per_read / per_row``) comes from the model's shape. Then every finished step's
-measured time refits the parts: least squares with exponential forgetting (each step weighs 0.9
-of the newer one of its kind), none negative, held toward the probe by a few pseudo-steps on its line,
-so the budget follows a machine that gets busier or quieter and learns what a prompt row and a cached
+measured time enters the fit of the parts (solved lazily, when a prediction needs it): least squares
+with exponential forgetting (each step weighs 0.9 of the newer one of its kind), none negative, held
+toward the probe by a few pseudo-steps on its line, so the model learns what a prompt row and a cached
 token cost beside decode rows (the attention kernel's cost per cached token is not its share of the
-multiply-adds). Only speed depends on the model: it changes how prompts are chunked, never a token
-(rows are batch-invariant).
+multiply-adds). What the budget scales, the decode rows' time now (:meth:`MeasuredStepCost.decode_ms`),
+follows a machine that gets busier or quieter from the last decode-only steps, which the scheduler
+keeps taking while a long prompt is fed. Only speed depends on the model: it changes how prompts are
+chunked, never a token (rows are batch-invariant).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -45,14 +49,29 @@ log = logging.getLogger(__name__)
 
 PROBE_ROWS = (1, 16, 128)
 DEFAULT_MAX_STEP_MS = {"cpu": 100.0, "cuda": 50.0}  # EngineConfig.max_step_ms=None resolves to these
-# A step that holds decode rows and a prompt chunk is sized to max_step_ms, kept between these multiples
-# of its decode rows' own predicted time (the streams' inter-token latency, ITL). At least STRETCH_MIN:
-# the chunk gets >= 3/4 of the step, so a prompt fed beside streams reaches its first token within ~4/3
-# of its time on an idle server (a prompt row costs about what it costs in one whole-prompt forward on
-# a CPU) however busy the machine or many the streams. At most STRETCH_MAX: the streams' largest gap
-# stays <= 5x their ITL when max_step_ms is many times a decode step (a quiet machine, a GPU).
-STRETCH_MIN = 4.0
+# A step that holds decode rows and a prompt chunk is sized to max_step_ms, kept between STRETCH_MIN and
+# STRETCH_MAX times d, its decode rows' own time *now* (StepCost.decode_ms: the streams' inter-token
+# latency, ITL, on the machine as it is while the prompt is fed). The targets: the streams' largest gap
+# <= 6x their ITL, the prompt's time to first token (TTFT) <= 1.5x its TTFT on an idle server.
+# A step of S x d spends d on the decode rows, o on what a chunk costs beyond its rows (the prompt's
+# K/V read once a layer, the chunk's own overhead; o grows with the prompt's context: ~0.85 d after
+# 2,000 cached tokens on the default model on this project's CPU, docs/benchmarks.md, so o/d ~ 0.4 on
+# average over a 2,000-token prompt) and the rest, S d - d - o, on prompt rows at about what they cost
+# in one whole-prompt forward. So:
+#   TTFT / idle TTFT = S / (S - 1 - o/d)  (x (1 + 1 / (SAMPLE_EVERY x S)) for the decode-only steps
+#   that re-measure d, ~2.5%), <= 1.5  <=>  S >= 3 (1 + o/d) = 4.3 at o/d = 0.42  -> STRETCH_MIN = 4.5
+#   (1.46x; 1.40x at 5);
+#   largest gap = S x d <= 6 ITL with d = ITL: S <= 6, less the noise in one step's time (the gap is the
+#   largest of a few hundred steps x 4 streams; +-15-20% on a loaded machine)  -> STRETCH_MAX = 5.
+# TTFT falls as S grows (the overheads d + o are shared by a larger chunk), so the gap bound is what
+# limits: a longer prompt (o/d > 0.67 on average, past ~3,000 tokens here) cannot have both and keeps
+# the gap bound. Both hold only while d is the ITL now: chunks scaled from a decode time measured
+# before the prompt arrived are sized for the machine as it was (a prompt fed while the machine got
+# busier reached 2.28x its idle TTFT); MeasuredStepCost re-measures d while a prompt is fed.
+STRETCH_MIN = 4.5
 STRETCH_MAX = 5.0
+SAMPLE_EVERY = 8  # steps with a prompt chunk between two decode-only steps that re-measure d
+MIN_RECENT = 3  # decode-only steps a median of them needs (one outlier among them does not move it)
 
 
 @dataclass(frozen=True)
@@ -77,9 +96,18 @@ class Rows:
 
 
 class StepCost(Protocol):
-    def predict_ms(self, rows: list[Rows]) -> float: ...
+    def predict_ms(self, rows: list[Rows]) -> float:
+        """What a step over ``rows`` is predicted to take (ms)."""
 
-    def observe(self, rows: list[Rows], ms: float) -> None: ...
+    def decode_ms(self, rows: list[Rows]) -> float:
+        """What decode ``rows`` alone take now (ms): the streams' inter-token latency the budget scales."""
+
+    def wants_decode_sample(self) -> bool:
+        """Asked once for a step that could feed a prompt beside decode rows: True if this step should
+        hold the decode rows alone (to re-measure what they cost); answering True counts as taken."""
+
+    def observe(self, rows: list[Rows], ms: float) -> None:
+        """A step over ``rows`` took ``ms``."""
 
 
 @dataclass
@@ -99,6 +127,12 @@ class LinearStepCost:
         lg = sum(x.logits for x in rows)
         ctx = sum(x.n * (x.context + x.n / 2) for x in rows)
         return self.fixed + self.per_row * r + self.per_logit * lg + self.per_context * ctx
+
+    def decode_ms(self, rows: list[Rows]) -> float:
+        return self.predict_ms(rows)
+
+    def wants_decode_sample(self) -> bool:
+        return False
 
     def observe(self, rows: list[Rows], ms: float) -> None:
         return None
@@ -204,10 +238,25 @@ class MeasuredStepCost:
     ``held``: the step's sequences' cached tokens; the bracket only in a step with a prompt chunk).
     Decode and prompt rows get their own costs: on a CPU a step's first few rows cost less each than
     the next ones (the weights are read once for all of them), so four decode rows are not four
-    fifteenths of a 15-row step. And a decode step's time,
-    which the budget scales, must stay what decode steps measure while a long prompt's hundred chunk
-    steps (nearly one shape, on a machine whose load drifts) teach the fit what a chunk costs:
-    ``per_chunk`` takes what they share, so they need not move ``fixed``."""
+    fifteenths of a 15-row step. A long prompt's hundred chunk steps (nearly one shape, on a machine
+    whose load drifts) teach the fit what a chunk costs: ``per_chunk`` takes what they share, and a
+    step is forgotten only by newer steps of its kind, so they do not move what a decode step is
+    predicted to cost.
+
+    That prediction is the fit's; what the budget scales is :meth:`decode_ms`, the decode rows' time
+    now: the fit's prediction times the median, over the last ``recent`` decode-only steps, of their
+    measured time over the fit's prediction for them. While a prompt is fed every step holds a chunk,
+    so nothing would re-measure the decode rows: after ``sample_every`` chunk steps
+    :meth:`wants_decode_sample` asks the scheduler for one step of decode rows alone (a real token
+    for the streams; the prompt loses one short step in ``sample_every + 1``). When the machine gets
+    busier mid-prompt, the decode time follows within a few samples and the chunks keep their share
+    of each step.
+
+    The refit (a 6x6 non-negative least squares in Python, ~0.15 ms) is lazy: ``observe`` only adds
+    the step to the sums; the parts are solved again when a prediction needs them and steps arrived
+    since the last solve, or after ``refit_every`` steps (so an outlier's bound stays near the fit).
+    A server whose streams only decode asks for no prediction and solves once every ``refit_every``
+    steps."""
 
     # the prior as pseudo-steps the fit never forgets (a ridge toward it; the prior has no per_context
     # and no per_chunk): [Rows] of one and 64 decode rows, 4 decode rows after 1,024 cached tokens, a
@@ -215,70 +264,133 @@ class MeasuredStepCost:
     PSEUDO = ((Rows.decode(1, 0),), (Rows.decode(64, 0),), (Rows.decode(1, 1024),) * 4, (Rows.prefill(16, 0),),
               (Rows.prefill(16, 1024),))
     N = 6  # parts: fixed, per_row, per_prompt_row, per_read, per_context, per_chunk
+    NAMES = ("fixed", "per_row", "per_prompt_row", "per_read", "per_context", "per_chunk")
 
     def __init__(self, probe: Callable[[], Prior], forget: float = 0.9, prior_weight: float = 0.05,
-                 warmup: int = 2) -> None:
+                 warmup: int = 2, recent: int = 5, sample_every: int = SAMPLE_EVERY, refit_every: int = 16) -> None:
         self.probe = probe
         self.forget = forget  # each older step's weight relative to the next one's
         self.prior_weight = prior_weight  # the weight of each of PSEUDO's steps
         self.warmup = warmup  # the first steps' times (weight packing, buffer sizing) are not the steady state
+        self.sample_every = sample_every
+        self.refit_every = refit_every
         self.prior: Prior | None = None
-        self.fixed = self.per_row = self.per_prompt_row = self.per_read = self.per_context = self.per_chunk = 0.0
+        self._theta = [0.0] * self.N  # the parts, in NAMES' order, as of the last solve
+        self._pending = 0  # steps added to the sums since the last solve
         self.observed = 0
+        self.since_decode = 0  # steps with a prompt chunk observed since the last decode-only one (or sample)
         # per kind of step (decode rows only; with a prompt chunk): forgotten sums of x x^T (x: the
-        # features) and of x * ms. A step is forgotten only by newer steps of its kind, so a long
-        # prompt's hundred chunk steps do not wash out what the decode steps before it measured
+        # features; upper triangle) and of x * ms. A step is forgotten only by newer steps of its kind,
+        # so a long prompt's hundred chunk steps do not wash out what the decode steps before it measured
         self._s = {kind: [[0.0] * self.N for _ in range(self.N)] for kind in (False, True)}
         self._r = {kind: [0.0] * self.N for kind in (False, True)}
+        self._s0: list[list[float]] = []  # PSEUDO's part of the normal equations (set by calibrate)
+        self._r0: list[float] = []
+        # the last decode-only steps: (features, measured ms)
+        self._recent: deque[tuple[tuple[float, ...], float]] = deque(maxlen=recent)
+        # the last steps before the probe (an offline engine probes when a prompt first needs a chunk):
+        # replayed by calibrate, so the decode steps just before it say what a decode step costs now
+        self._early: deque[tuple[list[Rows], float]] = deque(maxlen=2 * refit_every)
 
     def calibrate(self) -> Prior:
         if self.prior is None:
             p = self.prior = self.probe()
-            self.fixed, self.per_row, self.per_prompt_row, self.per_read = (p.fixed, p.per_row, p.per_row,
-                                                                            p.per_row * p.attention)
+            self._theta = [p.fixed, p.per_row, p.per_row, p.per_row * p.attention, 0.0, 0.0]
+            n, q = self.N, self.prior_weight
+            self._s0, self._r0 = [[0.0] * n for _ in range(n)], [0.0] * n
+            for pseudo in self.PSEUDO:
+                xp = _features(p, list(pseudo))
+                yp = p.fixed + p.per_row * p.work(list(pseudo))
+                for i in range(n):
+                    self._r0[i] += q * xp[i] * yp
+                    for j in range(n):
+                        self._s0[i][j] += q * xp[i] * xp[j]
             log.info("step cost prior: %.1f ms + %.2f ms a row; head %.2f, attention %.2e per cached token "
                      "(relative to a row)", p.fixed, p.per_row, p.head, p.attention)
+            early, self._early = list(self._early), deque()
+            for rows, ms in early:
+                self.observe(rows, ms)
         return self.prior
 
+    def parts(self) -> list[float]:
+        """The fitted parts in ``NAMES``' order (solved now if steps arrived since the last solve)."""
+        self.calibrate()
+        if self._pending:
+            self._refit()
+        return self._theta
+
+    fixed = property(lambda self: self.parts()[0])
+    per_row = property(lambda self: self.parts()[1])
+    per_prompt_row = property(lambda self: self.parts()[2])
+    per_read = property(lambda self: self.parts()[3])
+    per_context = property(lambda self: self.parts()[4])
+    per_chunk = property(lambda self: self.parts()[5])
+
     def predict_ms(self, rows: list[Rows]) -> float:
-        prior = self.calibrate()
         if not rows:
             return 0.0
-        _, d, pr, rd, ctx, chunk = _features(prior, rows)
-        return (self.fixed + self.per_row * d + self.per_prompt_row * pr + self.per_read * rd + self.per_context * ctx
-                + self.per_chunk * chunk)
+        theta = self.parts()
+        assert self.prior is not None
+        return _dot(theta, _features(self.prior, rows))
+
+    def decode_ms(self, rows: list[Rows]) -> float:
+        """Decode ``rows``' time now: the fit's prediction scaled by the median ratio of the last
+        decode-only steps' measured times to the fit's prediction for them (the ratio, not the times:
+        their contexts differ from ``rows``')."""
+        base = self.predict_ms(rows)
+        ratios = [ms / p for x, ms in self._recent if (p := _dot(self._theta, x)) > 0]
+        return base * statistics.median(ratios) if len(ratios) >= MIN_RECENT and base > 0 else base
+
+    def wants_decode_sample(self) -> bool:
+        if self.since_decode < self.sample_every:
+            return False
+        self.since_decode = 0  # taken: the next sample only after sample_every more chunk steps
+        return True
 
     def observe(self, rows: list[Rows], ms: float) -> None:
-        """A step over ``rows`` took ``ms``: refit (only once calibrated: steps before any prediction
-        was needed say nothing the probe does not)."""
-        if self.prior is None or not rows or not math.isfinite(ms) or ms <= 0:
+        """A step over ``rows`` took ``ms``: add it to the fit (before the probe, keep it for
+        ``calibrate`` to add: the features need the probe's head cost)."""
+        if not rows or not math.isfinite(ms) or ms <= 0:
             return
+        if self.prior is None:
+            self._early.append((rows, ms))
+            return
+        x = _features(self.prior, rows)
+        n, kind = self.N, x[5] > 0
+        self.since_decode = self.since_decode + 1 if kind else 0
         self.observed += 1
         if self.observed <= self.warmup:
             return
-        pred = self.predict_ms(rows)
+        pred = _dot(self._theta, x)  # the last solve's: a bound, so it need not be the latest
         y = min(max(ms, pred / 4), pred * 4)  # one outlier (another process's burst) moves the fit a bounded step
-        x = _features(self.prior, rows)
-        n, kind = self.N, x[5] > 0
         f, s, r = self.forget, self._s[kind], self._r[kind]
         for i in range(n):
-            r[i] = f * r[i] + x[i] * y
-            for j in range(n):
-                s[i][j] = f * s[i][j] + x[i] * x[j]
-        p, q = self.prior, self.prior_weight
-        a = [[self._s[False][i][j] + self._s[True][i][j] for j in range(n)] for i in range(n)]
-        b = [self._r[False][i] + self._r[True][i] for i in range(n)]
-        for pseudo in self.PSEUDO:
-            xp = _features(p, list(pseudo))
-            yp = p.fixed + p.per_row * p.work(list(pseudo))
-            for i in range(n):
-                b[i] += q * xp[i] * yp
-                for j in range(n):
-                    a[i][j] += q * xp[i] * xp[j]
+            xi = x[i]
+            r[i] = f * r[i] + xi * y
+            si = s[i]
+            for j in range(i, n):
+                si[j] = f * si[j] + xi * x[j]
+        if not kind:
+            self._recent.append((x, ms))
+        self._pending += 1
+        if self._pending >= self.refit_every:
+            self._refit()
+
+    def _refit(self) -> None:
+        n, s0, s1, s2 = self.N, self._s0, self._s[False], self._s[True]
+        a = [[0.0] * n for _ in range(n)]
+        for i in range(n):
+            for j in range(i, n):
+                a[i][j] = a[j][i] = s0[i][j] + s1[i][j] + s2[i][j]
+        b = [self._r0[i] + self._r[False][i] + self._r[True][i] for i in range(n)]
         # every part is a cost: the best fit with none negative (noise in a narrow range of steps
         # would otherwise make one negative and another too large)
-        (self.fixed, self.per_row, self.per_prompt_row, self.per_read, self.per_context,
-         self.per_chunk) = nonnegative_least_squares(a, b)
+        self._theta = nonnegative_least_squares(a, b)
+        self._pending = 0
+
+
+def _dot(theta: list[float], x: tuple[float, ...]) -> float:
+    return sum(t * v for t, v in zip(theta, x, strict=True))
 
 
 def attention_per_token(model_config: Any) -> float:

@@ -128,14 +128,25 @@ def test_decode_rows_over_the_target_stretch_the_step_to_a_multiple_of_their_own
 class PromptHeavy:
     """A fake cost (ms) in which a prompt row is dearer the more it attends to: a row through the LM
     head (every decode and draft row, a chunk's last) 1 ms; each other row of a chunk after ``c``
-    cached tokens ``scale`` x (1 + c / 4) ms. Beside four decode rows (a 16 ms step at least:
-    STRETCH_MIN x 4 ms) a chunk is 12 tokens at the prompt's start, 3 from its 12th token, 2 from its
-    21st, 1 from its 41st; ``scale`` = the rows a stream decodes a step keeps that schedule."""
+    cached tokens ``scale`` x (1 + c / 4) ms. Beside four decode rows (an 18 ms step at least:
+    STRETCH_MIN x 4 ms) a chunk is 14 tokens at the prompt's start, 3 from its 14th token, 2 from its
+    23rd, 1 from its 49th; ``scale`` = the rows a stream decodes a step keeps about that schedule.
+    With ``sample_every``, every ``sample_every``-th step that could feed the prompt holds the decode
+    rows alone (as MeasuredStepCost asks, to re-measure them)."""
 
     scale: float = 1.0
+    sample_every: int = 0
+    asked: int = 0
 
     def predict_ms(self, rows: list[Rows]) -> float:
         return sum(r.logits + (r.n - r.logits) * self.scale * (1 + r.context / 4) for r in rows)
+
+    def decode_ms(self, rows: list[Rows]) -> float:
+        return self.predict_ms(rows)
+
+    def wants_decode_sample(self) -> bool:
+        self.asked += 1
+        return bool(self.sample_every) and self.asked % self.sample_every == 0
 
     def observe(self, rows: list[Rows], ms: float) -> None:
         return None
@@ -162,7 +173,21 @@ def test_chunks_of_a_few_tokens_give_the_same_tokens_as_the_whole_prompt(llm_def
     chunks = [n for st in steps for sid, n, pf, _ in st if sid == long and pf]
     assert sum(chunks) == 64 and chunks.count(1) >= 5 and any(n % 16 for n in chunks[:-1]), chunks
     if not decoding:
-        assert chunks[:6] == [12, 3, 3, 3, 2, 2] and chunks[-20:] == [1] * 20, chunks
+        assert chunks[:6] == [14, 3, 3, 3, 2, 2] and chunks[-15:] == [1] * 15, chunks
+    assert list(outs.values()) == list(plain_small.values())
+
+
+def test_decode_only_sample_steps_while_a_prompt_is_fed_change_no_token(llm_default, plain_small):
+    """Every third step that could feed the prompt holds the streams' decode rows alone (the measured
+    cost model's re-measurement): those steps feed no prompt token, the prompt still completes, and
+    every output equals plain decoding's with the prompt fed whole."""
+    outs, steps, streams, long = run_mixed(llm_default, 1.0, PromptHeavy(sample_every=3), **SMALL)
+    fed = [sum(n for sid, n, pf, _ in st if sid == long and pf) for st in steps]
+    first, last = next(i for i, n in enumerate(fed) if n), max(i for i, n in enumerate(fed) if n)
+    gaps = [i for i in range(first, last) if not fed[i]]
+    assert sum(fed) == 64 and len(gaps) >= 5, fed
+    for i in gaps:  # the streams decoded in those steps
+        assert sorted(sid for sid, *_ in steps[i]) == sorted(streams), steps[i]
     assert list(outs.values()) == list(plain_small.values())
 
 
@@ -172,7 +197,9 @@ def test_tiny_chunks_under_preemption_and_prefix_caching(llm_default, plain_smal
     later request with the same prompt starts from its cached blocks. Outputs equal plain decoding's,
     and the block bookkeeping is whole."""
     engine: list[LLMEngine] = []
-    outs, _, _, long = run_mixed(llm_default, 1.0, PromptHeavy(), engine=engine, kv_cache_blocks=18, **SMALL)
+    # prompt rows 13/11 as dear: the chunks of an 11 ms share of the step (12, 3, 3, 3, 2, 2, ..., 1 from
+    # the 41st token), slow enough that the streams outgrow the pool before the prompt is in
+    outs, _, _, long = run_mixed(llm_default, 1.0, PromptHeavy(13 / 11), engine=engine, kv_cache_blocks=18, **SMALL)
     eng = engine[0]
     assert eng.scheduler.num_preemptions > 0 and eng.blocks.stats.recompute_hits > 0
     assert list(outs.values()) == list(plain_small.values())
@@ -246,9 +273,98 @@ def test_a_long_prompt_does_not_move_what_a_decode_step_is_predicted_to_cost():
 def test_an_outlier_step_moves_the_fit_a_bounded_amount():
     prior = Prior(fixed=10.0, per_row=1.0, head=0.0, attention=0.0)
     cost = MeasuredStepCost(lambda: prior, warmup=0)
+    cost.calibrate()
     rows = [Rows.decode(1, 0)] * 4
     cost.observe(rows, 1e6)  # a page fault storm: counted as 4x the prediction at most
-    assert cost.predict_ms(rows) < 4 * 14.0
+    assert 14.0 < cost.predict_ms(rows) < 4 * 14.0
+
+
+def chunk_steps(cost: MeasuredStepCost, n: int, ms: float, start: int = 0) -> None:
+    """``n`` steps of four decode rows and an 8-token chunk at a growing context, each taking ``ms``
+    x what a decode step takes (30 ms at load 1)."""
+    for i in range(start, start + n):
+        cost.observe([*[Rows.decode(1, 100 + i)] * 4, Rows.prefill(8 + i % 5, 20 * i)], ms)
+
+
+def test_the_decode_time_the_budget_scales_follows_the_machine_while_a_prompt_is_fed():
+    """Decode steps take 30 ms; a prompt's chunk steps begin (120 ms); after 40 of them the machine
+    gets twice as slow (chunk steps 240 ms) and only the decode-only steps the scheduler is asked for
+    every SAMPLE_EVERY chunk steps measure the decode rows (60 ms). What the budget scales
+    (``decode_ms``) is 30 ms before and 60 ms once three such samples arrived (the median of the last
+    five), while the fit's own decode prediction, held by the decode steps of long ago, lags; one
+    outlier sample (a 600 ms stall) does not move it."""
+    prior = Prior(fixed=10.0, per_row=5.0, head=0.0, attention=0.0)
+    cost = MeasuredStepCost(lambda: prior, warmup=0)
+    cost.calibrate()
+    decode = [Rows.decode(1, 100)] * 4
+    for _ in range(30):
+        cost.observe(decode, 30.0)
+    assert not cost.wants_decode_sample()
+    chunk_steps(cost, 40, 120.0)
+    assert cost.decode_ms(decode) == pytest.approx(30.0, rel=0.02)
+    samples = 0
+    for i in range(40, 100):
+        if cost.wants_decode_sample():
+            samples += 1
+            cost.observe(decode, 600.0 if samples == 4 else 60.0)
+        chunk_steps(cost, 1, 240.0, start=i)
+        if samples == 2:
+            assert cost.decode_ms(decode) < 45.0  # two of five: the median is still the old time
+        if samples == 3:  # three of five; the fit alone (what the budget scaled before) still lags
+            assert cost.decode_ms(decode) == pytest.approx(60.0, rel=0.1) and cost.predict_ms(decode) < 45.0
+    assert samples >= 6
+    assert cost.decode_ms(decode) == pytest.approx(60.0, rel=0.05)
+
+
+def test_a_decode_sample_is_asked_for_every_sample_every_chunk_steps_and_taken_once():
+    cost = MeasuredStepCost(lambda: Prior(fixed=10.0, per_row=1.0, head=0.0, attention=0.0), warmup=0,
+                            sample_every=3)
+    cost.calibrate()
+    chunk_steps(cost, 2, 50.0)
+    assert not cost.wants_decode_sample()
+    chunk_steps(cost, 1, 50.0)
+    assert cost.wants_decode_sample() and not cost.wants_decode_sample()  # taken: not asked for twice
+    chunk_steps(cost, 2, 50.0)
+    cost.observe([Rows.decode(1, 10)], 12.0)  # a decode-only step restarts the count
+    chunk_steps(cost, 2, 50.0)
+    assert not cost.wants_decode_sample()
+    chunk_steps(cost, 1, 50.0)
+    assert cost.wants_decode_sample()
+
+
+def test_the_lazy_refit_gives_the_fit_of_a_refit_every_step(monkeypatch):
+    """The parts are solved only when a prediction needs them (or every ``refit_every`` steps), yet
+    they equal those of a model solved after every step; a decode-only stream of 64 steps solves 4
+    times, and a second prediction with no step between solves nothing."""
+    from ratchetlm.engine import step_cost
+
+    prior = Prior(fixed=10.0, per_row=1.0, head=0.2, attention=1e-3)
+    lazy = MeasuredStepCost(lambda: prior, warmup=0)
+    eager = MeasuredStepCost(lambda: prior, warmup=0, refit_every=1)
+    solves = [0]
+    solve = step_cost.nonnegative_least_squares
+
+    def counted(a, b):
+        solves[0] += 1
+        return solve(a, b)
+
+    monkeypatch.setattr(step_cost, "nonnegative_least_squares", counted)
+    for cost in (lazy, eager):
+        cost.calibrate()
+    for i in range(64):
+        rows = [Rows.decode(1 + i % 3, 50 + i) for _ in range(4)]
+        for cost in (lazy, eager):
+            cost.observe(rows, 20.0 + 2.0 * sum(r.n for r in rows) + 0.01 * i)
+    assert solves[0] == 64 + 4
+    for i in range(30):
+        rows = [Rows.decode(1, 120), Rows.prefill(5 + i % 7, 40 * i)]
+        for cost in (lazy, eager):
+            cost.observe(rows, 30.0 + 3.0 * rows[1].n + 0.02 * rows[1].context)
+    solves[0] = 0
+    assert lazy.parts() == pytest.approx(eager.parts(), rel=1e-9, abs=1e-12)
+    probe = [Rows.decode(1, 200), Rows.prefill(9, 1500)]
+    assert lazy.predict_ms(probe) == pytest.approx(eager.predict_ms(probe), rel=1e-9)
+    assert solves[0] == 1  # the lazy model's one solve; the eager one had none pending
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), True, "100"])
@@ -268,3 +384,15 @@ def test_max_step_ms_defaults_by_device_and_maps_to_its_flag():
     add_engine_args(p)
     assert engine_kwargs(p.parse_args(["--max-step-ms", "40"]))["max_step_ms"] == 40.0
     assert engine_kwargs(p.parse_args([]))["max_step_ms"] is None
+
+
+def test_steps_before_the_probe_are_fitted_once_it_runs():
+    """An offline engine probes when a prompt first needs a chunk: the decode steps before it (here
+    45 ms, the probe says 14) are what the budget then scales, not the probe's guess."""
+    cost = MeasuredStepCost(lambda: Prior(fixed=10.0, per_row=1.0, head=0.0, attention=0.0), warmup=2)
+    decode = [Rows.decode(1, 100)] * 4
+    for _ in range(40):
+        cost.observe(decode, 45.0)
+    assert cost.prior is None
+    assert cost.decode_ms(decode) == pytest.approx(45.0, rel=0.02)
+    assert cost.observed == 32  # the last 2 x refit_every of them
