@@ -152,6 +152,35 @@ COST_PER_TEST = 0.8
 # cost more than splitting their tests gains: one unit each
 DIR_UNITS = ("tests/wedlm/", "tests/structured/", "tests/text/")
 UNIT_COST_S.update({"tests/wedlm/": 60, "tests/structured/": 35, "tests/text/": 25})
+# Tests across files that share an expensive session fixture, kept on one worker so that it is built once: a
+# group -> its files and single tests (node-id prefixes). Each is marked ``xdist_group(<group>)`` in its file
+# too, but the mark alone does nothing here: pytest-xdist (3.8) tells the controller a test's group by
+# appending "@<group>" to its node id on the worker, which pytest 9.2's structured node ids silently drop
+# (pytest-xdist issue #1386), so the controller schedules from this table; pytest_collection_modifyitems
+# checks that it and the marks agree.
+GROUPS = {"v4_long_run": ("tests/deepseek_v4/test_driver.py", "tests/deepseek_v4/test_long_context.py",
+                          "tests/deepseek_v4/test_mtp.py::test_mtp_greedy_equals_plain_across_8191_8192")}
+
+
+def group_of(nodeid: str) -> str | None:
+    """The GROUPS entry a test belongs to, or None."""
+    path = nodeid.split("::", 1)[0]
+    for name, members in GROUPS.items():
+        if any(m == path or nodeid == m or nodeid.startswith((m + "[", m + "::")) for m in members):
+            return name
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    """GROUPS and the ``xdist_group`` marks name the same tests (the marks alone do not reach the scheduler)."""
+    for item in items:
+        nodeid = item.nodeid.split("@")[0]
+        marks = item.iter_markers("xdist_group")
+        marked = {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in marks}
+        table = group_of(nodeid)
+        if marked != ({table} if table else set()):
+            raise pytest.UsageError(f"{nodeid}: xdist_group marks {sorted(marked)} but tests/conftest.py GROUPS "
+                                    f"puts it in {table!r}; update both")
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -166,8 +195,11 @@ def pytest_xdist_make_scheduler(config, log):
         ordered = False
 
         def _split_scope(self, nodeid: str) -> str:
-            if nodeid.rfind("@") > nodeid.rfind("]"):
+            if nodeid.rfind("@") > nodeid.rfind("]"):  # xdist's suffix, where pytest keeps it
                 return nodeid.split("@")[-1]
+            group = group_of(nodeid)
+            if group is not None:
+                return group
             path = nodeid.split("::", 1)[0]
             return next((d for d in DIR_UNITS if path.startswith(d)), path)
 
