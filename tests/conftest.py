@@ -141,57 +141,44 @@ def pytest_xdist_auto_num_workers(config):
 # (2-core Xeon, 2026-11-28: the workers' CPU time per unit in a full xdist run, sampled from /proc; rough, only
 # their order matters. A unit missing here is handed out among the last, so a new heavy file belongs here.)
 UNIT_COST_S = {
-    "v4_long_run": 165, "tests/models/test_gemma3_real.py": 100, "tests/speculative/test_controls_equivalence.py": 80,
+    "tests/models/test_gemma3_real.py": 100, "tests/speculative/test_controls_equivalence.py": 80,
     "tests/speculative/test_greedy_equivalence.py": 78, "tests/speculative/test_prefix_cache.py": 74,
-    "tests/core/test_generation.py": 73, "tests/api/test_cli.py": 64, "tests/server/test_data_parallel.py": 60,
-    "tests/deepseek_v4/test_mtp.py": 55, "tests/server/test_embeddings.py": 50,
-    "tests/speculative/test_sampling_e2e.py": 50, "tests/core/test_block_kernels.py": 46,
+    "tests/api/test_cli.py": 64, "tests/server/test_data_parallel.py": 60, "tests/speculative/test_sampling_e2e.py": 50,
     "tests/speculative/test_eagle.py": 42, "tests/core/test_prefix_cache.py": 40, "tests/api/test_dependencies.py": 40,
     "tests/speculative/test_int8_engine.py": 35, "tests/server/test_fuzz.py": 35, "tests/server/test_surface.py": 35,
     "tests/api/test_bench.py": 25, "tests/server/test_structured.py": 24, "tests/api/test_gpu_check.py": 20,
     "tests/speculative/test_controls_sampling.py": 20, "tests/server/test_lifecycle.py": 20,
-    "tests/deepseek_v4/test_engine.py": 20,
+    "tests/core/test_int8_kernels.py": 12,  # 138 quick tests: much less than COST_PER_TEST each
 }
 COST_PER_TEST = 0.8
-# directories whose tests share session fixtures of their own (tiny models, tokenizers, grammar compilers) that
-# cost more than splitting their tests gains: one unit each
-DIR_UNITS = ("tests/wedlm/", "tests/structured/", "tests/text/")
-UNIT_COST_S.update({"tests/wedlm/": 40, "tests/structured/": 25, "tests/text/": 6})
-# Tests across files that share an expensive session fixture, kept on one worker so that it is built once: a
-# group -> its files and single tests (node-id prefixes). Each is marked ``xdist_group(<group>)`` in its file
-# too, but the mark alone does nothing here: pytest-xdist (3.8) tells the controller a test's group by
-# appending "@<group>" to its node id on the worker, which pytest 9.2's structured node ids silently drop
-# (pytest-xdist issue #1386), so the controller schedules from this table; pytest_collection_modifyitems
-# checks that it and the marks agree.
-GROUPS = {"v4_long_run": ("tests/deepseek_v4/test_driver.py", "tests/deepseek_v4/test_long_context.py",
-                          "tests/deepseek_v4/test_mtp.py::test_mtp_greedy_equals_plain_across_8191_8192")}
+# Directories whose tests share session fixtures of their own (tiny models, tokenizers, grammar compilers) that
+# cost more than splitting their tests gains: one unit each. tests/deepseek_v4/: the tiny HF V4 model (~7 s to
+# build), its load, and the 16384-token reference (conftest.long_run, ~30 s) that test_driver, test_long_context
+# and test_mtp use.
+DIR_UNITS = ("tests/deepseek_v4/", "tests/wedlm/", "tests/structured/", "tests/text/")
+UNIT_COST_S.update({"tests/deepseek_v4/": 280, "tests/wedlm/": 40, "tests/structured/": 25, "tests/text/": 6})
+# Files in different directories that share an expensive session fixture, kept on one worker so that it is built
+# once: a group -> its files. (pytest-xdist's ``xdist_group`` mark cannot do this here: xdist 3.8 tells the
+# controller a test's group by appending "@<group>" to its node id on the worker, which pytest 9.2's structured
+# node ids silently drop, pytest-xdist issue #1386.)
+GROUPS = {
+    # HF transformers' GGUF load of the default model (conftest.hf_smollm, ~15 s of CPU)
+    "hf_smollm": ("tests/core/test_block_kernels.py", "tests/core/test_generation.py",
+                  "tests/core/test_model_parity.py", "tests/server/test_embeddings.py"),
+}
+UNIT_COST_S["hf_smollm"] = 190
 
 
-def group_of(nodeid: str) -> str | None:
-    """The GROUPS entry a test belongs to, or None."""
+def unit_of(nodeid: str) -> str:
+    """The work unit a test belongs to: its GROUPS entry, its DIR_UNITS directory, else its file."""
     path = nodeid.split("::", 1)[0]
-    for name, members in GROUPS.items():
-        if any(m == path or nodeid == m or nodeid.startswith((m + "[", m + "::")) for m in members):
-            return name
-    return None
-
-
-def pytest_collection_modifyitems(config, items):
-    """GROUPS and the ``xdist_group`` marks name the same tests (the marks alone do not reach the scheduler)."""
-    for item in items:
-        nodeid = item.nodeid.split("@")[0]
-        marks = item.iter_markers("xdist_group")
-        marked = {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in marks}
-        table = group_of(nodeid)
-        if marked != ({table} if table else set()):
-            raise pytest.UsageError(f"{nodeid}: xdist_group marks {sorted(marked)} but tests/conftest.py GROUPS "
-                                    f"puts it in {table!r}; update both")
+    group = next((g for g, files in GROUPS.items() if path in files), None)
+    return group or next((d for d in DIR_UNITS if path.startswith(d)), path)
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadgroup``, with the tests of a file (of a directory in DIR_UNITS) kept together (module
-    fixtures are built once) unless an ``xdist_group`` mark puts them in a group across files (tests sharing an
-    expensive session fixture), and the heaviest units handed out first."""
+    """``--dist loadgroup``, with the tests of a file (of a directory in DIR_UNITS, of a GROUPS entry) kept
+    together (module and shared session fixtures are built once), and the heaviest units handed out first."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -200,13 +187,7 @@ def pytest_xdist_make_scheduler(config, log):
         ordered = False
 
         def _split_scope(self, nodeid: str) -> str:
-            if nodeid.rfind("@") > nodeid.rfind("]"):  # xdist's suffix, where pytest keeps it
-                return nodeid.split("@")[-1]
-            group = group_of(nodeid)
-            if group is not None:
-                return group
-            path = nodeid.split("::", 1)[0]
-            return next((d for d in DIR_UNITS if path.startswith(d)), path)
+            return unit_of(nodeid)
 
         def _assign_work_unit(self, node) -> None:
             if not self.ordered:  # longest first (the queue is complete once the first unit goes out)
