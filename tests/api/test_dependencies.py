@@ -56,8 +56,9 @@ def test_transformers_floor_converts_and_templates(tmp_path):
     floor = _floor("transformers")
     assert Version(floor) <= Version(version("transformers"))
     target = tmp_path / "floor"
-    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
-                          f"transformers=={floor}"], capture_output=True, text=True, timeout=600)
+    # --no-compile: no .pyc for its ~2,000 modules (the subprocess imports a few dozen of them)
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target",
+                          str(target), f"transformers=={floor}"], capture_output=True, text=True, timeout=600)
     assert pip.returncode == 0, pip.stderr
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(target), str(REPO)]), RATCHETLM_CACHE=str(tmp_path / "c"))
     check = subprocess.run([sys.executable, "-c", "import transformers; print(transformers.__version__)"],

@@ -19,8 +19,9 @@ ATOL = 5e-5
 # logits, and the indexer over all 4096 entries: the seed's kv_seq_len = 16384).
 STARTS = [0, 3, 127, 128, 255, 511, 4095, 8191, 8192, 8703, 16382]
 
-# xdist: one worker computes the 16384-token reference (conftest.long_run) for all its users
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("v4_long_run")]
+# xdist: tests/deepseek_v4/ is one work unit (tests/conftest.py DIR_UNITS): one worker computes the
+# 16384-token reference (conftest.long_run) for all its users
+pytestmark = pytest.mark.slow
 
 
 def _run_from(model, ids, traces, starts, steps, decode_seq, shuffle_seed=13):

@@ -168,7 +168,6 @@ def test_mtp_greedy_equals_plain_alone_and_batched(model, depth):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("v4_long_run")  # with the other users of the 16384-token reference (conftest.long_run)
 def test_mtp_greedy_equals_plain_across_8191_8192(model, long_run):
     ids, _, traces = long_run
     starts = [8180, 8190]  # generation crosses 8191/8192 (CSA block 16 -> 17, HCA entry 63)

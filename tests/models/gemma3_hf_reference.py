@@ -30,6 +30,9 @@ def main(gguf: str, out: str) -> None:
     p = Path(gguf)
     tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
     ids = tok.encode(TEXT)  # HF's default tokenization: the BOS the tokenizer adds
+    # the converted tokenizer (~25 s of CPU for Gemma's vocabulary), for the test process: the engine's own
+    # load runs the same converter (ratchetlm/models/tokenizer.py) and keeps its result in the same form
+    tok.save_pretrained(str(Path(out).with_name("hf_tokenizer")))
     short = tok.encode(SHORT)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name,
                                                            dtype=torch.float32).eval()

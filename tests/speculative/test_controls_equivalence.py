@@ -31,10 +31,20 @@ SPECS = {
 CHATTY = PROMPTS[5:] + ["<|im_start|>user\nRepeat the word 'go' ten times.<|im_end|>\n<|im_start|>assistant\n"]
 
 
-def assert_same_as_plain(llm, prompts, params, spec) -> None:
-    plain = run_engine(make_engine(llm), prompts, params)
-    free = run_engine(make_engine(llm), prompts, SamplingParams(temperature=0.0, max_tokens=params.max_tokens,
-                                                                ignore_eos=True))
+@pytest.fixture(scope="module")
+def plain_runs() -> dict[str, tuple[list[list[int]], list[list[int]]]]:
+    """The plain runs (with and without the controls), once per (prompts, params): the parametrised
+    specs share their reference (greedy, so deterministic)."""
+    return {}
+
+
+def assert_same_as_plain(llm, prompts, params, spec, plain_runs) -> None:
+    key = repr((prompts, params))
+    if key not in plain_runs:
+        free_params = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True)
+        plain_runs[key] = (run_engine(make_engine(llm), prompts, params),
+                           run_engine(make_engine(llm), prompts, free_params))
+    plain, free = plain_runs[key]
     assert plain != free, "the controls changed nothing: the comparison would be vacuous"
     eng = make_engine(llm, "speculative", **SPECS[spec])
     assert run_engine(eng, prompts, params) == plain
@@ -42,16 +52,16 @@ def assert_same_as_plain(llm, prompts, params, spec) -> None:
 
 
 @pytest.mark.parametrize("spec", ["ngram_tree", "near_target_draft", "eagle", "draft_model"])
-def test_penalties_with_speculation_equal_plain(spec_llm, spec):
+def test_penalties_with_speculation_equal_plain(spec_llm, spec, plain_runs):
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, **PENALTIES)
-    assert_same_as_plain(spec_llm, [spec_llm.tokenize(p) for p in CHATTY], params, spec)
+    assert_same_as_plain(spec_llm, [spec_llm.tokenize(p) for p in CHATTY], params, spec, plain_runs)
 
 
-def test_bans_with_speculation_equal_plain(spec_llm, encoded):
+def test_bans_with_speculation_equal_plain(spec_llm, encoded, plain_runs):
     """A two-token bad word the n-gram draft copies from the prompt ("(j"): banned inside the draft."""
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, bad_words=("(j", "self.items"),
                             min_tokens=6, logit_bias={spec_llm.tokenize(" the")[0]: -3.0})
-    assert_same_as_plain(spec_llm, encoded[:5], params, "ngram_chain")
+    assert_same_as_plain(spec_llm, encoded[:5], params, "ngram_chain", plain_runs)
 
 
 SCHEMA = {
