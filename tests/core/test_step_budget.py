@@ -251,17 +251,22 @@ def test_measured_cost_learns_what_a_cached_token_costs():
     assert cost.per_read > 0 and cost.per_context > 0
 
 
+def decoding_at_30_ms() -> tuple[MeasuredStepCost, list[Rows]]:
+    """A cost model that has seen 30 steps of four decode rows, each taking 30 ms; and those rows."""
+    cost = MeasuredStepCost(lambda: Prior(fixed=10.0, per_row=5.0, head=0.0, attention=0.0), warmup=0)
+    cost.calibrate()
+    decode = [Rows.decode(1, 100)] * 4
+    for _ in range(30):
+        cost.observe(decode, 30.0)
+    return cost, decode
+
+
 def test_a_long_prompt_does_not_move_what_a_decode_step_is_predicted_to_cost():
     """Decode steps measured 30 ms; then a hundred chunk steps all take 60 ms more than the fit
     expects of their rows (a cost the model's rows do not explain). The decode steps' prediction,
     which the budget scales, stays near 30 ms: a step is forgotten only by newer steps of its kind,
     and the chunk steps' common cost goes to ``per_chunk``."""
-    prior = Prior(fixed=10.0, per_row=5.0, head=0.0, attention=0.0)
-    cost = MeasuredStepCost(lambda: prior, warmup=0)
-    cost.calibrate()
-    decode = [Rows.decode(1, 100)] * 4
-    for _ in range(30):
-        cost.observe(decode, 30.0)
+    cost, decode = decoding_at_30_ms()
     assert cost.predict_ms(decode) == pytest.approx(30.0, rel=0.02)
     for i in range(100):
         rows = [*decode, Rows.prefill(8 + i % 3, 20 * i)]
@@ -293,12 +298,7 @@ def test_the_decode_time_the_budget_scales_follows_the_machine_while_a_prompt_is
     (``decode_ms``) is 30 ms before and 60 ms once three such samples arrived (the median of the last
     five), while the fit's own decode prediction, held by the decode steps of long ago, lags; one
     outlier sample (a 600 ms stall) does not move it."""
-    prior = Prior(fixed=10.0, per_row=5.0, head=0.0, attention=0.0)
-    cost = MeasuredStepCost(lambda: prior, warmup=0)
-    cost.calibrate()
-    decode = [Rows.decode(1, 100)] * 4
-    for _ in range(30):
-        cost.observe(decode, 30.0)
+    cost, decode = decoding_at_30_ms()
     assert not cost.wants_decode_sample()
     chunk_steps(cost, 40, 120.0)
     assert cost.decode_ms(decode) == pytest.approx(30.0, rel=0.02)
