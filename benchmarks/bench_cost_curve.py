@@ -9,7 +9,12 @@ engine's gain schedule measures for itself at start (four layers scaled plus the
 fastest of three) and what that probe cost, so the two can be compared.
 
     python benchmarks/bench_cost_curve.py [--model PATH.gguf] [--modes exact int8 int16] [--threads 2]
-        [--clock wall|cpu] [--agg median|min]
+        [--clock wall|cpu] [--agg median|min] [--rows 1 9 17 33 65] [--contexts 0 512 1500]
+
+``--rows``: the row counts to time (default the engine's probe points, 1-32; a verify of an n-node tree
+is n + 1 rows). ``--contexts``: also time each row count on top of that many cached tokens (every
+verified row reads them; the engine's probe prices them by two per-token terms): one table per context,
+each ratio against one row at no context.
 
 ``--clock cpu --agg min`` (one thread only) times each forward by the process's CPU seconds and keeps
 the fastest: on a machine shared with other jobs wall-clock medians measure the neighbours (the
@@ -40,6 +45,8 @@ def main() -> None:
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="wall clock, or the process's CPU time (one thread only)")
     ap.add_argument("--agg", choices=("median", "min"), default="median")
+    ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="row counts (1 first)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[0], help="cached tokens under the rows")
     args = ap.parse_args()
     if args.clock == "cpu" and args.threads != 1:
         raise SystemExit("--clock cpu needs --threads 1 (CPU time adds up every thread's work)")
@@ -50,13 +57,19 @@ def main() -> None:
           f"load average {os.getloadavg()[0]:.2f}")
     print(f"ms per forward ({args.agg} of {args.repeats}, {args.clock} clock) and ratio to 1 row; "
           "'probe': the engine's own curve")
-    print(f"{'mode':>6} " + " ".join(f"{'k=' + str(k):>14}" for k in ROWS))
+    rows = sorted(set(args.rows) | {1})
+    print(f"{'mode':>6} {'context':>7} " + " ".join(f"{'k=' + str(k):>14}" for k in rows))
     cpu = torch.device("cpu")
     for mode in args.modes:
-        llm = LLM(args.model, progress=False, numerics=mode, kv_cache_blocks=16)
-        model = llm.engine.model
-        ms = [1e3 * cost_curve.seconds(model, cpu, k, args.repeats, agg=agg, clock=clock) for k in ROWS]
-        print(f"{mode:>6} " + " ".join(f"{t:8.1f} {t / ms[0]:4.2f}x" for t in ms), flush=True)
+        blocks = 16 + (max(args.contexts) + max(rows)) // 8  # room for the longest context (blocks of >= 8)
+        llm = LLM(args.model, progress=False, numerics=mode, kv_cache_blocks=blocks)
+        model, cache = llm.engine.model, llm.engine.runner.cache
+        one = None
+        for ctx in args.contexts:
+            ms = [1e3 * cost_curve.seconds(model, cpu, k, args.repeats, agg=agg, clock=clock,
+                                           cache=cache if ctx else None, context=ctx) for k in rows]
+            one = one or ms[0]
+            print(f"{mode:>6} {ctx:>7} " + " ".join(f"{t:8.1f} {t / one:4.2f}x" for t in ms), flush=True)
         t, c = time.perf_counter(), time.process_time()
         probe = cost_curve.curve(model, cpu)
         print(f"{'probe':>6} " + " ".join(f"{x:13.2f}x" for x in probe.cost)

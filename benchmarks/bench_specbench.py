@@ -9,16 +9,18 @@ batch 1, in one process, each case through plain AR and then every speculative c
 model (interleaved: load drift on a shared machine hits all alike; engines are kept across cases, as
 a server keeps them, after one warm-up case each).
 
-Per group and config: **MAL** (mean accepted length: tokens committed per target forward after the
-first token, 1.00 for AR; Spec-Bench's "mean accepted tokens"; vLLM's counter in
-decoding/speculative/stats.py counts only steps that carried a draft, so it reads higher), **speed-up**
-(total tokens over total seconds, request to last token, against AR's on the same cases) and **greedy
-identity** (cases whose tokens equal AR's). Overall: the same aggregate over every case, and the median
-of the per-case speed-ups. ``--llamacpp``: the same token ids through llama-cpp-python on the same file
-and threads, plain and with its prompt-lookup draft (``LlamaPromptLookupDecoding``); those columns
-compare decode-phase tokens/s (after the first token) of the config with llama.cpp's. ``--batch N``
-then runs the sample's first turns N different prompts at a time through AR and every config
-(interleaved per batch): speed-up against AR and greedy identity at that batch.
+Per group and config: **MAL** (mean accepted length: tokens committed per target forward after the first
+token, 1.00 for AR; Spec-Bench's "mean accepted tokens"; vLLM's counter in decoding/speculative/stats.py
+counts only steps that carried a draft, so it reads higher), **speed-up** (total tokens over total
+seconds, request to last token, against AR's on the same cases), **greedy identity** (cases whose tokens
+equal AR's), **decode speed-up** (the same after the first token: no prefill) and **step cost** (a decode
+step's time in AR decode steps: decode speed-up = MAL / step cost). Overall: the same aggregate over every
+case, and the median of the per-case speed-ups. ``--llamacpp``: the same token ids through
+llama-cpp-python on the same file and threads, plain and with its prompt-lookup draft
+(``LlamaPromptLookupDecoding``); those columns compare decode-phase tokens/s (after the first token) of
+the config with llama.cpp's. ``--batch N`` then runs the sample's first turns N different prompts at a
+time through AR and every config (interleaved per batch): speed-up against AR and greedy identity at that
+batch.
 
     python benchmarks/bench_specbench.py [--model FILE.gguf] [--numerics auto] [--configs default ngram]
         [--per-group 3] [--max-tokens 128] [--chat | --no-chat] [--llamacpp] [--threads 2] [--clock cpu] [--batch 8]
@@ -243,7 +245,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     engines: dict[str, Any] = {"AR": engine(None), **{name: engine(opts) for name, opts in configs.items()}}
     questions = load_questions()
     rng = random.Random(a.seed)
-    sample = {g: rng.sample(questions[g], min(a.per_group, len(questions[g]))) for g in a.groups}
+    # drawn for every group in file order, then chosen: --groups picks the same questions as a full run
+    drawn = {g: rng.sample(questions[g], min(a.per_group, len(questions[g]))) for g in GROUPS}
+    sample = {g: drawn[g] for g in a.groups}
     # llama.cpp's context: the longest case (every turn, each earlier answer at most max_tokens) and margin;
     # no larger (with a draft model llama-cpp-python keeps logits for every context position: ctx x vocab)
     ctx = 64 + max(len(prompts.ids(q["turns"], [""] * (len(q["turns"]) - 1))) + len(q["turns"]) * a.max_tokens
@@ -350,7 +354,15 @@ def _agg(cases: list[Case], label: str) -> dict[str, float]:
             "median": statistics.median((len(c.runs[label].tokens) / c.runs[label].seconds)
                                         / (len(c.runs["AR"].tokens) / c.runs["AR"].seconds) for c in cases),
             "same": sum(c.runs[label].tokens == c.runs["AR"].tokens for c in cases), "n": len(cases),
-            "decode_tps": dec / sum(c.runs[label].decode_seconds for c in cases)}
+            "decode_tps": dec / sum(c.runs[label].decode_seconds for c in cases),
+            # the decode phase alone (after the first token; no prefill): tok/s against AR's, and a step's
+            # time in AR steps (the verify forward, its tree and the strategy's Python: what MAL must beat)
+            "decode_speedup": (dec / sum(c.runs[label].decode_seconds for c in cases)) / _decode_tps(cases, "AR"),
+            "step_cost": _step_seconds(cases, label) / _step_seconds(cases, "AR")}
+
+
+def _step_seconds(cases: list[Case], label: str) -> float:
+    return sum(c.runs[label].decode_seconds for c in cases) / max(sum(c.runs[label].decode_forwards for c in cases), 1)
 
 
 def _decode_tps(cases: list[Case], label: str) -> float:
@@ -361,8 +373,8 @@ def report(cases: list[Case], configs: list[str], groups: list[str], llamacpp: b
     rows: dict[tuple[str, str], Any] = {}
     for name in configs:
         print(f"\n{name} vs AR (same numerics; speed-up: total tokens / total time; identical: greedy tokens == AR's)")
-        head = "| group | cases | MAL | speed-up | median per case | identical |"
-        sep = "|---|---|---|---|---|---|"
+        head = "| group | cases | MAL | speed-up | median per case | identical | decode speed-up | step cost |"
+        sep = "|---|---|---|---|---|---|---|---|"
         if llamacpp:
             head += " decode tok/s | vs llama.cpp | vs llama.cpp PLD |"
             sep += "---|---|---|"
@@ -373,7 +385,7 @@ def report(cases: list[Case], configs: list[str], groups: list[str], llamacpp: b
                 continue
             r = rows[(name, g)] = _agg(sel, name)
             line = (f"| {g} | {r['n']} | {r['mal']:.2f} | {r['speedup']:.2f}x | {r['median']:.2f}x | "
-                    f"{r['same']}/{r['n']} |")
+                    f"{r['same']}/{r['n']} | {r['decode_speedup']:.2f}x | {r['step_cost']:.2f} |")
             if llamacpp:
                 lp, lpld = _decode_tps(sel, "llama.cpp"), _decode_tps(sel, "llama.cpp PLD")
                 r["vs_llamacpp"], r["vs_llamacpp_pld"] = r["decode_tps"] / lp, r["decode_tps"] / lpld
