@@ -69,6 +69,15 @@ def load_questions(path: Path = QUESTIONS) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
+def draw_sample(questions: dict[str, list[dict[str, Any]]], per_group: int, seed: int, groups: list[str]
+                ) -> dict[str, list[dict[str, Any]]]:
+    """``per_group`` seeded questions of each of ``groups``: drawn for every group in file order, then
+    chosen, so that ``--groups`` picks the same questions as a run over all six."""
+    rng = random.Random(seed)
+    drawn = {g: rng.sample(questions[g], min(per_group, len(questions[g]))) for g in GROUPS}
+    return {g: drawn[g] for g in groups}
+
+
 def parse_config(text: str) -> tuple[str, dict[str, Any]]:
     """``NAME[:key=value,...]`` -> (label, speculative options); the options are validated by building
     the strategy's config (an unknown proposer or option is an error naming it)."""
@@ -244,10 +253,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     engines: dict[str, Any] = {"AR": engine(None), **{name: engine(opts) for name, opts in configs.items()}}
     questions = load_questions()
-    rng = random.Random(a.seed)
-    # drawn for every group in file order, then chosen: --groups picks the same questions as a full run
-    drawn = {g: rng.sample(questions[g], min(a.per_group, len(questions[g]))) for g in GROUPS}
-    sample = {g: drawn[g] for g in a.groups}
+    sample = draw_sample(questions, a.per_group, a.seed, a.groups)
     # llama.cpp's context: the longest case (every turn, each earlier answer at most max_tokens) and margin;
     # no larger (with a draft model llama-cpp-python keeps logits for every context position: ctx x vocab)
     ctx = 64 + max(len(prompts.ids(q["turns"], [""] * (len(q["turns"]) - 1))) + len(q["turns"]) * a.max_tokens

@@ -34,6 +34,15 @@ def test_the_shipped_question_file_has_six_groups_of_80_and_its_license(bench):
     assert "hemingkx/Spec-Bench" in (data / "NOTICE").read_text()
 
 
+def test_a_subset_of_groups_draws_the_questions_a_full_run_draws(bench):
+    qs = bench.load_questions()
+    full = bench.draw_sample(qs, 2, 0, list(bench.GROUPS))
+    part = bench.draw_sample(qs, 2, 0, ["qa", "rag"])
+    assert list(part) == ["qa", "rag"] and part["qa"] == full["qa"] and part["rag"] == full["rag"]
+    assert all(len(v) == 2 for v in full.values())
+    assert bench.draw_sample(qs, 2, 1, ["qa"])["qa"] != full["qa"]  # the seed matters
+
+
 def test_configs_are_registry_names_with_options(bench):
     assert bench.parse_config("default") == ("default", {})
     assert bench.parse_config("ngram:depth=4,depth_schedule=constant") == (
@@ -72,6 +81,9 @@ def test_a_tiny_run_on_the_default_model(bench, capsys):
     assert overall["same"] == overall["n"] == 3
     assert 1.0 <= overall["mal"] <= 8 and overall["speedup"] > 0
     assert "| overall | 3 |" in llm_text and "MAL" in llm_text
+    # the decode phase: its speed-up is MAL over a step's cost in AR steps (forwards after the first token)
+    assert overall["decode_speedup"] == pytest.approx(overall["mal"] / overall["step_cost"])
+    assert overall["step_cost"] > 0 and "step cost" in llm_text
     # --batch 2: the two first turns at once, identical to AR's
     assert out["batched"][name]["same"] == out["batched"][name]["n"] == 2
     assert out["batched"][name]["speedup"] > 0 and "batches of 2 different prompts" in llm_text
