@@ -14,9 +14,10 @@ token, 1.00 for AR; Spec-Bench's "mean accepted tokens"; vLLM's counter in decod
 counts only steps that carried a draft, so it reads higher), **speed-up** (total tokens over total
 seconds, request to last token, against AR's on the same cases), **greedy identity** (cases whose tokens
 equal AR's), **decode speed-up** (the same after the first token: no prefill) and **step cost** (a decode
-step's time in AR decode steps: decode speed-up = MAL / step cost). Overall: the same aggregate over every
-case, and the median of the per-case speed-ups. ``--llamacpp``: the same token ids through
-llama-cpp-python on the same file and threads, plain and with its prompt-lookup draft
+step's time in AR decode steps: decode speed-up = MAL / step cost). Per group also AR's time before its
+first token (the prompt's prefill): an end-to-end speed-up can be at most 1 / that share. Overall: the
+same aggregate over every case, and the median of the per-case speed-ups. ``--llamacpp``: the same token
+ids through llama-cpp-python on the same file and threads, plain and with its prompt-lookup draft
 (``LlamaPromptLookupDecoding``); those columns compare decode-phase tokens/s (after the first token) of
 the config with llama.cpp's. ``--batch N`` then runs the sample's first turns N different prompts at a
 time through AR and every config (interleaved per batch): speed-up against AR and greedy identity at that
@@ -400,7 +401,21 @@ def report(cases: list[Case], configs: list[str], groups: list[str], llamacpp: b
     if llamacpp:
         tps = ", ".join(f"{k} {_decode_tps(cases, k):.1f}" for k in ("AR", "llama.cpp", "llama.cpp PLD"))
         print(f"\ndecode tok/s overall: {tps}")
+    print("\nAR's time in prefill (and its first token): the end-to-end speed-up a free decode phase would reach")
+    for g in [*groups, "overall"]:
+        sel = [c for c in cases if g in ("overall", c.group)]
+        if sel:
+            share = prefill_share(sel)
+            rows[("AR", g)] = {"prefill_share": share}
+            print(f"  {g}: {share:.0%} of AR's time, ceiling {1 / share if share else float('inf'):.2f}x")
     return rows
+
+
+def prefill_share(cases: list[Case]) -> float:
+    """AR's time before its first token over its total time, summed over ``cases`` (prefill is the same
+    work for every engine, so an end-to-end speed-up is at most 1 / this share)."""
+    runs = [c.runs["AR"] for c in cases]
+    return sum(r.seconds - r.decode_seconds for r in runs) / sum(r.seconds for r in runs)
 
 
 if __name__ == "__main__":

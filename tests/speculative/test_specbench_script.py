@@ -84,6 +84,11 @@ def test_a_tiny_run_on_the_default_model(bench, capsys):
     # the decode phase: its speed-up is MAL over a step's cost in AR steps (forwards after the first token)
     assert overall["decode_speedup"] == pytest.approx(overall["mal"] / overall["step_cost"])
     assert overall["step_cost"] > 0 and "step cost" in llm_text
+    # prefill's share of AR's time bounds any end-to-end speed-up
+    share = rows[("AR", "overall")]["prefill_share"]
+    ar_runs = [c.runs["AR"] for c in cases]
+    assert share == pytest.approx(1 - sum(r.decode_seconds for r in ar_runs) / sum(r.seconds for r in ar_runs))
+    assert 0 < share < 1 and "AR's time in prefill" in llm_text
     # --batch 2: the two first turns at once, identical to AR's
     assert out["batched"][name]["same"] == out["batched"][name]["n"] == 2
     assert out["batched"][name]["speedup"] > 0 and "batches of 2 different prompts" in llm_text
