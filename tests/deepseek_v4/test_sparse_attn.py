@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ratchetlm.models.deepseek_v4.attention import sink_attention
+from ratchetlm.models.deepseek_v4.attention import Indexer, select_topk, sink_attention
 from ratchetlm.models.deepseek_v4.paging import physical_rows
 from ratchetlm.models.deepseek_v4.reference import reference_forward
 from ratchetlm.models.deepseek_v4.sparse_attn import gather_keys
@@ -46,6 +46,47 @@ def test_unmapped_compressed_block_is_invalid():
     raw = torch.tensor([[[W + S + 20 * BS - 1, W + S + 20 * BS]] * S])
     _, valid = gather_keys(raw, ring, ori_table, overlay, cmp, cmp_table, W, BS)
     assert valid[0, 0].tolist() == [True, False]
+
+
+@pytest.mark.parametrize("width, k", [(4096, 512), (600, 512), (513, 512), (512, 512), (100, 30)])
+def test_select_topk_is_a_stable_descending_sort_cut_at_k(width, k):
+    """The partial selection picks and orders exactly what a full stable sort would: ties (exact
+    zeros, -inf for hidden slots, rounded scores) towards the lower slot, rows with fewer than k
+    visible slots filled with the lowest hidden ones."""
+    g = torch.Generator().manual_seed(width + k)
+    scores = torch.randn(6, width, generator=g)
+    r = torch.rand(6, width, generator=g)
+    scores[r < 0.3] = 0.0  # every head's ReLU off
+    scores[r > 0.8] = float("-inf")  # hidden
+    scores[1] = scores[1].round()  # many ties at the cut
+    scores[2, k // 2:] = float("-inf")  # fewer than k visible
+    scores[3] = float("-inf")
+    want = torch.sort(scores, dim=-1, descending=True, stable=True)
+    values, indices = select_topk(scores, k)
+    assert torch.equal(values, want.values[:, :k]) and torch.equal(indices, want.indices[:, :k])
+
+
+def test_indexer_scores_equal_the_formula_for_shared_per_query_and_grouped_keys():
+    """I[n, s] = sum_h w[n, h] * relu(q[n, h] . k[s]) / sqrt(Di), bit for bit whichever way the keys
+    come (one set for all queries, one per query, one per sequence of n queries)."""
+    g = torch.Generator().manual_seed(0)
+    G, n, H, Di, T = 3, 5, 16, 16, 300
+
+    class Tiny:
+        dim = Di
+        scores = Indexer.scores
+
+    q, w = torch.randn(G, n, H, Di, generator=g), torch.randn(G, n, H, generator=g)
+    keys = torch.randn(G, T, Di, generator=g)
+    # the formula, one query at a time
+    want = torch.stack([torch.stack([(torch.relu(q[b, i] @ keys[b].T) * Di**-0.5 * w[b, i, :, None]).sum(0)
+                                     for i in range(n)]) for b in range(G)])  # [G, n, T]
+    torch.testing.assert_close(Tiny().scores(q, w, keys), want, rtol=1e-6, atol=1e-6)
+    per_query = Tiny().scores(q.flatten(0, 1), w.flatten(0, 1), keys.repeat_interleave(n, 0)).view(G, n, T)
+    assert torch.equal(Tiny().scores(q, w, keys), per_query)
+    shared = Tiny().scores(q[0], w[0], keys[:1])  # [n, T]
+    assert torch.equal(shared, Tiny().scores(q[0], w[0], keys[:1].expand(n, -1, -1)))
+    torch.testing.assert_close(shared, want[0], rtol=1e-6, atol=1e-6)
 
 
 def test_sink_attention_ignores_invalid_keys_and_uses_sink():

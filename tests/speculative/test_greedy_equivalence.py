@@ -65,13 +65,13 @@ def assert_ngram_accepts_on_copy_heavy_prompts(eng) -> None:
     assert agg["spec_decode_num_accepted_tokens"] == sum(s.stats["spec_num_accepted_tokens"] for s in eng.seqs.values())
 
 
-# one request alone per config, alternating code editing / summarization (self-draft is slow on CPU)
-ALONE = {"ngram_chain": 0, "ngram_tree": 3, "self_draft_chain": 3, "self_draft_beam": 0, "ngram_chunked": 0,
-         "ngram_tree_chunked": 1, "ngram_adaptive": 3, "recycling_tree": 5, "suffix_tree": 1, "hybrid_tree": 3,
-         "hybrid_gain": 0}
+# one request alone per config, alternating code editing / summarization (self-draft is slow on CPU);
+# ngram_chain and ngram_tree run alone on prompts 0, 1 and 3 in test_trees_of_a_batch_are_packed_...
+ALONE = {"self_draft_chain": 3, "self_draft_beam": 0, "ngram_chunked": 0, "ngram_tree_chunked": 1,
+         "ngram_adaptive": 3, "recycling_tree": 5, "suffix_tree": 1, "hybrid_tree": 3, "hybrid_gain": 0}
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", list(ALONE))
 def test_alone_equals_plain_greedy(spec_llm, encoded, reference, name):
     eng = make_engine(spec_llm, "speculative", **CONFIGS[name])
     i = ALONE[name]
@@ -207,6 +207,7 @@ def test_trees_of_a_batch_are_packed_and_verified_in_one_forward(spec_llm, encod
     real_pack = draft_tree.pack
     monkeypatch.setattr(draft_tree, "pack", lambda beam: packs.append(beam.shape[0]) or real_pack(beam))
     subset = [0, 1, 3]
+    # CONFIGS' ngram_chain (1) and ngram_tree (3): their runs alone are the ones below
     opts = dict(method="ngram", num_candidates=num_candidates, depth=4, depth_schedule="constant")
     eng = make_engine(spec_llm, "speculative", **opts)
     propose = eng.strategy.propose

@@ -40,7 +40,11 @@ def tiny_draft(tmp_path_factory, spec_llm) -> str:
 @pytest.fixture(scope="module")
 def plain(spec_llm, prompts) -> list[list[int]]:
     eng = engine(spec_llm, caching=False)
-    return [run(eng, [p], [])[0] for p in prompts]
+    outs: dict[tuple[int, ...], list[int]] = {}  # the repeated prompts (the cache hits below) run once
+    for p in prompts:
+        if tuple(p) not in outs:
+            outs[tuple(p)] = run(eng, [p], [])[0]
+    return [outs[tuple(p)] for p in prompts]
 
 
 def run(eng: LLMEngine, prompts: list[list[int]], history: list[list[int]], drafted_after_hit: list[bool] | None = None

@@ -6,7 +6,6 @@ grouped output projection. Nothing here knows how KV is stored.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ratchetlm.models.deepseek_v4.blocks import RMSNorm, rms_normalize
@@ -98,9 +97,20 @@ class Indexer(WindowCompressor):
     def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """I[n, s] = sum_h w[n, h] * relu(q[n, h] . k[s]) / sqrt(Di).
 
-        q: ``[N, Hi, Di]``, w: ``[N, Hi]``, keys: ``[N or 1, T, Di]`` -> ``[N, T]`` float32."""
-        dots = torch.matmul(q.float(), keys.float().transpose(-1, -2))  # [N, Hi, T]
-        return (F.relu(dots) * self.dim**-0.5 * w.unsqueeze(-1)).sum(dim=1)
+        q: ``[N, Hi, Di]``, w: ``[N, Hi]``, keys: ``[N or 1, T, Di]`` -> ``[N, T]`` float32; or, for
+        ``G`` sequences of ``n`` queries each against their own keys, q: ``[G, n, Hi, Di]``,
+        w: ``[G, n, Hi]``, keys: ``[G, T, Di]`` -> ``[G, n, T]``. One matmul per key set (no copy of
+        the keys per query), then in place: the ``[N, Hi, T]`` products are the big tensor here."""
+        if q.dim() == 3:
+            if keys.shape[0] == 1 and q.shape[0] != 1:  # one key set for every query
+                return self.scores(q[None], w[None], keys)[0]
+            dots = torch.matmul(q.float(), keys.float().transpose(-1, -2))  # [N, Hi, T]
+        else:
+            G, n, H, D = q.shape
+            dots = torch.matmul(q.float().flatten(1, 2), keys.float().transpose(-1, -2)).view(G * n, H, -1)
+        # relu(dots) * scale * w, summed over heads (the same operations in the same order, in place)
+        out = dots.relu_().mul_(self.dim**-0.5).mul_(w.reshape(-1, w.shape[-1]).unsqueeze(-1)).sum(dim=1)
+        return out if q.dim() == 3 else out.view(q.shape[0], q.shape[1], -1)
 
 
 def select_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,10 +119,25 @@ def select_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     Exact ties are common (a slot scores exactly 0 whenever every head's ReLU is 0) and
     ``torch.topk`` breaks them differently for different widths, so the unpaged reference
     (width = visible entries) and the decode path (width = SCORE_LEN) would otherwise pick
-    different slots. A stable descending sort makes the choice a function of the scores alone.
+    different slots. The choice is a function of the scores alone: every slot above the k-th
+    largest value, then the lowest slots equal to it; ordered as a stable descending sort would
+    (value, then slot). Only the ``k`` picked are sorted (a full sort of a 4096-wide row costs
+    more than the partial selection).
     -> (values, indices), each ``[..., k]``."""
-    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
-    return values[..., :k], indices[..., :k]
+    n = scores.shape[-1]
+    if k >= n:
+        values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
+        return values[..., :k], indices[..., :k]
+    kth = torch.topk(scores, k, dim=-1, sorted=False).values.amin(-1, keepdim=True)  # [..., 1]
+    above, tie = scores > kth, scores == kth  # fewer than k above; enough ties to fill up to k
+    take = above | (tie & (tie.cumsum(-1) <= k - above.sum(-1, keepdim=True)))  # exactly k per row
+    # the taken slots in ascending order: each goes to its rank among the taken (the rest to column k)
+    dest = torch.where(take, take.cumsum(-1) - 1, k)
+    slots = torch.arange(n, device=scores.device).expand_as(scores)
+    picked = torch.zeros(*scores.shape[:-1], k + 1, dtype=torch.long, device=scores.device)
+    picked = picked.scatter_(-1, dest, slots)[..., :k]
+    values, order = torch.sort(scores.gather(-1, picked), dim=-1, descending=True, stable=True)
+    return values, picked.gather(-1, order)
 
 
 class CSACompressor(WindowCompressor):

@@ -110,9 +110,7 @@ def indexer_topk(attn: Attention, x: torch.Tensor, q_res: torch.Tensor, meta: De
     out = torch.full((B, S, topk), -1, dtype=torch.long)
     for c0 in range(0, S, QUERY_CHUNK):  # scores [B, chunk, score_len]: chunked for long prefill steps
         c1 = min(S, c0 + QUERY_CHUNK)
-        n = c1 - c0
-        scores = indexer.scores(iq[:, c0:c1].flatten(0, 1), iw[:, c0:c1].flatten(0, 1),
-                                keys.repeat_interleave(n, 0)).view(B, n, -1)
+        scores = indexer.scores(iq[:, c0:c1], iw[:, c0:c1], keys)  # [B, n, score_len]
         hidden = (torch.arange(score_len) >= meta.inner.visible_len[:, c0:c1, None]) | ~present[:, None, :]
         values, picked = select_topk(scores.masked_fill(hidden, float("-inf")), topk)
         raw = meta.window + meta.decode_seq + picked

@@ -33,13 +33,20 @@ def gather_keys(raw: torch.Tensor, ring_pool: torch.Tensor, ori_block_table: tor
     in_ring = (raw >= 0) & (raw < window)
     in_overlay = (raw >= window) & (raw < window + S)
     in_cmp = raw >= window + S
+    b_of = torch.arange(B, device=raw.device).view(B, 1, 1).expand(B, Q, K)  # [B, Q, K] the row's sequence
+    # The sources are disjoint: each writes only its own entries into the ring gather (which also fills
+    # the invalid ones, with a real row: never garbage under the attention's mask). One [B, Q, K, D]
+    # tensor, not one per source: long prefill chunks made these copies most of a step.
+    # (dtypes as torch.where's promotion of the sources would give)
+    ring_dtype = torch.promote_types(ring_pool.dtype, overlay.dtype)
+    dtype = ring_dtype if cmp_pool is None or cmp_block_table is None else torch.promote_types(ring_dtype,
+                                                                                             cmp_pool.dtype)
 
     ring_rows = physical_rows(ori_block_table, torch.where(in_ring, raw, -1), block)
-    keys = ring_pool.reshape(-1, D)[ring_rows.clamp(min=0)]
+    keys = ring_pool.reshape(-1, D)[ring_rows.clamp(min=0)].to(dtype)  # [B, Q, K, D]
     valid = in_ring & (ring_rows >= 0)
 
-    ov_idx = (raw - window).clamp(0, S - 1).view(B, Q * K, 1).expand(-1, -1, D)
-    keys = torch.where(in_overlay[..., None], overlay.gather(1, ov_idx).view(B, Q, K, D), keys)
+    keys[in_overlay] = overlay[b_of[in_overlay], raw[in_overlay] - window].to(dtype)
     valid |= in_overlay
 
     if cmp_pool is not None and cmp_block_table is not None:
@@ -52,13 +59,12 @@ def gather_keys(raw: torch.Tensor, ring_pool: torch.Tensor, ori_block_table: tor
             assert cmp_overlay is not None and step_start is not None
             row = ((slot + 1) * ratio - 1 - step_start.view(B, 1, 1))
             ok = from_step & (row >= 0) & (row < S)
-            idx = row.clamp(0, S - 1).view(B, Q * K, 1).expand(-1, -1, D)
-            step_keys = cmp_overlay.gather(1, idx).view(B, Q, K, D).to(keys.dtype)
-            keys = torch.where(from_step[..., None], step_keys, keys)
+            keys[from_step] = cmp_overlay[b_of[from_step], row[from_step].clamp(0, S - 1)].to(ring_dtype).to(dtype)
             valid |= ok
         cmp_rows = physical_rows(cmp_block_table, torch.where(from_step, -1, slot), block)
-        keys = torch.where((in_cmp & ~from_step)[..., None], cmp_pool.reshape(-1, D)[cmp_rows.clamp(min=0)], keys)
-        valid |= in_cmp & ~from_step & (cmp_rows >= 0)
+        pooled = in_cmp & ~from_step
+        keys[pooled] = cmp_pool.reshape(-1, D)[cmp_rows[pooled].clamp(min=0)].to(dtype)
+        valid |= pooled & (cmp_rows >= 0)
     return keys, valid
 
 
