@@ -5,9 +5,9 @@ llama.cpp: top-1 agreement 99.95% with exact on both real models), ``int8`` (lla
 than llama-cpp-python on the same file, benchmarks/bench_numerics.py). All three are batch invariant
 (speculative == plain, alone == batched). ``auto`` picks, for a quantized GGUF on a CPU whose integer
 kernels have a vector form, the fastest mode measured llama.cpp-grade on a real model of that weight
-format: int8 where one was measured grade (half the integer work of int16: a 512-token prefill 1.28x
-int16's speed on Gemma 3 270M, 1.55-1.65x on the 1B files, decode at batch 1 1.00-1.06x: docs/models.md,
-README), int16 for every other format (random-weight files say nothing about
+format: int8 where one was measured grade (Q4_1, Q4_K_M, Q8_0, Q6_K, Q5_K_M: the table below; half the integer
+work of int16: a 512-token prefill 1.28x int16's speed on Gemma 3 270M, 1.55-1.65x on the 1B files, decode at
+batch 1 1.00-1.06x: docs/models.md, README), int16 for every other format (random-weight files say nothing about
 quality, so no format gets int8 without a real model measured). Everything else runs exact.
 """
 
@@ -36,7 +36,9 @@ FAST_INT_ISAS = ("avx512vnni", "avx2")
 #           positions: Q8_0 llama-cpp-python 95.09% / 0.0720 / +0.38%, int8 95.28% / 0.0696 / +0.79% (perplexity
 #           within the 0.5% tolerance); Q6_K 94.99% / 0.0920 / +0.94%, int8 95.42% / 0.0727 / +0.20%; Q5_K_M
 #           93.99% / 0.1038 / +0.54%, int8 94.95% / 0.0794 / +0.45% (grade on all three)
-#   Q6_K, Q5_K_M  Gemma 3 270M requantized the same way from its Q4_K_M file, 2048 positions: GEMMA_NUMBERS
+#   Q6_K, Q5_K_M  Gemma 3 270M (base) requantized the same way from its Q4_K_M file, 2048 positions, 2026-11-28:
+#           Q6_K llama-cpp-python 90.53% / 0.2138 / +3.89%, int8 94.14% / 0.1073 / -0.21%; Q5_K_M 90.72% / 0.1849
+#           / +0.95%, int8 94.34% / 0.1071 / +0.49% (grade on all three, both files)
 #   (Hidden sizes 576 and 640 are not multiples of 256: llama.cpp stores those matrices of a K-quant file as
 #   Q8_0 / Q5_1 and only the wider ones as Q6_K / Q5_K, so the evidence is for the file type, which is what
 #   auto keys on.) int8 prefills 512 tokens 1.55-1.65x int16's speed on the 1B files.
