@@ -201,7 +201,6 @@ static inline __attribute__((always_inline)) __m256i dot_w_avx2(__m256i I, __m25
 }
 
 #define AVX2_TS 4 /* the most tokens a pass over a panel's groups takes */
-#define AVX2_NBV(vb) ((vb) == 6 ? 2 : 4) /* vectors whose int16 pair sums add up exactly (8-bit activations) */
 #define PANEL_PASSES 1 /* the kinds below instantiate panel_pass, not panel_tile */
 /* Q6_K's heavier unpacking pays for a fourth token per pass (kernel 1.09-1.18x at 8-256 rows), the
  * other formats measured 0.91-1.08x with it */
@@ -233,25 +232,24 @@ static inline __attribute__((always_inline)) void panel_pass(const uint8_t *Q, c
         __m256i I[AVX2_TS][2];
         for (int t = 0; t < AVX2_TS; t++) I[t][0] = I[t][1] = _mm256_setzero_si256();
         if (!b16 && vb < 8) {
-            /* 8 bits, weights u < 2^vb: vpmaddubsw's pair sums |u0 x0 + u1 x1| <= 2 (2^vb - 1) 127 add up exactly
-             * in int16 over AVX2_NBV(vb) vectors (4 for 4 and 5 bits: 4 * 7874 = 31496; 2 for 6 bits: 32004),
-             * then one vpmaddwd by 1 widens them: the same int32 I, one widening per NBV vectors instead of each */
-            const int NBV = AVX2_NBV(vb);
+            /* 8 bits, weights u < 2^vb (<= 63): vpmaddubsw's pair sums |u0 x0 + u1 x1| <= 2 * 63 * 127 = 16002,
+             * so two vectors' sums add up exactly in int16 before one vpmaddwd by 1 widens them: the same int32 I,
+             * one widening (and one int32 add) per two vectors instead of each */
             const __m256i ones = _mm256_set1_epi16(1);
-            #pragma GCC unroll 2
-            for (int h = 0; h < 2; h++) {
-                #pragma GCC unroll 8
-                for (int c0 = 0; c0 < C; c0 += NBV) {
-                    __m256i w[4];
-                    #pragma GCC unroll 4
-                    for (int j = 0; j < NBV; j++) w[j] = unpack_avx2(qg, C, vb, c0 + j, h);
-                    #pragma GCC unroll 4
-                    for (int t = 0; t < S; t++) {
-                        const long i = ((long)g * C + c0) * tt + t0 + t;
-                        __m256i s16 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xs->xh[i]));
-                        #pragma GCC unroll 4
-                        for (int j = 1; j < NBV; j++)
-                            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(xs->xh[i + (long)j * tt])));
+            #pragma GCC unroll 8
+            for (int c0 = 0; c0 < C; c0 += 2) {
+                __m256i w[2][2];
+                #pragma GCC unroll 2
+                for (int j = 0; j < 2; j++)
+                    #pragma GCC unroll 2
+                    for (int h = 0; h < 2; h++) w[j][h] = unpack_avx2(qg, C, vb, c0 + j, h);
+                #pragma GCC unroll 4
+                for (int t = 0; t < S; t++) {
+                    const long i = ((long)g * C + c0) * tt + t0 + t;
+                    const __m256i x0 = _mm256_set1_epi32(xs->xh[i]), x1 = _mm256_set1_epi32(xs->xh[i + tt]);
+                    #pragma GCC unroll 2
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0][h], x0), _mm256_maddubs_epi16(w[1][h], x1));
                         I[t][h] = _mm256_add_epi32(I[t][h], _mm256_madd_epi16(s16, ones));
                         __asm__("" : "+x"(I[t][h]));
                     }
