@@ -219,7 +219,8 @@ def test_auto_numerics_goes_by_weight_format():
     assert choose_auto("Q4_K_M", True, "scalar").numerics == "exact"
 
 
-@pytest.mark.parametrize(("file_type", "mode"), [(18, "int8"), (17, "int8"), (7, "int8"), (2, "int16"), (None, "int16")])
+@pytest.mark.parametrize(("file_type", "mode"),
+                         [(18, "int8"), (17, "int8"), (7, "int8"), (2, "int16"), (None, "int16")])
 def test_auto_numerics_reads_the_files_weight_format(tmp_path, file_type, mode):
     """The loader keys auto on the GGUF's general.file_type, not on the blocks it finds: the same Q6_K tensors
     run in int8 in a file that says Q6_K (18), Q5_K_M (17) or Q8_0 (7), in int16 in one that says Q4_0 (2, no real
