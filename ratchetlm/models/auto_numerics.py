@@ -50,6 +50,12 @@ INT8_GRADE_FILE_TYPES: dict[str, str] = {
     "Q5_K_M": "SmolLM2-135M-Instruct and Gemma 3 270M requantized",
 }
 OTHER_FORMATS = "int16"  # closer to exact than llama.cpp on every file measured
+# (format, integer ISA) where int16, closer to exact, is also the faster mode: Q8_0 on AVX2, whose int8 path
+# splits each weight byte into nibbles (two vpmaddubsw + two vpmaddwd per vector and token) where int16 makes
+# one vpmaddwd per activation half: 1B Q8_0, 512-token prefill, AVX2 build, 1 thread vs llama-cpp-python's
+# AVX2 build, int8 0.95x (2026-11-28 20:25, load 1.9) against int16's 1.27x (17:23-17:30, load 1.4), decode
+# 1.63x against 1.67x (docs/benchmarks.md). On AVX512-VNNI int8 is faster (prefill 2.62x against 1.74x).
+INT16_FASTER: frozenset[tuple[str, str]] = frozenset({("Q8_0", "avx2")})
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,9 @@ def choose_auto(weight_format: str | None, has_int_weights: bool, int_isa: str |
         return NumericsChoice("exact", "auto: no quantized block weights here")
     if int_isa not in FAST_INT_ISAS:
         return NumericsChoice("exact", f"auto: no vector integer dot product on this CPU ({int_isa})")
+    if weight_format is not None and (weight_format, int_isa) in INT16_FASTER:
+        return NumericsChoice("int16", f"auto: {weight_format} weights on {int_isa}, where int16 is as fast as int8 "
+                                       "and closer to exact")
     if weight_format in INT8_GRADE_FILE_TYPES:
         return NumericsChoice("int8", f"auto: {weight_format} weights, llama.cpp-grade in int8 as measured on "
                                       f"{INT8_GRADE_FILE_TYPES[weight_format]}")
