@@ -231,6 +231,31 @@ static inline __attribute__((always_inline)) void panel_pass(const uint8_t *Q, c
          * its pairs broadcast once: 0.98-1.03x; neither kept.) */
         __m256i I[AVX2_TS][2];
         for (int t = 0; t < AVX2_TS; t++) I[t][0] = I[t][1] = _mm256_setzero_si256();
+        if (!b16 && vb < 8) {
+            /* 8 bits, weights u < 2^vb (<= 63): vpmaddubsw's pair sums |u0 x0 + u1 x1| <= 2 * 63 * 127 = 16002,
+             * so two vectors' sums add up exactly in int16 before one vpmaddwd by 1 widens them: the same int32 I,
+             * one widening (and one int32 add) per two vectors instead of each */
+            const __m256i ones = _mm256_set1_epi16(1);
+            #pragma GCC unroll 8
+            for (int c0 = 0; c0 < C; c0 += 2) {
+                __m256i w[2][2];
+                #pragma GCC unroll 2
+                for (int j = 0; j < 2; j++)
+                    #pragma GCC unroll 2
+                    for (int h = 0; h < 2; h++) w[j][h] = unpack_avx2(qg, C, vb, c0 + j, h);
+                #pragma GCC unroll 4
+                for (int t = 0; t < S; t++) {
+                    const long i = ((long)g * C + c0) * tt + t0 + t;
+                    const __m256i x0 = _mm256_set1_epi32(xs->xh[i]), x1 = _mm256_set1_epi32(xs->xh[i + tt]);
+                    #pragma GCC unroll 2
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0][h], x0), _mm256_maddubs_epi16(w[1][h], x1));
+                        I[t][h] = _mm256_add_epi32(I[t][h], _mm256_madd_epi16(s16, ones));
+                        __asm__("" : "+x"(I[t][h]));
+                    }
+                }
+            }
+        } else
         #pragma GCC unroll 8
         for (int c = 0; c < C; c++) {
             #pragma GCC unroll 2

@@ -189,9 +189,9 @@ def test_default_numerics_is_the_integer_mode_where_the_weights_have_integers(ll
 
 
 def test_auto_numerics_goes_by_weight_format():
-    """int8 only for the weight formats a real model measured llama.cpp-grade in (the table), int16 for every
-    other quantized format, exact without integer weights or a vector integer kernel; the GGUF's
-    general.file_type names the format as llama.cpp does."""
+    """int8 only for the weight formats a real model measured llama.cpp-grade in (the table: Q4_1, Q4_K_M,
+    Q8_0, Q6_K, Q5_K_M), int16 for every other quantized format, exact without integer weights or a vector
+    integer kernel; the GGUF's general.file_type names the format as llama.cpp does."""
     from ratchetlm.models.auto_numerics import INT8_GRADE_FILE_TYPES, choose_auto, file_type
 
     class Reader(dict):  # GGUFFile.get
@@ -200,16 +200,46 @@ def test_auto_numerics_goes_by_weight_format():
     assert file_type(Reader({"general.file_type": 15})) == "Q4_K_M"
     assert file_type(Reader({"general.file_type": 3})) == "Q4_1"
     assert file_type(Reader({"general.file_type": 7})) == "Q8_0"
+    assert file_type(Reader({"general.file_type": 18})) == "Q6_K"
+    assert file_type(Reader({"general.file_type": 17})) == "Q5_K_M"
     assert file_type(Reader({"general.file_type": 9999})) == "file type 9999"
     assert file_type(Reader()) is None and file_type(None) is None
     for fmt in INT8_GRADE_FILE_TYPES:
         c = choose_auto(fmt, True, "avx512vnni")
         assert c.numerics == "int8" and fmt in c.describe() and INT8_GRADE_FILE_TYPES[fmt] in c.describe()
-    assert "Q8_0" not in INT8_GRADE_FILE_TYPES  # no real Q8_0 model measured: int16
-    assert choose_auto("Q8_0", True, "avx2").numerics == "int16"
-    assert choose_auto(None, True, "avx2").numerics == "int16"
+    # int8 for the formats a real model (requantized by llama.cpp's quantizer) measured grade in
+    for fmt in ("Q8_0", "Q6_K", "Q5_K_M"):
+        assert choose_auto(fmt, True, "avx512vnni").numerics == "int8"
+    for fmt in ("Q6_K", "Q5_K_M"):
+        assert choose_auto(fmt, True, "avx2").numerics == "int8"
+    # except where int16 is no slower: Q8_0's bytes on AVX2 (int8 splits them into nibbles)
+    c = choose_auto("Q8_0", True, "avx2")
+    assert c.numerics == "int16" and "Q8_0 weights on avx2" in c.describe()
+    # int16 for a quantized format nobody measured (Q4_0, Q3_K_M, Q2_K, ...) and for a file without a type
+    for fmt in ("Q4_0", "Q3_K_M", "Q2_K", "Q5_0", "file type 9999", None):
+        assert fmt not in INT8_GRADE_FILE_TYPES
+        c = choose_auto(fmt, True, "avx2")
+        assert c.numerics == "int16" and "no real model of the format measured" in c.describe()
     assert choose_auto("Q4_K_M", False, "avx512vnni").numerics == "exact"
     assert choose_auto("Q4_K_M", True, "scalar").numerics == "exact"
+
+
+@pytest.mark.parametrize(("file_type", "mode"),
+                         [(18, "int8"), (17, "int8"), (2, "int16"), (None, "int16")])
+def test_auto_numerics_reads_the_files_weight_format(tmp_path, file_type, mode):
+    """The loader keys auto on the GGUF's general.file_type, not on the blocks it finds: the same Q6_K tensors
+    run in int8 in a file that says Q6_K (18) or Q5_K_M (17), in int16 in one that says Q4_0 (2, no real model
+    measured) or says nothing."""
+    from tests.core.gguf_factory import write_tiny_gguf
+
+    if kernels.int8_isa() not in ("avx512vnni", "avx2"):
+        pytest.skip("auto keeps exact where the integer kernels have no vector form")
+    meta = {} if file_type is None else {"general.file_type": file_type}
+    path = write_tiny_gguf(tmp_path / "m.gguf", "llama", ["Q6_K"], metadata=meta)
+    llm = LLM(str(path), progress=False, max_model_len=64, kv_cache_blocks=8)
+    assert llm.config.numerics == mode
+    names = {18: "Q6_K", 17: "Q5_K_M", 2: "Q4_0", None: "these"}
+    assert llm.numerics_description.startswith(f"numerics={mode} (auto: {names[file_type]} weights")
 
 
 def test_default_numerics_is_exact_without_a_vector_integer_kernel(monkeypatch, caplog):
