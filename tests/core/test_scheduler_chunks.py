@@ -217,10 +217,11 @@ def test_the_budget_follows_the_decode_rows_when_the_machine_gets_busier_mid_pro
 
 
 def this_cpu(rows: list[Rows]) -> float:
-    """The default model's step time (ms) on this project's CPU, quiet, as bench_step_cost.py --trace
-    measured it: 13 ms a forward, 0.5 ms a decode row, 2.2 ms a prompt row + 3.3 us for each cached
-    token it reads, and 7.5 us for each cached token a sequence holds (its K/V read once a layer: four
-    streams' decode step costs ~40% more at 250 cached tokens each than at 20)."""
+    """The default model's step time (ms) on this project's CPU, quiet: the parts fitted by hand to
+    bench_step_cost.py --trace at load ~5, halved (docs/benchmarks.md, "latency4"). 13 ms a forward,
+    0.5 ms a decode row, 2.2 ms a prompt row + 3.3 us for each cached token it reads, and 7.5 us for
+    each cached token a sequence holds (its K/V read once a layer: four streams' decode step costs ~40%
+    more at 250 cached tokens each than at 20)."""
     prompt = [r for r in rows if r.prompt]
     return (13.0 + 0.5 * sum(r.n for r in rows if not r.prompt) + 2.2 * sum(r.n for r in prompt)
             + 0.0033 * reads(prompt) + 0.0075 * sum(r.context for r in rows))
