@@ -65,16 +65,14 @@ DEFAULT_MAX_STEP_MS = {"cpu": 60.0, "cuda": 50.0}  # EngineConfig.max_step_ms=No
 #   tests/core/test_scheduler_chunks.py, 7.5x measured over HTTP);
 #   TTFT / idle TTFT rises as S falls (the decode rows and what a chunk costs beyond its rows, the
 #   prompt's K/V read once a layer, take a larger share of each step; a lower S also means more steps,
-#   so more growth): over HTTP at load ~2, 1.25x at 3.5 (as main's 4.5-5, but gap 6.5x); in one process
-#   at load ~2, 1.01-1.46x (median of 2 runs 1.24x) at 3 with the largest step 4.8-5.6x the ITL before
-#   -> STRETCH_MIN = 3: the TTFT margin traded for the gap (docs/benchmarks.md, "latency4").
-# The CPU default max_step_ms, 60, is ~3-3.5 d for the default model on this project's CPU (d ~ 16-20 ms,
-# 4 streams before the prompt): as the streams' decode step grows, 60 ms, not 3.5 x the grown step, bounds
-# a step until 3 d passes it. A longer prompt (more steps, more growth) keeps the gap bound only as far as
-# g allows. Scaling d from before the prompt instead would not help: on a
+#   so more growth): 0.8-1.4x measured at S = 4.5-5, 1.33-1.42x at 3.5 on a loaded machine (load 9)
+#   -> STRETCH_MIN = 3.5 (3 costs another ~10% of TTFT in the simulation).
+# The CPU default max_step_ms, 60, is ~3.5 d for the default model on this project's CPU (d ~ 16-20 ms,
+# 4 streams): the budget sits at or near the floor there. A longer prompt (more steps, more growth) keeps
+# the gap bound only as far as g allows. Scaling d from before the prompt instead would not help: on a
 # machine that gets busier mid-prompt the chunks stay sized for the quieter one (a prompt fed so reached
 # 2.28x its idle TTFT); MeasuredStepCost re-measures d while a prompt is fed.
-STRETCH_MIN = 3.0
+STRETCH_MIN = 3.5
 STRETCH_MAX = 3.75
 SAMPLE_EVERY = 8  # steps with a prompt chunk between two decode-only steps that re-measure d
 MIN_RECENT = 3  # decode-only steps a median of them needs (one outlier among them does not move it)

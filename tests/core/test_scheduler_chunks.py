@@ -72,12 +72,12 @@ def chunk_of(out: list[tuple[Sequence, int]], seq: Sequence) -> int:
 
 
 @pytest.mark.parametrize(("max_step_ms", "chunk"), [
-    (14.5, 10),  # within [3, 3.75] x the 4 ms of decode rows (12 to 15 ms): the target binds
-    (10.0, 8),  # under 3 x: the prompt still gets STRETCH_MIN - 1 times the decode rows' time
+    (14.5, 10),  # within [3.5, 3.75] x the 4 ms of decode rows (14 to 15 ms): the target binds
+    (10.0, 10),  # under 3.5 x: the prompt still gets STRETCH_MIN - 1 times the decode rows' time
     (1000.0, 11),  # over 3.75 x: the streams' gap stays STRETCH_MAX x their inter-token latency
 ])
 def test_chunk_fills_the_target_clamped_to_a_multiple_of_the_decode_rows(max_step_ms, chunk):
-    assert (STRETCH_MIN, STRETCH_MAX) == (3.0, 3.75)
+    assert (STRETCH_MIN, STRETCH_MAX) == (3.5, 3.75)
     sched = make(ROW, max_step_ms)
     streams = [stream(sched, i) for i in range(4)]
     long = prompt(sched, 9, 500)
@@ -87,7 +87,7 @@ def test_chunk_fills_the_target_clamped_to_a_multiple_of_the_decode_rows(max_ste
 
 
 def test_chunks_smaller_than_a_block_end_anywhere_in_it():
-    """One stream (1.2 ms) and a 4.5 ms target (within [3, 3.75] x it): 3-token chunks, each
+    """One stream (1.2 ms) and a 4.5 ms target (within [3.5, 3.75] x it): 3-token chunks, each
     starting where the last ended mid-block (one crosses a block's end); the table always covers
     exactly the positions computed so far plus the chunk."""
     sched = make(LinearStepCost(fixed=0.2, per_row=1.0), 4.5)
@@ -146,7 +146,7 @@ def test_a_prompt_preempted_mid_block_resumes_from_its_last_full_block():
     two at 28 tokens. Its next chunk needs a third block: it is preempted (every stream is already in
     the step), its one full committed block stays cached, the partial one is freed, and it is
     readmitted in the same step from that block's end (16 tokens), not from token 0."""
-    sched = make(ROW, 10.5, num_blocks=5)  # 3 ms of decode rows: the 10.5 ms target is within [9, 11.25]
+    sched = make(ROW, 10.5, num_blocks=5)  # 3 ms of decode rows: the 10.5 ms target is STRETCH_MIN x that
     streams = [stream(sched, i, context=1) for i in range(3)]  # one block each: room for 15 more tokens
     long = prompt(sched, 9, 200)
     for _ in range(4):
