@@ -108,10 +108,15 @@ async def under_streams(url: str, arrival: Arrival) -> tuple[float, float, float
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
     before = [b - a for t in times for a, b in zip(t, t[1:], strict=False) if b <= t_arrival][8:]
-    after = [b - a for t in times for a, b in zip(t, t[1:], strict=False) if t_arrival < b <= t_end]
+    gaps = [(b - a, b) for t in times for a, b in zip(t, t[1:], strict=False) if t_arrival < b <= t_end]
     # a stream with no token at all since the arrival: its gap is still open at the end
-    after += [t_end - max(x for x in t if x <= t_end) for t in times]
-    return statistics.median(before), max(after), ttft
+    gaps += [(t_end - max(x for x in t if x <= t_end), t_end) for t in times]
+    gap, at = max(gaps)
+    ranked = sorted(g for g, _ in gaps)
+    print(f"    largest gap {gap * 1e3:.0f} ms, ending {at - t_arrival:.2f} s after the arrival (TTFT {ttft:.2f} s); "
+          f"next largest {', '.join(f'{g * 1e3:.0f}' for g in ranked[-4:-1][::-1])} ms; gaps p90 "
+          f"{ranked[int(0.9 * (len(ranked) - 1))] * 1e3:.0f} ms of {len(ranked)}", file=sys.stderr)
+    return statistics.median(before), gap, ttft
 
 
 async def huge_then_small(url: str, mb: float) -> tuple[float, float]:

@@ -13,6 +13,13 @@ Two parts, on the default model (engine defaults: the measured cost model, ``--m
 
     python benchmarks/bench_step_cost.py [--threads 1] [--prompt-tokens 2000] [--runs 1]
     python benchmarks/bench_step_cost.py --overhead      # the cost model's own time a step (no model)
+    python benchmarks/bench_step_cost.py --skip-accuracy --trace   # every step while the prompt is fed
+
+``--trace`` prints, per step while the prompt is fed, the chunk, its context, the step's predicted time
+(the fit the scheduler sized it with) beside its measured time, and the decode rows' time the budget
+scaled (``decode_ms``) against the streams' median step before the prompt; then the measured/predicted
+ratio by context and the decode steps right after the prompt's first token (is ``decode_ms`` the
+machine now, or a biased sample?). The trace wraps ``Scheduler.schedule`` in the benchmark only.
 
 Wall-clock times of ``LLMEngine.step``: no server, no client, so no HTTP or event-loop lag.
 ``--overhead`` times ``MeasuredStepCost`` alone (run it with PYTHONPATH at another checkout to compare):
@@ -98,7 +105,55 @@ def accuracy(llm: LLM, cfg: EngineConfig, prompt: list[int], repeats: int) -> No
         print(f"| {k} | {m:.1f} | {p:.1f} | {f:.1f} | {f / m:.2f} |")
 
 
-def budget_run(llm: LLM, cfg: EngineConfig, prompt: list[int], idle_prompt: list[int]) -> dict[str, float]:
+def trace_schedule(eng: LLMEngine, log: list[dict[str, float]]) -> None:
+    """Record, per scheduled step, what the budget saw when it sized the step: the step's predicted time,
+    the decode rows' time now (decode_ms) and their predicted time, the chunk and its context (read by
+    ``budget_run``'s trace; the predictions are the fit's as the scheduler used it)."""
+    sched, cost = eng.scheduler, eng.step_cost
+    assert cost is not None
+    schedule = sched.schedule
+
+    def traced():  # type: ignore[no-untyped-def]
+        out = schedule()
+        rows = [(Rows.prefill if sched.prefilling(s) else Rows.decode)(n, s.num_cached) for s, n in out]
+        dec = [r for r in rows if not r.prompt]
+        chunk = [r for r in rows if r.prompt]
+        log.append({"pred": cost.predict_ms(rows), "decode_ms": cost.decode_ms(dec) if dec else 0.0,
+                    "decode_pred": cost.predict_ms(dec), "chunk": float(sum(r.n for r in chunk)),
+                    "ctx": float(chunk[0].context if chunk else 0)})
+        return out
+
+    sched.schedule = traced  # type: ignore[method-assign]
+
+
+def print_trace(log: list[dict[str, float]], during: list[float], itl: float) -> None:
+    print("  | step | chunk | ctx | predicted | measured | meas/pred | decode_ms | decode_ms/ITL | meas/ITL |")
+    for i, (t, ms) in enumerate(zip(log, during, strict=True)):
+        print(f"  | {i + 1} | {t['chunk']:.0f} | {t['ctx']:.0f} | {t['pred']:.1f} | {ms:.1f} | {ms / t['pred']:.2f} | "
+              f"{t['decode_ms']:.1f} | {t['decode_ms'] / itl:.2f} | {ms / itl:.1f} |")
+    chunk = [(t, ms) for t, ms in zip(log, during, strict=True) if t["chunk"]]
+    dec = [(t, ms) for t, ms in zip(log, during, strict=True) if not t["chunk"]]
+    q = lambda xs, f: statistics.quantiles(xs, n=10)[int(f * 10) - 1] if len(xs) > 1 else xs[0]  # noqa: E731
+    if chunk:
+        r = [ms / t["pred"] for t, ms in chunk]
+        d = [t["decode_ms"] / itl for t, _ in chunk]
+        print(f"  chunk steps ({len(chunk)}): measured/predicted median {statistics.median(r):.2f}, "
+              f"p90 {q(r, 0.9):.2f}; "
+              f"decode_ms/ITL before median {statistics.median(d):.2f}, p90 {q(d, 0.9):.2f}; first chunk step "
+              f"{chunk[0][1]:.0f} ms vs predicted {chunk[0][0]['pred']:.0f}")
+        for lo, hi in ((0, 500), (500, 1000), (1000, 1500), (1500, 10**9)):
+            part = [ms / t["pred"] for t, ms in chunk if lo <= t["ctx"] < hi]
+            if part:
+                print(f"    ctx {lo}-{min(hi, 10**4)}: {len(part)} steps, measured/predicted median "
+                      f"{statistics.median(part):.2f}, max {max(part):.2f}")
+    if dec:
+        m = [ms for _, ms in dec]
+        print(f"  decode-only samples mid-prompt ({len(dec)}): measured median {statistics.median(m):.1f} ms = "
+              f"{statistics.median(m) / itl:.2f}x ITL before")
+
+
+def budget_run(llm: LLM, cfg: EngineConfig, prompt: list[int], idle_prompt: list[int],
+               trace: bool = False) -> dict[str, float]:
     eng = LLMEngine(cfg, llm.engine.model, llm.model_config)
     if eng.step_cost is not None:  # the probe now, as the server does at start-up, not in a timed step
         eng.step_cost.calibrate()
@@ -110,6 +165,9 @@ def budget_run(llm: LLM, cfg: EngineConfig, prompt: list[int], idle_prompt: list
     eng.release(sid)
     start_streams(llm, eng, 4000)
     before = [timed_step(eng) for _ in range(12)]
+    log: list[dict[str, float]] = []
+    if trace:
+        trace_schedule(eng, log)
     long = eng.add_request(prompt, greedy(1))
     t0 = time.perf_counter()
     during, chunks = [], []
@@ -119,6 +177,11 @@ def budget_run(llm: LLM, cfg: EngineConfig, prompt: list[int], idle_prompt: list
         chunks.append(eng.seqs[long].num_cached - c0)
     ttft = time.perf_counter() - t0
     itl = statistics.median(before)
+    if trace:
+        print_trace(log, during, itl)
+        after = [timed_step(eng) for _ in range(12)]
+        print(f"  decode steps before the prompt: median {itl:.1f} ms; right after its first token: median "
+              f"{statistics.median(after):.1f} ms ({statistics.median(after) / itl:.2f}x before)")
     big = max(range(len(during)), key=during.__getitem__)
     print(f"  run: ITL {itl:.0f} ms, largest step {max(during):.0f} ms ({max(during) / itl:.1f}x; step {big + 1} of "
           f"{len(during)}, chunk {chunks[big]}), "
@@ -163,6 +226,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="rounds of the accuracy part")
     ap.add_argument("--runs", type=int, default=1, help="runs of the budget part (medians printed)")
     ap.add_argument("--skip-accuracy", action="store_true")
+    ap.add_argument("--trace", action="store_true", help="print every step while the prompt is fed: predicted vs "
+                                                          "measured, the decode time the budget scaled vs the ITL")
     ap.add_argument("--overhead", action="store_true", help="only time the cost model itself (no model)")
     args = ap.parse_args()
     if args.overhead:
@@ -176,8 +241,8 @@ def main() -> None:
     print(f"threads {args.threads}; max_step_ms {cfg.step_time_target()}; load {load()}")
     if not args.skip_accuracy:
         accuracy(llm, cfg, ids[: args.prompt_tokens], args.repeats)
-    runs = [budget_run(llm, cfg, ids[i + 1 : i + 1 + args.prompt_tokens], ids[i + 3 : i + 3 + args.prompt_tokens])
-            for i in range(args.runs)]
+    runs = [budget_run(llm, cfg, ids[i + 1 : i + 1 + args.prompt_tokens], ids[i + 3 : i + 3 + args.prompt_tokens],
+                       args.trace) for i in range(args.runs)]
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     print(f"\nthe budget at work ({args.prompt_tokens}-token prompt beside 4 streams; medians of {args.runs}): "
           f"ITL {med['itl']:.0f} ms, largest gap {med['gap']:.0f} ms = {med['gap_ratio']:.1f}x ITL; TTFT "

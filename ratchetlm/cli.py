@@ -34,7 +34,7 @@ _ENGINE_HELP = {
     "max_num_seqs": "max sequences decoded together",
     "max_num_batched_tokens": "max tokens in one forward (an upper bound beside --max-step-ms)",
     "max_step_ms": "step-time budget while streams decode: long prompts are fed in chunks the measured cost "
-                   "model keeps under this many ms, kept within 4.5-5x a decode step (default: 100 on CPU, 50 on "
+                   "model keeps under this many ms, kept within 3.5-3.75x a decode step (default: 60 on CPU, 50 on "
                    "CUDA; inf = token budget only)",
     "max_waiting": "max queued requests before new ones are refused",
     "staging_capacity": "max tentative K/V rows staged per forward (speculative, wedlm); more fall back to recompute",

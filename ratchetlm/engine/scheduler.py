@@ -173,7 +173,8 @@ class Scheduler:
             want = min(want, CHUNK_GROWTH * last + 1)  # prompt row's cost (seen: 24 then 142 tokens, 22x ITL)
         # max_step_ms, but at least STRETCH_MIN x the decode rows' own time now (a busy machine, many
         # streams: the prompt keeps most of each step, so its TTFT stays <= 1.5x idle) and at most
-        # STRETCH_MAX x it (a quiet machine: the streams' gap stays <= 6x their inter-token latency);
+        # STRETCH_MAX x it (a quiet machine: the streams' gap stays <= 6x their inter-token latency before
+        # the prompt, though their own growing context makes each decode step dearer as it is fed);
         # the arithmetic is at STRETCH_MIN in engine/step_cost.py
         decode_ms = cost.decode_ms(step.decode_rows)
         limit = min(max(self.max_step_ms, STRETCH_MIN * decode_ms), STRETCH_MAX * decode_ms)

@@ -48,28 +48,32 @@ import torch
 log = logging.getLogger(__name__)
 
 PROBE_ROWS = (1, 16, 128)
-DEFAULT_MAX_STEP_MS = {"cpu": 100.0, "cuda": 50.0}  # EngineConfig.max_step_ms=None resolves to these
+DEFAULT_MAX_STEP_MS = {"cpu": 60.0, "cuda": 50.0}  # EngineConfig.max_step_ms=None resolves to these
 # A step that holds decode rows and a prompt chunk is sized to max_step_ms, kept between STRETCH_MIN and
 # STRETCH_MAX times d, its decode rows' own time *now* (StepCost.decode_ms: the streams' inter-token
-# latency, ITL, on the machine as it is while the prompt is fed). The targets: the streams' largest gap
-# <= 6x their ITL, the prompt's time to first token (TTFT) <= 1.5x its TTFT on an idle server.
-# A step of S x d spends d on the decode rows, o on what a chunk costs beyond its rows (the prompt's
-# K/V read once a layer, the chunk's own overhead; o grows with the prompt's context: ~0.85 d after
-# 2,000 cached tokens on the default model on this project's CPU, docs/benchmarks.md, so o/d ~ 0.4 on
-# average over a 2,000-token prompt) and the rest, S d - d - o, on prompt rows at about what they cost
-# in one whole-prompt forward. So:
-#   TTFT / idle TTFT = S / (S - 1 - o/d)  (x (1 + 1 / (SAMPLE_EVERY x S)) for the decode-only steps
-#   that re-measure d, ~2.5%), <= 1.5  <=>  S >= 3 (1 + o/d) = 4.3 at o/d = 0.42  -> STRETCH_MIN = 4.5
-#   (1.46x; 1.40x at 5);
-#   largest gap = S x d <= 6 ITL with d = ITL: S <= 6, less the noise in one step's time (the gap is the
-#   largest of a few hundred steps x 4 streams; +-15-20% on a loaded machine)  -> STRETCH_MAX = 5.
-# TTFT falls as S grows (the overheads d + o are shared by a larger chunk), so the gap bound is what
-# limits: a longer prompt (o/d > 0.67 on average, past ~3,000 tokens here) cannot have both and keeps
-# the gap bound. Both hold only while d is the ITL now: chunks scaled from a decode time measured
-# before the prompt arrived are sized for the machine as it was (a prompt fed while the machine got
-# busier reached 2.28x its idle TTFT); MeasuredStepCost re-measures d while a prompt is fed.
-STRETCH_MIN = 4.5
-STRETCH_MAX = 5.0
+# latency, ITL, on the machine as it is while the prompt is fed). The targets (issue 40): the streams'
+# largest gap <= 6x their median ITL *before the prompt arrived*, the prompt's time to first token (TTFT)
+# <= 1.5x its TTFT on an idle server. Measured step by step (benchmarks/bench_step_cost.py --trace,
+# default model; docs/benchmarks.md, "latency4"), the cost model is right (a chunk step's measured /
+# predicted time: median 1.02-1.03, p90 1.2) and so is d (the decode-only steps taken mid-prompt are as
+# slow as the decode steps right after it). But d is not the ITL before: each stream's context grows a
+# token a step, and a decode step of 4 streams costs ~40% more at 250 cached tokens each than at 20
+# (attention reads every held token once a layer), so over a 2,000-token prompt's 200-300 steps d grows
+# g ~ 1.3-1.5x, prompt or not. So, S the stretch:
+#   largest gap / ITL before = S x g x (the largest step's noise, ~1.1 on a quiet machine) <= 6
+#   <=>  S <= 6 / (1.45 x 1.1) = 3.75  -> STRETCH_MAX (the old 4.5-5: 6.9x in the simulation in
+#   tests/core/test_scheduler_chunks.py, 7.5x measured over HTTP);
+#   TTFT / idle TTFT rises as S falls (the decode rows and what a chunk costs beyond its rows, the
+#   prompt's K/V read once a layer, take a larger share of each step; a lower S also means more steps,
+#   so more growth): 0.8-1.4x measured at S = 4.5-5, 1.33-1.42x at 3.5 on a loaded machine (load 9)
+#   -> STRETCH_MIN = 3.5 (3 costs another ~10% of TTFT in the simulation).
+# The CPU default max_step_ms, 60, is ~3.5 d for the default model on this project's CPU (d ~ 16-20 ms,
+# 4 streams): the budget sits at or near the floor there. A longer prompt (more steps, more growth) keeps
+# the gap bound only as far as g allows. Scaling d from before the prompt instead would not help: on a
+# machine that gets busier mid-prompt the chunks stay sized for the quieter one (a prompt fed so reached
+# 2.28x its idle TTFT); MeasuredStepCost re-measures d while a prompt is fed.
+STRETCH_MIN = 3.5
+STRETCH_MAX = 3.75
 SAMPLE_EVERY = 8  # steps with a prompt chunk between two decode-only steps that re-measure d
 MIN_RECENT = 3  # decode-only steps a median of them needs (one outlier among them does not move it)
 

@@ -109,7 +109,7 @@ def test_without_decode_rows_a_prompt_takes_the_whole_token_budget(llm_default):
 
 def test_decode_rows_over_the_target_stretch_the_step_to_a_multiple_of_their_own_time(llm_default):
     """A machine too busy for the target: the prompt's chunks fill STRETCH_MIN x the decode rows'
-    time (the prompt keeps 3/4 of each step) instead of crawling at a few tokens a step."""
+    time (the prompt keeps most of each step) instead of crawling at a few tokens a step."""
     busy = LinearStepCost(fixed=20.0, per_row=1.0, per_logit=0.5, per_context=0.002)
     _, steps, _, long = run_mixed(llm_default, 3.0, busy)  # four decode rows alone predict ~26 ms
     chunks = []
@@ -128,9 +128,9 @@ def test_decode_rows_over_the_target_stretch_the_step_to_a_multiple_of_their_own
 class PromptHeavy:
     """A fake cost (ms) in which a prompt row is dearer the more it attends to: a row through the LM
     head (every decode and draft row, a chunk's last) 1 ms; each other row of a chunk after ``c``
-    cached tokens ``scale`` x (1 + c / 4) ms. Beside four decode rows (an 18 ms step at least:
-    STRETCH_MIN x 4 ms) a chunk is 14 tokens at the prompt's start, 3 from its 14th token, 2 from its
-    23rd, 1 from its 49th; ``scale`` = the rows a stream decodes a step keeps about that schedule.
+    cached tokens ``scale`` x (1 + c / 4) ms. Beside four decode rows (a 14 ms step at least:
+    STRETCH_MIN x 4 ms) a chunk is 10 tokens at the prompt's start, 3 from its 10th token, 2 from its
+    16th, 1 from its 34th; ``scale`` = the rows a stream decodes a step keeps about that schedule.
     With ``sample_every``, every ``sample_every``-th step that could feed the prompt holds the decode
     rows alone (as MeasuredStepCost asks, to re-measure them)."""
 
@@ -173,7 +173,7 @@ def test_chunks_of_a_few_tokens_give_the_same_tokens_as_the_whole_prompt(llm_def
     chunks = [n for st in steps for sid, n, pf, _ in st if sid == long and pf]
     assert sum(chunks) == 64 and chunks.count(1) >= 5 and any(n % 16 for n in chunks[:-1]), chunks
     if not decoding:
-        assert chunks[:6] == [14, 3, 3, 3, 2, 2] and chunks[-15:] == [1] * 15, chunks
+        assert chunks[:6] == [10, 3, 3, 2, 2, 2] and chunks[-15:] == [1] * 15, chunks
     assert list(outs.values()) == list(plain_small.values())
 
 
@@ -197,8 +197,8 @@ def test_tiny_chunks_under_preemption_and_prefix_caching(llm_default, plain_smal
     later request with the same prompt starts from its cached blocks. Outputs equal plain decoding's,
     and the block bookkeeping is whole."""
     engine: list[LLMEngine] = []
-    # prompt rows 13/11 as dear: the chunks of an 11 ms share of the step (12, 3, 3, 3, 2, 2, ..., 1 from
-    # the 41st token), slow enough that the streams outgrow the pool before the prompt is in
+    # prompt rows 13/11 as dear: the chunks of a 10 ms share of the step (8, 3, 3, 2, ..., 1 from position
+    # 28), slow enough that the streams outgrow the pool before the prompt is in
     outs, _, _, long = run_mixed(llm_default, 1.0, PromptHeavy(13 / 11), engine=engine, kv_cache_blocks=18, **SMALL)
     eng = engine[0]
     assert eng.scheduler.num_preemptions > 0 and eng.blocks.stats.recompute_hits > 0
@@ -374,7 +374,7 @@ def test_max_step_ms_must_be_a_positive_number(bad):
 
 
 def test_max_step_ms_defaults_by_device_and_maps_to_its_flag():
-    assert EngineConfig().step_time_target() == 100.0
+    assert EngineConfig().step_time_target() == 60.0
     assert EngineConfig(max_step_ms=math.inf).step_time_target() == math.inf
     import argparse
 
