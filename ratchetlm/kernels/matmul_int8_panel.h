@@ -234,7 +234,7 @@ static inline __attribute__((always_inline)) void panel_pass(const uint8_t *Q, c
         if (!b16 && vb < 8) {
             /* 8 bits, weights u < 2^vb (<= 63): vpmaddubsw's pair sums |u0 x0 + u1 x1| <= 2 * 63 * 127 = 16002,
              * so two vectors' sums add up exactly in int16 before one vpmaddwd by 1 widens them: the same int32 I,
-             * one widening (and one int32 add) per two vectors instead of each */
+             * one widening (and one int32 add) per two vectors instead of each; C = G / 4 is 4 or 8, even */
             const __m256i ones = _mm256_set1_epi16(1);
             #pragma GCC unroll 8
             for (int c0 = 0; c0 < C; c0 += 2) {

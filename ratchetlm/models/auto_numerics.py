@@ -89,8 +89,8 @@ def choose_auto(weight_format: str | None, has_int_weights: bool, int_isa: str |
     if int_isa not in FAST_INT_ISAS:
         return NumericsChoice("exact", f"auto: no vector integer dot product on this CPU ({int_isa})")
     if weight_format is not None and (weight_format, int_isa) in INT16_FASTER:
-        return NumericsChoice("int16", f"auto: {weight_format} weights on {int_isa}, where int16 is as fast as int8 "
-                                       "and closer to exact")
+        return NumericsChoice("int16", f"auto: {weight_format} weights on {int_isa}, where int16 measured "
+                                       "faster than int8 and is closer to exact")
     if weight_format in INT8_GRADE_FILE_TYPES:
         return NumericsChoice("int8", f"auto: {weight_format} weights, llama.cpp-grade in int8 as measured on "
                                       f"{INT8_GRADE_FILE_TYPES[weight_format]}")
