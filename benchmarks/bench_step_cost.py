@@ -198,7 +198,7 @@ def overhead(steps: int, rounds: int) -> None:
     prior = Prior(fixed=20.0, per_row=0.8, head=0.3, attention=2e-3)
 
     def one_round(mixed: bool) -> float:
-        cost = MeasuredStepCost(lambda: prior)
+        cost = MeasuredStepCost(lambda _stop: prior)
         cost.calibrate()
         decode_ms = getattr(cost, "decode_ms", cost.predict_ms)
         t0 = time.perf_counter()

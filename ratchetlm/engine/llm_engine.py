@@ -105,7 +105,7 @@ class LLMEngine:
         # (engine/pooling.py): a probe's forwards on the engine thread would race them on the runner.
         target = math.inf if cfg.runner == "pooling" else cfg.step_time_target()
         self.step_cost = None if math.isinf(target) else MeasuredStepCost(
-            lambda: probe_prior(model, model_config, self.device, self.dtype))
+            lambda stop: probe_prior(model, model_config, self.device, self.dtype, stop=stop))
         self.scheduler = Scheduler(self.blocks, self.strategy.tokens_wanted, self.strategy.on_preempt,
                                    cfg.max_num_seqs, cfg.max_num_batched_tokens, self.strategy.on_finish,
                                    cost=self.step_cost, max_step_ms=target)

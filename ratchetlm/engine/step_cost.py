@@ -270,9 +270,9 @@ class MeasuredStepCost:
     N = 6  # parts: fixed, per_row, per_prompt_row, per_read, per_context, per_chunk
     NAMES = ("fixed", "per_row", "per_prompt_row", "per_read", "per_context", "per_chunk")
 
-    def __init__(self, probe: Callable[[], Prior], forget: float = 0.9, prior_weight: float = 0.05,
+    def __init__(self, probe: Callable[[Callable[[], bool]], Prior], forget: float = 0.9, prior_weight: float = 0.05,
                  warmup: int = 2, recent: int = 5, sample_every: int = SAMPLE_EVERY, refit_every: int = 16) -> None:
-        self.probe = probe
+        self.probe = probe  # probe(stop) -> Prior; raises ProbeStopped once stop() is true
         self.forget = forget  # each older step's weight relative to the next one's
         self.prior_weight = prior_weight  # the weight of each of PSEUDO's steps
         self.warmup = warmup  # the first steps' times (weight packing, buffer sizing) are not the steady state
@@ -296,9 +296,11 @@ class MeasuredStepCost:
         # replayed by calibrate, so the decode steps just before it say what a decode step costs now
         self._early: deque[tuple[list[Rows], float]] = deque(maxlen=2 * refit_every)
 
-    def calibrate(self) -> Prior:
+    def calibrate(self, stop: Callable[[], bool] = lambda: False) -> Prior:
+        """Probe now if not yet done. ``stop`` is asked between the probe's forwards: a server that
+        shuts down while it runs gets :class:`ProbeStopped` within one forward (the prior stays unset)."""
         if self.prior is None:
-            p = self.prior = self.probe()
+            p = self.prior = self.probe(stop)
             self._theta = [p.fixed, p.per_row, p.per_row, p.per_row * p.attention, 0.0, 0.0]
             n, q = self.N, self.prior_weight
             self._s0, self._r0 = [[0.0] * n for _ in range(n)], [0.0] * n
@@ -409,19 +411,28 @@ def attention_per_token(model_config: Any) -> float:
     return 2.0 * (2 * q) / per_layer_weights
 
 
+class ProbeStopped(Exception):
+    """The probe was asked to stop (the server is shutting down)."""
+
+
 def probe_prior(model: Any, model_config: Any, device: torch.device, dtype: torch.dtype,
-                rows: tuple[int, ...] = PROBE_ROWS, repeats: int = 2, probe_layers: int = 2) -> Prior:
+                rows: tuple[int, ...] = PROBE_ROWS, repeats: int = 2, probe_layers: int = 2,
+                stop: Callable[[], bool] = lambda: False) -> Prior:
     """Time the body over ``rows`` new rows (the first ``probe_layers`` layers scaled to the stack,
     fastest of ``repeats`` after a warm-up) and the head over 16 rows. A model the probe does not fit
-    (not Llama-shaped, a tensor-parallel rank) gets a guess that the observed steps then correct."""
+    (not Llama-shaped, a tensor-parallel rank) gets a guess that the observed steps then correct.
+    ``stop`` is asked before every forward; once true, :class:`ProbeStopped` is raised (a process must
+    not exit while this thread is inside a torch op: torch's teardown then aborts it)."""
     attn = attention_per_token(model_config)
     guess = Prior(fixed=20.0, per_row=2.0, head=0.2, attention=attn)
     if not getattr(model, "step_cost_probe", False) or getattr(model.tp, "size", 1) > 1:
         return guess
     try:
-        _body_ms(model, device, 1, 0, None)  # every layer once: packs weights, so the probe times the real path
-        body = [_body_ms(model, device, r, repeats, probe_layers) for r in rows]
-        head = _head_ms(model, device, dtype, 16, repeats) / 16
+        _body_ms(model, device, 1, 0, None, stop)  # every layer once: packs weights, so the probe times the real path
+        body = [_body_ms(model, device, r, repeats, probe_layers, stop) for r in rows]
+        head = _head_ms(model, device, dtype, 16, repeats, stop) / 16
+    except ProbeStopped:
+        raise
     except Exception as e:  # noqa: BLE001 (the budget still works, fitted to the observed steps)
         log.warning("step cost probe failed (%s: %s); a guess is used", type(e).__name__, e)
         return guess
@@ -435,7 +446,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _body_ms(model: Any, device: torch.device, rows: int, repeats: int, probe_layers: int | None) -> float:
+def _body_ms(model: Any, device: torch.device, rows: int, repeats: int, probe_layers: int | None,
+             stop: Callable[[], bool]) -> float:
     from ratchetlm.kv.sink import NullSink
     from ratchetlm.layers.attention import build_attention_batch
 
@@ -447,6 +459,8 @@ def _body_ms(model: Any, device: torch.device, rows: int, repeats: int, probe_la
     best = math.inf
     with torch.inference_mode():
         for i in range(repeats + 1):
+            if stop():
+                raise ProbeStopped
             t0 = time.perf_counter()
             model(ids, batch, num_layers=k)  # [rows, hidden]
             _sync(device)
@@ -455,11 +469,14 @@ def _body_ms(model: Any, device: torch.device, rows: int, repeats: int, probe_la
     return best * 1000.0 * n_layers / k if repeats else 0.0
 
 
-def _head_ms(model: Any, device: torch.device, dtype: torch.dtype, rows: int, repeats: int) -> float:
+def _head_ms(model: Any, device: torch.device, dtype: torch.dtype, rows: int, repeats: int,
+             stop: Callable[[], bool]) -> float:
     hidden = torch.randn(rows, int(model.config.hidden_size), device=device).to(dtype)  # [rows, hidden]
     best = math.inf
     with torch.inference_mode():
         for i in range(repeats + 1):
+            if stop():
+                raise ProbeStopped
             t0 = time.perf_counter()
             model.logits(hidden)
             _sync(device)

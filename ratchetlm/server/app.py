@@ -112,12 +112,19 @@ class ServerState:
         self.load_error: str | None = None
         self.on_load_failed: Callable[[], None] | None = None  # called on the load thread
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's event loop, once started
+        self.load_thread: threading.Thread | None = None  # loads the model after the server started
         self.draining = False
         self.active = 0  # HTTP generation handlers running now (a leak shows here)
         self.prep = PrepPool(cfg.prep_workers, cfg.prep_timeout)
         self.created = int(time.time())
         self.metrics = ServerMetrics(self.model_name, lambda: self.engine.snapshot if self.engine else None)
         self.responses = ResponseStore(cfg.responses_store_size)  # previous_response_id (server/responses_store.py)
+
+    def busy_threads(self) -> list[str]:
+        """The server's threads that are still running (after shutdown: none, unless a step or the
+        model load outlived shutdown's wait)."""
+        busy = [self.load_thread.name] if self.load_thread is not None and self.load_thread.is_alive() else []
+        return busy + (["ratchet-engine"] if isinstance(self.engine, AsyncEngine) and self.engine.alive else [])
 
     def begin_shutdown(self) -> None:
         """SIGTERM (on the event loop): refuse new requests; after ``shutdown_timeout`` end the
@@ -175,7 +182,9 @@ def build_app(llm_or_loader: Any, served_model_name: str | list[str], config: Se
         if hasattr(llm_or_loader, "engine"):
             state.ready(llm_or_loader)
         else:
-            threading.Thread(target=state.load, args=(llm_or_loader,), name="ratchet-load", daemon=True).start()
+            state.load_thread = threading.Thread(target=state.load, args=(llm_or_loader,), name="ratchet-load",
+                                                 daemon=True)
+            state.load_thread.start()
         yield
         if state.engine is not None:
             state.engine.shutdown()

@@ -20,10 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ratchetlm.engine.llm_engine import EngineDeadError, StepOutput
+from ratchetlm.engine.step_cost import ProbeStopped
 from ratchetlm.sampling_params import SamplingParams
 from ratchetlm.text.stream import TextStream
 
 _log = logging.getLogger("ratchetlm.server")
+# how long shutdown waits for the engine thread: a step (bounded by the step-time budget) or one of the
+# probe's forwards; the first forward also packs the weights, seconds for a large model on a busy CPU
+SHUTDOWN_WAIT_S = 60.0
 MAX_RECOVERIES = 8  # consecutive loop faults before the engine thread gives up (then every request is a 503)
 
 
@@ -161,11 +165,16 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="ratchet-engine", daemon=True)
         self._thread.start()
 
-    def shutdown(self, timeout: float = 5.0) -> None:
+    def shutdown(self, timeout: float = SHUTDOWN_WAIT_S) -> None:
+        """Stop the engine thread and wait for it: it stops between steps (or between the probe's
+        forwards), and the process must not exit while it is inside a torch op (torch's teardown then
+        aborts the process: "terminate called without an active exception", exit 134)."""
         self._stop.set()
         self._commands.put(("wake", None))
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                _log.error("the engine thread did not stop within %.0f s", timeout)
 
     def fail_all(self, message: str, status: int = 503) -> None:
         """End every request in flight with ``message`` (graceful shutdown past its timeout)."""
@@ -183,9 +192,11 @@ class AsyncEngine:
         thread, and then every waiting and later request gets a 503 instead of hanging."""
         failures = 0  # consecutive iterations that needed a recovery
         cost = getattr(self.engine, "step_cost", None)
-        if cost is not None:  # the step-time budget's probe, now rather than in a request's first step
-            try:
-                cost.calibrate()
+        if cost is not None and not self._stop.is_set():  # the step-time budget's probe, now rather than
+            try:                                             # in a request's first step
+                cost.calibrate(stop=self._stop.is_set)
+            except ProbeStopped:  # shutdown came first: the loop below does not start
+                pass
             except Exception:  # noqa: BLE001 (the scheduler probes again when it first needs it)
                 _log.exception("step cost probe failed")
         try:

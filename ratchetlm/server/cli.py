@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import sys
+from typing import Any
 
 from ratchetlm.cli import EXIT_INTERRUPTED, HelpFormatter, add_engine_args, engine_kwargs, setup_logging
 from ratchetlm.server.config import ServerConfig
+
+_log = logging.getLogger("ratchetlm.serve")
 
 _SERVER_HELP = {
     "api_key": "require 'Authorization: Bearer KEY' on /v1/* (default: $RATCHET_API_KEY, else no auth)",
@@ -162,13 +166,24 @@ def default_model_name(model: str | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 after a clean shutdown, 1 when the model failed to load, 2 bad flags, 130 on
     Ctrl-C (after the same graceful drain as SIGTERM, without a traceback)."""
+    served: list[Any] = []  # the server's state, once built
     try:
-        return _main(sys.argv[1:] if argv is None else argv)
+        code = _main(sys.argv[1:] if argv is None else argv, served)
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it drained on: the shell's 130, quietly
-        return EXIT_INTERRUPTED
+        code = EXIT_INTERRUPTED
+    if any(st.busy_threads() for st in served):
+        # the model still loading, or the engine thread still inside a forward after shutdown's wait:
+        # the interpreter's teardown would abort in torch's ("terminate called without an active
+        # exception", 134), so leave without it
+        _log.error("exiting with a thread still running: %s", ", ".join(served[0].busy_threads()))
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
-def _main(argv: list[str]) -> int:
+def _main(argv: list[str], served: list[Any]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.model_tag is not None:
@@ -228,6 +243,7 @@ def _main(argv: list[str]) -> int:
 
     app = build_app(load, args.served_model_name or [default_model_name(model)], cfg, hide=(str(model or ""),))
     state = app.state.ratchet
+    served.append(state)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
                             workers=1,
                             http=GuardedH11Protocol, timeout_keep_alive=max(1, round(cfg.idle_timeout)),

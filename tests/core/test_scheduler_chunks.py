@@ -178,7 +178,7 @@ def test_the_budget_follows_the_decode_rows_when_the_machine_gets_busier_mid_pro
     STRETCH_MIN x the streams' inter-token latency *now* (the prompt keeps its share of each step,
     so its TTFT stays ~STRETCH_MIN / (STRETCH_MIN - 1) of its idle time) instead of STRETCH_MIN x the
     decode time measured before the change (2.25x now: the prompt would get ~half of each step)."""
-    cost = MeasuredStepCost(lambda: Prior(fixed=10.0, per_row=1.0, head=0.0, attention=0.0), warmup=0)
+    cost = MeasuredStepCost(lambda _stop: Prior(fixed=10.0, per_row=1.0, head=0.0, attention=0.0), warmup=0)
     cost.calibrate()  # as the server does at start-up: the decode steps before the prompt are measured
     sched = make(cost, 1.0, num_blocks=256)  # a target under a decode step: STRETCH_MIN binds
     streams = [stream(sched, i, context=40) for i in range(4)]
@@ -234,7 +234,7 @@ def test_the_largest_step_stays_under_6x_the_streams_latency_before_the_prompt_a
     every step, the largest step stays <= 6x the streams' median step before it (at the old 4.5-5x
     stretch it was 7x) under the default max_step_ms, and the prompt still keeps most of each step."""
     rng = random.Random(0)
-    cost = MeasuredStepCost(lambda: Prior(fixed=13.0, per_row=2.2, head=0.0, attention=0.0015))
+    cost = MeasuredStepCost(lambda _stop: Prior(fixed=13.0, per_row=2.2, head=0.0, attention=0.0015))
     cost.calibrate()
     sched = make(cost, DEFAULT_MAX_STEP_MS["cpu"], num_blocks=512)
     streams = [stream(sched, i, context=16) for i in range(4)]

@@ -215,7 +215,7 @@ def test_measured_cost_learns_fixed_and_per_row_parts_from_the_steps():
     """The prior says 10 ms + 1 ms a row; the machine really takes 30 ms + 3 ms a row: after a mix of
     decode-only and prompt-chunk steps the fit predicts both kinds within a few percent."""
     prior = Prior(fixed=10.0, per_row=1.0, head=0.0, attention=0.0)
-    cost = MeasuredStepCost(lambda: prior, warmup=1)
+    cost = MeasuredStepCost(lambda _stop: prior, warmup=1)
     decode, chunk = [Rows.decode(1, 50)] * 4, [*[Rows.decode(1, 50)] * 4, Rows.prefill(60, 0)]
     assert cost.predict_ms(decode) == pytest.approx(14.0) and cost.predict_ms(chunk) == pytest.approx(74.0)
     cost.observe(decode, 1000.0)  # warm-up: ignored
@@ -235,7 +235,7 @@ def test_measured_cost_learns_what_a_cached_token_costs():
     fed), the next chunks' steps are predicted within a few percent, a 2-row one (mostly the
     sequence's K/V read) within 10%."""
     prior = Prior(fixed=10.0, per_row=1.0, head=0.0, attention=0.0)
-    cost = MeasuredStepCost(lambda: prior, warmup=0)
+    cost = MeasuredStepCost(lambda _stop: prior, warmup=0)
     cost.calibrate()
 
     def truth(rows):
@@ -253,7 +253,7 @@ def test_measured_cost_learns_what_a_cached_token_costs():
 
 def decoding_at_30_ms() -> tuple[MeasuredStepCost, list[Rows]]:
     """A cost model that has seen 30 steps of four decode rows, each taking 30 ms; and those rows."""
-    cost = MeasuredStepCost(lambda: Prior(fixed=10.0, per_row=5.0, head=0.0, attention=0.0), warmup=0)
+    cost = MeasuredStepCost(lambda _stop: Prior(fixed=10.0, per_row=5.0, head=0.0, attention=0.0), warmup=0)
     cost.calibrate()
     decode = [Rows.decode(1, 100)] * 4
     for _ in range(30):
@@ -277,7 +277,7 @@ def test_a_long_prompt_does_not_move_what_a_decode_step_is_predicted_to_cost():
 
 def test_an_outlier_step_moves_the_fit_a_bounded_amount():
     prior = Prior(fixed=10.0, per_row=1.0, head=0.0, attention=0.0)
-    cost = MeasuredStepCost(lambda: prior, warmup=0)
+    cost = MeasuredStepCost(lambda _stop: prior, warmup=0)
     cost.calibrate()
     rows = [Rows.decode(1, 0)] * 4
     cost.observe(rows, 1e6)  # a page fault storm: counted as 4x the prediction at most
@@ -317,7 +317,7 @@ def test_the_decode_time_the_budget_scales_follows_the_machine_while_a_prompt_is
 
 
 def test_a_decode_sample_is_asked_for_every_sample_every_chunk_steps_and_taken_once():
-    cost = MeasuredStepCost(lambda: Prior(fixed=10.0, per_row=1.0, head=0.0, attention=0.0), warmup=0,
+    cost = MeasuredStepCost(lambda _stop: Prior(fixed=10.0, per_row=1.0, head=0.0, attention=0.0), warmup=0,
                             sample_every=3)
     cost.calibrate()
     chunk_steps(cost, 2, 50.0)
@@ -339,8 +339,8 @@ def test_the_lazy_refit_gives_the_fit_of_a_refit_every_step(monkeypatch):
     from ratchetlm.engine import step_cost
 
     prior = Prior(fixed=10.0, per_row=1.0, head=0.2, attention=1e-3)
-    lazy = MeasuredStepCost(lambda: prior, warmup=0)
-    eager = MeasuredStepCost(lambda: prior, warmup=0, refit_every=1)
+    lazy = MeasuredStepCost(lambda _stop: prior, warmup=0)
+    eager = MeasuredStepCost(lambda _stop: prior, warmup=0, refit_every=1)
     solves = [0]
     solve = step_cost.nonnegative_least_squares
 
@@ -389,10 +389,43 @@ def test_max_step_ms_defaults_by_device_and_maps_to_its_flag():
 def test_steps_before_the_probe_are_fitted_once_it_runs():
     """An offline engine probes when a prompt first needs a chunk: the decode steps before it (here
     45 ms, the probe says 14) are what the budget then scales, not the probe's guess."""
-    cost = MeasuredStepCost(lambda: Prior(fixed=10.0, per_row=1.0, head=0.0, attention=0.0), warmup=2)
+    cost = MeasuredStepCost(lambda _stop: Prior(fixed=10.0, per_row=1.0, head=0.0, attention=0.0), warmup=2)
     decode = [Rows.decode(1, 100)] * 4
     for _ in range(40):
         cost.observe(decode, 45.0)
     assert cost.prior is None
     assert cost.decode_ms(decode) == pytest.approx(45.0, rel=0.02)
     assert cost.observed == 32  # the last 2 x refit_every of them
+
+
+class _CountingModel:
+    """The model, counting its forwards (attributes pass through)."""
+
+    def __init__(self, model) -> None:
+        self.model, self.forwards = model, 0
+
+    def __call__(self, *args, **kwargs):
+        self.forwards += 1
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_the_probe_stops_before_its_next_forward_once_asked(llm_default):
+    """A server shutting down asks the engine thread's probe to stop: it raises ProbeStopped before
+    its next forward (a process must not exit while a thread is inside one), and runs whole otherwise."""
+    from ratchetlm.engine.step_cost import ProbeStopped, probe_prior
+
+    eng = llm_default.engine
+    model = _CountingModel(eng.model)
+    with pytest.raises(ProbeStopped):
+        probe_prior(model, llm_default.model_config, eng.device, eng.dtype, stop=lambda: model.forwards >= 2)
+    assert model.forwards == 2
+    whole = probe_prior(model, llm_default.model_config, eng.device, eng.dtype, repeats=1)
+    assert whole.per_row > 0 and model.forwards > 4
+    cost = MeasuredStepCost(lambda stop: probe_prior(model, llm_default.model_config, eng.device, eng.dtype,
+                                                     stop=stop))
+    with pytest.raises(ProbeStopped):
+        cost.calibrate(stop=lambda: True)
+    assert cost.prior is None  # probed again when next needed

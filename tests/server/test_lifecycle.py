@@ -100,3 +100,20 @@ def test_model_load_failure_is_reported_without_the_path_and_exits_nonzero():
         msg = r.json()["error"]["message"]
         assert "does not exist" in msg and "private-dir" not in msg and "model.gguf" not in msg, msg
     assert secret in stderr  # the operator's log has the full message
+
+
+def test_ctrl_c_while_the_step_cost_probe_runs_exits_130_promptly():
+    """The engine thread probes the step cost right after the model loads (seconds on a busy CPU; here
+    made to last minutes). Ctrl-C then stops the probe before its next forward and the server exits
+    with 130: it neither waits for the probe nor exits with the thread inside a forward, which aborts
+    the process in torch's teardown ("terminate called without an active exception", -6)."""
+    srv = start_server(launcher="tests.server.slow_probe_launcher", stderr=subprocess.PIPE,
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    time.sleep(1.0)  # the probe is running (it would for minutes)
+    t0 = time.monotonic()
+    srv.proc.send_signal(signal.SIGINT)
+    _, err = srv.proc.communicate(timeout=120)
+    text = err.decode()
+    assert srv.proc.returncode == 130, text[-2000:]
+    assert "terminate called" not in text and "Traceback" not in text
+    assert time.monotonic() - t0 < 20  # not shutdown's 60 s wait for a thread that would not stop
