@@ -31,12 +31,37 @@ def test_version(capsys):
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"ratchet {__version__}"
 
 
-def test_python_m_help_lists_commands_and_defaults():
+@pytest.fixture
+def in_process(capsys):
+    """``main(argv)`` in this process -> (exit code, stdout, stderr): no interpreter, torch and
+    transformers start-up (~4 s of CPU a run) where what a test reads is the command's own output
+    (``python -m`` itself is run by the tests around). The ``ratchetlm`` logger that the command sets
+    up (a handler on the captured stderr, no propagation) is put back afterwards."""
+    import logging
+
+    log = logging.getLogger("ratchetlm")
+    saved = list(log.handlers), log.level, log.propagate
+
+    def run(argv: list[str]) -> tuple[int, str, str]:
+        try:
+            code = main(argv)
+        except SystemExit as e:  # argparse's --help / usage errors
+            code = int(e.code or 0)
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    yield run
+    log.handlers[:] = saved[0]
+    log.setLevel(saved[1])
+    log.propagate = saved[2]
+
+
+def test_python_m_help_lists_commands_and_defaults(in_process):
     r = subprocess.run([*RATCHET, "--help"], capture_output=True, text=True, env=ENV, timeout=120)
     assert r.returncode == 0 and all(c in r.stdout for c in ("generate", "serve", "bench"))
-    g = subprocess.run([*RATCHET, "generate", "--help"], capture_output=True, text=True, env=ENV, timeout=120)
-    assert "most tokens to generate (default: 128)" in " ".join(g.stdout.split())
-    assert "(default: 16)" in g.stdout and "(default: auto)" in g.stdout  # block size, dtype
+    code, out, _ = in_process(["generate", "--help"])
+    assert code == 0 and "most tokens to generate (default: 128)" in " ".join(out.split())
+    assert "(default: 16)" in out and "(default: auto)" in out  # block size, dtype
 
 
 def test_serve_help_shows_defaults_and_model_positional():
@@ -68,16 +93,14 @@ def test_generate_reads_stdin_and_prints_json():
     assert empty.returncode == 2 and "standard input is empty" in empty.stderr and "Traceback" not in empty.stderr
 
 
-def test_generate_suggests_chat_when_an_instruct_model_ends_at_once():
+def test_generate_suggests_chat_when_an_instruct_model_ends_at_once(in_process):
     """The bundled instruct model answers a bare question with EOS at once (the first thing users try):
     generate says so and names --chat; with --chat it answers and says nothing of the kind."""
     hint = "try --chat"
-    bare = subprocess.run([*RATCHET, "generate", "What is a ratchet?", "--max-tokens", "8"], capture_output=True,
-                          text=True, env=ENV, timeout=600)
-    assert bare.returncode == 0 and bare.stdout.strip() == "What is a ratchet?" and hint in bare.stderr
-    chat = subprocess.run([*RATCHET, "generate", "What is a ratchet?", "--max-tokens", "8", "--chat"],
-                          capture_output=True, text=True, env=ENV, timeout=600)
-    assert chat.returncode == 0 and chat.stdout.strip() and hint not in chat.stderr
+    code, out, err = in_process(["generate", "What is a ratchet?", "--max-tokens", "8"])
+    assert code == 0 and out.strip() == "What is a ratchet?" and hint in err
+    code, out, err = in_process(["generate", "What is a ratchet?", "--max-tokens", "8", "--chat"])
+    assert code == 0 and out.strip() and hint not in err
 
 
 def _default_sigint() -> None:

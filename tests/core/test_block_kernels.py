@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from ratchetlm import LLM, SamplingParams, kernels
 from ratchetlm.layers import norm_rope
 from ratchetlm.layers.block_quant import SUPPORTED_TYPES, BlockWeight, Linear, block_matmul, type_sizes
+from ratchetlm.models import tokenizer
 
 from ..conftest import KERNEL_VARIANTS
 
@@ -226,6 +227,9 @@ def test_switch_off_and_compiler_missing_fall_back_to_dense(monkeypatch, tmp_pat
         m.setattr(kernels, "int8_isa", lambda: pytest.fail("int8_isa() on a load without block weights"))
         off = LLM(progress=False, numerics="exact", dtype="float32", gguf_kernels=False, kv_cache_blocks=32)
     assert all(layer.qkv.blocks is None and layer.qkv.weight is not None for layer in off.engine.model.layers)
+    # an empty kernel cache (no library to find); the converted tokenizer still read from its own cache (an
+    # empty one converts the GGUF vocabulary again: ~15 s of CPU that has nothing to do with the kernels)
+    monkeypatch.setenv("RATCHETLM_CACHE", str(tokenizer.cache_root()))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(kernels, "_compiler", lambda: None)
     monkeypatch.setattr(norm_rope, "_lanes", [])  # found without a library here: not kept for later tests

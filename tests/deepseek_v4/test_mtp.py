@@ -145,10 +145,16 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 LENGTHS = [120, 250, 500, 9]
 
 
-@pytest.mark.parametrize("depth", [1, 2])
-def test_mtp_greedy_equals_plain_alone_and_batched(model, depth):
+@pytest.fixture(scope="module")
+def plain_greedy(model) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, plain greedy outputs) of LENGTHS: the reference of both depths below, computed once."""
     prompts = _prompts(LENGTHS, seed=1)
-    want = run(v4_engine(model, max_num_seqs=8), prompts, GREEDY)
+    return prompts, run(v4_engine(model, max_num_seqs=8), prompts, GREEDY)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_mtp_greedy_equals_plain_alone_and_batched(model, plain_greedy, depth):
+    prompts, want = plain_greedy
     truth = {tuple(p): w for p, w in zip(prompts, want, strict=True)}
     # the module's own drafts (random weights: almost all rejected), batched
     engine = mtp_engine(model, depth, max_num_seqs=8)
