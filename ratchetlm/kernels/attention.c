@@ -391,11 +391,12 @@ static inline __attribute__((always_inline)) void pv64(const float *vn, const vo
             const kvrow_t vr = {(const char *)(vn + ((long)(start + j - ctx) * Hkv + hk) * D), 0};
             for (int c = 0; c < 4; c++) v[c] = kv_load16(vr, d0 + 16 * c, kv_half);
         }
-        for (int u = 0; u < nq; u++) {
+        for (int u = 0; u < nq; u++) { /* skipped as a mask, not a branch: a long context's p = 0 (exp
+                                          * underflow) fall anywhere, and mispredicted branches cost more */
             const float p = s[(long)u * LP + j];
-            if (j >= lim[u] || p == 0.0f) continue;
+            const __mmask16 m = (__mmask16)-(int)(j < lim[u] && p != 0.0f);
             const __m512 pv = _mm512_set1_ps(p);
-            for (int c = 0; c < 4; c++) o[u][c] = _mm512_fmadd_ps(pv, v[c], o[u][c]);
+            for (int c = 0; c < 4; c++) o[u][c] = _mm512_mask3_fmadd_ps(pv, v[c], o[u][c], m);
         }
     }
     for (int u = 0; u < nq; u++)
