@@ -70,3 +70,52 @@ static inline __attribute__((always_inline)) void scores8(const float *kb, int L
     for (int u = 0; u < nq; u++)
         _mm256_store_ps(s + (long)u * LP + j0, _mm256_mul_ps(_mm256_add_ps(a[u], c[u]), _mm256_set1_ps(scale)));
 }
+
+/* acc[u][d0 .. d0 + dn) (rows of D + 16; dn a multiple of 16) = sum_j p_uj v_j over the keys j < lmax in
+ * increasing order, skipping j >= lim[u] and p_uj = 0 (a blend, not a branch), for nq (a literal)
+ * queries of KV head hk, 16 dims a pass: attention.c's pv64 on 8 lanes. Context rows are read by slot
+ * (cs: this sequence's slots), the rest from this forward's vn. */
+static inline __attribute__((always_inline)) void pv16(const float *vn, const void *vc, int kv_half, const int64_t *cs,
+                                                       int ctx, int start, int Hkv, int hk, int D, int d0, int dn,
+                                                       int lmax, const int *lim, const float *s, int LP, const int nq,
+                                                       float *acc) {
+    const long es = kv_half ? 2 : 4, rs = (long)Hkv * D * es; /* a slot's row, bytes */
+    const char *base = (const char *)vc + ((long)hk * D + d0) * es;
+    const int nc = ctx < lmax ? ctx : lmax;
+    for (int d1 = 0; d1 < dn; d1 += 16) {
+        __m256 o[QT][2];
+        for (int u = 0; u < nq; u++) o[u][0] = o[u][1] = _mm256_setzero_ps();
+        for (int j = 0; j < lmax; j++) {
+            __m256 v0, v1;
+            if (j < nc) {
+                if (d1 == 0 && j + V_AHEAD < nc) {
+                    const char *np = base + cs[j + V_AHEAD] * rs;
+                    for (long c = 0; c < dn * es; c += 64) _mm_prefetch(np + c, _MM_HINT_T0);
+                }
+                const char *r = base + cs[j] * rs + d1 * es;
+                if (kv_half) {
+                    v0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)r));
+                    v1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(r + 16)));
+                } else {
+                    v0 = _mm256_loadu_ps((const float *)r);
+                    v1 = _mm256_loadu_ps((const float *)r + 8);
+                }
+            } else { /* this forward's row, rounded to half with a half cache (as the cache will hold it) */
+                const kvrow_t vr = {(const char *)(vn + ((long)(start + j - ctx) * Hkv + hk) * D), 0};
+                v0 = kv_load8(vr, d0 + d1, kv_half);
+                v1 = kv_load8(vr, d0 + d1 + 8, kv_half);
+            }
+            for (int u = 0; u < nq; u++) {
+                const float p = s[(long)u * LP + j];
+                const __m256 keep = _mm256_castsi256_ps(_mm256_set1_epi32(-(int)(j < lim[u] && p != 0.0f)));
+                const __m256 pv = _mm256_set1_ps(p);
+                o[u][0] = _mm256_blendv_ps(o[u][0], _mm256_fmadd_ps(pv, v0, o[u][0]), keep);
+                o[u][1] = _mm256_blendv_ps(o[u][1], _mm256_fmadd_ps(pv, v1, o[u][1]), keep);
+            }
+        }
+        for (int u = 0; u < nq; u++) {
+            _mm256_storeu_ps(acc + (long)u * (D + 16) + d0 + d1, o[u][0]);
+            _mm256_storeu_ps(acc + (long)u * (D + 16) + d0 + d1 + 8, o[u][1]);
+        }
+    }
+}

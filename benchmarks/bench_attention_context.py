@@ -1,0 +1,85 @@
+"""What a decode step costs as the streams' context grows, and how much of it is the attention kernel.
+
+Four greedy streams (default model, engine defaults: the integer numerics, a half KV cache) are prefilled
+to about C cached tokens each, then decode; per C: the median step (wall and process CPU time) and the
+median time of the step's 30 attention calls alone, replayed right after it on the step's own buffers
+(``kernels/attention.c`` as the decode chain calls it: same queries, cache, slots and thread count).
+Run it once per checkout to compare trees, alternating (the kernel is compiled from the tree imported):
+
+    PYTHONPATH=/path/to/main python benchmarks/bench_attention_context.py --threads 1 20 250 1000
+    PYTHONPATH=$PWD          python benchmarks/bench_attention_context.py --threads 1 20 250 1000
+
+The load average is printed beside every line (on a shared machine CPU time is the steadier number).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+
+import ratchetlm.models.decode_chain as decode_chain
+from ratchetlm import LLM, SamplingParams
+from ratchetlm.engine.config import EngineConfig
+from ratchetlm.engine.llm_engine import LLMEngine
+from ratchetlm.layers.attention import kv_half
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("contexts", type=int, nargs="*", default=[20, 250, 1000])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=15, help="timed decode steps per context")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    llm = LLM(progress=False)
+    ids = llm.tokenize(" ".join(f"word{i} river{i % 7}" for i in range(3000)))
+    last: dict[str, Any] = {}
+    run = decode_chain.DecodeChain.run
+
+    def recorded(self: Any, x: Any, cos_sin: Any, batch: Any, num_layers: int) -> Any:
+        last.update(chain=self, batch=batch, layers=num_layers)
+        return run(self, x, cos_sin, batch, num_layers)
+
+    decode_chain.DecodeChain.run = recorded  # type: ignore[method-assign]
+
+    def attention_alone() -> float:  # ms for the last step's attention calls, every layer
+        ch, b = last["chain"], last["batch"]
+        slots, half = b.slot_rows_ptr(0), int(kv_half(b.cache))
+        t0 = time.perf_counter()
+        for i in range(last["layers"]):
+            kc, vc = b.cache.layer_kv(i)
+            ch.lib.ratchet_attention(ch.qb.data_ptr(), ch.k_all[i].data_ptr(), ch.v_all[i].data_ptr(), kc.data_ptr(),
+                                     vc.data_ptr(), slots, b.max_ctx, b.seq_meta.data_ptr(), b.max_new, 0, b.num_seqs,
+                                     ch.nh, ch.nkv, ch.hd, 0.125, 0.0, half, ch.attn.data_ptr(), args.threads)
+        return (time.perf_counter() - t0) * 1e3
+
+    print(f"tree {os.path.dirname(os.path.dirname(os.path.abspath(decode_chain.__file__)))}; threads {args.threads}")
+    for c in args.contexts:
+        eng = LLMEngine(EngineConfig(progress=False), llm.engine.model, llm.model_config)
+        for i in range(4):
+            eng.add_request(ids[i * 7 : i * 7 + c], SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True))
+        while any(not s.output_ids for s in eng.seqs.values()):
+            eng.step()
+        for _ in range(3):
+            eng.step()
+        wall, cpu, att = [], [], []
+        for _ in range(args.steps):
+            t0, c0 = time.perf_counter(), time.process_time()
+            eng.step()
+            wall.append((time.perf_counter() - t0) * 1e3)
+            cpu.append((time.process_time() - c0) * 1e3)
+            att.append(attention_alone())
+        cached = [s.num_cached for s in eng.seqs.values()]
+        print(f"4 streams at {min(cached)}-{max(cached)} cached tokens: step {statistics.median(wall):.1f} ms wall, "
+              f"{statistics.median(cpu):.1f} ms CPU; its attention calls alone {statistics.median(att):.1f} ms "
+              f"(medians of {args.steps}); load {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+        del eng
+
+
+if __name__ == "__main__":
+    main()
