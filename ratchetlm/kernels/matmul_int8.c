@@ -612,13 +612,14 @@ static void panel_any(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t 
     case 4: ratchet_panel_vb4(Q, SM, z, xs, K, G, b16, has_m, unit, SB, y, N, nvalid, tt); break;
     case 5: ratchet_panel_vb5(Q, SM, z, xs, K, G, b16, has_m, unit, SB, y, N, nvalid, tt); break;
     case 6: ratchet_panel_vb6(Q, SM, z, xs, K, G, b16, has_m, unit, SB, y, N, nvalid, tt); break;
-    case 7: ratchet_panel_vb7(Q, SM, z, xs, K, G, b16, has_m, unit, SB, y, N, nvalid, tt); break;
+    case 13:
+    case 14: ratchet_panel_unpacked(Q, SM, z, xs, K, G, vb, b16, has_m, unit, SB, y, N, nvalid, tt); break;
     default: ratchet_panel_vb8(Q, SM, z, xs, K, G, b16, has_m, unit, SB, y, N, nvalid, tt); break;
     }
 }
 
 /* A panel of 5- or 6-bit values (Q, the layout of plane_pack) rewritten as bytes (dst, G * PN bytes a group:
- * the layout of vb 8, values < 64) for the vb 7 kernels. A call of many tiles (a prefill: 64 tiles of 8
+ * the layout of vb 8, values < 2^vb) for the vb + 8 kernels (13, 14). A call of many tiles (a prefill: 64 tiles of 8
  * for 512 tokens) otherwise splits nibbles and merges planes again for every tile: on AVX-512 about a fifth
  * of the Q6_K panel kernel's cycles (perf, 1B Q6_K prefill, one thread, 2026-11-28), on AVX2 more (3-4
  * tokens a pass). GCC vector extensions: one zmm a vector on AVX-512, two ymm on AVX2, the shifts constants. */
@@ -651,7 +652,7 @@ static void unpack_panel(const uint8_t *Q, int K, int G, int vb, uint8_t *dst) {
 }
 
 /* Calls of UNPACK_TILES+ tiles (prefill, long verifies) go over each thread's panels in blocks of about
- * PANEL_BLOCK bytes of weights (5- and 6-bit panels unpacked once per block for the vb 7 kernels: the same
+ * PANEL_BLOCK bytes of weights (5- and 6-bit panels unpacked once per block for the vb 13 / 14 kernels: the same
  * integer sums and float steps, so the same bits at any tile count): every tile's activations are then
  * read once per block of panels instead of once per panel (a 512-token prefill's tiles of K = 8192 are
  * 4.5 MB, more than the L2, re-read for every 16 rows of output), and the block's weights stay in L2. */
@@ -797,7 +798,7 @@ static void mm_q8(const float *x, long xs, int gated, int M, int K, int bits, in
                         const q8panel_t *pn = &panels[p];
                         const int unp = pn->vb == 5 || pn->vb == 6;
                         panel_any(unp ? ub + (long)(p - b0) * K * PN : Q + pn->qoff, SM + pn->soff, pn->z, &tiles[ti],
-                                  K, pn->G, unp ? 7 : pn->vb, bits == 16, pn->has_m, pn->unit, pn->SB,
+                                  K, pn->G, unp ? pn->vb + 8 : pn->vb, bits == 16, pn->has_m, pn->unit, pn->SB,
                                   y + (long)ti * TT * N + p * PN, N, MIN(PN, N - p * PN), MIN(TT, M - ti * TT));
                     }
             }
