@@ -3,7 +3,8 @@
  * tiles): the kernels of matmul_int8_vb5.c / _vb6.c without the unpacking (the same integer sums and the
  * same float steps, so the same bits), one translation unit of their own (matmul_int8_panel.h). (On AVX2,
  * adding four vectors' vpmaddubsw sums of the 5-bit values in int16 before one vpmaddwd, exact at 4 * 7874,
- * measured 1.06-1.13x the time of two at a time, 2048 x 8192, 512 rows: not kept.) */
+ * measured 1.06-1.13x the time of two at a time, and one half of the rows at a time (4 chains live instead of 8)
+ * 1.01-1.13x, 2048 x 8192, 512 rows, one thread: neither kept.) */
 #define RATCHET_PANEL_UNIT
 #include "matmul_int8_panel.h"
 
