@@ -652,12 +652,12 @@ static void unpack_panel(const uint8_t *Q, int K, int G, int vb, uint8_t *dst) {
 }
 
 /* Calls of UNPACK_TILES+ tiles (prefill, long verifies) go over each thread's panels in blocks of about
- * PANEL_BLOCK bytes of weights (5- and 6-bit panels unpacked once per block for the vb 13 / 14 kernels: the same
+ * PANEL_BLOCK bytes of unpacked weights (half of this CPU's 1 MB L2) (5- and 6-bit panels unpacked once per block for the vb 13 / 14 kernels: the same
  * integer sums and float steps, so the same bits at any tile count): every tile's activations are then
  * read once per block of panels instead of once per panel (a 512-token prefill's tiles of K = 8192 are
  * 4.5 MB, more than the L2, re-read for every 16 rows of output), and the block's weights stay in L2. */
 #define UNPACK_TILES 4 /* (2 tiles of 8: 1.17x the time, one thread, 2048 x 8192 Q5_K, Q6_K) */
-#define PANEL_BLOCK (256 * 1024)
+#define PANEL_BLOCK (512 * 1024) /* 128 KB: 1.08-1.16x the time, 1 MB 1.02-1.26x (AVX-512, 512 rows, one thread) */
 
 /* A tile's activation items, token-interleaved (word [i][t] is token t's i-th item; the xtile_t fields
  * in order): xh [K / 4], xl [K / 4] (16 bits only), then per 32-block d, sx32, zq16 (2), zq32, sx16 (2) */

@@ -137,10 +137,10 @@ def test_matmul_matches_the_integer_reference_and_is_batch_invariant(lib, type_n
 @pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1", "Q5_K", "Q6_K"])
 def test_prefill_sized_calls_of_five_and_six_bit_weights_keep_every_rows_bits(lib, type_name):
     """A call of 4+ tiles of 8 rows unpacks 5- and 6-bit panels to bytes once per block of panels (about
-    256 KB of bytes: 2 panels at K = 8192) and runs every tile through the block: the same integer sums
+    512 KB of bytes: 4 panels at K = 8192) and runs every tile through the block: the same integer sums
     and float steps as the packed kernels, so each row keeps the bits it has alone, in a short call and
-    at any thread count (here 3 panels: a block of 2 and one of 1 on one thread)."""
-    k, n = 8192, 37
+    at any thread count (here 6 panels, the last one partial: a block of 4 and one of 2 on one thread)."""
+    k, n = 8192, 85
     w = BlockWeight.from_gguf(type_name, random_raw(type_name, n, k, seed=7), k)
     torch.manual_seed(8)
     x = torch.randn(35, k)  # 5 tiles, the last one of 3 rows
