@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 # parallel build ends on the quick ones (the int8 panel kernel is one unit per stored-value width, the
 # few-token fp32 kernels two units beside the matmul driver).
 SOURCES = tuple(Path(__file__).with_name(n) for n in (
-    "matmul_int8_vb8.c", "matmul_int8_vb4.c", "matmul_int8_vb5.c", "matmul_int8_vb6.c", "matmul_few_k.c",
+    "matmul_int8_vb8.c", "matmul_int8_vb4.c", "matmul_int8_vb5.c", "matmul_int8_vb6.c", "matmul_int8_unpacked.c",
+    "matmul_few_k.c",
     "matmul_few_blocks.c", "attention.c", "matmul_int8.c", "matmul.c", "dequant.c", "norm_rope.c", "argmax.c",
     "chain.c"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in (

@@ -612,9 +612,52 @@ static void panel_any(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t 
     case 4: ratchet_panel_vb4(Q, SM, z, xs, K, G, b16, has_m, unit, SB, y, N, nvalid, tt); break;
     case 5: ratchet_panel_vb5(Q, SM, z, xs, K, G, b16, has_m, unit, SB, y, N, nvalid, tt); break;
     case 6: ratchet_panel_vb6(Q, SM, z, xs, K, G, b16, has_m, unit, SB, y, N, nvalid, tt); break;
+    case 13:
+    case 14: ratchet_panel_unpacked(Q, SM, z, xs, K, G, vb, b16, has_m, unit, SB, y, N, nvalid, tt); break;
     default: ratchet_panel_vb8(Q, SM, z, xs, K, G, b16, has_m, unit, SB, y, N, nvalid, tt); break;
     }
 }
+
+/* A panel of 5- or 6-bit values (Q, the layout of plane_pack) rewritten as bytes (dst, G * PN bytes a group:
+ * the layout of vb 8, values < 2^vb) for the vb + 8 kernels (13, 14). A call of many tiles (a prefill: 64 tiles of 8
+ * for 512 tokens) otherwise splits nibbles and merges planes again for every tile: on AVX-512 about a fifth
+ * of the Q6_K panel kernel's cycles (perf, 1B Q6_K prefill, one thread, 2026-11-28), on AVX2 more (3-4
+ * tokens a pass). GCC vector extensions: one zmm a vector on AVX-512, two ymm on AVX2, the shifts constants. */
+typedef uint8_t u8x64 __attribute__((vector_size(64), aligned(1))); /* 64 bytes: one zmm, two ymm, or scalar code */
+/* G, vb literals at every call (unpack_panel): the shifts are constants, the loops unrolled */
+static inline __attribute__((always_inline)) void unpack_groups(const uint8_t *Q, int K, const int G, const int vb,
+                                                                uint8_t *dst) {
+    const int C = G / 4;
+    for (int g = 0; g < K / G; g++) {
+        const uint8_t *qg = Q + (long)g * VBYTES(G, vb), *pl = qg + C / 2 * 64;
+        uint8_t *o = dst + (long)g * G * PN;
+        #pragma GCC unroll 8
+        for (int c = 0; c < C; c++) {
+            const u8x64 nb = *(const u8x64 *)(qg + (c % (C / 2)) * 64);
+            const u8x64 n = c >= C / 2 ? nb >> 4 : nb & 0x0F;
+            const u8x64 p = *(const u8x64 *)(vb == 6 ? pl + (c / 4) * 64 : pl);
+            const u8x64 h = vb == 6 ? ((p >> (2 * (c % 4))) & 3) << 4 : ((p >> c) & 1) << 4;
+            *(u8x64 *)(o + c * 64) = n | h;
+        }
+    }
+}
+
+static void unpack_panel(const uint8_t *Q, int K, int G, int vb, uint8_t *dst) {
+    if (vb == 6 && G == 16)
+        unpack_groups(Q, K, 16, 6, dst);
+    else if (vb == 6)
+        unpack_groups(Q, K, 32, 6, dst);
+    else
+        unpack_groups(Q, K, 32, 5, dst);
+}
+
+/* Calls of UNPACK_TILES+ tiles (prefill, long verifies) go over each thread's panels in blocks of about
+ * PANEL_BLOCK bytes of unpacked weights (half of this CPU's 1 MB L2) (5- and 6-bit panels unpacked once per block for the vb 13 / 14 kernels: the same
+ * integer sums and float steps, so the same bits at any tile count): every tile's activations are then
+ * read once per block of panels instead of once per panel (a 512-token prefill's tiles of K = 8192 are
+ * 4.5 MB, more than the L2, re-read for every 16 rows of output), and the block's weights stay in L2. */
+#define UNPACK_TILES 4 /* (2 tiles of 8: 1.17x the time, one thread, 2048 x 8192 Q5_K, Q6_K) */
+#define PANEL_BLOCK (512 * 1024) /* 128 KB: 1.08-1.16x the time, 1 MB 1.02-1.26x (AVX-512, 512 rows, one thread) */
 
 /* A tile's activation items, token-interleaved (word [i][t] is token t's i-th item; the xtile_t fields
  * in order): xh [K / 4], xl [K / 4] (16 bits only), then per 32-block d, sx32, zq16 (2), zq32, sx16 (2) */
@@ -715,6 +758,8 @@ static void mm_q8(const float *x, long xs, int gated, int M, int K, int bits, in
     xtile_t *tiles = malloc(sizeof(xtile_t) * (size_t)NT);
     for (int ti = 0; ti < NT; ti++) tiles[ti] = tile_view(til + (long)ti * TT * per, K, bits, MIN(TT, M - ti * TT));
     const int split = NT == 1 && M >= PREP_SPLIT_MIN && threads > 1;
+    int blocked = 0; /* the 5- and 6-bit weights only (the other widths measured no gain) */
+    for (int p = 0; p < NPAN && NT >= UNPACK_TILES; p++) blocked |= panels[p].vb == 5 || panels[p].vb == 6;
     if (NT == 1 && !split) prep_tile_blocks(x, xs, gated, K, bits, zw, til, M, 0, NB);
 #pragma omp parallel num_threads(threads)
     {
@@ -729,13 +774,35 @@ static void mm_q8(const float *x, long xs, int gated, int M, int K, int bits, in
                 prep_tile_blocks(x + ti * TT * xs, xs, gated, K, bits, zw, til + (long)ti * TT * per,
                                  MIN(TT, M - ti * TT), 0, NB);
         }
+        if (!blocked) {
 #pragma omp for schedule(static)
-        for (int p = 0; p < NPAN; p++) {
-            const q8panel_t *pn = &panels[p];
-            const int nvalid = MIN(PN, N - p * PN);
-            for (int ti = 0; ti < NT; ti++)
-                panel_any(Q + pn->qoff, SM + pn->soff, pn->z, &tiles[ti], K, pn->G, pn->vb, bits == 16, pn->has_m,
-                          pn->unit, pn->SB, y + (long)ti * TT * N + p * PN, N, nvalid, MIN(TT, M - ti * TT));
+            for (int p = 0; p < NPAN; p++) {
+                const q8panel_t *pn = &panels[p];
+                for (int ti = 0; ti < NT; ti++)
+                    panel_any(Q + pn->qoff, SM + pn->soff, pn->z, &tiles[ti], K, pn->G, pn->vb, bits == 16, pn->has_m,
+                              pn->unit, pn->SB, y + (long)ti * TT * N + p * PN, N, MIN(PN, N - p * PN),
+                              MIN(TT, M - ti * TT));
+            }
+        } else { /* this thread's panels (the static schedule's share) in blocks of PB, the tiles inside */
+            const int nth = omp_get_num_threads(), id = omp_get_thread_num();
+            const int p0 = (int)((long)NPAN * id / nth), p1 = (int)((long)NPAN * (id + 1) / nth);
+            const int PB = MIN(NPAN, (int)(PANEL_BLOCK / ((long)K * PN)) > 0 ? (int)(PANEL_BLOCK / ((long)K * PN)) : 1);
+            uint8_t *ub = aligned_alloc(64, (size_t)PB * K * PN); /* the block's unpacked panels */
+            for (int b0 = p0; b0 < p1; b0 += PB) {
+                const int b1 = MIN(p1, b0 + PB);
+                for (int p = b0; p < b1; p++)
+                    if (panels[p].vb == 5 || panels[p].vb == 6)
+                        unpack_panel(Q + panels[p].qoff, K, panels[p].G, panels[p].vb, ub + (long)(p - b0) * K * PN);
+                for (int ti = 0; ti < NT; ti++)
+                    for (int p = b0; p < b1; p++) {
+                        const q8panel_t *pn = &panels[p];
+                        const int unp = pn->vb == 5 || pn->vb == 6;
+                        panel_any(unp ? ub + (long)(p - b0) * K * PN : Q + pn->qoff, SM + pn->soff, pn->z, &tiles[ti],
+                                  K, pn->G, unp ? pn->vb + 8 : pn->vb, bits == 16, pn->has_m, pn->unit, pn->SB,
+                                  y + (long)ti * TT * N + p * PN, N, MIN(PN, N - p * PN), MIN(TT, M - ti * TT));
+                    }
+            }
+            free(ub);
         }
     }
     free(til);

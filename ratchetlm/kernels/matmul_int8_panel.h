@@ -34,6 +34,13 @@ void ratchet_panel_vb6(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t
                        int unit, int SB, float *y, int N, int nvalid, int tt);
 void ratchet_panel_vb8(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, int G, int b16, int has_m,
                        int unit, int SB, float *y, int N, int nvalid, int tt);
+/* vb = 13 or 14: a 5- or 6-bit panel unpacked to bytes (matmul_int8.c unpack_panel: values < 2^(vb - 8) in
+ * vb 8's layout), for calls of several tiles (prefill): the unpacking is done once per panel, not per tile */
+void ratchet_panel_unpacked(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, int G, int vb,
+                            int b16, int has_m, int unit, int SB, float *y, int N, int nvalid, int tt);
+
+/* bytes a group of G values of width vb takes in a panel (vb 13, 14: one byte a value, as vb 8) */
+#define VBYTES(G, vb) ((G) * PN * ((vb) > 8 ? 8 : (vb)) / 8)
 
 #ifdef RATCHET_PANEL_UNIT /* the matmul_int8_vb*.c units: the kernels themselves */
 
@@ -76,9 +83,9 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512 Dv = _mm512_setzero_ps(), Dmv = _mm512_setzero_ps();
     for (int g = 0; g < NG; g++) {
-        const uint8_t *sbp = SM + (long)(g >> gsh) * SBB, *qg = Q + (long)g * G * PN * vb / 8;
+        const uint8_t *sbp = SM + (long)(g >> gsh) * SBB, *qg = Q + (long)g * VBYTES(G, vb);
         #pragma GCC unroll 8
-        for (int o = 0; o < G * PN * vb / 8; o += 64) _mm_prefetch((const char *)qg + Q_AHEAD + o, _MM_HINT_T0);
+        for (int o = 0; o < VBYTES(G, vb) && vb <= 8; o += 64) _mm_prefetch((const char *)qg + Q_AHEAD + o, _MM_HINT_T0);
         if ((g & (GPS - 1)) == 0) { /* a super-group's D and D_m (fp16 -> fp32, exact) */
             for (int o = 0; o < SBB; o += 64) _mm_prefetch((const char *)sbp + S_AHEAD + o, _MM_HINT_T0);
             Dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sbp));
@@ -168,10 +175,10 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
  * bytes (Q8_0) split into nibbles, 16 * hi + lo. Tokens go TS (3; 4 for 6-bit weights) at a
  * time through the panel's groups, both halves at once. */
 #define Q_AHEAD 4096
-/* the 32 weight bytes of half h of vector c of group g: unsigned values < 64 (vb < 8), or raw bytes */
+/* the 32 weight bytes of half h of vector c of group g: unsigned values < 64 (vb < 8; vb 13, 14: stored as bytes), or raw bytes */
 static inline __attribute__((always_inline)) __m256i unpack_avx2(const uint8_t *qg, int C, int vb, int c, int h) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
-    if (vb == 8) return _mm256_loadu_si256((const __m256i *)(qg + c * 64 + 32 * h));
+    if (vb >= 8) return _mm256_loadu_si256((const __m256i *)(qg + c * 64 + 32 * h)); /* bytes */
     const int v = c % (C / 2);
     const __m256i b = _mm256_loadu_si256((const __m256i *)(qg + v * 64 + 32 * h));
     __m256i w = c < C / 2 ? _mm256_and_si256(b, m4) : _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
@@ -192,7 +199,7 @@ static inline __attribute__((always_inline)) __m256i unpack_avx2(const uint8_t *
 /* 8-bit activations: I += w . x for every lane; bytes (vb = 8) as 16 (hi nibble) + lo nibble */
 static inline __attribute__((always_inline)) __m256i dot_w_avx2(__m256i I, __m256i w, int32_t x4, int vb) {
     const __m256i x = _mm256_set1_epi32(x4), ones = _mm256_set1_epi16(1);
-    if (vb < 8) return _mm256_add_epi32(I, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+    if (vb != 8) return _mm256_add_epi32(I, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), m4), x),
                                          _mm256_set1_epi16(16));
@@ -204,7 +211,7 @@ static inline __attribute__((always_inline)) __m256i dot_w_avx2(__m256i I, __m25
 #define PANEL_PASSES 1 /* the kinds below instantiate panel_pass, not panel_tile */
 /* Q6_K's heavier unpacking pays for a fourth token per pass (kernel 1.09-1.18x at 8-256 rows), the
  * other formats measured 0.91-1.08x with it */
-#define AVX2_PASS(vb) ((vb) == 6 ? 4 : 3)
+#define AVX2_PASS(vb) ((vb) == 6 || (vb) > 8 ? 4 : 3)
 /* One pass over the panel's groups for the S tokens t0 .. t0 + S - 1 of a tile of tt. S is a literal
  * at every call (the integer chains live in registers); tt and t0 only move pointers, literals where
  * the kinds below say so. */
@@ -223,15 +230,15 @@ static inline __attribute__((always_inline)) void panel_pass(const uint8_t *Q, c
     for (int t = 0; t < AVX2_TS; t++)
         for (int h = 0; h < 2; h++) _mm256_store_ps(acc[t][h], _mm256_setzero_ps());
     for (int g = 0; g < NG; g++) {
-        const uint8_t *sbp = SM + (long)(g >> gsh) * SBB, *qg = Q + (long)g * G * PN * vb / 8;
-        if (t0 == 0)
-            for (int o = 0; o < G * PN * vb / 8; o += 64) _mm_prefetch((const char *)qg + Q_AHEAD + o, _MM_HINT_T0);
+        const uint8_t *sbp = SM + (long)(g >> gsh) * SBB, *qg = Q + (long)g * VBYTES(G, vb);
+        if (t0 == 0 && vb <= 8) /* (vb 13, 14: the unpacked panels sit in L2) */
+            for (int o = 0; o < VBYTES(G, vb); o += 64) _mm_prefetch((const char *)qg + Q_AHEAD + o, _MM_HINT_T0);
         /* one int32 chain per token and half: u . x (16 bits) or u . xq (8 bits). (One half at a time
          * for 6 tokens, unpacking a half's weights once for 6: 0.88-1.01x; both halves per token with
          * its pairs broadcast once: 0.98-1.03x; neither kept.) */
         __m256i I[AVX2_TS][2];
         for (int t = 0; t < AVX2_TS; t++) I[t][0] = I[t][1] = _mm256_setzero_si256();
-        if (!b16 && vb < 8) {
+        if (!b16 && vb != 8) {
             /* 8 bits, weights u < 2^vb (<= 63): vpmaddubsw's pair sums |u0 x0 + u1 x1| <= 2 * 63 * 127 = 16002,
              * so two vectors' sums add up exactly in int16 before one vpmaddwd by 1 widens them: the same int32 I,
              * one widening (and one int32 add) per two vectors instead of each; C = G / 4 is 4 or 8, even */
@@ -326,7 +333,7 @@ static inline void panel_tile(const uint8_t *Q, const uint8_t *SM, int z, const 
         }
         uint8_t w[32 * PN]; /* [C][PN][4] unsigned weights of the group */
         if (vb < 8) { /* the layout of plane_pack */
-            const uint8_t *qg = Q + (long)g * G * PN * vb / 8, *pl = qg + C / 2 * 64;
+            const uint8_t *qg = Q + (long)g * VBYTES(G, vb), *pl = qg + C / 2 * 64;
             for (int i = 0; i < C / 2 * PN * 4; i++) {
                 w[i] = qg[i] & 0x0F;
                 w[i + C / 2 * PN * 4] = qg[i] >> 4;

@@ -134,6 +134,26 @@ def test_matmul_matches_the_integer_reference_and_is_batch_invariant(lib, type_n
         assert same_bits(block_matmul(x, w, lib=lib, numerics=mode, threads=threads), full)
 
 
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1", "Q5_K", "Q6_K"])
+def test_prefill_sized_calls_of_five_and_six_bit_weights_keep_every_rows_bits(lib, type_name):
+    """A call of 4+ tiles of 8 rows unpacks 5- and 6-bit panels to bytes once per block of panels (about
+    512 KB of bytes: 4 panels at K = 8192) and runs every tile through the block: the same integer sums
+    and float steps as the packed kernels, so each row keeps the bits it has alone, in a short call and
+    at any thread count (here 6 panels, the last one partial: a block of 4 and one of 2 on one thread)."""
+    k, n = 8192, 85
+    w = BlockWeight.from_gguf(type_name, random_raw(type_name, n, k, seed=7), k)
+    torch.manual_seed(8)
+    x = torch.randn(35, k)  # 5 tiles, the last one of 3 rows
+    x[9] *= 50.0
+    for mode in BITS:
+        full = block_matmul(x, w, lib=lib, numerics=mode, threads=1)
+        assert_int8_close(full, x, w, BITS[mode])
+        assert same_bits(block_matmul(x[:8], w, lib=lib, numerics=mode), full[:8])  # one tile: the packed kernels
+        for i in (0, 9, 34):
+            assert same_bits(block_matmul(x[i:i + 1], w, lib=lib, numerics=mode), full[i:i + 1])
+        assert same_bits(block_matmul(x, w, lib=lib, numerics=mode, threads=2), full)
+
+
 @pytest.mark.parametrize("type_name", INT_TYPES)
 def test_avx2_build_gives_the_avx512_builds_bits(type_name, kernel_builds):
     """The AVX2 kernel (vpmaddubsw + vpmaddwd, bytes split into nibbles) forms the same exact int32
@@ -147,10 +167,12 @@ def test_avx2_build_gives_the_avx512_builds_bits(type_name, kernel_builds):
     k = 96 if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") else 512
     w = BlockWeight.from_gguf(type_name, random_raw(type_name, 37, k, seed=5), k)
     torch.manual_seed(6)
-    x = torch.randn(11, k)
+    x = torch.randn(35, k)  # 11 rows: the packed kernels; 35 (5 tiles): 5- and 6-bit panels unpacked first
     x[2] *= 300.0
     for mode in BITS:
-        assert same_bits(block_matmul(x, w, lib=avx2, numerics=mode), block_matmul(x, w, lib=native, numerics=mode))
+        for rows in (11, 35):
+            assert same_bits(block_matmul(x[:rows], w, lib=avx2, numerics=mode),
+                             block_matmul(x[:rows], w, lib=native, numerics=mode))
 
 
 # per format: (bits per stored value, G, zero point) that the packer must read off the values
