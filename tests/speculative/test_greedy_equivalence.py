@@ -175,7 +175,7 @@ def test_disable_by_batch_size(spec_llm, encoded, reference):
 # batched run covers all 11). An engine's gain decisions depend on what it accepted before, so a prefix of the
 # prompts decides as the full list did: gain skips drafts on prompts 4-6 and verifies 51 draft tokens (24
 # accepted) against the constant chain's 128 (34). All 11 alone on both engines were 22 of 23 runs.
-ALONE = range(7)
+GAIN_ALONE = range(7)
 
 
 def test_gain_schedule_drafts_what_pays(spec_llm, encoded, reference):
@@ -187,7 +187,7 @@ def test_gain_schedule_drafts_what_pays(spec_llm, encoded, reference):
     engines = {name: make_engine(spec_llm, "speculative", method="ngram", depth=6, **opts)
                for name, opts in (("constant", {}), ("gain", dict(depth_schedule="gain")))}
     for name, eng in engines.items():
-        for i in ALONE:  # one at a time: every gain decision is made at batch 1
+        for i in GAIN_ALONE:  # one at a time: every gain decision is made at batch 1
             assert run_engine(eng, [encoded[i]], GREEDY) == [reference[i]], (name, i)
     gain, const = engines["gain"].strategy.metrics(), engines["constant"].strategy.metrics()
     assert gain["spec_decode_gain_skipped_drafts"] > 0
