@@ -192,8 +192,8 @@ class AsyncEngine:
         thread, and then every waiting and later request gets a 503 instead of hanging."""
         failures = 0  # consecutive iterations that needed a recovery
         cost = getattr(self.engine, "step_cost", None)
-        if cost is not None and not self._stop.is_set():  # the step-time budget's probe, now rather than
-            try:                                             # in a request's first step
+        if cost is not None:  # the step-time budget's probe, now rather than in a request's first step
+            try:
                 cost.calibrate(stop=self._stop.is_set)
             except ProbeStopped:  # shutdown came first: the loop below does not start
                 pass

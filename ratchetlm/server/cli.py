@@ -171,11 +171,12 @@ def main(argv: list[str] | None = None) -> int:
         code = _main(sys.argv[1:] if argv is None else argv, served)
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it drained on: the shell's 130, quietly
         code = EXIT_INTERRUPTED
-    if any(st.busy_threads() for st in served):
+    busy = [name for st in served for name in st.busy_threads()]
+    if busy:
         # the model still loading, or the engine thread still inside a forward after shutdown's wait:
         # the interpreter's teardown would abort in torch's ("terminate called without an active
         # exception", 134), so leave without it
-        _log.error("exiting with a thread still running: %s", ", ".join(served[0].busy_threads()))
+        _log.error("exiting with a thread still running: %s", ", ".join(busy))
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
