@@ -203,15 +203,20 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_configure(config):
-    """An xdist worker runs torch on its share of the cores. On the xdist controller, before the workers
-    start: the native kernel build and the Gemma 3 file, once, so that two workers neither compile the same
-    library nor write the same file at the same time."""
+    """An xdist worker runs torch on its share of the cores, and so do the processes its tests start. On the
+    xdist controller, before the workers start: the native kernel build and the Gemma 3 file, once, so that two
+    workers neither compile the same library nor write the same file at the same time."""
     if hasattr(config, "workerinput"):  # a worker: the cores shared out (two workers on two threads each thrash)
         try:
             cores = len(os.sched_getaffinity(0))
         except AttributeError:
             cores = os.cpu_count() or 1
-        torch.set_num_threads(max(1, cores // int(config.workerinput.get("workercount", 1))))
+        threads = max(1, cores // int(config.workerinput.get("workercount", 1)))
+        torch.set_num_threads(threads)
+        # and every process a test starts (the Gemma 3 HF oracle, `ratchet generate`, a replica) gets the same
+        # share: on torch's default of one thread per core, two such threads beside the other worker contend
+        # for one core (the HF oracle: 129 s of CPU in the suite, 87 s on one thread)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         return
     if not getattr(config.option, "numprocesses", 0):
         return

@@ -51,7 +51,9 @@ def assert_cached_blocks_match_prefill(eng: LLMEngine, histories: list[list[int]
     plain = LLMEngine(replace(eng.cfg, decoding="autoregressive", decoding_options={}, enable_prefix_caching=False,
                               kv_cache_blocks=room), eng.model, eng.model_config)
     checked = [0] * len(pools(eng))
-    for tokens in histories:
+    # a history seen before (a repeated prompt, or a batched rerun that committed the same tokens) names the
+    # same blocks and would be compared with the same prefill again: each distinct history once
+    for tokens in dict.fromkeys(tuple(t) for t in histories):
         sid = plain.add_request(list(tokens), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
         while plain.seqs[sid].num_cached < len(tokens):
             plain.step()  # (chunked) prefill: every prompt token's K/V is in its blocks now

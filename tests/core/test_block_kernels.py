@@ -268,6 +268,8 @@ def test_unwritable_cache_falls_back_to_temp_dir(monkeypatch, tmp_path):
     blocker.write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # cache_dir() lies under a file: mkdir fails
     monkeypatch.setattr(kernels.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    # unoptimised (a fresh build either way, where it lands is under test): ~11 s of CPU at -O3, a few at -O0
+    monkeypatch.setattr(kernels, "_CFLAGS", [*kernels._CFLAGS, "-O0"])
     lib = kernels.compile_library([])
     assert lib is not None
     assert list((tmp_path / "tmp").glob("ratchetlm-kernels-*/ratchet_kernels-*.so"))
