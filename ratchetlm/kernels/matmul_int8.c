@@ -660,14 +660,16 @@ static void unpack_panel(const uint8_t *Q, int K, int G, int vb, uint8_t *dst) {
 #define PANEL_BLOCK (512 * 1024) /* 128 KB: 1.08-1.16x the time, 1 MB 1.02-1.26x (AVX-512, 512 rows, one thread) */
 
 /* A tile's activation items, token-interleaved (word [i][t] is token t's i-th item; the xtile_t fields
- * in order): xh [K / 4], xl [K / 4] (16 bits only), then per 32-block d, sx32, zq16 (2), zq32, sx16 (2) */
-static long tile_words(int K, int bits) { return (long)K / 4 * (bits == 16 ? 2 : 1) + (long)(K / 32) * 7; }
+ * in order): xh [K / 4], xl [K / 4] (16 bits only), then per 32-block d, sx32, zq16 (2), zq32, sx16 (2),
+ * sp32 */
+static long tile_words(int K, int bits) { return (long)K / 4 * (bits == 16 ? 2 : 1) + (long)(K / 32) * 8; }
 
 static xtile_t tile_view(int32_t *dst, int K, int bits, int tt) {
     const long xw = (long)K / 4 * (bits == 16 ? 2 : 1), NB = K / 32;
     int32_t *rest = dst + xw * tt;
     return (xtile_t){dst, bits == 16 ? dst + (long)K / 4 * tt : NULL, (const float *)rest, rest + 4 * NB * tt,
-                     rest + 2 * NB * tt, (const float *)(rest + NB * tt), (const float *)(rest + 5 * NB * tt)};
+                     rest + 2 * NB * tt, (const float *)(rest + NB * tt), (const float *)(rest + 5 * NB * tt),
+                     rest + 7 * NB * tt};
 }
 
 /* Blocks [b0, b1) of the tile's tt tokens quantized (quantize_row) and written straight into the tile's
@@ -724,7 +726,7 @@ static void prep_tile_blocks(const float *x, long xs, int gated, int K, int bits
             }
             int32_t *rest = dst + rest_off + t;
             float *d32 = (float *)rest, *sx32 = (float *)(rest + (long)NB * tt), *sx16 = (float *)(rest + 5L * NB * tt);
-            int32_t *zq16 = rest + 2L * NB * tt, *zq32 = rest + 4L * NB * tt;
+            int32_t *zq16 = rest + 2L * NB * tt, *zq32 = rest + 4L * NB * tt, *sp32 = rest + 7L * NB * tt;
             for (int j = 0; j < nb; j++) {
                 const long b = c0 + j;
                 const int32_t s0 = q16[2 * j], s1 = q16[2 * j + 1];
@@ -735,6 +737,7 @@ static void prep_tile_blocks(const float *x, long xs, int gated, int K, int bits
                 zq32[b * tt] = -zw * (s0 + s1); /* |sum xq| <= 32 * 32639: exact in int32 for zw <= 128 */
                 zq16[2 * b * tt] = -zw * s0;
                 zq16[(2 * b + 1) * tt] = -zw * s1;
+                sp32[b * tt] = (int32_t)(((uint32_t)s0 & 0xFFFF) | (uint32_t)s1 << 16); /* 8 bits: |s| <= 16 * 127, int16 (paired panels) */
             }
         }
     }
