@@ -86,6 +86,12 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
     const int P = PAIRED(G, b16, has_m);
     __m512 acc[TT]; /* paired panels: the super-group's accumulator as, the total in accm */
     __m512i J[TT];
+    /* Paired panels: J's steps are exact in float where |J| < 2^24: |u - z| <= 32 (4-bit values; 6-bit ones
+     * with z = 32, Q6_K: 2 * 128 * 16 * 32 * 127 = 16646144), then formed by vcvtdq2ps and vmulps / vfmadd (which
+     * the second 512-bit port takes) rather than vpmulld (2 uops on the port of vpdpbusd: 1.17x the time
+     * at one row, 2048 x 2048 Q6_K, one thread); the same J, so the same bits */
+    const int fexact = P && (vb == 4 || ((vb == 6 || vb == 14) && z == 32));
+    __m512 Jf[TT];
     float accm[P ? TT : 1][PN] __attribute__((aligned(64)));
     #pragma GCC unroll 8
     for (int t = 0; t < tt; t++) {
@@ -99,7 +105,11 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
     const int gsh = __builtin_ctz((unsigned)GPS);
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512 Dv = _mm512_setzero_ps(), Dmv = _mm512_setzero_ps();
-    for (int g = 0; g < NG; g++) {
+    const int GS = P ? 2 : 1; /* paired panels: both groups of a block in one pass of the loop (no branch on g's parity) */
+    for (int gb = 0; gb < NG; gb += GS) {
+    #pragma GCC unroll 2
+    for (int gi = 0; gi < GS; gi++) {
+        const int g = gb + gi;
         const uint8_t *sbp = SM + (long)(g >> gsh) * SBB, *qg = Q + (long)g * VBYTES(G, vb);
         #pragma GCC unroll 8
         for (int o = 0; o < VBYTES(G, vb) && vb <= 8; o += 64) _mm_prefetch((const char *)qg + Q_AHEAD + o, _MM_HINT_T0);
@@ -169,13 +179,20 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
         }
         if (P) { /* J += c * (U - z S) per lane (exact), one float step per block, D per super-group */
             const __m512i cv = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)cp));
-#pragma GCC unroll 8
-            for (int t = 0; t < tt; t++)
-                J[t] = g & 1 ? _mm512_add_epi32(J[t], _mm512_mullo_epi32(I[t], cv)) : _mm512_mullo_epi32(I[t], cv);
-            if (g & 1) {
+            if (fexact) { /* J in float, every step exact (a convert, a multiply or fma, no vpmulld) */
+                const __m512 cf = _mm512_cvtepi32_ps(cv);
 #pragma GCC unroll 8
                 for (int t = 0; t < tt; t++)
-                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(J[t]), _mm512_set1_ps(xs->d32[g / 2 * tt + t]), acc[t]);
+                    Jf[t] = gi ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(I[t]), cf, Jf[t]) : _mm512_mul_ps(_mm512_cvtepi32_ps(I[t]), cf);
+            } else {
+#pragma GCC unroll 8
+                for (int t = 0; t < tt; t++)
+                    J[t] = gi ? _mm512_add_epi32(J[t], _mm512_mullo_epi32(I[t], cv)) : _mm512_mullo_epi32(I[t], cv);
+            }
+            if (gi) {
+#pragma GCC unroll 8
+                for (int t = 0; t < tt; t++)
+                    acc[t] = _mm512_fmadd_ps(fexact ? Jf[t] : _mm512_cvtepi32_ps(J[t]), _mm512_set1_ps(xs->d32[g / 2 * tt + t]), acc[t]);
                 if (((g + 1) & (GPS - 1)) == 0) {
 #pragma GCC unroll 8
                     for (int t = 0; t < tt; t++) {
@@ -193,6 +210,7 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
             if (has_m)
                 acc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(G == 32 ? xs->sx32[g * tt + t] : xs->sx16[g * tt + t]), acc[t]);
         }
+    }
     }
     const __mmask16 mask = (__mmask16)((1u << nvalid) - 1);
     #pragma GCC unroll 8
