@@ -29,7 +29,10 @@
  * activation bytes is exactly what vpdpbusd multiplies; the zero point comes off as z * sum xq):
  *   I = sum_{k in g} u[n, k] xq[k] - z sum_{k in g} xq[k];  acc = fma(float(I), s[n, g] * dx[t, g], acc);
  *   acc = fma(m[n, g], dx[t, g] * sum_{k in g} xq[k], acc)
- * in increasing g: one scalar sequence per output (16 outputs are the 16 lanes of a vector;
+ * in increasing g (except groups of 16 with 8-bit activations and no offsets, Q6_K and Q3_K: the two
+ * groups of an activation block are summed in integers first, J = c[g0] I[g0] + c[g1] I[g1], then
+ * as = fma(float(J), dx, as) and per super-group acc = fma(as, D, acc): PAIRED in matmul_int8_panel.h),
+ * one scalar sequence per output (16 outputs are the 16 lanes of a vector;
  * nothing is reduced across lanes). Register tiles: a group's weight vectors are loaded (and
  * unpacked) once and used for up to TT tokens, each with its own accumulator. The sequence per
  * output does not depend on how many tokens share the call, the tiling or the thread count, so a

@@ -28,7 +28,7 @@ typedef struct {
 /* Groups of 16 weights (Q6_K, Q3_K) with 8-bit activations and no offsets ("paired" panels): the sub-scale
  * multipliers are applied in integers, per 32-activation block b (groups g0 = 2b, g1 = 2b + 1), per lane:
  *   J = c[g0] (U[g0] - z S[g0]) + c[g1] (U[g1] - z S[g1]),  U = sum u xq, S = sum xq over the group
- * (exact in int32: |J| <= 2 * 128 * 16 * 255 * 127 * 2), then ONE float step per block into a super-group
+ * (exact in int32: |u - z| <= 255, |J| <= 2 * 128 * 16 * 255 * 127 < 2^28), then ONE float step per block into a super-group
  * accumulator, as = fma(float(J), dx[b], as), and per super-group acc = fma(as, D, acc): where the float
  * form took a convert, a multiply and an fma per 16 weights (llama.cpp applies Q6_K's sub-scales in integers
  * too, over its 256-activation blocks). 16-bit activations (|J| could pass 2^31) and offsets keep one
@@ -225,7 +225,8 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
  * then the same float epilogue per lane (the same bits). (It replaced vpmaddubsw over the hi and lo
  * bytes: 6 operations a lane and token for 4-6 bit weights, 16 for bytes split into nibbles, against 4
  * here.) 8-bit activations (int8 mode): vpmaddubsw (u8 x s8 -> pairs summed to int16) then vpmaddwd by
- * 1, exact while a pair's |u0 x0 + u1 x1| <= 32767: weights of up to 6 bits (2 * 63 * 128 = 16128);
+ * 1 (paired panels: by the rows' multipliers c, the integer sub-scale step), exact while a pair's
+ * |u0 x0 + u1 x1| <= 32767: weights of up to 6 bits (2 * 63 * 128 = 16128);
  * bytes (Q8_0) split into nibbles, 16 * hi + lo. Tokens go TS (3; 4 for 6-bit weights) at a
  * time through the panel's groups, both halves at once. */
 #define Q_AHEAD 4096
