@@ -492,3 +492,26 @@ def test_linear_integer_fast_path_is_block_matmul_and_follows_numerics():
             assert same_bits(first, ref) and same_bits(again, ref), mode
             assert same_bits(lin(x.view(1, 3, k)).view(3, n), ref)  # other ranks take the general path
             assert (lin._q8_call is not None) == (mode != "exact")
+
+
+@pytest.mark.parametrize("variant", ["avx2", "portable"])
+def test_a_panel_mixing_q6_k_and_q8_0_rows_applies_its_sub_scales_in_integers_in_every_build(variant, kernel_builds):
+    """A fused weight whose panel holds Q6_K rows beside Q8_0 rows: 8-bit values (zero point 128) in groups of
+    16, no offsets, so a paired panel where J's float form would not be exact (the AVX-512 build multiplies in
+    int32 there): the AVX2 and portable builds give the same bits, and the result the integer reference's."""
+    if kernels.int8_isa() != "avx512vnni":
+        pytest.skip("compares with the AVX512-VNNI build")
+    other, native = kernel_builds[variant], kernel_builds["native"]
+    assert other is not None and native is not None
+    k = 512
+    fused = BlockWeight.cat([BlockWeight.from_gguf("Q6_K", random_raw("Q6_K", 8, k, seed=14), k),
+                             BlockWeight.from_gguf("Q8_0", random_raw("Q8_0", 12, k, seed=15), k)])
+    panels = fused.pack_q8(native)[0][:, :2].view(np.int32)  # [vb, G, z, has_m]
+    assert panels[0].tolist() == [8, 16, 128, 0]
+    torch.manual_seed(16)
+    x = torch.randn(35, k)
+    x[7] *= 80.0
+    for rows in (1, 11, 35):
+        got = block_matmul(x[:rows], fused, lib=native, numerics="int8")
+        assert_int8_close(got, x[:rows], fused)
+        assert same_bits(block_matmul(x[:rows], fused, lib=other, numerics="int8"), got), rows
