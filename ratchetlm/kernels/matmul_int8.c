@@ -645,6 +645,23 @@ static inline __attribute__((always_inline)) void unpack_groups(const uint8_t *Q
     }
 }
 
+/* A paired panel's multipliers (PAIRED, matmul_int8_panel.h) as the AVX2 kernel's int16 vectors, made once
+ * per unpacked panel (UNPACK_MUL_LAYOUT there) instead of once per block and pass of 4 tokens (~6% of the
+ * unpacked Q6_K kernel's samples, AVX2, 512 rows): per group and half the 8 rows' (c, c) pairs, then per
+ * 32-block and half the rows' (-z c0, -z c1). The other builds read c from SM. */
+static void unpack_multipliers(const uint8_t *SMp, int K, int SB, int z, int16_t *dst) {
+    const int GPS = SB / 16, SBB = (2 + GPS) * PN, NG = K / 16;
+    int16_t *zc = dst + (long)NG * 2 * 16;
+    for (int g = 0; g < NG; g++) {
+        const int8_t *cp = (const int8_t *)SMp + (long)(g / GPS) * SBB + 2 * PN + (g % GPS) * PN;
+        for (int h = 0; h < 2; h++)
+            for (int l = 0; l < 8; l++) {
+                dst[(g * 2 + h) * 16 + 2 * l] = dst[(g * 2 + h) * 16 + 2 * l + 1] = cp[8 * h + l];
+                zc[((g / 2) * 2 + h) * 16 + 2 * l + (g & 1)] = (int16_t)(-z * cp[8 * h + l]);
+            }
+    }
+}
+
 static void unpack_panel(const uint8_t *Q, int K, int G, int vb, uint8_t *dst) {
     if (vb == 6 && G == 16)
         unpack_groups(Q, K, 16, 6, dst);
@@ -793,17 +810,22 @@ static void mm_q8(const float *x, long xs, int gated, int M, int K, int bits, in
             const int nth = omp_get_num_threads(), id = omp_get_thread_num();
             const int p0 = (int)((long)NPAN * id / nth), p1 = (int)((long)NPAN * (id + 1) / nth);
             const int PB = MIN(NPAN, (int)(PANEL_BLOCK / ((long)K * PN)) > 0 ? (int)(PANEL_BLOCK / ((long)K * PN)) : 1);
-            uint8_t *ub = aligned_alloc(64, (size_t)PB * K * PN); /* the block's unpacked panels */
+            const long UPS = (long)K * PN + UNPACK_MUL_BYTES(K); /* bytes per unpacked panel */
+            uint8_t *ub = aligned_alloc(64, (size_t)(PB * UPS)); /* the block's unpacked panels */
             for (int b0 = p0; b0 < p1; b0 += PB) {
                 const int b1 = MIN(p1, b0 + PB);
                 for (int p = b0; p < b1; p++)
-                    if (panels[p].vb == 5 || panels[p].vb == 6)
-                        unpack_panel(Q + panels[p].qoff, K, panels[p].G, panels[p].vb, ub + (long)(p - b0) * K * PN);
+                    if (panels[p].vb == 5 || panels[p].vb == 6) {
+                        unpack_panel(Q + panels[p].qoff, K, panels[p].G, panels[p].vb, ub + (long)(p - b0) * UPS);
+                        if (PAIRED(panels[p].G, bits == 16, panels[p].has_m))
+                            unpack_multipliers(SM + panels[p].soff, K, panels[p].SB, panels[p].z,
+                                               (int16_t *)(ub + (long)(p - b0) * UPS + (long)K * PN));
+                    }
                 for (int ti = 0; ti < NT; ti++)
                     for (int p = b0; p < b1; p++) {
                         const q8panel_t *pn = &panels[p];
                         const int unp = pn->vb == 5 || pn->vb == 6;
-                        panel_any(unp ? ub + (long)(p - b0) * K * PN : Q + pn->qoff, SM + pn->soff, pn->z, &tiles[ti],
+                        panel_any(unp ? ub + (long)(p - b0) * UPS : Q + pn->qoff, SM + pn->soff, pn->z, &tiles[ti],
                                   K, pn->G, unp ? pn->vb + 8 : pn->vb, bits == 16, pn->has_m, pn->unit, pn->SB,
                                   y + (long)ti * TT * N + p * PN, N, MIN(PN, N - p * PN), MIN(TT, M - ti * TT));
                     }

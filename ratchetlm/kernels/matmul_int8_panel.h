@@ -34,6 +34,10 @@ typedef struct {
  * too, over its 256-activation blocks). 16-bit activations (|J| could pass 2^31) and offsets keep one
  * float step per group. Every build forms the same J and the same float steps in the same order. */
 #define PAIRED(G, b16, has_m) ((G) == 16 && !(b16) && !(has_m))
+/* Beside an unpacked paired panel's K * PN bytes (vb 14): its multipliers as int16 vectors of 16 (the AVX2
+ * kernel's): per group g and half h at (2 g + h) * 16, (c, c) per row; then, from K / 16 * 32, per 32-block b and
+ * half h at (2 b + h) * 16, (-z c0, -z c1) per row. Room is kept for every unpacked panel. */
+#define UNPACK_MUL_BYTES(K) ((long)(K) / 16 * 64 + (long)(K) / 32 * 64)
 
 /* y[t * N + l] (t < tt, l < nvalid) = the panel's 16 rows (packed at Q, factors at SM: ratchet_pack_q8) times
  * the tile's tt tokens, for panels of vb-bit values (G, has_m, unit, SB: q8panel_t; b16: 16-bit activations) */
@@ -307,12 +311,19 @@ static inline __attribute__((always_inline)) void panel_pass(const uint8_t *Q, c
          * half at a time for 6 tokens, unpacking a half's weights once for 6: 0.88-1.01x; both halves per token
          * with its pairs broadcast once: 0.98-1.03x; neither kept.) */
         __m256i I[AVX2_TS][2];
+        /* vb 14: the multipliers' vectors made once per unpacked panel (UNPACK_MUL_BYTES) */
+        const int16_t *um = (const int16_t *)(Q + (long)K * PN);
         if (P && z) {
             #pragma GCC unroll 2
             for (int h = 0; h < 2; h++) {
-                const __m128i c01 = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(cp0 + 8 * h)),
-                                                      _mm_loadl_epi64((const __m128i *)(cp0 + PN + 8 * h)));
-                const __m256i zc = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(c01), _mm256_set1_epi16((int16_t)-z));
+                __m256i zc;
+                if (vb > 8) {
+                    zc = _mm256_loadu_si256((const __m256i *)(um + (long)K * 2 + ((long)gb + h) * 16));
+                } else {
+                    const __m128i c01 = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(cp0 + 8 * h)),
+                                                          _mm_loadl_epi64((const __m128i *)(cp0 + PN + 8 * h)));
+                    zc = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(c01), _mm256_set1_epi16((int16_t)-z));
+                }
                 #pragma GCC unroll 4
                 for (int t = 0; t < S; t++)
                     I[t][h] = _mm256_madd_epi16(zc, _mm256_set1_epi32(xs->sp32[(long)(gb / 2) * tt + t0 + t]));
@@ -328,7 +339,10 @@ static inline __attribute__((always_inline)) void panel_pass(const uint8_t *Q, c
             for (int o = 0; o < VBYTES(G, vb); o += 64) _mm_prefetch((const char *)qg + Q_AHEAD + o, _MM_HINT_T0);
         __m256i sc[2]; /* the widening's int16 pairs per half: 1, or the rows' multipliers of group g */
         #pragma GCC unroll 2
-        for (int h = 0; h < 2; h++) sc[h] = P ? pairs_of(cp0 + gi * PN + 8 * h) : _mm256_set1_epi16(1);
+        for (int h = 0; h < 2; h++)
+            sc[h] = !P ? _mm256_set1_epi16(1)
+                    : vb > 8 ? _mm256_loadu_si256((const __m256i *)(um + ((long)g * 2 + h) * 16))
+                             : pairs_of(cp0 + gi * PN + 8 * h);
         if (!b16 && vb != 8) {
             /* 8 bits, weights u < 2^vb (<= 63): vpmaddubsw's pair sums |u0 x0 + u1 x1| <= 2 * 63 * 127 = 16002,
              * so two vectors' sums add up exactly in int16 before one vpmaddwd by sc widens them (|c| <= 128:
