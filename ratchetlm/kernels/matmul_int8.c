@@ -649,7 +649,7 @@ static inline __attribute__((always_inline)) void unpack_groups(const uint8_t *Q
  * per unpacked panel (UNPACK_MUL_LAYOUT there) instead of once per block and pass of 4 tokens (~6% of the
  * unpacked Q6_K kernel's samples, AVX2, 512 rows): per group and half the 8 rows' (c, c) pairs, then per
  * 32-block and half the rows' (-z c0, -z c1). The other builds read c from SM. */
-static void unpack_multipliers(const uint8_t *SMp, int K, int SB, int z, int16_t *dst) {
+static __attribute__((unused)) void unpack_multipliers(const uint8_t *SMp, int K, int SB, int z, int16_t *dst) {
     const int GPS = SB / 16, SBB = (2 + GPS) * PN, NG = K / 16;
     int16_t *zc = dst + (long)NG * 2 * 16;
     for (int g = 0; g < NG; g++) {
@@ -817,9 +817,11 @@ static void mm_q8(const float *x, long xs, int gated, int M, int K, int bits, in
                 for (int p = b0; p < b1; p++)
                     if (panels[p].vb == 5 || panels[p].vb == 6) {
                         unpack_panel(Q + panels[p].qoff, K, panels[p].G, panels[p].vb, ub + (long)(p - b0) * UPS);
+#if defined(PAIRS16) /* (only the AVX2 kernel reads them) */
                         if (PAIRED(panels[p].G, bits == 16, panels[p].has_m))
                             unpack_multipliers(SM + panels[p].soff, K, panels[p].SB, panels[p].z,
                                                (int16_t *)(ub + (long)(p - b0) * UPS + (long)K * PN));
+#endif
                     }
                 for (int ti = 0; ti < NT; ti++)
                     for (int p = b0; p < b1; p++) {
