@@ -41,13 +41,16 @@ def random_weight(type_name: str, n: int, k: int) -> BlockWeight:
     return BlockWeight.from_gguf(type_name, raw.reshape(n, -1), k)
 
 
+CLOCK = time.perf_counter  # --cpu-time: time.thread_time (one thread: the calling thread does the work)
+
+
 def best_ms(f, budget_s: float = 0.3) -> float:
     f()
     best, t0 = float("inf"), time.perf_counter()
     while time.perf_counter() - t0 < budget_s:
-        t = time.perf_counter()
+        t = CLOCK()
         f()
-        best = min(best, time.perf_counter() - t)
+        best = min(best, CLOCK() - t)
     return 1e3 * best
 
 
@@ -60,7 +63,18 @@ def main() -> None:
     ap.add_argument("--against", help="another kernel library (.so): A/B ratios in this process")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per cell (with --against)")
     ap.add_argument("--kernel-flags", help="compile this build with these flags instead of -march=native")
+    ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="row counts (tokens) per call")
+    ap.add_argument("--new-bits", action="store_true",
+                    help="with --against: the builds may differ in bits (a numerics change): print the largest "
+                         "difference relative to the output's scale instead of asserting the same bits")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time the calling thread's CPU time (with --threads 1: the time others' work on a shared "
+                         "machine does not stretch)")
     args = ap.parse_args()
+    if args.cpu_time:
+        assert args.threads == 1, "--cpu-time measures the calling thread only"
+        global CLOCK
+        CLOCK = time.thread_time
     torch.set_num_threads(args.threads)
     set_blas_rows(0)  # the block kernels at every row count
     if args.kernel_flags:
@@ -77,9 +91,9 @@ def main() -> None:
         for type_name in args.types:
             w = random_weight(type_name, n, k)
             for mode in args.modes:
-                xs = [torch.randn(r, k) for r in ROWS]
+                xs = [torch.randn(r, k) for r in args.rows]
                 ms = [best_ms(lambda x=x, w=w, mode=mode: block_matmul(x, w, numerics=mode)) for x in xs]
-                cells = " ".join(f"{m:7.3f} {m / ms[0]:5.2f}x {r * n * k / m / 1e6:5.0f}" for r, m in zip(ROWS, ms,
+                cells = " ".join(f"{m:7.3f} {m / ms[0]:5.2f}x {r * n * k / m / 1e6:5.0f}" for r, m in zip(args.rows, ms,
                                                                                                       strict=True))
                 print(f"{type_name:5} {mode:6} {cells}", flush=True)
 
@@ -94,16 +108,20 @@ def against(args: argparse.Namespace, n: int, k: int) -> None:
     assert this is not None
     modes = args.modes
     print(f"time of this build / {os.path.basename(args.against)} (best of {args.rounds} interleaved rounds each)")
-    print("type  mode   " + " ".join(f"{r:>6}" for r in ROWS))
+    print("type  mode   " + " ".join(f"{r:>6}" for r in args.rows))
     with torch.inference_mode():
         for type_name in args.types:
             w = random_weight(type_name, n, k)
             for mode in modes:
                 ratios = []
-                for r in ROWS:
+                diffs = []
+                for r in args.rows:
                     x = torch.randn(r, k)
                     a, b = (block_matmul(x, w, lib=lib, path="kernel", numerics=mode) for lib in (this, other))
-                    assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (type_name, mode, r)
+                    if args.new_bits:
+                        diffs.append(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)))
+                    else:
+                        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (type_name, mode, r)
                     best = {id(this): float("inf"), id(other): float("inf")}
                     for _ in range(args.rounds):
                         for lib in (this, other):
@@ -113,7 +131,8 @@ def against(args: argparse.Namespace, n: int, k: int) -> None:
                             ms = best_ms(call, 0.05)
                             best[id(lib)] = min(best[id(lib)], ms)
                     ratios.append(best[id(this)] / best[id(other)])
-                print(f"{type_name:5} {mode:6} " + " ".join(f"{q:6.3f}" for q in ratios), flush=True)
+                note = f"  (max |diff| / max |y|: {max(diffs):.1e})" if diffs else ""
+                print(f"{type_name:5} {mode:6} " + " ".join(f"{q:6.3f}" for q in ratios) + note, flush=True)
 
 
 if __name__ == "__main__":

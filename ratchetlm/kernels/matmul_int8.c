@@ -29,7 +29,10 @@
  * activation bytes is exactly what vpdpbusd multiplies; the zero point comes off as z * sum xq):
  *   I = sum_{k in g} u[n, k] xq[k] - z sum_{k in g} xq[k];  acc = fma(float(I), s[n, g] * dx[t, g], acc);
  *   acc = fma(m[n, g], dx[t, g] * sum_{k in g} xq[k], acc)
- * in increasing g: one scalar sequence per output (16 outputs are the 16 lanes of a vector;
+ * in increasing g (except groups of 16 with 8-bit activations and no offsets, Q6_K and Q3_K: the two
+ * groups of an activation block are summed in integers first, J = c[g0] I[g0] + c[g1] I[g1], then
+ * as = fma(float(J), dx, as) and per super-group acc = fma(as, D, acc): PAIRED in matmul_int8_panel.h),
+ * one scalar sequence per output (16 outputs are the 16 lanes of a vector;
  * nothing is reduced across lanes). Register tiles: a group's weight vectors are loaded (and
  * unpacked) once and used for up to TT tokens, each with its own accumulator. The sequence per
  * output does not depend on how many tokens share the call, the tiling or the thread count, so a
@@ -642,6 +645,23 @@ static inline __attribute__((always_inline)) void unpack_groups(const uint8_t *Q
     }
 }
 
+/* A paired panel's multipliers (PAIRED, matmul_int8_panel.h) as the AVX2 kernel's int16 vectors, made once
+ * per unpacked panel (UNPACK_MUL_LAYOUT there) instead of once per block and pass of 4 tokens (~6% of the
+ * unpacked Q6_K kernel's samples, AVX2, 512 rows): per group and half the 8 rows' (c, c) pairs, then per
+ * 32-block and half the rows' (-z c0, -z c1). The other builds read c from SM. */
+static __attribute__((unused)) void unpack_multipliers(const uint8_t *SMp, int K, int SB, int z, int16_t *dst) {
+    const int GPS = SB / 16, SBB = (2 + GPS) * PN, NG = K / 16;
+    int16_t *zc = dst + (long)NG * 2 * 16;
+    for (int g = 0; g < NG; g++) {
+        const int8_t *cp = (const int8_t *)SMp + (long)(g / GPS) * SBB + 2 * PN + (g % GPS) * PN;
+        for (int h = 0; h < 2; h++)
+            for (int l = 0; l < 8; l++) {
+                dst[(g * 2 + h) * 16 + 2 * l] = dst[(g * 2 + h) * 16 + 2 * l + 1] = cp[8 * h + l];
+                zc[((g / 2) * 2 + h) * 16 + 2 * l + (g & 1)] = (int16_t)(-z * cp[8 * h + l]);
+            }
+    }
+}
+
 static void unpack_panel(const uint8_t *Q, int K, int G, int vb, uint8_t *dst) {
     if (vb == 6 && G == 16)
         unpack_groups(Q, K, 16, 6, dst);
@@ -660,14 +680,16 @@ static void unpack_panel(const uint8_t *Q, int K, int G, int vb, uint8_t *dst) {
 #define PANEL_BLOCK (512 * 1024) /* 128 KB: 1.08-1.16x the time, 1 MB 1.02-1.26x (AVX-512, 512 rows, one thread) */
 
 /* A tile's activation items, token-interleaved (word [i][t] is token t's i-th item; the xtile_t fields
- * in order): xh [K / 4], xl [K / 4] (16 bits only), then per 32-block d, sx32, zq16 (2), zq32, sx16 (2) */
-static long tile_words(int K, int bits) { return (long)K / 4 * (bits == 16 ? 2 : 1) + (long)(K / 32) * 7; }
+ * in order): xh [K / 4], xl [K / 4] (16 bits only), then per 32-block d, sx32, zq16 (2), zq32, sx16 (2),
+ * sp32 */
+static long tile_words(int K, int bits) { return (long)K / 4 * (bits == 16 ? 2 : 1) + (long)(K / 32) * 8; }
 
 static xtile_t tile_view(int32_t *dst, int K, int bits, int tt) {
     const long xw = (long)K / 4 * (bits == 16 ? 2 : 1), NB = K / 32;
     int32_t *rest = dst + xw * tt;
     return (xtile_t){dst, bits == 16 ? dst + (long)K / 4 * tt : NULL, (const float *)rest, rest + 4 * NB * tt,
-                     rest + 2 * NB * tt, (const float *)(rest + NB * tt), (const float *)(rest + 5 * NB * tt)};
+                     rest + 2 * NB * tt, (const float *)(rest + NB * tt), (const float *)(rest + 5 * NB * tt),
+                     rest + 7 * NB * tt};
 }
 
 /* Blocks [b0, b1) of the tile's tt tokens quantized (quantize_row) and written straight into the tile's
@@ -724,7 +746,7 @@ static void prep_tile_blocks(const float *x, long xs, int gated, int K, int bits
             }
             int32_t *rest = dst + rest_off + t;
             float *d32 = (float *)rest, *sx32 = (float *)(rest + (long)NB * tt), *sx16 = (float *)(rest + 5L * NB * tt);
-            int32_t *zq16 = rest + 2L * NB * tt, *zq32 = rest + 4L * NB * tt;
+            int32_t *zq16 = rest + 2L * NB * tt, *zq32 = rest + 4L * NB * tt, *sp32 = rest + 7L * NB * tt;
             for (int j = 0; j < nb; j++) {
                 const long b = c0 + j;
                 const int32_t s0 = q16[2 * j], s1 = q16[2 * j + 1];
@@ -735,6 +757,7 @@ static void prep_tile_blocks(const float *x, long xs, int gated, int K, int bits
                 zq32[b * tt] = -zw * (s0 + s1); /* |sum xq| <= 32 * 32639: exact in int32 for zw <= 128 */
                 zq16[2 * b * tt] = -zw * s0;
                 zq16[(2 * b + 1) * tt] = -zw * s1;
+                sp32[b * tt] = (int32_t)(((uint32_t)s0 & 0xFFFF) | (uint32_t)s1 << 16); /* 8 bits: |s| <= 16 * 127, int16 (paired panels) */
             }
         }
     }
@@ -787,17 +810,24 @@ static void mm_q8(const float *x, long xs, int gated, int M, int K, int bits, in
             const int nth = omp_get_num_threads(), id = omp_get_thread_num();
             const int p0 = (int)((long)NPAN * id / nth), p1 = (int)((long)NPAN * (id + 1) / nth);
             const int PB = MIN(NPAN, (int)(PANEL_BLOCK / ((long)K * PN)) > 0 ? (int)(PANEL_BLOCK / ((long)K * PN)) : 1);
-            uint8_t *ub = aligned_alloc(64, (size_t)PB * K * PN); /* the block's unpacked panels */
+            const long UPS = (long)K * PN + UNPACK_MUL_BYTES(K); /* bytes per unpacked panel */
+            uint8_t *ub = aligned_alloc(64, (size_t)(PB * UPS)); /* the block's unpacked panels */
             for (int b0 = p0; b0 < p1; b0 += PB) {
                 const int b1 = MIN(p1, b0 + PB);
                 for (int p = b0; p < b1; p++)
-                    if (panels[p].vb == 5 || panels[p].vb == 6)
-                        unpack_panel(Q + panels[p].qoff, K, panels[p].G, panels[p].vb, ub + (long)(p - b0) * K * PN);
+                    if (panels[p].vb == 5 || panels[p].vb == 6) {
+                        unpack_panel(Q + panels[p].qoff, K, panels[p].G, panels[p].vb, ub + (long)(p - b0) * UPS);
+#if defined(PAIRS16) /* (only the AVX2 kernel reads them) */
+                        if (PAIRED(panels[p].G, bits == 16, panels[p].has_m))
+                            unpack_multipliers(SM + panels[p].soff, K, panels[p].SB, panels[p].z,
+                                               (int16_t *)(ub + (long)(p - b0) * UPS + (long)K * PN));
+#endif
+                    }
                 for (int ti = 0; ti < NT; ti++)
                     for (int p = b0; p < b1; p++) {
                         const q8panel_t *pn = &panels[p];
                         const int unp = pn->vb == 5 || pn->vb == 6;
-                        panel_any(unp ? ub + (long)(p - b0) * K * PN : Q + pn->qoff, SM + pn->soff, pn->z, &tiles[ti],
+                        panel_any(unp ? ub + (long)(p - b0) * UPS : Q + pn->qoff, SM + pn->soff, pn->z, &tiles[ti],
                                   K, pn->G, unp ? pn->vb + 8 : pn->vb, bits == 16, pn->has_m, pn->unit, pn->SB,
                                   y + (long)ti * TT * N + p * PN, N, MIN(PN, N - p * PN), MIN(TT, M - ti * TT));
                     }

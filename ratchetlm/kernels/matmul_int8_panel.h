@@ -22,7 +22,22 @@ typedef struct {
     const int32_t *zq16; /* [K / 16][tt] -z * the half block's sum of xq */
     const float *sx32;  /* [K / 32][tt] dx * q32 */
     const float *sx16;  /* [K / 16][tt] dx * q16 */
+    const int32_t *sp32; /* [K / 32][tt] the block's two half-block sums of xq as int16 (low: first, high: second) */
 } xtile_t;
+
+/* Groups of 16 weights (Q6_K, Q3_K) with 8-bit activations and no offsets ("paired" panels): the sub-scale
+ * multipliers are applied in integers, per 32-activation block b (groups g0 = 2b, g1 = 2b + 1), per lane:
+ *   J = c[g0] (U[g0] - z S[g0]) + c[g1] (U[g1] - z S[g1]),  U = sum u xq, S = sum xq over the group
+ * (exact in int32: |u - z| <= 255, |J| <= 2 * 128 * 16 * 255 * 127 < 2^28), then ONE float step per block into a super-group
+ * accumulator, as = fma(float(J), dx[b], as), and per super-group acc = fma(as, D, acc): where the float
+ * form took a convert, a multiply and an fma per 16 weights (llama.cpp applies Q6_K's sub-scales in integers
+ * too, over its 256-activation blocks). 16-bit activations (|J| could pass 2^31) and offsets keep one
+ * float step per group. Every build forms the same J and the same float steps in the same order. */
+#define PAIRED(G, b16, has_m) ((G) == 16 && !(b16) && !(has_m))
+/* Beside an unpacked paired panel's K * PN bytes (vb 14): its multipliers as int16 vectors of 16 (the AVX2
+ * kernel's): per group g and half h at (2 g + h) * 16, (c, c) per row; then, from K / 16 * 32, per 32-block b and
+ * half h at (2 b + h) * 16, (-z c0, -z c1) per row. Room is kept for every unpacked panel. */
+#define UNPACK_MUL_BYTES(K) ((long)(K) / 16 * 64 + (long)(K) / 32 * 64)
 
 /* y[t * N + l] (t < tt, l < nvalid) = the panel's 16 rows (packed at Q, factors at SM: ratchet_pack_q8) times
  * the tile's tt tokens, for panels of vb-bit values (G, has_m, unit, SB: q8panel_t; b16: 16-bit activations) */
@@ -72,9 +87,21 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
                                                              const int b16, const int has_m, const int unit, int SB,
                                                              float *y, int N,
                                                              int nvalid, const int tt) {
-    __m512 acc[TT];
+    const int P = PAIRED(G, b16, has_m);
+    __m512 acc[TT]; /* paired panels: the super-group's accumulator as, the total in accm */
+    __m512i J[TT];
+    /* Paired panels: J's steps are exact in float where |J| < 2^24: |u - z| <= 32 (4-bit values; 6-bit ones
+     * with z = 32, Q6_K: 2 * 128 * 16 * 32 * 127 = 16646144), then formed by vcvtdq2ps and vmulps / vfmadd (which
+     * the second 512-bit port takes) rather than vpmulld (2 uops on the port of vpdpbusd: 1.17x the time
+     * at one row, 2048 x 2048 Q6_K, one thread); the same J, so the same bits */
+    const int fexact = P && (vb == 4 || ((vb == 6 || vb == 14) && z == 32));
+    __m512 Jf[TT];
+    float accm[P ? TT : 1][PN] __attribute__((aligned(64)));
     #pragma GCC unroll 8
-    for (int t = 0; t < tt; t++) acc[t] = _mm512_setzero_ps();
+    for (int t = 0; t < tt; t++) {
+        acc[t] = _mm512_setzero_ps();
+        if (P) _mm512_store_ps(accm[t], acc[t]);
+    }
     const int C = G / 4, NG = K / G, GPS = SB / G, SBB = (1 + has_m) * (2 + (unit ? 0 : GPS)) * PN;
     /* GPS is a power of two: a shift and a mask per group, not g / GPS and g % GPS (gcc emitted an idiv, a
      * microcoded instruction, in every group: removing it took 8- and 16-token tiles to 0.73x the time,
@@ -82,7 +109,11 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
     const int gsh = __builtin_ctz((unsigned)GPS);
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512 Dv = _mm512_setzero_ps(), Dmv = _mm512_setzero_ps();
-    for (int g = 0; g < NG; g++) {
+    const int GS = P ? 2 : 1; /* paired panels: both groups of a block in one pass of the loop (no branch on g's parity) */
+    for (int gb = 0; gb < NG; gb += GS) {
+    #pragma GCC unroll 2
+    for (int gi = 0; gi < GS; gi++) {
+        const int g = gb + gi;
         const uint8_t *sbp = SM + (long)(g >> gsh) * SBB, *qg = Q + (long)g * VBYTES(G, vb);
         #pragma GCC unroll 8
         for (int o = 0; o < VBYTES(G, vb) && vb <= 8; o += 64) _mm_prefetch((const char *)qg + Q_AHEAD + o, _MM_HINT_T0);
@@ -93,7 +124,7 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
         }
         /* s = D * c and m = D_m * c_m: the format's own products (d * sc), exact as to_q8w's */
         const int8_t *cp = (const int8_t *)sbp + (1 + has_m) * 2 * PN + (g & (GPS - 1)) * (1 + has_m) * PN;
-        const __m512 sv = unit ? Dv : _mm512_mul_ps(Dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)cp))));
+        const __m512 sv = unit || P ? Dv : _mm512_mul_ps(Dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)cp))));
         const __m512 mv = !has_m ? _mm512_setzero_ps()
                           : unit ? Dmv
                                  : _mm512_mul_ps(Dmv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(cp + PN)))));
@@ -150,6 +181,32 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
 #pragma GCC unroll 8
                 for (int t = 0; t < tt; t++) I[t] = dpbusd_bcast(I[t], W[c], xs->xl + ((long)g * C + c) * tt + t);
         }
+        if (P) { /* J += c * (U - z S) per lane (exact), one float step per block, D per super-group */
+            const __m512i cv = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)cp));
+            if (fexact) { /* J in float, every step exact (a convert, a multiply or fma, no vpmulld) */
+                const __m512 cf = _mm512_cvtepi32_ps(cv);
+#pragma GCC unroll 8
+                for (int t = 0; t < tt; t++)
+                    Jf[t] = gi ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(I[t]), cf, Jf[t]) : _mm512_mul_ps(_mm512_cvtepi32_ps(I[t]), cf);
+            } else {
+#pragma GCC unroll 8
+                for (int t = 0; t < tt; t++)
+                    J[t] = gi ? _mm512_add_epi32(J[t], _mm512_mullo_epi32(I[t], cv)) : _mm512_mullo_epi32(I[t], cv);
+            }
+            if (gi) {
+#pragma GCC unroll 8
+                for (int t = 0; t < tt; t++)
+                    acc[t] = _mm512_fmadd_ps(fexact ? Jf[t] : _mm512_cvtepi32_ps(J[t]), _mm512_set1_ps(xs->d32[g / 2 * tt + t]), acc[t]);
+                if (((g + 1) & (GPS - 1)) == 0) {
+#pragma GCC unroll 8
+                    for (int t = 0; t < tt; t++) {
+                        _mm512_store_ps(accm[t], _mm512_fmadd_ps(acc[t], Dv, _mm512_load_ps(accm[t])));
+                        acc[t] = _mm512_setzero_ps();
+                    }
+                }
+            }
+            continue;
+        }
 #pragma GCC unroll 8
         for (int t = 0; t < tt; t++) {
             const float dx = G == 32 ? xs->d32[g * tt + t] : xs->d32[g / 2 * tt + t];
@@ -158,9 +215,10 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
                 acc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(G == 32 ? xs->sx32[g * tt + t] : xs->sx16[g * tt + t]), acc[t]);
         }
     }
+    }
     const __mmask16 mask = (__mmask16)((1u << nvalid) - 1);
     #pragma GCC unroll 8
-    for (int t = 0; t < tt; t++) _mm512_mask_storeu_ps(y + (long)t * N, mask, acc[t]);
+    for (int t = 0; t < tt; t++) _mm512_mask_storeu_ps(y + (long)t * N, mask, P ? _mm512_load_ps(accm[t]) : acc[t]);
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /* AVX2 (no VNNI): a 16-row panel is two 8-row halves of 32 bytes (each 64-byte VNNI-order vector's
@@ -171,7 +229,8 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
  * then the same float epilogue per lane (the same bits). (It replaced vpmaddubsw over the hi and lo
  * bytes: 6 operations a lane and token for 4-6 bit weights, 16 for bytes split into nibbles, against 4
  * here.) 8-bit activations (int8 mode): vpmaddubsw (u8 x s8 -> pairs summed to int16) then vpmaddwd by
- * 1, exact while a pair's |u0 x0 + u1 x1| <= 32767: weights of up to 6 bits (2 * 63 * 128 = 16128);
+ * 1 (paired panels: by the rows' multipliers c, the integer sub-scale step), exact while a pair's
+ * |u0 x0 + u1 x1| <= 32767: weights of up to 6 bits (2 * 63 * 128 = 16128);
  * bytes (Q8_0) split into nibbles, 16 * hi + lo. Tokens go TS (3; 4 for 6-bit weights) at a
  * time through the panel's groups, both halves at once. */
 #define Q_AHEAD 4096
@@ -196,15 +255,22 @@ static inline __attribute__((always_inline)) __m256i unpack_avx2(const uint8_t *
     return w;
 }
 
-/* 8-bit activations: I += w . x for every lane; bytes (vb = 8) as 16 (hi nibble) + lo nibble */
-static inline __attribute__((always_inline)) __m256i dot_w_avx2(__m256i I, __m256i w, int32_t x4, int vb) {
-    const __m256i x = _mm256_set1_epi32(x4), ones = _mm256_set1_epi16(1);
-    if (vb != 8) return _mm256_add_epi32(I, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
+/* 8-bit activations: I += (w . x) * sc for every lane (sc: int16 pairs, 1 or a paired panel's c); bytes
+ * (vb = 8) as 16 (hi nibble) + lo nibble */
+static inline __attribute__((always_inline)) __m256i dot_w_avx2(__m256i I, __m256i w, int32_t x4, int vb, __m256i sc) {
+    const __m256i x = _mm256_set1_epi32(x4);
+    if (vb != 8) return _mm256_add_epi32(I, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), sc));
+    const __m256i m4 = _mm256_set1_epi8(0x0F); /* |16 c| <= 2048, nibble pair sums <= 3810: exact */
     const __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), m4), x),
-                                         _mm256_set1_epi16(16));
-    const __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(w, m4), x), ones);
+                                         _mm256_slli_epi16(sc, 4));
+    const __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(w, m4), x), sc);
     return _mm256_add_epi32(I, _mm256_add_epi32(hi, lo));
+}
+
+/* 8 rows' int8 multipliers (8 bytes at c) as int16 pairs (c_l, c_l) per int32 lane */
+static inline __attribute__((always_inline)) __m256i pairs_of(const int8_t *c) {
+    const __m128i b = _mm_loadl_epi64((const __m128i *)c);
+    return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(b, b));
 }
 
 #define AVX2_TS 4 /* the most tokens a pass over a panel's groups takes */
@@ -223,26 +289,65 @@ static inline __attribute__((always_inline)) void panel_pass(const uint8_t *Q, c
     const int C = G / 4, NG = K / G, GPS = SB / G, SBB = (1 + has_m) * (2 + (unit ? 0 : GPS)) * PN;
     const int gsh = __builtin_ctz((unsigned)GPS); /* GPS is a power of two: shifts, not a division per group */
     const __m256i m00ff = _mm256_set1_epi16(0xFF), lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    /* The float accumulators live in memory (L1), touched once per group and token, so that the 16 ymm
-     * registers hold the 6 integer chains and the weight vectors (in registers beside them: 0.85-1.09x
-     * the time of this, measured with the chains' asm below in place). */
+    /* paired panels (PAIRED above): both groups of a 32-block go into one integer chain, each group's products
+     * widened by vpmaddwd with its multipliers c (int16 pairs) where the other kinds widen by 1 */
+    const int P = PAIRED(G, b16, has_m), GS = P ? 2 : 1;
+    /* The float accumulators live in memory (L1), touched once per group (paired: block) and token, so that
+     * the 16 ymm registers hold the integer chains and the weight vectors (in registers beside them:
+     * 0.85-1.09x the time of this, measured with the chains' asm below in place). Paired panels: acc is the
+     * super-group's accumulator, accm the total. */
     float acc[AVX2_TS][2][8] __attribute__((aligned(32)));
+    float accm[P ? AVX2_TS : 1][2][8] __attribute__((aligned(32)));
     for (int t = 0; t < AVX2_TS; t++)
-        for (int h = 0; h < 2; h++) _mm256_store_ps(acc[t][h], _mm256_setzero_ps());
-    for (int g = 0; g < NG; g++) {
-        const uint8_t *sbp = SM + (long)(g >> gsh) * SBB, *qg = Q + (long)g * VBYTES(G, vb);
+        for (int h = 0; h < 2; h++) {
+            _mm256_store_ps(acc[t][h], _mm256_setzero_ps());
+            if (P) _mm256_store_ps(accm[t][h], _mm256_setzero_ps());
+        }
+    for (int gb = 0; gb < NG; gb += GS) {
+        const uint8_t *sbp = SM + (long)(gb >> gsh) * SBB;
+        const int8_t *cp0 = (const int8_t *)sbp + (1 + has_m) * 2 * PN + (gb & (GPS - 1)) * (1 + has_m) * PN;
+        /* one int32 chain per token and half: u . x (16 bits) or u . xq (8 bits); paired: from -z (c0 S0 + c1 S1),
+         * one vpmaddwd of the rows' (-z c0, -z c1) (|z c| <= 16384) by the token's (S0, S1) (|S| <= 2032). (One
+         * half at a time for 6 tokens, unpacking a half's weights once for 6: 0.88-1.01x; both halves per token
+         * with its pairs broadcast once: 0.98-1.03x; neither kept.) */
+        __m256i I[AVX2_TS][2];
+        /* vb 14: the multipliers' vectors made once per unpacked panel (UNPACK_MUL_BYTES) */
+        const int16_t *um = (const int16_t *)(Q + (long)K * PN);
+        if (P && z) {
+            #pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                __m256i zc;
+                if (vb > 8) {
+                    zc = _mm256_loadu_si256((const __m256i *)(um + (long)K * 2 + ((long)gb + h) * 16));
+                } else {
+                    const __m128i c01 = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(cp0 + 8 * h)),
+                                                          _mm_loadl_epi64((const __m128i *)(cp0 + PN + 8 * h)));
+                    zc = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(c01), _mm256_set1_epi16((int16_t)-z));
+                }
+                #pragma GCC unroll 4
+                for (int t = 0; t < S; t++)
+                    I[t][h] = _mm256_madd_epi16(zc, _mm256_set1_epi32(xs->sp32[(long)(gb / 2) * tt + t0 + t]));
+            }
+        } else {
+            for (int t = 0; t < AVX2_TS; t++) I[t][0] = I[t][1] = _mm256_setzero_si256();
+        }
+        #pragma GCC unroll 2
+        for (int gi = 0; gi < GS; gi++) {
+        const int g = gb + gi;
+        const uint8_t *qg = Q + (long)g * VBYTES(G, vb);
         if (t0 == 0 && vb <= 8) /* (vb 13, 14: the unpacked panels sit in L2) */
             for (int o = 0; o < VBYTES(G, vb); o += 64) _mm_prefetch((const char *)qg + Q_AHEAD + o, _MM_HINT_T0);
-        /* one int32 chain per token and half: u . x (16 bits) or u . xq (8 bits). (One half at a time
-         * for 6 tokens, unpacking a half's weights once for 6: 0.88-1.01x; both halves per token with
-         * its pairs broadcast once: 0.98-1.03x; neither kept.) */
-        __m256i I[AVX2_TS][2];
-        for (int t = 0; t < AVX2_TS; t++) I[t][0] = I[t][1] = _mm256_setzero_si256();
+        __m256i sc[2]; /* the widening's int16 pairs per half: 1, or the rows' multipliers of group g */
+        #pragma GCC unroll 2
+        for (int h = 0; h < 2; h++)
+            sc[h] = !P ? _mm256_set1_epi16(1)
+                    : vb > 8 ? _mm256_loadu_si256((const __m256i *)(um + ((long)g * 2 + h) * 16))
+                             : pairs_of(cp0 + gi * PN + 8 * h);
         if (!b16 && vb != 8) {
             /* 8 bits, weights u < 2^vb (<= 63): vpmaddubsw's pair sums |u0 x0 + u1 x1| <= 2 * 63 * 127 = 16002,
-             * so two vectors' sums add up exactly in int16 before one vpmaddwd by 1 widens them: the same int32 I,
-             * one widening (and one int32 add) per two vectors instead of each; C = G / 4 is 4 or 8, even */
-            const __m256i ones = _mm256_set1_epi16(1);
+             * so two vectors' sums add up exactly in int16 before one vpmaddwd by sc widens them (|c| <= 128:
+             * 2 * 32004 * 128, exact): the same int32 I, one widening (and one int32 add) per two vectors
+             * instead of each; C = G / 4 is 4 or 8, even */
             #pragma GCC unroll 8
             for (int c0 = 0; c0 < C; c0 += 2) {
                 __m256i w[2][2];
@@ -257,7 +362,7 @@ static inline __attribute__((always_inline)) void panel_pass(const uint8_t *Q, c
                     #pragma GCC unroll 2
                     for (int h = 0; h < 2; h++) {
                         const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0][h], x0), _mm256_maddubs_epi16(w[1][h], x1));
-                        I[t][h] = _mm256_add_epi32(I[t][h], _mm256_madd_epi16(s16, ones));
+                        I[t][h] = _mm256_add_epi32(I[t][h], _mm256_madd_epi16(s16, sc[h]));
                         __asm__("" : "+x"(I[t][h]));
                     }
                 }
@@ -277,7 +382,7 @@ static inline __attribute__((always_inline)) void panel_pass(const uint8_t *Q, c
                         I[t][h] = _mm256_add_epi32(I[t][h], _mm256_madd_epi16(w02, _mm256_set1_epi32(xs->xh[i])));
                         I[t][h] = _mm256_add_epi32(I[t][h], _mm256_madd_epi16(w13, _mm256_set1_epi32(xs->xl[i])));
                     } else {
-                        I[t][h] = dot_w_avx2(I[t][h], w, xs->xh[i], vb);
+                        I[t][h] = dot_w_avx2(I[t][h], w, xs->xh[i], vb, sc[h]);
                     }
                     /* keep the chain a chain: GCC otherwise reassociates the unrolled integer sums into
                      * trees whose products no longer fit the 16 registers and spills them */
@@ -285,7 +390,28 @@ static inline __attribute__((always_inline)) void panel_pass(const uint8_t *Q, c
                 }
             }
         }
-        const int8_t *cp = (const int8_t *)sbp + (1 + has_m) * 2 * PN + (g & (GPS - 1)) * (1 + has_m) * PN;
+        }
+        if (P) { /* as = fma(float(J), dx, as); at the super-group's end acc = fma(as, D, acc) */
+            const int sb_end = ((gb + 2) & (GPS - 1)) == 0;
+            #pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sbp + 16 * h)));
+                #pragma GCC unroll 4
+                for (int t = 0; t < S; t++) {
+                    const float dx = xs->d32[(long)(gb / 2) * tt + t0 + t];
+                    const __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I[t][h]), _mm256_set1_ps(dx), _mm256_load_ps(acc[t][h]));
+                    if (sb_end) {
+                        _mm256_store_ps(accm[t][h], _mm256_fmadd_ps(a, D, _mm256_load_ps(accm[t][h])));
+                        _mm256_store_ps(acc[t][h], _mm256_setzero_ps());
+                    } else {
+                        _mm256_store_ps(acc[t][h], a);
+                    }
+                }
+            }
+            continue;
+        }
+        const int g = gb;
+        const int8_t *cp = cp0;
         #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) { /* s = D * c and m = D_m * c_m, as the AVX-512 kernel forms them */
             const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sbp + 16 * h)));
@@ -311,7 +437,7 @@ static inline __attribute__((always_inline)) void panel_pass(const uint8_t *Q, c
     for (int t = 0; t < S; t++)
         for (int h = 0; h < 2; h++) {
             const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(nvalid - 8 * h), lane);
-            _mm256_maskstore_ps(y + (long)(t0 + t) * N + 8 * h, mask, _mm256_load_ps(acc[t][h]));
+            _mm256_maskstore_ps(y + (long)(t0 + t) * N + 8 * h, mask, _mm256_load_ps(P ? accm[t][h] : acc[t][h]));
         }
 }
 #else
@@ -319,9 +445,11 @@ static inline __attribute__((always_inline)) void panel_pass(const uint8_t *Q, c
 static inline void panel_tile(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, const int G,
                               const int vb, const int b16, const int has_m, const int unit, int SB, float *y, int N,
                               int nvalid, const int tt) {
-    float acc[TT][PN];
+    const int P = PAIRED(G, b16, has_m);
+    float acc[TT][PN], as[TT][PN]; /* paired panels: as the super-group's accumulator */
+    int32_t J[TT][PN];
     for (int t = 0; t < tt; t++)
-        for (int l = 0; l < PN; l++) acc[t][l] = 0.0f;
+        for (int l = 0; l < PN; l++) acc[t][l] = as[t][l] = 0.0f;
     const int C = G / 4, NG = K / G, GPS = SB / G, SBB = (1 + has_m) * (2 + (unit ? 0 : GPS)) * PN;
     for (int g = 0; g < NG; g++) {
         const uint8_t *sbp = SM + (long)(g / GPS) * SBB;
@@ -359,6 +487,15 @@ static inline void panel_tile(const uint8_t *Q, const uint8_t *SM, int z, const 
                     }
                 }
                 const int32_t I = (b16 ? hi * 256 + lo : hi) + zq;
+                if (P) { /* J = c0 (U0 - z S0) + c1 (U1 - z S1), one float step per block, D per super-group */
+                    J[t][l] = (g & 1 ? J[t][l] : 0) + (int32_t)cp[l] * I;
+                    if (g & 1) as[t][l] = fmaf((float)J[t][l], dx, as[t][l]);
+                    if ((g & 1) && ((g + 1) % GPS) == 0) {
+                        acc[t][l] = fmaf(as[t][l], load_fp16(sbp + 2 * l), acc[t][l]);
+                        as[t][l] = 0.0f;
+                    }
+                    continue;
+                }
                 acc[t][l] = fmaf((float)I, sv[l] * dx, acc[t][l]);
                 if (has_m) acc[t][l] = fmaf(mv[l], sx, acc[t][l]);
             }

@@ -6,6 +6,7 @@ row's result is bit-identical alone or among any number of rows."""
 from __future__ import annotations
 
 import ctypes
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -154,25 +155,87 @@ def test_prefill_sized_calls_of_five_and_six_bit_weights_keep_every_rows_bits(li
         assert same_bits(block_matmul(x, w, lib=lib, numerics=mode, threads=2), full)
 
 
+@pytest.mark.parametrize("variant", ["avx2", "portable"])
 @pytest.mark.parametrize("type_name", INT_TYPES)
-def test_avx2_build_gives_the_avx512_builds_bits(type_name, kernel_builds):
-    """The AVX2 kernel (vpmaddubsw + vpmaddwd, bytes split into nibbles) forms the same exact int32
-    group sums and the same float epilogue per lane as the VNNI one: a model gives the same tokens on
-    an AVX2 CPU as on an AVX-512 one."""
+def test_avx2_and_portable_builds_give_the_avx512_builds_bits(type_name, variant, kernel_builds):
+    """The AVX2 kernel (vpmaddubsw + vpmaddwd, bytes split into nibbles; a paired panel's multipliers
+    in the vpmaddwd) and the portable C form the same exact int32 sums and the same float steps per lane
+    as the VNNI one: a model gives the same tokens on an AVX2 CPU or without vector code as on an
+    AVX-512 one."""
     # asked here, not in a skipif: a skipif is evaluated at collection, where it would build the kernels
     if kernels.int8_isa() != "avx512vnni":
         pytest.skip("compares with the AVX512-VNNI build")
-    avx2, native = kernel_builds["avx2"], kernel_builds["native"]
-    assert avx2 is not None and native is not None and avx2.ratchet_int8_isa() == b"avx2"
+    other, native = kernel_builds[variant], kernel_builds["native"]
+    assert other is not None and native is not None
+    assert other.ratchet_int8_isa() == (b"avx2" if variant == "avx2" else b"scalar")
     k = 96 if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") else 512
     w = BlockWeight.from_gguf(type_name, random_raw(type_name, 37, k, seed=5), k)
     torch.manual_seed(6)
     x = torch.randn(35, k)  # 11 rows: the packed kernels; 35 (5 tiles): 5- and 6-bit panels unpacked first
     x[2] *= 300.0
     for mode in BITS:
-        for rows in (11, 35):
-            assert same_bits(block_matmul(x[:rows], w, lib=avx2, numerics=mode),
-                             block_matmul(x[:rows], w, lib=native, numerics=mode))
+        for rows in (1, 11, 35):
+            assert same_bits(block_matmul(x[:rows], w, lib=other, numerics=mode),
+                             block_matmul(x[:rows], w, lib=native, numerics=mode)), (mode, rows)
+
+
+def fma32(a: float, b: float, c: float) -> np.float32:
+    """fmaf: a * b + c rounded once to the nearest fp32 (ties to even), from the exact rational value."""
+    exact = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+    near = np.float32(float(exact))  # within one fp32 step of the answer (two roundings)
+    best = min((np.nextafter(near, np.float32(-np.inf)), near, np.nextafter(near, np.float32(np.inf))),
+               key=lambda f: (abs(Fraction(float(f)) - exact), int(np.array(f).view(np.uint32)) & 1))
+    return np.float32(best)
+
+
+def paired_ref(x: torch.Tensor, raw: np.ndarray, type_name: str, k: int) -> np.ndarray:
+    """The int8 mode's result for 16-weight groups without offsets (Q6_K, Q3_K), bit for bit: per row and
+    32-activation block b, J = c[2b] * (q . xq)[2b] + c[2b + 1] * (q . xq)[2b + 1] in integers, one float
+    step as = fma(float(J), dx[b], as), and per 256 weights (one d) acc = fma(as, d, acc)."""
+    lib = kernels.load()
+    t = SUPPORTED_TYPES.index(type_name)
+    n = raw.shape[0]
+    q, c16 = np.zeros((n, k), np.int8), np.zeros((n, k // 16), np.int8)
+    d, dm, cm16 = np.zeros((n, k // 256), np.float32), np.zeros((n, k // 256), np.float32), np.zeros_like(c16)
+    for r in range(n):
+        lib.ratchet_to_q8w(t, raw[r].ctypes.data, q[r].ctypes.data, d[r].ctypes.data, dm[r].ctypes.data,
+                           c16[r].ctypes.data, cm16[r].ctypes.data, k // 256)
+    assert not dm.any()
+    xq, dx = quantize_ref(x)
+    xq16 = xq.long().numpy().reshape(x.shape[0], k // 16, 16)
+    sums = np.einsum("ngi,tgi->tng", q.astype(np.int64).reshape(n, k // 16, 16), xq16)  # [t, n, group]
+    j = (sums * c16.astype(np.int64)).reshape(x.shape[0], n, k // 32, 2).sum(-1)  # [t, n, block]
+    out = np.zeros((x.shape[0], n), np.float32)
+    for ti in range(x.shape[0]):
+        for r in range(n):
+            acc = np.float32(0)
+            for s in range(k // 256):
+                acc_s = np.float32(0)
+                for b in range(8 * s, 8 * s + 8):
+                    acc_s = fma32(np.float32(j[ti, r, b]), dx[ti, b].item(), acc_s)
+                acc = fma32(acc_s, d[r, s], acc)
+            out[ti, r] = acc
+    return out
+
+
+@pytest.mark.parametrize("type_name", ["Q6_K", "Q3_K"])
+def test_paired_sub_scales_apply_in_integers_with_one_float_step_per_block(lib, type_name):
+    """Q6_K's and Q3_K's int8 sub-scales (one per 16 weights, beside activations quantized per 32) are
+    applied in integers, so each 32-activation block takes one convert-and-fma: the exact bits of the
+    scalar reference above in every build, for a decode-sized call, a few-token tile and a prefill-sized
+    call (4+ tiles: 6-bit panels unpacked first), both panels of 16 rows and a partial one."""
+    k, n = 512, 20
+    raw = random_raw(type_name, n, k, seed=12)
+    w = BlockWeight.from_gguf(type_name, raw, k)
+    torch.manual_seed(13)
+    x = torch.randn(33, k)
+    x[5] *= 40.0
+    rows = [0, 5, 32]
+    ref = paired_ref(x[rows], raw, type_name, k)
+    for m in (1, 3, 33):  # one token, a tile of 3, 5 tiles (the unpacked path for Q6_K)
+        got = block_matmul(x[:m], w, lib=lib, numerics="int8")
+        picked = [i for i, r in enumerate(rows) if r < m]
+        assert same_bits(got[[rows[i] for i in picked]], ref[picked]), m
 
 
 # per format: (bits per stored value, G, zero point) that the packer must read off the values
@@ -429,3 +492,26 @@ def test_linear_integer_fast_path_is_block_matmul_and_follows_numerics():
             assert same_bits(first, ref) and same_bits(again, ref), mode
             assert same_bits(lin(x.view(1, 3, k)).view(3, n), ref)  # other ranks take the general path
             assert (lin._q8_call is not None) == (mode != "exact")
+
+
+@pytest.mark.parametrize("variant", ["avx2", "portable"])
+def test_a_panel_mixing_q6_k_and_q8_0_rows_applies_its_sub_scales_in_integers_in_every_build(variant, kernel_builds):
+    """A fused weight whose panel holds Q6_K rows beside Q8_0 rows: 8-bit values (zero point 128) in groups of
+    16, no offsets, so a paired panel where J's float form would not be exact (the AVX-512 build multiplies in
+    int32 there): the AVX2 and portable builds give the same bits, and the result the integer reference's."""
+    if kernels.int8_isa() != "avx512vnni":
+        pytest.skip("compares with the AVX512-VNNI build")
+    other, native = kernel_builds[variant], kernel_builds["native"]
+    assert other is not None and native is not None
+    k = 512
+    fused = BlockWeight.cat([BlockWeight.from_gguf("Q6_K", random_raw("Q6_K", 8, k, seed=14), k),
+                             BlockWeight.from_gguf("Q8_0", random_raw("Q8_0", 12, k, seed=15), k)])
+    panels = fused.pack_q8(native)[0][:, :2].view(np.int32)  # [vb, G, z, has_m]
+    assert panels[0].tolist() == [8, 16, 128, 0]
+    torch.manual_seed(16)
+    x = torch.randn(35, k)
+    x[7] *= 80.0
+    for rows in (1, 11, 35):
+        got = block_matmul(x[:rows], fused, lib=native, numerics="int8")
+        assert_int8_close(got, x[:rows], fused)
+        assert same_bits(block_matmul(x[:rows], fused, lib=other, numerics="int8"), got), rows
