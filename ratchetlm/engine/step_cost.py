@@ -73,8 +73,9 @@ DEFAULT_MAX_STEP_MS = {"cpu": 60.0, "cuda": 50.0}  # EngineConfig.max_step_ms=No
 # machine that gets busier mid-prompt the chunks stay sized for the quieter one (a prompt fed so reached
 # 2.28x its idle TTFT); MeasuredStepCost re-measures d while a prompt is fed.
 STRETCH_MIN = 3.5
-STRETCH_MAX = 3.75
-SAMPLE_EVERY = 8  # steps with a prompt chunk between two decode-only steps that re-measure d
+STRETCH_MAX = 4.0
+STRETCH_FLOOR = 2.75
+SAMPLE_EVERY = 16  # steps with a prompt chunk between two decode-only steps that re-measure d
 MIN_RECENT = 3  # decode-only steps a median of them needs (one outlier among them does not move it)
 
 

@@ -12,7 +12,15 @@ import pytest
 from ratchetlm import SamplingParams
 from ratchetlm.engine.config import EngineConfig
 from ratchetlm.engine.llm_engine import LLMEngine
-from ratchetlm.engine.step_cost import STRETCH_MIN, LinearStepCost, MeasuredStepCost, Prior, Rows, reads
+from ratchetlm.engine.step_cost import (
+    SAMPLE_EVERY,
+    STRETCH_MIN,
+    LinearStepCost,
+    MeasuredStepCost,
+    Prior,
+    Rows,
+    reads,
+)
 
 # a deterministic cost model (ms): the schedule must not depend on how busy the test machine is
 FAKE = LinearStepCost(fixed=2.0, per_row=1.0, per_logit=0.5, per_context=0.002)
@@ -303,7 +311,7 @@ def test_the_decode_time_the_budget_scales_follows_the_machine_while_a_prompt_is
     chunk_steps(cost, 40, 120.0)
     assert cost.decode_ms(decode) == pytest.approx(30.0, rel=0.02)
     samples = 0
-    for i in range(40, 100):
+    for i in range(40, 40 + 7 * (SAMPLE_EVERY + 1)):
         if cost.wants_decode_sample():
             samples += 1
             cost.observe(decode, 600.0 if samples == 4 else 60.0)
