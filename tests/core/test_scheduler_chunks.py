@@ -282,9 +282,11 @@ def this_cpu(rows: list[Rows]) -> float:
 def test_the_largest_step_stays_under_6x_the_streams_latency_before_the_prompt_as_their_context_grows():
     """Issue 40's scenario on a simulated machine: four streams decode, then a 2,000-token prompt
     arrives. Each stream's context grows a token a step while the prompt is fed, so the decode rows'
-    own time (what the budget scales) ends ~1.4x what it was before the prompt; with +-10% noise on
-    every step, the largest step stays <= 6x the streams' median step before it (at the old 4.5-5x
-    stretch it was 7x) under the default max_step_ms, and the prompt still keeps most of each step."""
+    own time ends ~1.7x what it was before the prompt. With +-10% noise on every step, the largest
+    step stays <= 5.5x the streams' median step before it (6x is the target; on a real machine a
+    step's wall time has more noise than 10%), and the prompt still keeps most of each step. Steps
+    scaled from the decode rows' time *now* miss it: 7x at the old 4.5-5x stretch, 5.9x at 3.5-3.75x
+    (the growth stretches them); bounded by their time at the prompt's arrival: 5.1x."""
     rng = random.Random(0)
     cost = MeasuredStepCost(lambda _stop: Prior(fixed=13.0, per_row=2.2, head=0.0, attention=0.0015))
     cost.calibrate()
@@ -309,8 +311,8 @@ def test_the_largest_step_stays_under_6x_the_streams_latency_before_the_prompt_a
         prompt_ms += ms - this_cpu([r for r in rows(out) if not r.prompt])  # (noise aside) its rows' share
     grown = this_cpu([Rows.decode(1, s.num_cached) for s in streams]) / this_cpu([Rows.decode(1, 32)] * 4)
     assert grown > 1.3, grown  # the streams' own steps got dearer while the prompt was fed
-    assert max(during) <= 6.0 * itl, (max(during) / itl, len(during))
-    assert prompt_ms >= 0.5 * sum(during), prompt_ms / sum(during)
+    assert max(during) <= 5.5 * itl, (max(during) / itl, len(during))
+    assert prompt_ms >= 0.6 * sum(during), prompt_ms / sum(during)
 
 
 def test_a_prompt_chunk_at_most_doubles_from_one_step_to_the_next():
