@@ -72,12 +72,6 @@ DEFAULT_MAX_STEP_MS = {"cpu": 60.0, "cuda": 50.0}  # EngineConfig.max_step_ms=No
 # would leave the prompt half of each step). The CPU default max_step_ms, 60, is ~3.5 d0 for the
 # default model on this project's CPU (d0 ~ 16-20 ms, 4 streams): the budget sits at STRETCH_MIN x d
 # early in a prompt and at STRETCH_MAX x d0 late in it.
-STRETCH_MIN = 3.5 (3 costs another ~10% of TTFT in the simulation).
-# The CPU default max_step_ms, 60, is ~3.5 d for the default model on this project's CPU (d ~ 16-20 ms,
-# 4 streams): the budget sits at or near the floor there. A longer prompt (more steps, more growth) keeps
-# the gap bound only as far as g allows. Scaling d from before the prompt instead would not help: on a
-# machine that gets busier mid-prompt the chunks stay sized for the quieter one (a prompt fed so reached
-# 2.28x its idle TTFT); MeasuredStepCost re-measures d while a prompt is fed.
 STRETCH_MIN = 3.5
 STRETCH_MAX = 4.0
 STRETCH_FLOOR = 2.75
