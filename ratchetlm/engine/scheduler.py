@@ -114,8 +114,9 @@ class Scheduler:
         """This step's (sequence, token budget) pairs: running sequences' decode rows first (with
         their drafts: the strategy sizes those), then prompt chunks of running and waiting
         sequences. With a step-time budget and decode rows in the step, a prompt chunk is the
-        largest the cost model predicts to keep the step under ``max_step_ms`` clamped to
-        [``STRETCH_MIN``, ``STRETCH_MAX``] x the decode rows' own time (at least ``min_chunk``
+        largest the cost model predicts to keep the step under ``max_step_ms``, at least
+        ``STRETCH_MIN`` x the decode rows' own time and at most ``STRETCH_MAX`` x their time in the
+        prompt's first chunk step, never under ``STRETCH_FLOOR`` x their time (at least ``min_chunk``
         tokens for the step's first chunk, so a prompt always advances, except in a step the cost
         model asks to hold the decode rows alone: it re-measures them every few steps, see
         ``StepCost.wants_decode_sample``); without decode rows (nobody is waiting for a token) a
