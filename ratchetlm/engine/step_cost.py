@@ -60,12 +60,13 @@ DEFAULT_MAX_STEP_MS = {"cpu": 60.0, "cuda": 50.0}  # EngineConfig.max_step_ms=No
 # step (attention reads every held token once a layer), so over a 2,000-token prompt's ~250 steps d
 # grows g ~ 1.25-1.35x, prompt or not. Steps scaled from d (3.5-3.75 d until 2026-11-29) therefore
 # end at ~3.5 g ~ 4.5x the ITL before, and the largest gap, that times the largest step's wall-time
-# noise (1.3-1.6 over HTTP on this 2-core machine at load ~1: another thread or process runs), at
-# 6.8x. Bounded by d0 instead, the late steps stay at STRETCH_MAX = 4 x the ITL before; the early ones
-# are STRETCH_MIN = 3.5 x it as before. A simulation with the cost parts measured here (a prompt row
-# at context c: 1.6 ms + 2.8 us x c, the K/V it holds 3.5 us a token; +-10% noise): largest step
-# 5.2 -> 4.5x the ITL before, TTFT 1.62 -> 1.66x idle (1.62 -> 1.64 with a decode sample every 16 chunk
-# steps instead of 8: SAMPLE_EVERY, one TTFT point of the trade back). The floor keeps the prompt's
+# noise (1.3-1.6 over HTTP on this shared 2-core machine: the engine thread does not run while another
+# process has the core), at 6.8x in the last quiet round. Bounded by d0 instead, the late steps stay
+# at STRETCH_MAX = 4 x the ITL before; the early ones are STRETCH_MIN = 3.5 x it as before. Simulated
+# with the cost parts measured here (benchmarks/sim_step_budget.py: a prompt row at context c costs
+# 1.6 ms + 2.8 us x c, a held token 3.5 us; +-10% noise a step): largest step 5.5 -> 4.7x the ITL
+# before, TTFT 1.63 -> 1.66x idle, with a decode sample every 16 chunk steps instead of 8
+# (SAMPLE_EVERY: a TTFT point of the trade back). The floor keeps the prompt's
 # share when d grows for another reason (a machine that gets busier mid-prompt, many streams joining,
 # streams whose context grows a lot): then each step is STRETCH_FLOOR x d and the prompt keeps
 # 1 - 1 / 2.75 = 64% of it (TTFT ~1.6x idle on that machine; without the floor, a machine 2x busier
