@@ -62,19 +62,20 @@ DEFAULT_MAX_STEP_MS = {"cpu": 60.0, "cuda": 50.0}  # EngineConfig.max_step_ms=No
 # end at ~3.5 g ~ 4.5x the ITL before, and the largest gap, that times the largest step's wall-time
 # noise (1.3-1.6 over HTTP on this shared 2-core machine: the engine thread does not run while another
 # process has the core), at 6.8x in the last quiet round. Bounded by d0 instead, the late steps stay
-# at STRETCH_MAX = 4 x the ITL before; the early ones are STRETCH_MIN = 3.5 x it as before. Simulated
-# with the cost parts measured here (benchmarks/sim_step_budget.py: a prompt row at context c costs
-# 1.6 ms + 2.8 us x c, a held token 3.5 us; +-10% noise a step): largest step 5.5 -> 4.7x the ITL
-# before, TTFT 1.63 -> 1.66x idle, with a decode sample every 16 chunk steps instead of 8
-# (SAMPLE_EVERY: a TTFT point of the trade back). The floor keeps the prompt's
-# share when d grows for another reason (a machine that gets busier mid-prompt, many streams joining,
+# at STRETCH_MAX = 3.85 x the ITL before; the early ones are STRETCH_MIN = 3.75 x it (3.5 before:
+# larger early steps, where the prompt's tokens are cheap, buy back the TTFT the late ones lose).
+# Simulated with the cost parts measured here (benchmarks/sim_step_budget.py: a prompt row at context c
+# costs 1.6 ms + 2.8 us x c, a held token 3.5 us; +-10% noise a step): largest step 5.5 -> 4.4x the
+# ITL before (p90 4.5 -> 4.1x), TTFT 1.63 -> 1.68x idle, with a decode sample every 16 chunk steps
+# instead of 8 (SAMPLE_EVERY: a TTFT point of the trade back; 3.5-4 x: 4.7x, 1.66x). The floor keeps
+# the prompt's share when d grows for another reason (a machine that gets busier mid-prompt, many streams joining,
 # streams whose context grows a lot): then each step is STRETCH_FLOOR x d and the prompt keeps
 # 1 - 1 / 2.75 = 64% of it (TTFT ~1.6x idle on that machine; without the floor, a machine 2x busier
 # would leave the prompt half of each step). The CPU default max_step_ms, 60, is ~3.5 d0 for the
-# default model on this project's CPU (d0 ~ 16-20 ms, 4 streams): the budget sits at STRETCH_MIN x d
-# early in a prompt and at STRETCH_MAX x d0 late in it.
-STRETCH_MIN = 3.5
-STRETCH_MAX = 4.0
+# default model on this project's CPU (d0 ~ 16-20 ms, 4 streams), under the band: the budget sits at
+# STRETCH_MIN x d early in a prompt and at STRETCH_MAX x d0 late in it.
+STRETCH_MIN = 3.75
+STRETCH_MAX = 3.85
 STRETCH_FLOOR = 2.75
 SAMPLE_EVERY = 16  # steps with a prompt chunk between two decode-only steps that re-measure d
 MIN_RECENT = 3  # decode-only steps a median of them needs (one outlier among them does not move it)

@@ -74,13 +74,13 @@ def chunk_of(out: list[tuple[Sequence, int]], seq: Sequence) -> int:
 
 
 @pytest.mark.parametrize(("max_step_ms", "chunk"), [
-    (14.5, 10),  # within [3.5, 4] x the 4 ms of decode rows (14 to 16 ms): the target binds
-    (10.0, 10),  # under 3.5 x: the prompt still gets STRETCH_MIN - 1 times the decode rows' time
-    (1000.0, 12),  # over 4 x: the streams' gap stays STRETCH_MAX x their inter-token latency
+    (395.0, 291),  # within [3.75, 3.85] x the 104 ms of decode rows (390 to 400.4 ms): the target binds
+    (10.0, 286),  # under 3.75 x: the prompt still gets STRETCH_MIN - 1 times the decode rows' time
+    (1000.0, 296),  # over 3.85 x: the streams' gap stays STRETCH_MAX x their inter-token latency
 ])
 def test_chunk_fills_the_target_clamped_to_a_multiple_of_the_decode_rows(max_step_ms, chunk):
-    assert (STRETCH_MIN, STRETCH_MAX, STRETCH_FLOOR) == (3.5, 4.0, 2.75)
-    sched = make(ROW, max_step_ms)
+    assert (STRETCH_MIN, STRETCH_MAX, STRETCH_FLOOR) == (3.75, 3.85, 2.75)
+    sched = make(LinearStepCost(fixed=100.0, per_row=1.0), max_step_ms)  # 100 ms a forward, 1 ms a row
     streams = [stream(sched, i) for i in range(4)]
     long = prompt(sched, 9, 500)
     out = sched.schedule()
@@ -89,7 +89,7 @@ def test_chunk_fills_the_target_clamped_to_a_multiple_of_the_decode_rows(max_ste
 
 
 def test_chunks_smaller_than_a_block_end_anywhere_in_it():
-    """One stream (1.2 ms) and a 4.5 ms target (within [3.5, 4] x it): 3-token chunks, each
+    """One stream (1.2 ms) and a 4.5 ms target (within [3.75, 3.85] x it): 3-token chunks, each
     starting where the last ended mid-block (one crosses a block's end); the table always covers
     exactly the positions computed so far plus the chunk."""
     sched = make(LinearStepCost(fixed=0.2, per_row=1.0), 4.5)
@@ -111,27 +111,27 @@ def test_a_prompt_row_costlier_than_the_budget_still_advances_one_token_a_step()
     chunk is one token (it fits exactly, or nothing fits and the prompt still advances)."""
     cost = LinearStepCost(per_row=1.0, per_context=0.01)  # a row after c cached tokens: 1 + c / 100 ms
     sched = make(cost, 4.5)
-    stream(sched, 0, context=0)  # 1.005 ms: the limit is 4.02 (STRETCH_MAX x that)
+    stream(sched, 0, context=0)  # 1.005 ms: the limit is 3.87 (STRETCH_MAX x that)
     long = prompt(sched, 1, 400)
     sched.waiting.remove(long)  # its first 150 tokens are cached: one more row costs 2.505 ms, two 5.02
     long.num_cached, long.status = 150, SeqStatus.RUNNING
     sched.blocks.grow(long, 150)
     sched.running.append(long)
     out = sched.schedule()
-    assert chunk_of(out, long) == 1 and cost.predict_ms(rows(out)) <= 4.02
+    assert chunk_of(out, long) == 1 and cost.predict_ms(rows(out)) <= 3.87
     computed(sched, out)
     long.num_cached = 300  # one row now costs 4.005 ms: over the limit beside the stream, yet one token goes
     sched.blocks.grow(long, 300)
     out = sched.schedule()
-    assert chunk_of(out, long) == 1 and cost.predict_ms(rows(out)) > 4.02
+    assert chunk_of(out, long) == 1 and cost.predict_ms(rows(out)) > 3.87
 
 
 def test_the_streams_gap_is_bounded_by_their_latency_when_the_prompt_arrived():
     """Four streams at 100 cached tokens (8 ms a decode step: each row reads its context) when a prompt
     arrives. While it is fed their context grows a token a step, so their own decode step grows too
-    (10 ms at 150 tokens): a step of STRETCH_MIN x that time *now* would grow with it (3.5 x 10 = 35
-    ms, 4.4x their latency before the prompt). The bound is STRETCH_MAX x their time when the
-    prompt's first chunk was fed (4 x 8 = 32 ms); once their context has grown so much that
+    (10 ms at 150 tokens): a step of STRETCH_MIN x that time *now* would grow with it (3.75 x 10 =
+    37.5 ms, 4.7x their latency before the prompt). The bound is STRETCH_MAX x their time when the
+    prompt's first chunk was fed (3.85 x 8 = 30.9 ms); once their context has grown so much that
     STRETCH_FLOOR x their time now exceeds it (here at 4 x 400 tokens: 20 ms, x 2.75 = 55 ms), the floor
     takes over so the prompt keeps 1 - 1 / STRETCH_FLOOR of each step. Each chunk is the largest
     under the bound: one more token would cross it."""
@@ -187,12 +187,19 @@ def test_without_decode_rows_the_prompt_takes_the_token_budget():
     assert [(s.seq_id, n) for s, n in sched.schedule()] == [(long.seq_id, 300)]
 
 
+class PromptRowsDearer(LinearStepCost):
+    """1 ms a decode row, 1.2 ms a prompt row: beside three decode rows a 7-token chunk fits 11.5 ms."""
+
+    def predict_ms(self, rows: list[Rows]) -> float:
+        return sum(r.n for r in rows if not r.prompt) + 1.2 * sum(r.n for r in rows if r.prompt)
+
+
 def test_a_prompt_preempted_mid_block_resumes_from_its_last_full_block():
     """A pool of 5 blocks: three streams hold one each; a prompt fed 7 tokens a step holds the other
     two at 28 tokens. Its next chunk needs a third block: it is preempted (every stream is already in
     the step), its one full committed block stays cached, the partial one is freed, and it is
     readmitted in the same step from that block's end (16 tokens), not from token 0."""
-    sched = make(ROW, 10.5, num_blocks=5)  # 3 ms of decode rows: the 10.5 ms target is STRETCH_MIN x that
+    sched = make(PromptRowsDearer(), 11.5, num_blocks=5)  # 3 ms of decode rows, 11.5 within [3.75, 3.85] x that
     streams = [stream(sched, i, context=1) for i in range(3)]  # one block each: room for 15 more tokens
     long = prompt(sched, 9, 200)
     for _ in range(4):
@@ -316,7 +323,7 @@ def test_the_largest_step_stays_under_6x_the_streams_latency_before_the_prompt_a
 
 
 def test_a_prompt_chunk_at_most_doubles_from_one_step_to_the_next():
-    """A fit from a chunk step or two can miss what a prompt row costs: the model that sized a 3-token
+    """A fit from a chunk step or two can miss what a prompt row costs: the model that sized a 2-token
     chunk suddenly predicts rows almost free. The next chunks grow CHUNK_GROWTH x + 1 a step (so each
     step's error is at most about twice the last's) instead of jumping to the whole prompt."""
     assert CHUNK_GROWTH == 2
@@ -329,6 +336,6 @@ def test_a_prompt_chunk_at_most_doubles_from_one_step_to_the_next():
         chunks.append(chunk_of(out, long))
         computed(sched, out)
         sched.cost = LinearStepCost(fixed=4.0, per_row=0.01)  # a 1,400-token chunk would fit now
-    assert chunks == [3, 7, 15, 31, 63, 127, 255], chunks
+    assert chunks == [2, 5, 11, 23, 47, 95, 191], chunks
     sched.finish(long, "stop")
     assert sched._last_chunk == {} and sched._arrival_ms == {}

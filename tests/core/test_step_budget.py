@@ -136,9 +136,9 @@ def test_decode_rows_over_the_target_stretch_the_step_to_a_multiple_of_their_own
 class PromptHeavy:
     """A fake cost (ms) in which a prompt row is dearer the more it attends to: a row through the LM
     head (every decode and draft row, a chunk's last) 1 ms; each other row of a chunk after ``c``
-    cached tokens ``scale`` x (1 + c / 4) ms. Beside four decode rows (a 14 ms step at least:
-    STRETCH_MIN x 4 ms) a chunk is 10 tokens at the prompt's start, 3 from its 10th token, 2 from its
-    16th, 1 from its 34th; ``scale`` = the rows a stream decodes a step keeps about that schedule.
+    cached tokens ``scale`` x (1 + c / 4) ms. Beside four decode rows (a 15 ms step at least:
+    STRETCH_MIN x 4 ms) a chunk is 11 tokens at the prompt's start, then 3, then 2, then 1 (from about
+    its 37th token); ``scale`` = the rows a stream decodes a step keeps about that schedule.
     With ``sample_every``, every ``sample_every``-th step that could feed the prompt holds the decode
     rows alone (as MeasuredStepCost asks, to re-measure them)."""
 
@@ -181,7 +181,7 @@ def test_chunks_of_a_few_tokens_give_the_same_tokens_as_the_whole_prompt(llm_def
     chunks = [n for st in steps for sid, n, pf, _ in st if sid == long and pf]
     assert sum(chunks) == 64 and chunks.count(1) >= 5 and any(n % 16 for n in chunks[:-1]), chunks
     if not decoding:
-        assert chunks[:6] == [10, 3, 3, 2, 2, 2] and chunks[-15:] == [1] * 15, chunks
+        assert chunks[:6] == [11, 3, 3, 2, 2, 2] and chunks[-15:] == [1] * 15, chunks
     assert list(outs.values()) == list(plain_small.values())
 
 
