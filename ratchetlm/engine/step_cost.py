@@ -68,8 +68,8 @@ DEFAULT_MAX_STEP_MS = {"cpu": 60.0, "cuda": 50.0}  # EngineConfig.max_step_ms=No
 # costs 1.6 ms + 2.8 us x c, a held token 3.5 us; +-10% noise a step): largest step 5.5 -> 4.4x the
 # ITL before (p90 4.5 -> 4.1x), TTFT 1.63 -> 1.68x idle, with a decode sample every 16 chunk steps
 # instead of 8 (SAMPLE_EVERY: a TTFT point of the trade back; 3.5-4 x: 4.7x, 1.66x). The floor keeps
-# the prompt's share when d grows for another reason (a machine that gets busier mid-prompt, many streams joining,
-# streams whose context grows a lot): then each step is STRETCH_FLOOR x d and the prompt keeps
+# the prompt's share when d grows for another reason (a machine that gets busier mid-prompt, many
+# streams joining, streams whose context grows a lot): then each step is STRETCH_FLOOR x d and the prompt keeps
 # 1 - 1 / 2.75 = 64% of it (TTFT ~1.6x idle on that machine; without the floor, a machine 2x busier
 # would leave the prompt half of each step). The CPU default max_step_ms, 60, is ~3.5 d0 for the
 # default model on this project's CPU (d0 ~ 16-20 ms, 4 streams), under the band: the budget sits at
