@@ -16,6 +16,11 @@ in each (issue 40's scenarios; one run each unless ``--repeats``, medians printe
     python benchmarks/bench_latency.py --peer-pythonpath /work/main      # peer: another checkout
     python benchmarks/bench_latency.py --peer-pythonpath DIR --only prompt,tool --repeats 3
 
+``--trace`` runs each server through benchmarks/serve_trace.py and says, per run, where the largest
+gaps came from: the server steps they spanned (wall and CPU time, the budget's prediction, the prompt
+chunk and its context, the decode rows' time against the ITL before), how the chunk steps' times
+compare with their predictions, and the garbage collector's pauses.
+
 ``--nice N`` runs both servers niced (the client must read each token when it is sent, or its own lag
 on a busy machine smooths the gaps it measures; but a niced server on a machine others keep busy gets
 less of it than they do). The default peer is this tree with the step-time budget off
@@ -32,9 +37,12 @@ import json
 import os
 import random
 import shlex
+import signal
 import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -42,6 +50,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import serve_trace  # noqa: E402
 from benchmarks.serve_common import start_ratchet, stop  # noqa: E402
 
 WORDS = ("river stone maple quiet engine orbit copper lantern meadow signal harbor violet canyon ember "
@@ -91,9 +100,11 @@ async def stream(client: httpx.AsyncClient, url: str, i: int, stop: asyncio.Even
 
 
 Arrival = Callable[[httpx.AsyncClient], Awaitable[float]]
+# called with (arrival time, its first token's time, [(gap s, its end time)] after it, median ITL before s)
+Explain = Callable[[float, float, list[tuple[float, float]], float], None]
 
 
-async def under_streams(url: str, arrival: Arrival) -> tuple[float, float, float]:
+async def under_streams(url: str, arrival: Arrival, explain: Explain | None = None) -> tuple[float, float, float]:
     """(median ITL before, largest gap after the arrival, the arrival's TTFT), seconds."""
     async with httpx.AsyncClient(timeout=900) as client:
         stop = asyncio.Event()
@@ -116,6 +127,8 @@ async def under_streams(url: str, arrival: Arrival) -> tuple[float, float, float
     print(f"    largest gap {gap * 1e3:.0f} ms, ending {at - t_arrival:.2f} s after the arrival (TTFT {ttft:.2f} s); "
           f"next largest {', '.join(f'{g * 1e3:.0f}' for g in ranked[-4:-1][::-1])} ms; gaps p90 "
           f"{ranked[int(0.9 * (len(ranked) - 1))] * 1e3:.0f} ms of {len(ranked)}", file=sys.stderr)
+    if explain is not None:
+        explain(t_arrival, t_arrival + ttft, gaps, statistics.median(before))
     return statistics.median(before), gap, ttft
 
 
@@ -160,7 +173,24 @@ def slow_body(url: str, every: float, give_up: float) -> tuple[float, str]:
 SCENARIOS = ("prompt", "tool", "huge", "slow-body")
 
 
-def scenario(url: str, repeats: int, seed0: int, tokens: int, only: set[str]) -> dict[str, float]:
+def tracer(proc: subprocess.Popen, path: str) -> Explain:
+    """Explain a run's gaps from the server's per-step trace (benchmarks/serve_trace.py)."""
+
+    def explain(t_arrival: float, t_first: float, gaps: list[tuple[float, float]], itl: float) -> None:
+        before = os.path.getmtime(path) if os.path.exists(path) else 0.0
+        proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (not os.path.exists(path) or os.path.getmtime(path) == before):
+            time.sleep(0.1)
+        with open(path) as f:
+            trace = json.load(f)
+        print("\n".join(serve_trace.report(trace, t_arrival, t_first, gaps, itl)), file=sys.stderr)
+
+    return explain
+
+
+def scenario(url: str, repeats: int, seed0: int, tokens: int, only: set[str],
+             explain: Explain | None = None) -> dict[str, float]:
     out: dict[str, list[float]] = {}
 
     def add(k: str, v: float) -> None:
@@ -184,7 +214,7 @@ def scenario(url: str, repeats: int, seed0: int, tokens: int, only: set[str]) ->
             idle_ids, mixed_ids = long_prompt_ids(url, tokens, seed), long_prompt_ids(url, tokens, seed + 1)
             add("idle_ttft", asyncio.run(alone(ttft_of("/v1/completions", {"prompt": idle_ids, "max_tokens": 1}))))
             itl, gap, ttft = asyncio.run(under_streams(url, ttft_of("/v1/completions",
-                                                                    {"prompt": mixed_ids, "max_tokens": 1})))
+                                                                    {"prompt": mixed_ids, "max_tokens": 1}), explain))
             add("itl", itl)
             add("gap", gap)
             add("mixed_ttft", ttft)
@@ -193,7 +223,7 @@ def scenario(url: str, repeats: int, seed0: int, tokens: int, only: set[str]) ->
         if "tool" in only:
             chat = {"messages": [{"role": "user", "content": f"Call the tool ({seed})."}],
                     "tools": [nested_tool(50)], "max_tokens": 1}
-            itl, gap, ttft = asyncio.run(under_streams(url, ttft_of("/v1/chat/completions", chat)))
+            itl, gap, ttft = asyncio.run(under_streams(url, ttft_of("/v1/chat/completions", chat), explain))
             add("tool_itl", itl)
             add("tool_gap", gap)
             add("tool_ratio", gap / itl)
@@ -223,6 +253,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=2000)
     ap.add_argument("--slow-body-every", type=float, default=7.5)
     ap.add_argument("--nice", type=int, default=0, help="niceness of both servers (default 0)")
+    ap.add_argument("--trace", action="store_true", help="trace each server's steps (benchmarks/serve_trace.py) "
+                                                          "and say where each run's largest gaps came from")
     ap.add_argument("--only", default=",".join(SCENARIOS),
                     help=f"comma-separated scenarios to run, of {', '.join(SCENARIOS)} (default: all)")
     args = ap.parse_args()
@@ -236,10 +268,12 @@ def main() -> None:
     results = {}
     for name, path, extra in (("peer", peer_path, shlex.split(peer_args)), ("this", here, [])):
         print(f"== {name}: PYTHONPATH={path} {' '.join(common + extra)}  load {uptime()}", file=sys.stderr)
-        proc, url = start_ratchet(common + extra, path, nice=args.nice)
+        trace = os.path.join(tempfile.mkdtemp(prefix="bench_latency_"), "trace.json") if args.trace else None
+        proc, url = start_ratchet(common + extra, path, nice=args.nice, trace=trace)
         try:
             asyncio.run(huge_then_small(url, 0.001))  # warm-up
-            results[name] = scenario(url, args.repeats, 1000 if name == "peer" else 2000, args.prompt_tokens, only)
+            results[name] = scenario(url, args.repeats, 1000 if name == "peer" else 2000, args.prompt_tokens, only,
+                                     tracer(proc, trace) if trace else None)
             if name == "this" and "slow-body" in only:
                 results[name]["slow_body"], results[name]["slow_body_status"] = slow_body(  # type: ignore[assignment]
                     url, args.slow_body_every, 60)

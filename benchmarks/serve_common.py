@@ -56,14 +56,21 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait(30)
 
 
-def start_ratchet(extra: list[str], pythonpath: str | None = None, nice: int = 0) -> tuple[subprocess.Popen, str]:
+def start_ratchet(extra: list[str], pythonpath: str | None = None, nice: int = 0,
+                  trace: str | None = None) -> tuple[subprocess.Popen, str]:
     """``ratchet serve`` on a free port; ``pythonpath``: run that checkout's server (also its working
-    directory: ``python -m`` puts the working directory ahead of PYTHONPATH); ``nice``: its niceness."""
+    directory: ``python -m`` puts the working directory ahead of PYTHONPATH); ``nice``: its niceness;
+    ``trace``: run it through benchmarks/serve_trace.py, which writes its per-step trace to this file
+    on SIGUSR1."""
     port = free_port()
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     if pythonpath is not None:
         env["PYTHONPATH"] = pythonpath
-    cmd = [sys.executable, "-m", "ratchetlm", "serve", "--host", "127.0.0.1", "--port", str(port),
+    launch = ["-m", "ratchetlm"]
+    if trace is not None:
+        env["RATCHET_STEP_TRACE"] = trace
+        launch = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve_trace.py")]
+    cmd = [sys.executable, *launch, "serve", "--host", "127.0.0.1", "--port", str(port),
            "--log-level", "warning", *extra]
     return start((["nice", "-n", str(nice)] if nice else []) + cmd, "/health", port, env=env, cwd=pythonpath)
 

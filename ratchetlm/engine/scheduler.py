@@ -6,7 +6,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 
-from ratchetlm.engine.step_cost import STRETCH_MAX, STRETCH_MIN, Rows, StepCost
+from ratchetlm.engine.step_cost import STRETCH_FLOOR, STRETCH_MAX, STRETCH_MIN, Rows, StepCost
 from ratchetlm.kv.block_manager import BlockManager
 from ratchetlm.sequence import SeqStatus, Sequence
 
@@ -73,6 +73,9 @@ class Scheduler:
         self.min_chunk = min_chunk
         # seq_id -> its last prompt chunk sized by the budget: the next is at most CHUNK_GROWTH x it
         self._last_chunk: dict[int, int] = {}
+        # seq_id of a prompt being chunked -> the decode rows' time (StepCost.decode_ms) in its first step
+        # beside them: the streams' inter-token latency before it arrived, which bounds its steps
+        self._arrival_ms: dict[int, float] = {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # (sequence, leader): queued once the leader's prompt K/V is committed (see ``add``)
@@ -111,8 +114,9 @@ class Scheduler:
         """This step's (sequence, token budget) pairs: running sequences' decode rows first (with
         their drafts: the strategy sizes those), then prompt chunks of running and waiting
         sequences. With a step-time budget and decode rows in the step, a prompt chunk is the
-        largest the cost model predicts to keep the step under ``max_step_ms`` clamped to
-        [``STRETCH_MIN``, ``STRETCH_MAX``] x the decode rows' own time (at least ``min_chunk``
+        largest the cost model predicts to keep the step under ``max_step_ms``, at least
+        ``STRETCH_MIN`` x the decode rows' own time and at most ``STRETCH_MAX`` x their time in the
+        prompt's first chunk step, never under ``STRETCH_FLOOR`` x their time (at least ``min_chunk``
         tokens for the step's first chunk, so a prompt always advances, except in a step the cost
         model asks to hold the decode rows alone: it re-measures them every few steps, see
         ``StepCost.wants_decode_sample``); without decode rows (nobody is waiting for a token) a
@@ -171,13 +175,18 @@ class Scheduler:
         last = self._last_chunk.get(seq.seq_id)
         if last is not None:  # at most doubles: a fit from one or two chunk steps can miss the slope of a
             want = min(want, CHUNK_GROWTH * last + 1)  # prompt row's cost (seen: 24 then 142 tokens, 22x ITL)
+        decode_ms = cost.decode_ms(step.decode_rows)
+        arrival_ms = self._arrival_ms.setdefault(seq.seq_id, decode_ms)
         # max_step_ms, but at least STRETCH_MIN x the decode rows' own time now (a busy machine, many
         # streams: the prompt keeps most of each step, so its TTFT stays <= 1.5x idle) and at most
-        # STRETCH_MAX x it (a quiet machine: the streams' gap stays <= 6x their inter-token latency before
-        # the prompt, though their own growing context makes each decode step dearer as it is fed);
-        # the arithmetic is at STRETCH_MIN in engine/step_cost.py
-        decode_ms = cost.decode_ms(step.decode_rows)
-        limit = min(max(self.max_step_ms, STRETCH_MIN * decode_ms), STRETCH_MAX * decode_ms)
+        # STRETCH_MAX x their time when this prompt's first chunk was fed (the streams' largest gap
+        # stays <= 6x their inter-token latency before it arrived, though their own growing context
+        # makes each decode step dearer while it is fed); and never under STRETCH_FLOOR x their time
+        # now (a machine that gets busier mid-prompt, streams whose context grows a lot: the prompt
+        # still gets 1 - 1 / STRETCH_FLOOR of each step). The arithmetic is at STRETCH_MIN in
+        # engine/step_cost.py
+        limit = max(min(max(self.max_step_ms, STRETCH_MIN * decode_ms), STRETCH_MAX * arrival_ms),
+                    STRETCH_FLOOR * decode_ms)
 
         def fits(n: int) -> bool:
             return cost.predict_ms([*step.rows, Rows.prefill(n, seq.num_cached)]) <= limit
@@ -226,6 +235,7 @@ class Scheduler:
         self._release(seq)
         seq.prompt_logprobs.clear()  # recomputed with the prompt's KV
         seq.num_preemptions += 1
+        self._arrival_ms.pop(seq.seq_id, None)  # its recompute is a new arrival beside other streams
         seq.status = SeqStatus.WAITING
         self.on_preempt(seq)
         self.waiting.appendleft(seq)
@@ -241,6 +251,7 @@ class Scheduler:
             self.held = [(s, lead) for s, lead in self.held if s is not seq]
         self.blocks.free(seq)
         self._last_chunk.pop(seq.seq_id, None)
+        self._arrival_ms.pop(seq.seq_id, None)
         if self.on_finish is not None and seq.status is not SeqStatus.FINISHED:
             self.on_finish(seq)
         seq.status = SeqStatus.FINISHED

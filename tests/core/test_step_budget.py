@@ -12,7 +12,15 @@ import pytest
 from ratchetlm import SamplingParams
 from ratchetlm.engine.config import EngineConfig
 from ratchetlm.engine.llm_engine import LLMEngine
-from ratchetlm.engine.step_cost import STRETCH_MIN, LinearStepCost, MeasuredStepCost, Prior, Rows, reads
+from ratchetlm.engine.step_cost import (
+    SAMPLE_EVERY,
+    STRETCH_MIN,
+    LinearStepCost,
+    MeasuredStepCost,
+    Prior,
+    Rows,
+    reads,
+)
 
 # a deterministic cost model (ms): the schedule must not depend on how busy the test machine is
 FAKE = LinearStepCost(fixed=2.0, per_row=1.0, per_logit=0.5, per_context=0.002)
@@ -128,9 +136,9 @@ def test_decode_rows_over_the_target_stretch_the_step_to_a_multiple_of_their_own
 class PromptHeavy:
     """A fake cost (ms) in which a prompt row is dearer the more it attends to: a row through the LM
     head (every decode and draft row, a chunk's last) 1 ms; each other row of a chunk after ``c``
-    cached tokens ``scale`` x (1 + c / 4) ms. Beside four decode rows (a 14 ms step at least:
-    STRETCH_MIN x 4 ms) a chunk is 10 tokens at the prompt's start, 3 from its 10th token, 2 from its
-    16th, 1 from its 34th; ``scale`` = the rows a stream decodes a step keeps about that schedule.
+    cached tokens ``scale`` x (1 + c / 4) ms. Beside four decode rows (a 15 ms step at least:
+    STRETCH_MIN x 4 ms) a chunk is 11 tokens at the prompt's start, then 3, then 2, then 1 (from about
+    its 37th token); ``scale`` = the rows a stream decodes a step keeps about that schedule.
     With ``sample_every``, every ``sample_every``-th step that could feed the prompt holds the decode
     rows alone (as MeasuredStepCost asks, to re-measure them)."""
 
@@ -173,7 +181,7 @@ def test_chunks_of_a_few_tokens_give_the_same_tokens_as_the_whole_prompt(llm_def
     chunks = [n for st in steps for sid, n, pf, _ in st if sid == long and pf]
     assert sum(chunks) == 64 and chunks.count(1) >= 5 and any(n % 16 for n in chunks[:-1]), chunks
     if not decoding:
-        assert chunks[:6] == [10, 3, 3, 2, 2, 2] and chunks[-15:] == [1] * 15, chunks
+        assert chunks[:6] == [11, 3, 3, 2, 2, 2] and chunks[-15:] == [1] * 15, chunks
     assert list(outs.values()) == list(plain_small.values())
 
 
@@ -303,7 +311,7 @@ def test_the_decode_time_the_budget_scales_follows_the_machine_while_a_prompt_is
     chunk_steps(cost, 40, 120.0)
     assert cost.decode_ms(decode) == pytest.approx(30.0, rel=0.02)
     samples = 0
-    for i in range(40, 100):
+    for i in range(40, 40 + 7 * (SAMPLE_EVERY + 1)):
         if cost.wants_decode_sample():
             samples += 1
             cost.observe(decode, 600.0 if samples == 4 else 60.0)
