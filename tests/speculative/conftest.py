@@ -44,8 +44,13 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], params: SamplingPara
 
 
 @pytest.fixture(scope="session")
-def spec_llm(llm_fp32):
-    return llm_fp32
+def spec_llm(llm_default):
+    """The model in the engine's default numerics (``auto``: int8 on the bundled Q4_1 file), the mode users
+    run. Speculative == plain holds in every mode because each row's result is independent of the rows beside
+    it; the exact (HF-identical) mode's own equalities run on ``exact_llm`` below (the EAGLE head, the draft
+    model, the sampling controls and grammars) and in tests/core against HF. (int8 forwards cost ~0.4x exact
+    fp32 ones on one thread: tests/speculative 657 -> ~400 CPU-s, docs/benchmarks.md "spec8".)"""
+    return llm_default
 
 
 @pytest.fixture(scope="session")
@@ -57,3 +62,21 @@ def encoded(spec_llm) -> list[list[int]]:
 def reference(spec_llm, encoded) -> list[list[int]]:
     """Plain greedy outputs (``GREEDY``) of every prompt, batched: the oracle of the equality tests."""
     return run_engine(make_engine(spec_llm), encoded, GREEDY)
+
+
+@pytest.fixture(scope="session")
+def exact_llm(llm_fp32):
+    """The model in the exact (HF-identical) fp32 mode: the EAGLE head's features are compared with a
+    teacher-forced fp32 pass, and a draft model loaded from the same file drafts in that mode."""
+    return llm_fp32
+
+
+@pytest.fixture(scope="session")
+def exact_encoded(exact_llm) -> list[list[int]]:
+    return [exact_llm.tokenize(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def exact_reference(exact_llm, exact_encoded) -> list[list[int]]:
+    """``reference`` in the exact mode."""
+    return run_engine(make_engine(exact_llm), exact_encoded, GREEDY)

@@ -52,16 +52,16 @@ def assert_same_as_plain(llm, prompts, params, spec, plain_runs) -> None:
 # (a self-draft on 29 of the 30 layers ran here too: its drafts are nearly the unpenalised continuation that
 # the draft model's are exactly, and the penalties see them through the same verification rows)
 @pytest.mark.parametrize("spec", ["ngram_tree", "eagle", "draft_model"])
-def test_penalties_with_speculation_equal_plain(spec_llm, spec, plain_runs):
+def test_penalties_with_speculation_equal_plain(exact_llm, spec, plain_runs):
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, **PENALTIES)
-    assert_same_as_plain(spec_llm, [spec_llm.tokenize(p) for p in CHATTY], params, spec, plain_runs)
+    assert_same_as_plain(exact_llm, [exact_llm.tokenize(p) for p in CHATTY], params, spec, plain_runs)
 
 
-def test_bans_with_speculation_equal_plain(spec_llm, encoded, plain_runs):
+def test_bans_with_speculation_equal_plain(exact_llm, exact_encoded, plain_runs):
     """A two-token bad word the n-gram draft copies from the prompt ("(j"): banned inside the draft."""
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, bad_words=("(j", "self.items"),
-                            min_tokens=6, logit_bias={spec_llm.tokenize(" the")[0]: -3.0})
-    assert_same_as_plain(spec_llm, encoded[:5], params, "ngram_chain", plain_runs)
+                            min_tokens=6, logit_bias={exact_llm.tokenize(" the")[0]: -3.0})
+    assert_same_as_plain(exact_llm, exact_encoded[:5], params, "ngram_chain", plain_runs)
 
 
 SCHEMA = {
@@ -83,20 +83,20 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def extraction(spec_llm):
-    prompts = [spec_llm.tokenize(spec_llm.apply_chat_template([{"role": "user", "content": f"Extract name, age, city "
+def extraction(exact_llm):
+    prompts = [exact_llm.tokenize(exact_llm.apply_chat_template([{"role": "user", "content": f"Extract name, age, city "
                                                               f"and fields as JSON: {t}"}])) for t in TEXTS]
     params = SamplingParams(temperature=0.0, max_tokens=60, structured=StructuredOutputsParams(json=SCHEMA))
-    eng = make_engine(spec_llm, jump_forward=False)
+    eng = make_engine(exact_llm, jump_forward=False)
     ref = run_engine(eng, prompts, params)
     return prompts, params, ref, eng
 
 
-def test_constrained_output_validates(spec_llm, extraction):
+def test_constrained_output_validates(exact_llm, extraction):
     _, _, ref, eng = extraction
     for i, out in enumerate(ref):
         assert eng.seqs[i].finish_reason == "stop", "the grammar completed"
-        doc = json.loads(spec_llm.tokenizer.decode(out, skip_special_tokens=True))
+        doc = json.loads(exact_llm.tokenizer.decode(out, skip_special_tokens=True))
         jsonschema.validate(doc, SCHEMA)
 
 
@@ -119,9 +119,9 @@ def test_constrained_output_validates(spec_llm, extraction):
     ("speculative", dict(method="ngram", depth=6, chunk_size=2, depth_schedule="constant"), True),
 ], ids=["plain+jf", "ngram", "ngram+jf", "ngram_tree+jf", "gain+jf", "drafting_off+jf", "self_draft", "eagle",
         "eagle+jf", "draft_model+jf", "scv+jf"])
-def test_constrained_is_identical_across_strategies(spec_llm, extraction, decoding, opts, jf):
+def test_constrained_is_identical_across_strategies(exact_llm, extraction, decoding, opts, jf):
     prompts, params, ref, ref_eng = extraction
-    eng = make_engine(spec_llm, decoding, jump_forward=jf, **opts)
+    eng = make_engine(exact_llm, decoding, jump_forward=jf, **opts)
     assert run_engine(eng, prompts, params) == ref
     stats = [s.stats for s in eng.seqs.values()]
     forced = sum(st.get("forced_tokens_accepted", 0) for st in stats)

@@ -17,40 +17,42 @@ from .prompts import CHATS, CODE_EDITS, SUMMARIES
 
 
 @pytest.fixture(scope="module")
-def random_head(tmp_path_factory, spec_llm) -> str:
+def random_head(tmp_path_factory, exact_llm) -> str:
     torch.manual_seed(0)
-    head = EagleHead(EagleConfig.for_target(spec_llm.model_config, 512))
-    head.draft_vocab.copy_(torch.randperm(spec_llm.model_config.vocab_size)[:512])
+    head = EagleHead(EagleConfig.for_target(exact_llm.model_config, 512))
+    head.draft_vocab.copy_(torch.randperm(exact_llm.model_config.vocab_size)[:512])
     path = tmp_path_factory.mktemp("eagle") / "random_head"
     head.save(path)
     return str(path)
 
 
-def eagle_engine(spec_llm, head: str | None, **kw):
-    return make_engine(spec_llm, "speculative", method="eagle", draft_model=head, **kw)
+def eagle_engine(exact_llm, head: str | None, **kw):
+    return make_engine(exact_llm, "speculative", method="eagle", draft_model=head, **kw)
 
 
-def test_random_head_is_lossless_batched_alone_and_under_preemption(spec_llm, encoded, reference, random_head):
-    eng = eagle_engine(spec_llm, random_head, depth=3)
-    assert run_engine(eng, encoded, GREEDY) == reference
+def test_random_head_is_lossless_batched_alone_and_under_preemption(exact_llm, exact_encoded, exact_reference,
+                                                                    random_head):
+    eng = eagle_engine(exact_llm, random_head, depth=3)
+    assert run_engine(eng, exact_encoded, GREEDY) == exact_reference
     m = eng.strategy.metrics()
     assert m["spec_decode_num_drafts"] > 0 and m["spec_draft_forwards"] > 0
     assert m["spec_draft_kv_blocks_used"] == 0, "head KV blocks leaked"
     for i in (0, 5):
-        assert run_engine(eng, [encoded[i]], GREEDY) == [reference[i]]
-    gain = eagle_engine(spec_llm, random_head, depth=6, depth_schedule="gain")  # confidence-cut chains
-    assert run_engine(gain, [encoded[i] for i in (0, 3, 9)], GREEDY) == [reference[i] for i in (0, 3, 9)]
-    tight = eagle_engine(spec_llm, random_head, depth=3, kv_cache_blocks=10)
+        assert run_engine(eng, [exact_encoded[i]], GREEDY) == [exact_reference[i]]
+    gain = eagle_engine(exact_llm, random_head, depth=6, depth_schedule="gain")  # confidence-cut chains
+    assert run_engine(gain, [exact_encoded[i] for i in (0, 3, 9)], GREEDY) == [exact_reference[i] for i in (0, 3, 9)]
+    tight = eagle_engine(exact_llm, random_head, depth=3, kv_cache_blocks=10)
     subset = [0, 3, 4, 8]
-    assert run_engine(tight, [encoded[i] for i in subset], GREEDY) == [reference[i] for i in subset]
+    assert run_engine(tight, [exact_encoded[i] for i in subset], GREEDY) == [exact_reference[i] for i in subset]
     assert tight.scheduler.num_preemptions > 0
     assert tight.strategy.metrics()["spec_draft_kv_blocks_used"] == 0
 
 
-def test_head_reads_the_targets_features_and_drafts_its_whole_sequence_prediction(spec_llm, encoded, random_head):
+def test_head_reads_the_targets_features_and_drafts_its_whole_sequence_prediction(exact_llm, exact_encoded,
+                                                                                  random_head):
     """Oracles: the features observed for committed positions equal a teacher-forced target pass;
     each first draft token equals the argmax of one whole-sequence head pass over true features."""
-    eng = eagle_engine(spec_llm, random_head, depth=2)
+    eng = eagle_engine(exact_llm, random_head, depth=2)
     prop = eng.strategy.proposer
     seen: dict[int, torch.Tensor] = {}
     drafts: list[tuple[list[int], int]] = []
@@ -67,11 +69,11 @@ def test_head_reads_the_targets_features_and_drafts_its_whole_sequence_predictio
         return beams
 
     prop.observe, prop.propose = spy_observe, spy_propose
-    sid = eng.add_request(encoded[0], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    sid = eng.add_request(exact_encoded[0], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     while eng.has_unfinished():
         eng.step()
     tokens = eng.seqs[sid].token_ids
-    model = spec_llm.engine.model
+    model = exact_llm.engine.model
     with torch.inference_mode():
         ref = target_features(model, tokens)  # [n, hidden]
         positions = sorted(seen)
@@ -86,34 +88,34 @@ def test_head_reads_the_targets_features_and_drafts_its_whole_sequence_predictio
             assert first == want
 
 
-def test_options_and_bad_heads_raise_value_errors(spec_llm, random_head, tmp_path):
+def test_options_and_bad_heads_raise_value_errors(exact_llm, random_head, tmp_path):
     with pytest.raises(ValueError, match="num_candidates"):
-        eagle_engine(spec_llm, random_head, num_candidates=2)
+        eagle_engine(exact_llm, random_head, num_candidates=2)
     with pytest.raises(ValueError, match="config.json"):
-        eagle_engine(spec_llm, str(tmp_path))
-    small = EagleHead(EagleConfig(64, 128, 4, 2, 16, spec_llm.model_config.vocab_size, 32))
+        eagle_engine(exact_llm, str(tmp_path))
+    small = EagleHead(EagleConfig(64, 128, 4, 2, 16, exact_llm.model_config.vocab_size, 32))
     small.save(tmp_path / "small")
     with pytest.raises(ValueError, match="hidden size 64"):
-        eagle_engine(spec_llm, str(tmp_path / "small"))
+        eagle_engine(exact_llm, str(tmp_path / "small"))
     with pytest.raises(ValueError, match="draft_model"):
-        make_engine(spec_llm, "speculative", method="ngram", draft_model=random_head)
+        make_engine(exact_llm, "speculative", method="ngram", draft_model=random_head)
 
 
-def test_seeded_sampling_with_a_head_is_reproducible(spec_llm, encoded, random_head):
+def test_seeded_sampling_with_a_head_is_reproducible(exact_llm, exact_encoded, random_head):
     p = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=7, ignore_eos=True)
-    a = run_engine(eagle_engine(spec_llm, random_head, depth=3), [encoded[3]], p)
-    b = run_engine(eagle_engine(spec_llm, random_head, depth=3), [encoded[3]], p)
+    a = run_engine(eagle_engine(exact_llm, random_head, depth=3), [exact_encoded[3]], p)
+    b = run_engine(eagle_engine(exact_llm, random_head, depth=3), [exact_encoded[3]], p)
     assert a == b and len(a[0]) == 16
 
 
-def test_bundled_head_is_accepted_and_lossless(spec_llm):
+def test_bundled_head_is_accepted_and_lossless(exact_llm):
     """Not a speed claim: the shipped head must actually predict the default model's answers on
     the benchmark's requests (held out of its training data), otherwise equality passes vacuously."""
-    prompts = [spec_llm.tokenize(p) for p in CODE_EDITS + SUMMARIES + CHATS]
+    prompts = [exact_llm.tokenize(p) for p in CODE_EDITS + SUMMARIES + CHATS]
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    ref = run_engine(make_engine(spec_llm), prompts, params)
+    ref = run_engine(make_engine(exact_llm), prompts, params)
     assert BUNDLED_HEAD.is_dir()
-    eng = eagle_engine(spec_llm, None, depth=4)  # None: the bundled head
+    eng = eagle_engine(exact_llm, None, depth=4)  # None: the bundled head
     assert run_engine(eng, prompts, params) == ref
     m = eng.strategy.metrics()
     # measured when the head was shipped: 1.37 and 58 of 204 (a random head: 1.0 and 0)
