@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
-from typing import Any
 
 import torch
 
@@ -26,7 +26,9 @@ import ratchetlm.models.decode_chain as decode_chain
 from ratchetlm import LLM, SamplingParams
 from ratchetlm.engine.config import EngineConfig
 from ratchetlm.engine.llm_engine import LLMEngine
-from ratchetlm.layers.attention import kv_half
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attention_replay import AttentionReplay  # noqa: E402
 
 KS = (0, 1, 3, 6, 12)
 
@@ -41,25 +43,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     llm = LLM(progress=False)
     ids = llm.tokenize(" ".join(f"word{i} river{i % 7}" for i in range(3000)))
-    last: dict[str, Any] = {}
-    run = decode_chain.DecodeChain.run
-
-    def recorded(self: Any, x: Any, cos_sin: Any, batch: Any, num_layers: int) -> Any:
-        last.update(chain=self, batch=batch, layers=num_layers)
-        return run(self, x, cos_sin, batch, num_layers)
-
-    decode_chain.DecodeChain.run = recorded  # type: ignore[method-assign]
-
-    def attention_alone() -> float:  # CPU ms of the last step's attention calls, every layer
-        ch, b = last["chain"], last["batch"]
-        slots, half = b.slot_rows_ptr(0), int(kv_half(b.cache))
-        t0 = time.thread_time()
-        for i in range(last["layers"]):
-            kc, vc = b.cache.layer_kv(i)
-            ch.lib.ratchet_attention(ch.qb.data_ptr(), ch.k_all[i].data_ptr(), ch.v_all[i].data_ptr(), kc.data_ptr(),
-                                     vc.data_ptr(), slots, b.max_ctx, b.seq_meta.data_ptr(), b.max_new, 0, b.num_seqs,
-                                     ch.nh, ch.nkv, ch.hd, 0.125, 0.0, half, ch.attn.data_ptr(), args.threads)
-        return (time.thread_time() - t0) * 1e3
+    replay = AttentionReplay()
 
     print(f"tree {os.path.dirname(os.path.dirname(os.path.abspath(decode_chain.__file__)))}; threads {args.threads}")
     print("| streams' cached tokens (4 x) | prompt's | k | step CPU (ms) | its attention alone (ms) | load |")
@@ -82,7 +66,7 @@ def main() -> None:
                 k[0] = n
                 c0 = time.thread_time()
                 eng.step()
-                seen[n].append(((time.thread_time() - c0) * 1e3, attention_alone()))
+                seen[n].append(((time.thread_time() - c0) * 1e3, replay.ms(args.threads, time.thread_time)))
         streams = [s.num_cached for s in eng.seqs.values() if s.seq_id != long]
         for n, v in seen.items():
             print(f"| {min(streams)}-{max(streams)} | {eng.seqs[long].num_cached} | {n} | "
