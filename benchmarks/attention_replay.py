@@ -3,8 +3,8 @@
 ``AttentionReplay()`` wraps ``DecodeChain.run`` (of whichever ratchetlm tree is imported) to keep the last
 step's chain, batch and layer count; ``ms(threads)`` then calls ``kernels/attention.c`` once per layer as the
 chain did (same queries, cache, slots and thread count) and returns the milliseconds the calls took on
-``clock`` (wall by default; ``time.thread_time`` for CPU time on a shared machine). Used by
-bench_attention_context.py and bench_chunk_cost.py.
+``clock`` (wall by default; ``time.thread_time`` for CPU time on a shared machine). ``four_streams`` builds the
+scenario both use. Used by bench_attention_context.py and bench_chunk_cost.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,21 @@ from collections.abc import Callable
 from typing import Any
 
 import ratchetlm.models.decode_chain as decode_chain
+from ratchetlm import SamplingParams
+from ratchetlm.engine.config import EngineConfig
+from ratchetlm.engine.llm_engine import LLMEngine
 from ratchetlm.layers.attention import kv_half
+
+
+def four_streams(llm: Any, ids: list[int], cached: int) -> LLMEngine:
+    """A fresh engine (defaults) on ``llm``'s model with four greedy streams prefilled to ``cached`` tokens of
+    ``ids`` each (offset by 7 tokens, so no prefix is shared) and one token decoded."""
+    eng = LLMEngine(EngineConfig(progress=False), llm.engine.model, llm.model_config)
+    for i in range(4):
+        eng.add_request(ids[i * 7 : i * 7 + cached], SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True))
+    while any(not s.output_ids for s in eng.seqs.values()):
+        eng.step()
+    return eng
 
 
 class AttentionReplay:

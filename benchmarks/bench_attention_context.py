@@ -23,12 +23,10 @@ import time
 import torch
 
 import ratchetlm.models.decode_chain as decode_chain
-from ratchetlm import LLM, SamplingParams
-from ratchetlm.engine.config import EngineConfig
-from ratchetlm.engine.llm_engine import LLMEngine
+from ratchetlm import LLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention_replay import AttentionReplay  # noqa: E402
+from attention_replay import AttentionReplay, four_streams  # noqa: E402
 
 
 def main() -> None:
@@ -44,11 +42,7 @@ def main() -> None:
 
     print(f"tree {os.path.dirname(os.path.dirname(os.path.abspath(decode_chain.__file__)))}; threads {args.threads}")
     for c in args.contexts:
-        eng = LLMEngine(EngineConfig(progress=False), llm.engine.model, llm.model_config)
-        for i in range(4):
-            eng.add_request(ids[i * 7 : i * 7 + c], SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True))
-        while any(not s.output_ids for s in eng.seqs.values()):
-            eng.step()
+        eng = four_streams(llm, ids, c)
         for _ in range(3):
             eng.step()
         wall, cpu, att = [], [], []

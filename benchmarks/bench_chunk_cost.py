@@ -24,11 +24,9 @@ import torch
 
 import ratchetlm.models.decode_chain as decode_chain
 from ratchetlm import LLM, SamplingParams
-from ratchetlm.engine.config import EngineConfig
-from ratchetlm.engine.llm_engine import LLMEngine
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention_replay import AttentionReplay  # noqa: E402
+from attention_replay import AttentionReplay, four_streams  # noqa: E402
 
 KS = (0, 1, 3, 6, 12)
 
@@ -50,11 +48,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for pair in args.at:
         sc, pc = (int(x) for x in pair.split(":"))
-        eng = LLMEngine(EngineConfig(progress=False), llm.engine.model, llm.model_config)
-        for i in range(4):
-            eng.add_request(ids[i * 7 : i * 7 + sc], SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True))
-        while any(not s.output_ids for s in eng.seqs.values()):
-            eng.step()
+        eng = four_streams(llm, ids, sc)
         k = [64]
         eng.scheduler._chunk = lambda step, seq, want, k=k: min(k[0], want)  # type: ignore[method-assign]
         long = eng.add_request(ids[1000 : 1000 + pc + 200], SamplingParams(max_tokens=1, temperature=0))
