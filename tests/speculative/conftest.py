@@ -72,11 +72,6 @@ def exact_llm(llm_fp32):
 
 
 @pytest.fixture(scope="session")
-def exact_encoded(exact_llm) -> list[list[int]]:
-    return [exact_llm.tokenize(p) for p in PROMPTS]
-
-
-@pytest.fixture(scope="session")
-def exact_reference(exact_llm, exact_encoded) -> list[list[int]]:
-    """``reference`` in the exact mode."""
-    return run_engine(make_engine(exact_llm), exact_encoded, GREEDY)
+def exact_reference(exact_llm, encoded) -> list[list[int]]:
+    """``reference`` in the exact mode (the same file's vocabulary: ``encoded`` are its tokens too)."""
+    return run_engine(make_engine(exact_llm), encoded, GREEDY)

@@ -57,11 +57,11 @@ def test_penalties_with_speculation_equal_plain(exact_llm, spec, plain_runs):
     assert_same_as_plain(exact_llm, [exact_llm.tokenize(p) for p in CHATTY], params, spec, plain_runs)
 
 
-def test_bans_with_speculation_equal_plain(exact_llm, exact_encoded, plain_runs):
+def test_bans_with_speculation_equal_plain(exact_llm, encoded, plain_runs):
     """A two-token bad word the n-gram draft copies from the prompt ("(j"): banned inside the draft."""
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, bad_words=("(j", "self.items"),
                             min_tokens=6, logit_bias={exact_llm.tokenize(" the")[0]: -3.0})
-    assert_same_as_plain(exact_llm, exact_encoded[:5], params, "ngram_chain", plain_runs)
+    assert_same_as_plain(exact_llm, encoded[:5], params, "ngram_chain", plain_runs)
 
 
 SCHEMA = {

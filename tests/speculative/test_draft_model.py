@@ -34,12 +34,12 @@ def assert_draft_blocks_freed(eng) -> None:
     assert eng.strategy.metrics()["spec_draft_kv_blocks_used"] == 0
 
 
-def test_same_weights_draft_is_fully_accepted_and_mirrors_the_target_kv(exact_llm, exact_encoded, exact_reference):
+def test_same_weights_draft_is_fully_accepted_and_mirrors_the_target_kv(exact_llm, encoded, exact_reference):
     eng = make_engine(exact_llm, "speculative", kv_cache_blocks=10, method="draft_model",
                       draft_model=str(default_model_path()), depth=3)
     prop = eng.strategy.proposer
     # alone on the fresh caches, stopping mid-way to compare the draft cache with the target cache
-    sid = eng.add_request(exact_encoded[ALONE], GREEDY)
+    sid = eng.add_request(encoded[ALONE], GREEDY)
     seq = eng.seqs[sid]
     while seq.num_output_tokens < 8:
         eng.step()
@@ -56,7 +56,7 @@ def test_same_weights_draft_is_fully_accepted_and_mirrors_the_target_kv(exact_ll
     assert seq.output_ids == exact_reference[ALONE]
     assert_draft_blocks_freed(eng)
     # batched, tight target KV: sequences are preempted (their draft blocks freed) and recomputed
-    assert run_engine(eng, [exact_encoded[i] for i in BATCH], GREEDY) == [exact_reference[i] for i in BATCH]
+    assert run_engine(eng, [encoded[i] for i in BATCH], GREEDY) == [exact_reference[i] for i in BATCH]
     assert eng.scheduler.num_preemptions > 0
     assert_draft_blocks_freed(eng)
     m = eng.strategy.metrics()
@@ -64,37 +64,37 @@ def test_same_weights_draft_is_fully_accepted_and_mirrors_the_target_kv(exact_ll
     assert m["spec_draft_alloc_fallbacks"] == 0
 
 
-def test_random_draft_beam_is_rejected_yet_lossless(exact_llm, tiny_draft, exact_encoded, exact_reference):
+def test_random_draft_beam_is_rejected_yet_lossless(exact_llm, tiny_draft, encoded, exact_reference):
     """Beam search of width 2 (the greedy chain is covered by the same-weights test)."""
     width, n = 2, 8  # nearly every draft is rejected: one step per token, so fewer tokens
     short = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     eng = make_engine(exact_llm, "speculative", kv_cache_blocks=10, method="draft_model", draft_model=tiny_draft,
                       depth=2, num_candidates=width)
-    assert run_engine(eng, [exact_encoded[i] for i in BATCH], short) == [exact_reference[i][:n] for i in BATCH]
+    assert run_engine(eng, [encoded[i] for i in BATCH], short) == [exact_reference[i][:n] for i in BATCH]
     assert eng.scheduler.num_preemptions > 0
-    assert run_engine(eng, [exact_encoded[ALONE]], short) == [exact_reference[ALONE][:n]]
+    assert run_engine(eng, [encoded[ALONE]], short) == [exact_reference[ALONE][:n]]
     m = eng.strategy.metrics()
     assert m["spec_decode_num_drafts"] >= 2 * n  # drafted on most steps
     assert m["spec_decode_acceptance_rate"] < 0.2, m
     assert_draft_blocks_freed(eng)
 
 
-def test_full_draft_cache_falls_back_to_plain_steps(exact_llm, tiny_draft, exact_encoded, exact_reference):
+def test_full_draft_cache_falls_back_to_plain_steps(exact_llm, tiny_draft, encoded, exact_reference):
     """3 draft blocks (48 tokens) cannot hold every sequence: those left out take plain steps."""
     eng = make_engine(exact_llm, "speculative", method="draft_model", draft_model=tiny_draft, depth=2,
                       draft_kv_blocks=3)
     subset, n = [0, 7, 10], 6  # 47 + 11 + 13 prompt tokens
     short = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    assert run_engine(eng, [exact_encoded[i] for i in subset], short) == [exact_reference[i][:n] for i in subset]
+    assert run_engine(eng, [encoded[i] for i in subset], short) == [exact_reference[i][:n] for i in subset]
     m = eng.strategy.metrics()
     assert m["spec_draft_alloc_fallbacks"] > 0 and m["spec_decode_num_drafts"] > 0
     assert eng.seqs[0].stats.get("spec_draft_alloc_fallbacks", 0) > 0  # the 47-token prompt never fits
     assert_draft_blocks_freed(eng)
 
 
-def test_abort_frees_draft_blocks(exact_llm, tiny_draft, exact_encoded):
+def test_abort_frees_draft_blocks(exact_llm, tiny_draft, encoded):
     eng = make_engine(exact_llm, "speculative", method="draft_model", draft_model=tiny_draft, depth=2)
-    sid = eng.add_request(exact_encoded[3], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    sid = eng.add_request(encoded[3], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
     for _ in range(3):
         eng.step()
     assert eng.strategy.metrics()["spec_draft_kv_blocks_used"] > 0

@@ -30,26 +30,24 @@ def eagle_engine(exact_llm, head: str | None, **kw):
     return make_engine(exact_llm, "speculative", method="eagle", draft_model=head, **kw)
 
 
-def test_random_head_is_lossless_batched_alone_and_under_preemption(exact_llm, exact_encoded, exact_reference,
-                                                                    random_head):
+def test_random_head_is_lossless_batched_alone_and_under_preemption(exact_llm, encoded, exact_reference, random_head):
     eng = eagle_engine(exact_llm, random_head, depth=3)
-    assert run_engine(eng, exact_encoded, GREEDY) == exact_reference
+    assert run_engine(eng, encoded, GREEDY) == exact_reference
     m = eng.strategy.metrics()
     assert m["spec_decode_num_drafts"] > 0 and m["spec_draft_forwards"] > 0
     assert m["spec_draft_kv_blocks_used"] == 0, "head KV blocks leaked"
     for i in (0, 5):
-        assert run_engine(eng, [exact_encoded[i]], GREEDY) == [exact_reference[i]]
+        assert run_engine(eng, [encoded[i]], GREEDY) == [exact_reference[i]]
     gain = eagle_engine(exact_llm, random_head, depth=6, depth_schedule="gain")  # confidence-cut chains
-    assert run_engine(gain, [exact_encoded[i] for i in (0, 3, 9)], GREEDY) == [exact_reference[i] for i in (0, 3, 9)]
+    assert run_engine(gain, [encoded[i] for i in (0, 3, 9)], GREEDY) == [exact_reference[i] for i in (0, 3, 9)]
     tight = eagle_engine(exact_llm, random_head, depth=3, kv_cache_blocks=10)
     subset = [0, 3, 4, 8]
-    assert run_engine(tight, [exact_encoded[i] for i in subset], GREEDY) == [exact_reference[i] for i in subset]
+    assert run_engine(tight, [encoded[i] for i in subset], GREEDY) == [exact_reference[i] for i in subset]
     assert tight.scheduler.num_preemptions > 0
     assert tight.strategy.metrics()["spec_draft_kv_blocks_used"] == 0
 
 
-def test_head_reads_the_targets_features_and_drafts_its_whole_sequence_prediction(exact_llm, exact_encoded,
-                                                                                  random_head):
+def test_head_reads_the_targets_features_and_drafts_its_whole_sequence_prediction(exact_llm, encoded, random_head):
     """Oracles: the features observed for committed positions equal a teacher-forced target pass;
     each first draft token equals the argmax of one whole-sequence head pass over true features."""
     eng = eagle_engine(exact_llm, random_head, depth=2)
@@ -69,7 +67,7 @@ def test_head_reads_the_targets_features_and_drafts_its_whole_sequence_predictio
         return beams
 
     prop.observe, prop.propose = spy_observe, spy_propose
-    sid = eng.add_request(exact_encoded[0], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    sid = eng.add_request(encoded[0], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     while eng.has_unfinished():
         eng.step()
     tokens = eng.seqs[sid].token_ids
@@ -101,10 +99,10 @@ def test_options_and_bad_heads_raise_value_errors(exact_llm, random_head, tmp_pa
         make_engine(exact_llm, "speculative", method="ngram", draft_model=random_head)
 
 
-def test_seeded_sampling_with_a_head_is_reproducible(exact_llm, exact_encoded, random_head):
+def test_seeded_sampling_with_a_head_is_reproducible(exact_llm, encoded, random_head):
     p = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=7, ignore_eos=True)
-    a = run_engine(eagle_engine(exact_llm, random_head, depth=3), [exact_encoded[3]], p)
-    b = run_engine(eagle_engine(exact_llm, random_head, depth=3), [exact_encoded[3]], p)
+    a = run_engine(eagle_engine(exact_llm, random_head, depth=3), [encoded[3]], p)
+    b = run_engine(eagle_engine(exact_llm, random_head, depth=3), [encoded[3]], p)
     assert a == b and len(a[0]) == 16
 
 
