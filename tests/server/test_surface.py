@@ -113,7 +113,7 @@ def test_command_line_surface(flagged):
 @pytest.mark.parametrize("args, needle", [(["--tool-call-parser", "nope"], "tool call parser"),
                                           (["--allowed-origins", "example.com"], "allowed_origins"),
                                           (["--chat-template", "/no/such/file"], "chat-template")])
-def test_bad_flags_exit_with_a_message(args, needle, capsys):
+def test_bad_flags_exit_with_a_message(args, needle, capsys, monkeypatch):
     """Refused before the server starts: ``ratchet``'s main in this process, whose return value is the
     process's exit code (ratchetlm/__main__.py; ``python -m ratchetlm`` itself runs in tests/api/test_cli.py).
     A subprocess per bad flag paid a python + torch + transformers start-up, ~5 CPU-s each."""
@@ -121,6 +121,12 @@ def test_bad_flags_exit_with_a_message(args, needle, capsys):
 
     from ratchetlm.cli import main
 
+    from ratchetlm.server.http import RatchetServer
+
+    def started(self):  # a flag that got through would serve here for ever (no subprocess timeout)
+        raise AssertionError(f"the server started with {args}")
+
+    monkeypatch.setattr(RatchetServer, "run", started)
     log = logging.getLogger("ratchetlm")
     saved = list(log.handlers), log.level, log.propagate
     try:
