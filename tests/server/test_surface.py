@@ -120,7 +120,6 @@ def test_bad_flags_exit_with_a_message(args, needle, capsys, monkeypatch):
     import logging
 
     from ratchetlm.cli import main
-
     from ratchetlm.server.http import RatchetServer
 
     def started(self):  # a flag that got through would serve here for ever (no subprocess timeout)
