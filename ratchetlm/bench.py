@@ -276,6 +276,11 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(worker(a, job)), flush=True)
         return 0
 
+    engines = (a.engines or ("ratchetlm,ratchetlm-dense,llama.cpp,hf" if a.model is None else "ratchetlm,llama.cpp"))
+    for engine in engines.split(","):  # before the tokenizer (and transformers) loads: a typo costs no wait
+        if engine not in ENGINES:
+            raise SystemExit(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
+
     from ratchetlm.models.loader import ModelLoadError, resolve
     from ratchetlm.models.tokenizer import load_tokenizer
 
@@ -285,7 +290,6 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(str(e)) from None
     if source.kind != "gguf":
         raise SystemExit("ratchet bench compares engines on a GGUF file; --model must be a .gguf")
-    engines = (a.engines or ("ratchetlm,ratchetlm-dense,llama.cpp,hf" if a.model is None else "ratchetlm,llama.cpp"))
     tok = load_tokenizer(source)
     prompts = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
     text = " ".join(PROMPTS)
@@ -298,8 +302,6 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(job, tmp)
     try:
         for engine in engines.split(","):
-            if engine not in ENGINES:
-                raise SystemExit(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
             cmd = [sys.executable, "-m", "ratchetlm.bench", "--worker", engine, "--job", tmp.name,
                    *[x for x in (argv if argv is not None else sys.argv[1:])]]
             proc = subprocess.run(cmd, capture_output=True, text=True)

@@ -5,28 +5,33 @@ is measured, and an engine that cannot run is reported as skipped instead of fai
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import pytest
+
+from ratchetlm.cli import main
 from tests.core.gguf_factory import write_tiny_gguf
 
 REPO = Path(__file__).parents[2]
-ENV = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
 
 
-def test_bench_runs_any_gguf_and_reports_every_column(tmp_path):
+def test_bench_runs_any_gguf_and_reports_every_column(tmp_path, monkeypatch, capsys):
+    """The parent (``ratchet bench``: tokenizes the prompts, starts one worker process per engine, writes
+    the report) runs in this process; the engine's worker is its own ``python -m ratchetlm.bench --worker``."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO))  # the worker imports this tree's ratchetlm
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
     model = write_tiny_gguf(tmp_path / "qwen3.gguf", "qwen3", ["Q4_K", "Q6_K", "Q8_0"])
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "ratchetlm", "bench", "--model", str(model), "--engines", "ratchetlm,nonsense-free",
-           "--max-tokens", "4", "--batch-sizes", "1,2", "--prompt-tokens", "24", "--repeats", "1", "--json", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600)
-    assert r.returncode != 0 and "unknown engine 'nonsense-free'" in r.stdout + r.stderr  # named, not a traceback
-    cmd[cmd.index("ratchetlm,nonsense-free")] = "ratchetlm"
-    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "| ratchetlm |" in r.stdout and "load avg" in r.stdout
+    argv = ["bench", "--model", str(model), "--engines", "ratchetlm,nonsense-free", "--max-tokens", "4",
+            "--batch-sizes", "1,2", "--prompt-tokens", "24", "--repeats", "1", "--json", str(out)]
+    with pytest.raises(SystemExit) as e:  # named, not a traceback, before any engine runs
+        main(argv)
+    assert "unknown engine 'nonsense-free'" in str(e.value.code) and "(ratchetlm done)" not in capsys.readouterr().out
+    argv[argv.index("ratchetlm,nonsense-free")] = "ratchetlm"
+    assert main(argv) == 0
+    stdout = capsys.readouterr().out
+    assert "(ratchetlm done)" in stdout, stdout[-2000:]
+    assert "| ratchetlm |" in stdout and "load avg" in stdout
     (res,) = json.loads(out.read_text())["results"]
     assert res["engine"] == "ratchetlm" and res["load_s"] > 0 and res["peak_rss_gb"] > res["base_rss_gb"] > 0.1
     assert set(res["decode"]) == {"1", "2"} and all(v > 0 for v in res["decode"].values())
