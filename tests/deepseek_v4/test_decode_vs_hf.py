@@ -27,14 +27,27 @@ def _hf_incremental(hf_model, prompt: torch.Tensor, fed: list[int]) -> list[torc
     return out
 
 
+@pytest.fixture(scope="module")
+def hf_boundary_runs(hf_model):
+    """prompt_len -> (prompt, fed tokens, HF's logits): one HF run per prompt, read by both decode_seq cases."""
+    runs: dict[int, tuple[torch.Tensor, list[int], list[torch.Tensor]]] = {}
+
+    def get(prompt_len: int):
+        if prompt_len not in runs:
+            g = torch.Generator().manual_seed(prompt_len)
+            prompt = torch.randint(0, 96, (prompt_len,), generator=g)
+            fed = torch.randint(0, 96, (8,), generator=g).tolist()
+            runs[prompt_len] = (prompt, fed, _hf_incremental(hf_model, prompt, fed))
+        return runs[prompt_len]
+
+    return get
+
+
 @pytest.mark.parametrize("decode_seq", [2, 1])
 @pytest.mark.parametrize("prompt_len", [1, 3, 124, 252, 508])
-def test_decode_matches_hf_across_boundaries(hf_model, model, prompt_len, decode_seq):
+def test_decode_matches_hf_across_boundaries(hf_boundary_runs, model, prompt_len, decode_seq):
     # 8 steps from these prompt lengths cross 3->4, 127->128, 255->256 and 511->512.
-    g = torch.Generator().manual_seed(prompt_len)
-    prompt = torch.randint(0, 96, (prompt_len,), generator=g)
-    fed = torch.randint(0, 96, (8,), generator=g).tolist()
-    want = _hf_incremental(hf_model, prompt, fed)
+    prompt, fed, want = hf_boundary_runs(prompt_len)
     engine = v4_engine(model, "teacher_forced", decode_seq=decode_seq, shuffle_seed=prompt_len)
     (sid,) = forced_run(engine, [prompt.tolist()], [fed + [0]])
     got = engine.strategy.logits[sid]

@@ -57,9 +57,11 @@ def test_single_8192_prompt_512_steps_matches_hf(hf_model, model):
 
 
 MIXED_STARTS = [120, 505, 4090, 8185, 8703]  # near 127/128, 511/512, 4095/4096, 8191/8192, 8703
-# the determinism rerun: 128 calls take every sequence across its boundary above (and a ring wrap, 32 CSA
-# windows, one HCA window); all 512 again cost ~16 s of CPU more and cross no kind of boundary not crossed here
-RERUN_STEPS = 128
+# the determinism rerun: 48 calls (positions start .. start + 47) take every sequence across its boundary
+# above, each with a ring wrap (127 -> 0), twelve CSA windows (compressed + indexer entries), one HCA window
+# (at 127, 511, 4095, 8191, 8703), for 505 -> 512 a second CSA block, and hand freed state pages of every
+# kind out again (asserted below); the 464 calls after them cross no kind of boundary not crossed here
+RERUN_STEPS = 48
 POOLS = ("ori", "csa_cmp", "idx", "hca_cmp", "csa_state", "inner_state", "hca_state")
 
 
@@ -129,6 +131,10 @@ def test_mixed_batch_512_steps_matches_reference_and_is_deterministic(model, lon
 
     engine, sids, writes = run(RERUN_STEPS, seed=21)
     at_rerun = pool_bytes(engine)  # the caches after RERUN_STEPS calls, for the determinism rerun below
+    # the rerun's calls already hand freed state pages out again (ring-fashion reuse is inside what it replays)
+    for name in ("csa_state", "inner_state", "hca_state"):
+        phys = [p for n, _, p in engine.blocks.page_history if n == name]
+        assert len(phys) > len(set(phys)), name
     for _ in range(STEPS - RERUN_STEPS):
         engine.step()
     # every call committed exactly one token per sequence, judged by what reached the caches

@@ -94,15 +94,24 @@ def test_failed_commit_falls_back_to_plain_and_keeps_the_output(model):
     assert staging.metrics.fallback_commit_fail > 0 and any(written)  # pools were written, then rolled back
 
 
+OVERFLOW_PARAMS = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def overflow_plain(model) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, plain greedy outputs) of the overflow cases: the reference of both capacities, computed once."""
+    prompts = _prompts([120, 250, 60], seed=6)
+    return prompts, run(v4_engine(model, max_num_seqs=3), prompts, OVERFLOW_PARAMS)
+
+
 @pytest.mark.parametrize("capacity", [1, 3])
-def test_staging_overflow_falls_back_with_identical_output(model, capacity):
+def test_staging_overflow_falls_back_with_identical_output(model, overflow_plain, capacity):
     """Capacity 1: no [root, draft] chain fits, every verify step computes without writing anything
     and the next step's catch-up writes the committed tokens directly. Capacity 3: in a batch of
     three, the first chain fits and the others do not. Output is plain greedy's and the buffer never
     grows past its capacity."""
-    prompts = _prompts([120, 250, 60], seed=6)
-    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
-    want = run(v4_engine(model, max_num_seqs=3), prompts, params)
+    prompts, want = overflow_plain
+    params = OVERFLOW_PARAMS
     engine = mtp_engine(model, 1, max_num_seqs=3, staging_capacity=capacity)
     steer(engine, {tuple(p): w for p, w in zip(prompts, want, strict=True)})
     silent = []  # per forward whose every proposal overflowed: it wrote no pool row

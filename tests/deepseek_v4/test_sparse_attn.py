@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ratchetlm.models.deepseek_v4.attention import Indexer, select_topk, sink_attention
+from ratchetlm.models.deepseek_v4.attention import SCORE_BLOCK, Indexer, select_topk, sink_attention
 from ratchetlm.models.deepseek_v4.paging import physical_rows
 from ratchetlm.models.deepseek_v4.reference import reference_forward
 from ratchetlm.models.deepseek_v4.sparse_attn import gather_keys
@@ -87,6 +87,28 @@ def test_indexer_scores_equal_the_formula_for_shared_per_query_and_grouped_keys(
     shared = Tiny().scores(q[0], w[0], keys[:1])  # [n, T]
     assert torch.equal(shared, Tiny().scores(q[0], w[0], keys[:1].expand(n, -1, -1)))
     torch.testing.assert_close(shared, want[0], rtol=1e-6, atol=1e-6)
+
+
+def test_indexer_scores_of_whole_score_blocks_equal_the_full_width_bit_for_bit():
+    """decode.indexer_topk and the reference score only the first whole SCORE_BLOCKs of slots their
+    queries can see: a slot's score must be the same bits as when every slot is scored (a decode
+    step's batch, a prefill chunk, the reference's shared keys of any entry count)."""
+    g = torch.Generator().manual_seed(3)
+
+    class Tiny:
+        dim = 16
+        scores = Indexer.scores
+
+    cases = [((5, 2), 4096), ((1, 2), 4096), ((64, 3), 4096), ((1, 256), 4096), ((4, 17), 4096),
+             ((None, 1), 576), ((None, 256), 4096), ((None, 512), 2175), ((None, 7), 300)]
+    for (B, n), width in cases:
+        lead = (n,) if B is None else (B, n)
+        q, w = torch.randn(*lead, 16, 16, generator=g), torch.randn(*lead, 16, generator=g)
+        keys = torch.randn(1 if B is None else B, width, 16, generator=g)
+        full = Tiny().scores(q, w, keys)
+        blocks = range(SCORE_BLOCK, width, SCORE_BLOCK)
+        for t in {blocks[0], blocks[1], blocks[len(blocks) // 2], blocks[-1]}:  # first, middle and last widths
+            assert torch.equal(Tiny().scores(q, w, keys[:, :t]), full[..., :t]), (B, n, width, t)
 
 
 def test_sink_attention_ignores_invalid_keys_and_uses_sink():

@@ -71,6 +71,12 @@ class WindowCompressor(nn.Module):
         return rope.apply(self.kv_norm(pooled.to(out_dtype)), first_pos)
 
 
+# Indexer slots are scored in whole blocks of this many: a slot's score is then the same bits however
+# many blocks are scored (its tail-free position in every vector loop), so callers score only the
+# slots their queries can see. Checked in tests/deepseek_v4/test_sparse_attn.py.
+SCORE_BLOCK = 128
+
+
 class IndexerScorer(nn.Module):
     def __init__(self, cfg: DeepseekV4Config) -> None:
         super().__init__()

@@ -30,7 +30,7 @@ import torch
 
 from ratchetlm.kv.pools import Pools
 from ratchetlm.kv.sink import StepSink
-from ratchetlm.models.deepseek_v4.attention import Attention, WindowCompressor, select_topk
+from ratchetlm.models.deepseek_v4.attention import SCORE_BLOCK, Attention, WindowCompressor, select_topk
 from ratchetlm.models.deepseek_v4.config import CSA, HCA
 from ratchetlm.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from ratchetlm.models.deepseek_v4.paging import (
@@ -94,27 +94,36 @@ def indexer_topk(attn: Attention, x: torch.Tensor, q_res: torch.Tensor, meta: De
     from ``idx_entries`` ``[B, S, Di]`` (the indexer compressor's in-step entries)."""
     indexer = attn.csa_compressor().indexer
     B, S, _ = x.shape
+    out = torch.full((B, S, topk), -1, dtype=torch.long)
+    # Slots at or past a query's visible_len score -inf, so only the batch's widest visible prefix is
+    # scored (rounded up to whole SCORE_BLOCKs): a short context no longer pays for all score_len slots.
+    # Bit-identical to scoring every slot: a slot's score does not depend on how many slots are scored
+    # once the width is a multiple of the vector width (checked in tests/deepseek_v4/test_sparse_attn.py),
+    # and selecting among the hidden -inf slots only ever added -1 picks.
+    width = min(score_len, -(-int(meta.inner.visible_len.max()) // SCORE_BLOCK) * SCORE_BLOCK)
+    if width == 0:  # nothing visible anywhere in the batch
+        return out
     iq, iw = indexer.queries(x, q_res, meta.position_ids, rope)  # [B, S, Hi, Di], [B, S, Hi]
-    slots = torch.arange(score_len).expand(B, -1)  # [B, score_len]
+    slots = torch.arange(width).expand(B, -1)  # [B, width]
     rows = physical_rows(meta.inner.cmp_block_table, slots, block)
-    keys = idx_pool.view(-1, idx_pool.shape[-1])[rows.clamp(min=0)]  # [B, score_len, Di]
+    keys = idx_pool.view(-1, idx_pool.shape[-1])[rows.clamp(min=0)]  # [B, width, Di]
     present = rows >= 0
     completes = bool(((meta.position_ids + 1) % indexer.ratio == 0).any())
     if idx_entries is not None and completes:  # some token completed an indexer window this step
         hist = meta.inner.history_len[:, None]
-        ov = _overlay_index(slots, meta.step_start, indexer.ratio)  # [B, score_len]
+        ov = _overlay_index(slots, meta.step_start, indexer.ratio)  # [B, width]
         in_step = (slots >= hist) & (ov >= 0) & (ov < S)
         ov_keys = idx_entries.gather(1, ov.clamp(0, S - 1)[..., None].expand(-1, -1, idx_entries.shape[-1]))
         keys = torch.where(in_step[..., None], ov_keys.to(keys.dtype), keys)
         present = torch.where(slots >= hist, in_step, present)
-    out = torch.full((B, S, topk), -1, dtype=torch.long)
-    for c0 in range(0, S, QUERY_CHUNK):  # scores [B, chunk, score_len]: chunked for long prefill steps
+    k = min(topk, width)
+    for c0 in range(0, S, QUERY_CHUNK):  # scores [B, chunk, width]: chunked for long prefill steps
         c1 = min(S, c0 + QUERY_CHUNK)
-        scores = indexer.scores(iq[:, c0:c1], iw[:, c0:c1], keys)  # [B, n, score_len]
-        hidden = (torch.arange(score_len) >= meta.inner.visible_len[:, c0:c1, None]) | ~present[:, None, :]
-        values, picked = select_topk(scores.masked_fill(hidden, float("-inf")), topk)
+        scores = indexer.scores(iq[:, c0:c1], iw[:, c0:c1], keys)  # [B, n, width]
+        hidden = (torch.arange(width) >= meta.inner.visible_len[:, c0:c1, None]) | ~present[:, None, :]
+        values, picked = select_topk(scores.masked_fill(hidden, float("-inf")), k)
         raw = meta.window + meta.decode_seq + picked
-        out[:, c0:c1] = torch.where(values > float("-inf"), raw, torch.full_like(raw, -1))
+        out[:, c0:c1, :k] = torch.where(values > float("-inf"), raw, torch.full_like(raw, -1))
     return out
 
 

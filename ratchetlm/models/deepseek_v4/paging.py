@@ -175,10 +175,15 @@ class DecodeMetadata(WindowMeta):
 def physical_rows(table: torch.Tensor, logical: torch.Tensor, block: int) -> torch.Tensor:
     """Maps logical rows ``[B, ...]`` through ``table [B, n_blocks]``; unmapped or negative -> -1."""
     b = logical.shape[0]
-    blk_idx = (logical.clamp(min=0) // block).clamp(max=table.shape[1] - 1)
+    if block & (block - 1) == 0:  # a power of two (every V4 block and page): shifts and masks, not int64 division
+        shift = block.bit_length() - 1  # (x >> shift, x & (block - 1)) == (x // block, x % block), also for x < 0
+        blk_of, in_blk = logical >> shift, logical & (block - 1)
+    else:
+        blk_of, in_blk = logical // block, logical % block
+    blk_idx = blk_of.clamp(min=0, max=table.shape[1] - 1)
     blk = table.gather(1, blk_idx.reshape(b, -1)).view_as(logical)
-    ok = (blk >= 0) & (logical >= 0) & (logical // block < table.shape[1])
-    return torch.where(ok, blk * block + logical % block, torch.full_like(logical, -1))
+    ok = (blk >= 0) & (logical >= 0) & (blk_of < table.shape[1])
+    return torch.where(ok, blk * block + in_blk, torch.full_like(logical, -1))
 
 
 def _compressor_meta(cap: DecodeCapacity, ratio: int, cmp_table: torch.Tensor, state_table: torch.Tensor,

@@ -16,7 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ratchetlm.models.deepseek_v4.attention import Attention, WindowCompressor, select_topk, sink_attention
+from ratchetlm.models.deepseek_v4.attention import (
+    SCORE_BLOCK,
+    Attention,
+    WindowCompressor,
+    select_topk,
+    sink_attention,
+)
 from ratchetlm.models.deepseek_v4.config import CSA
 from ratchetlm.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from ratchetlm.models.deepseek_v4.rope import RopeTable
@@ -88,7 +94,12 @@ def _attention(attn: Attention, x: torch.Tensor, positions: torch.Tensor, rope: 
             ready = (t + 1) // comp.ratio  # entries [0, ready) are complete for query t
             slots = torch.arange(entries.shape[0])[None, :]
             if attn.kind == CSA:
-                scores = indexer.scores(iq[c0:c1], iw[c0:c1], trace.indexer.entries[None])  # type: ignore
+                # only the entries some query of the chunk can see are scored (whole SCORE_BLOCKs; the
+                # rest are -inf), bit-identical to scoring them all (see decode.indexer_topk)
+                n = entries.shape[0]
+                width = min(n, -(-int(ready.max()) // SCORE_BLOCK) * SCORE_BLOCK)
+                scores = indexer.scores(iq[c0:c1], iw[c0:c1], trace.indexer.entries[None, :width])  # type: ignore
+                scores = torch.cat([scores, scores.new_full((c1 - c0, n - width), float("-inf"))], dim=1)
                 scores = scores.masked_fill(slots >= ready, float("-inf"))
                 values, picked = select_topk(scores, min(indexer.topk, entries.shape[0]))
                 extra, extra_visible = entries[picked], values > float("-inf")
