@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ratchetlm import LLM
 from ratchetlm.engine.config import EngineConfig
 from ratchetlm.engine.llm_engine import LLMEngine
 from ratchetlm.sampling_params import SamplingParams
+from tests.conftest import make_tiny_hf_folder
 
 from .prompts import PROMPTS
 
@@ -75,3 +77,18 @@ def exact_llm(llm_fp32):
 def exact_reference(exact_llm, encoded) -> list[list[int]]:
     """``reference`` in the exact mode (the same file's vocabulary: ``encoded`` are its tokens too)."""
     return run_engine(make_engine(exact_llm), encoded, GREEDY)
+
+
+@pytest.fixture(scope="session")
+def tiny_sampler(tmp_path_factory) -> tuple[str, LLM, torch.nn.Module]:
+    """(folder, loaded LLM, HF model): the target of the statistical sampling tests (test_sampling_e2e.py,
+    test_controls_sampling.py), a tiny random-weight Llama (3 layers, hidden 64) with a 258-token byte
+    vocabulary, in the exact mode; loaded again from the folder it is also their draft model. What they test
+    is the algorithm (speculative sampling gives the target's law), which no vocabulary size changes, while a
+    small one makes each of their thousands of sampled requests cheap (the SmolLM2 vocabulary's 49k-wide
+    softmax, top-k, multinomial and fp64 residual per row cost ~4x as much)."""
+    from tests.models.tiny import BOS, EOS, byte_tokenizer
+
+    path, hf = make_tiny_hf_folder(tmp_path_factory.mktemp("tiny_sampler"), "LlamaForCausalLM", byte_tokenizer(),
+                                   bos_token_id=BOS, eos_token_id=EOS)
+    return str(path), LLM(str(path), progress=False, numerics="exact", dtype="float32", kv_cache_blocks=8), hf
