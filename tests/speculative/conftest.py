@@ -50,8 +50,9 @@ def spec_llm(llm_default):
     """The model in the engine's default numerics (``auto``: int8 on the bundled Q4_1 file), the mode users
     run. Speculative == plain holds in every mode because each row's result is independent of the rows beside
     it; the exact (HF-identical) mode's own equalities run on ``exact_llm`` below (the EAGLE head, the draft
-    model, the sampling controls and grammars) and in tests/core against HF. (int8 forwards cost ~0.4x exact
-    fp32 ones on one thread: tests/speculative 657 -> ~400 CPU-s, docs/benchmarks.md "spec8".)"""
+    model, the penalties, and grammars under the proposers that are models) and in tests/core against HF.
+    (int8 forwards cost ~0.4x exact fp32 ones on one thread: tests/speculative 657 -> ~400 CPU-s,
+    docs/benchmarks.md "spec8".)"""
     return llm_default
 
 
@@ -85,8 +86,8 @@ def tiny_sampler(tmp_path_factory) -> tuple[str, LLM, torch.nn.Module]:
     test_controls_sampling.py), a tiny random-weight Llama (3 layers, hidden 64) with a 258-token byte
     vocabulary, in the exact mode; loaded again from the folder it is also their draft model. What they test
     is the algorithm (speculative sampling gives the target's law), which no vocabulary size changes, while a
-    small one makes each of their thousands of sampled requests cheap (the SmolLM2 vocabulary's 49k-wide
-    softmax, top-k, multinomial and fp64 residual per row cost ~4x as much)."""
+    small one makes each of their thousands of sampled requests cheap (with the SmolLM2 vocabulary's 49k-wide
+    lm_head, softmax, top-k, multinomial and fp64 residual per row, a 300-request run cost ~4x as much)."""
     from tests.models.tiny import BOS, EOS, byte_tokenizer
 
     path, hf = make_tiny_hf_folder(tmp_path_factory.mktemp("tiny_sampler"), "LlamaForCausalLM", byte_tokenizer(),
