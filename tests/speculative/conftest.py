@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ratchetlm import LLM
 from ratchetlm.engine.config import EngineConfig
 from ratchetlm.engine.llm_engine import LLMEngine
 from ratchetlm.sampling_params import SamplingParams
+from tests.conftest import make_tiny_hf_folder
 
 from .prompts import PROMPTS
 
@@ -48,8 +50,9 @@ def spec_llm(llm_default):
     """The model in the engine's default numerics (``auto``: int8 on the bundled Q4_1 file), the mode users
     run. Speculative == plain holds in every mode because each row's result is independent of the rows beside
     it; the exact (HF-identical) mode's own equalities run on ``exact_llm`` below (the EAGLE head, the draft
-    model, the sampling controls and grammars) and in tests/core against HF. (int8 forwards cost ~0.4x exact
-    fp32 ones on one thread: tests/speculative 657 -> ~400 CPU-s, docs/benchmarks.md "spec8".)"""
+    model, the penalties, and grammars under the proposers that are models) and in tests/core against HF.
+    (int8 forwards cost ~0.4x exact fp32 ones on one thread: tests/speculative 657 -> ~400 CPU-s,
+    docs/benchmarks.md "spec8".)"""
     return llm_default
 
 
@@ -75,3 +78,18 @@ def exact_llm(llm_fp32):
 def exact_reference(exact_llm, encoded) -> list[list[int]]:
     """``reference`` in the exact mode (the same file's vocabulary: ``encoded`` are its tokens too)."""
     return run_engine(make_engine(exact_llm), encoded, GREEDY)
+
+
+@pytest.fixture(scope="session")
+def tiny_sampler(tmp_path_factory) -> tuple[str, LLM, torch.nn.Module]:
+    """(folder, loaded LLM, HF model): the target of the statistical sampling tests (test_sampling_e2e.py,
+    test_controls_sampling.py), a tiny random-weight Llama (3 layers, hidden 64) with a 258-token byte
+    vocabulary, in the exact mode; loaded again from the folder it is also their draft model. What they test
+    is the algorithm (speculative sampling gives the target's law), which no vocabulary size changes, while a
+    small one makes each of their thousands of sampled requests cheap (with the SmolLM2 vocabulary's 49k-wide
+    lm_head, softmax, top-k, multinomial and fp64 residual per row, a 300-request run cost ~4x as much)."""
+    from tests.models.tiny import BOS, EOS, byte_tokenizer
+
+    path, hf = make_tiny_hf_folder(tmp_path_factory.mktemp("tiny_sampler"), "LlamaForCausalLM", byte_tokenizer(),
+                                   bos_token_id=BOS, eos_token_id=EOS)
+    return str(path), LLM(str(path), progress=False, numerics="exact", dtype="float32", kv_cache_blocks=8), hf

@@ -37,7 +37,7 @@ def plain_runs() -> dict[str, tuple[list[list[int]], list[list[int]]]]:
 
 
 def assert_same_as_plain(llm, prompts, params, spec, plain_runs) -> None:
-    key = repr((prompts, params))
+    key = repr((llm.config.numerics, prompts, params))
     if key not in plain_runs:
         free_params = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True)
         plain_runs[key] = (run_engine(make_engine(llm), prompts, params),
@@ -57,11 +57,13 @@ def test_penalties_with_speculation_equal_plain(exact_llm, spec, plain_runs):
     assert_same_as_plain(exact_llm, [exact_llm.tokenize(p) for p in CHATTY], params, spec, plain_runs)
 
 
-def test_bans_with_speculation_equal_plain(exact_llm, encoded, plain_runs):
-    """A two-token bad word the n-gram draft copies from the prompt ("(j"): banned inside the draft."""
+def test_bans_with_speculation_equal_plain(spec_llm, encoded, plain_runs):
+    """A two-token bad word the n-gram draft copies from the prompt ("(j"): banned inside the draft. (In the
+    default numerics, like the grammar grid's lookup-drafted points below: a lookup's drafts do not depend on
+    the mode; the model-drafted penalty points above run in the exact mode.)"""
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, bad_words=("(j", "self.items"),
-                            min_tokens=6, logit_bias={exact_llm.tokenize(" the")[0]: -3.0})
-    assert_same_as_plain(exact_llm, encoded[:5], params, "ngram_chain", plain_runs)
+                            min_tokens=6, logit_bias={spec_llm.tokenize(" the")[0]: -3.0})
+    assert_same_as_plain(spec_llm, encoded[:5], params, "ngram_chain", plain_runs)
 
 
 SCHEMA = {
@@ -92,6 +94,19 @@ def extraction(exact_llm):
     return prompts, params, ref, eng
 
 
+@pytest.fixture(scope="module")
+def extraction_default(spec_llm, extraction):
+    """``extraction`` in the default numerics (``spec_llm``; the same file's tokens): the reference of the grid
+    points whose drafts do not come from a model (n-gram lookups, their schedules, SCV, no drafts), at ~0.4x
+    the exact mode's forward cost. Its engine compiles with the exact engine's compiler (the same tokenizer)."""
+    prompts, params, _, exact_eng = extraction
+    eng = make_engine(spec_llm, jump_forward=False)
+    eng.controls._compiler = exact_eng.controls.compiler
+    ref = run_engine(eng, prompts, params)
+    assert all(eng.seqs[i].finish_reason == "stop" for i in range(len(prompts))), "the grammar completed"
+    return prompts, params, ref, eng
+
+
 def test_constrained_output_validates(exact_llm, extraction):
     _, _, ref, eng = extraction
     for i, out in enumerate(ref):
@@ -100,28 +115,35 @@ def test_constrained_output_validates(exact_llm, extraction):
         jsonschema.validate(doc, SCHEMA)
 
 
-@pytest.mark.parametrize("decoding, opts, jf", [
-    ("autoregressive", {}, True),
-    ("speculative", SPECS["ngram_chain"], False),
-    ("speculative", SPECS["ngram_chain"], True),
-    ("speculative", SPECS["ngram_tree"], True),
-    ("speculative", dict(SPECS["ngram_chain"], depth_schedule="gain"), True),  # forced tokens whatever the depth
-    ("speculative", dict(SPECS["ngram_chain"], disable_by_batch_size=2), True),  # ... and with drafting off
-    ("speculative", SPECS["self_draft"], False),
+# Each point against plain decoding in the same numerics: the exact (HF-identical) mode where a model drafts
+# (the layer-skip self-draft, the EAGLE head, the draft model: their drafts are the exact mode's own), the
+# default mode (int8 here) where drafts come from lookups or do not come at all, which the mode does not change.
+@pytest.mark.parametrize("mode, decoding, opts, jf", [
+    ("default", "autoregressive", {}, True),
+    ("default", "speculative", SPECS["ngram_chain"], False),
+    ("default", "speculative", SPECS["ngram_chain"], True),
+    ("default", "speculative", SPECS["ngram_tree"], True),
+    ("default", "speculative", dict(SPECS["ngram_chain"], depth_schedule="gain"), True),  # forced tokens whatever
+    ("default", "speculative", dict(SPECS["ngram_chain"], disable_by_batch_size=2), True),  # the depth; drafting off
+    ("exact", "speculative", SPECS["self_draft"], False),
     # drafts from a model that knows nothing of the grammar: cut where it rejects them, the rest
     # verified on the masked rows (without jump-forward, drafts cover the schema's fixed parts too)
     # (the draft model without jump-forward verifies its drafts like the EAGLE head's: the same grammar cut
     # of a chain; with jump-forward, its own cache catches up over the forced tokens)
-    ("speculative", SPECS["eagle"], False),
-    ("speculative", SPECS["eagle"], True),
-    ("speculative", SPECS["draft_model"], True),
+    ("exact", "speculative", SPECS["eagle"], False),
+    ("exact", "speculative", SPECS["eagle"], True),
+    ("exact", "speculative", SPECS["draft_model"], True),
     # SCV: a draft's later chunks are verified on the grammar state its earlier chunks committed
-    ("speculative", dict(method="ngram", depth=6, chunk_size=2, depth_schedule="constant"), True),
+    ("default", "speculative", dict(method="ngram", depth=6, chunk_size=2, depth_schedule="constant"), True),
 ], ids=["plain+jf", "ngram", "ngram+jf", "ngram_tree+jf", "gain+jf", "drafting_off+jf", "self_draft", "eagle",
         "eagle+jf", "draft_model+jf", "scv+jf"])
-def test_constrained_is_identical_across_strategies(exact_llm, extraction, decoding, opts, jf):
-    prompts, params, ref, ref_eng = extraction
-    eng = make_engine(exact_llm, decoding, jump_forward=jf, **opts)
+def test_constrained_is_identical_across_strategies(request, mode, decoding, opts, jf):
+    llm = request.getfixturevalue("exact_llm" if mode == "exact" else "spec_llm")
+    prompts, params, ref, ref_eng = request.getfixturevalue("extraction" if mode == "exact" else "extraction_default")
+    eng = make_engine(llm, decoding, jump_forward=jf, **opts)
+    # the reference engine's grammar compiler (the same tokenizer, vocabulary and EOS, so the same
+    # matchers): an engine's own would build the ~0.7 s token trie of the 49k vocabulary again
+    eng.controls._compiler = ref_eng.controls.compiler
     assert run_engine(eng, prompts, params) == ref
     stats = [s.stats for s in eng.seqs.values()]
     forced = sum(st.get("forced_tokens_accepted", 0) for st in stats)

@@ -26,8 +26,8 @@ def random_head(tmp_path_factory, exact_llm) -> str:
     return str(path)
 
 
-def eagle_engine(exact_llm, head: str | None, **kw):
-    return make_engine(exact_llm, "speculative", method="eagle", draft_model=head, **kw)
+def eagle_engine(llm, head: str | None, **kw):
+    return make_engine(llm, "speculative", method="eagle", draft_model=head, **kw)
 
 
 def test_random_head_is_lossless_batched_alone_and_under_preemption(exact_llm, encoded, exact_reference, random_head):
@@ -106,16 +106,20 @@ def test_seeded_sampling_with_a_head_is_reproducible(exact_llm, encoded, random_
     assert a == b and len(a[0]) == 16
 
 
-def test_bundled_head_is_accepted_and_lossless(exact_llm):
+def test_bundled_head_is_accepted_and_lossless(spec_llm):
     """Not a speed claim: the shipped head must actually predict the default model's answers on
-    the benchmark's requests (held out of its training data), otherwise equality passes vacuously."""
-    prompts = [exact_llm.tokenize(p) for p in CODE_EDITS + SUMMARIES + CHATS]
+    the benchmark's requests (held out of its training data), otherwise equality passes vacuously.
+    In the mode users run (``spec_llm``: the default numerics; ~0.4x the exact mode's CPU here): the
+    bundled head is lossless in the exact mode too, under penalties and grammars
+    (test_controls_equivalence.py), and the random head's tests above run in the exact mode."""
+    prompts = [spec_llm.tokenize(p) for p in CODE_EDITS + SUMMARIES + CHATS]
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    ref = run_engine(make_engine(exact_llm), prompts, params)
+    ref = run_engine(make_engine(spec_llm), prompts, params)
     assert BUNDLED_HEAD.is_dir()
-    eng = eagle_engine(exact_llm, None, depth=4)  # None: the bundled head
+    eng = eagle_engine(spec_llm, None, depth=4)  # None: the bundled head
     assert run_engine(eng, prompts, params) == ref
     m = eng.strategy.metrics()
-    # measured when the head was shipped: 1.37 and 58 of 204 (a random head: 1.0 and 0)
+    # measured when the head was shipped (exact mode): 1.37 and 58 of 204; in int8 (the default on the
+    # bundled Q4_1 file), 1.39 and 55 of 200 (a random head: 1.0 and 0)
     assert m["spec_decode_mean_acceptance_length"] > 1.2, m
     assert m["spec_decode_num_accepted_tokens_per_pos_0"] > 0.15 * m["spec_decode_num_drafts"], m

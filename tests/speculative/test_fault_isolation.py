@@ -12,19 +12,23 @@ from ratchetlm.sampling_params import SamplingParams
 from .conftest import make_engine
 
 POISON_SEED = 9191
+# The fault fires once the poisoned request has 6 tokens; the others then decode ~10 more after the
+# discarded step, where any trace it left (another draft depth, a gain record, a leftover chain, an
+# unrewound generator) changes a seeded draw at once.
+MAX_TOKENS = 16
 
 
 def _params(i: int) -> SamplingParams:
     if i % 2:
-        return SamplingParams(temperature=0.9, top_p=0.95, seed=300 + i, max_tokens=24, ignore_eos=True)
-    return SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        return SamplingParams(temperature=0.9, top_p=0.95, seed=300 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 def _run(eng, encoded, poison: bool) -> dict[int, list[int]]:
     ids = {eng.add_request(p, _params(i)): i for i, p in enumerate(encoded)}
     bad = None
     if poison:
-        bad = eng.add_request(encoded[0], SamplingParams(temperature=0.0, max_tokens=24, seed=POISON_SEED))
+        bad = eng.add_request(encoded[0], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, seed=POISON_SEED))
     while eng.has_unfinished():
         eng.step()
     if bad is not None:

@@ -132,15 +132,20 @@ def wrong_no_renormalise(p, child_tokens, gen):
     return None, int(torch.multinomial(p / p.sum(), 1, generator=gen))
 
 
-N_SAMPLES = 6000
+N_SAMPLES = 6000  # the law itself: the smallest deviation a chi-square detects shrinks as 1/sqrt(n)
+# The planted bugs only have to show that the test catches them; a test that catches one in fewer samples
+# catches it in more. At 1000 samples (seeds 7-11) each scores p < 1e-49 (wrong_no_renormalise's worst),
+# wrong_full_resample < 1e-53, the wrong beam-to-row mapping 0 (it samples cells the target never does):
+# far below 1e-6 at 1500.
+N_MUTANT = 1500
 
 
-def _counts(rule, seed: int) -> dict:
+def _counts(rule, seed: int, n: int = N_SAMPLES) -> dict:
     lm = TinyLM()
     gen = torch.Generator().manual_seed(seed)
     counts: dict = {}
     memo: dict = {}
-    for _ in range(N_SAMPLES):
+    for _ in range(n):
         s = generate(lm, gen, rule, memo)
         counts[s] = counts.get(s, 0) + 1
     return counts
@@ -155,7 +160,7 @@ def test_speculative_sampling_matches_target_distribution():
 @pytest.mark.parametrize("rule", [wrong_full_resample, wrong_no_renormalise])
 def test_wrong_rule_is_detected(rule):
     lm = TinyLM()
-    pval = chi_square_pvalue(_counts(rule, seed=7), exact_distribution(lm), N_SAMPLES)
+    pval = chi_square_pvalue(_counts(rule, seed=7, n=N_MUTANT), exact_distribution(lm), N_MUTANT)
     assert pval < 1e-6, f"the chi-square test failed to catch {rule.__name__} (p={pval:.2e})"
 
 
@@ -167,7 +172,7 @@ def own_rows(unpack_map: torch.Tensor) -> torch.Tensor:
 def test_a_wrong_beam_to_row_mapping_is_detected(monkeypatch):
     monkeypatch.setattr(draft_tree, "parent_rows", own_rows)
     lm = TinyLM()
-    pval = chi_square_pvalue(_counts(residual_rule, seed=7), exact_distribution(lm), N_SAMPLES)
+    pval = chi_square_pvalue(_counts(residual_rule, seed=7, n=N_MUTANT), exact_distribution(lm), N_MUTANT)
     assert pval < 1e-6, f"the chi-square test missed a wrong beam-to-row mapping (p={pval:.2e})"
 
 

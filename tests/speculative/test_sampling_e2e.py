@@ -1,13 +1,13 @@
 """End to end through the engine: speculative sampling gives the target's distribution.
 
-Target: a tiny random-weight Llama with the SmolLM2 vocab (so a few thousand seeded requests,
-batched in one engine, take seconds). Draft: the same model loaded again as a separate
-``draft_model`` (beam width 2, depth 2), so drafts are plausible and both accepted and
-rejected; the tree verification, residual sampling, bonus token and staged commit all run.
-The joint distribution of the first 3 generated tokens (top-k 3: at most 27 cells) is
-compared by a chi-square test with the exact one computed by HF transformers on the same
-weights; plain sampling passes the same test (the oracle is right), and a wrong acceptance
-rule plugged into the engine fails it (the test has power).
+Target: ``tiny_sampler`` (conftest.py), a tiny random-weight Llama with a 258-token byte
+vocabulary, so a few thousand seeded requests, batched in one engine, take seconds. Draft: the
+same model loaded again as a separate ``draft_model`` (beam width 2, depth 2), so drafts are
+plausible and both accepted and rejected; the tree verification, residual sampling, bonus token
+and staged commit all run. The joint distribution of the first 3 generated tokens (top-k 3: at
+most 27 cells) is compared by a chi-square test with the exact one computed by HF transformers on
+the same weights; plain sampling passes the same test (the oracle is right), and a wrong
+acceptance rule plugged into the engine fails it (the test has power).
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from ratchetlm.decoding.speculative import draft_tree
 from ratchetlm.decoding.speculative.draft_tree import sample_verify
 from ratchetlm.layers.sampler import filtered_probs
 from ratchetlm.sampling_params import SamplingParams
-from tests.conftest import make_tiny_hf_folder
 
 from .conftest import make_engine
 from .test_rejection_sampling import chi_square_pvalue, own_rows, wrong_full_resample
 
-N_REQ = 300  # a wrong rule scores p < 1e-20 at 400; the vocab-wide multinomial dominates the time
+N_REQ = 300  # measured: the wrong rule scores p = 3e-17 under the draft model, the wrong mapping 0; the
+# correct rule and plain sampling 0.08-0.3 (20 of the 27 cells expect >= 5 samples)
 N_OUT = 3
 PROMPT = "The weather today is"
 SPEC = dict(method="draft_model", num_candidates=2, depth=2)
@@ -41,16 +41,9 @@ def params(seed: int) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, spec_llm):
-    path, hf = make_tiny_hf_folder(tmp_path_factory.mktemp("tiny_target"), "LlamaForCausalLM", spec_llm.tokenizer)
-    llm = LLM(str(path), progress=False, numerics="exact", dtype="float32")
-    return str(path), llm, hf
-
-
-@pytest.fixture(scope="module")
-def exact(tiny) -> dict[tuple[int, ...], float]:
+def exact(tiny_sampler) -> dict[tuple[int, ...], float]:
     """P(t1, t2, t3) under the request's filtered target distribution, from HF's forward."""
-    _, llm, hf = tiny
+    _, llm, hf = tiny_sampler
     prompt = llm.tokenize(PROMPT)
     p = params(0)
 
@@ -80,11 +73,18 @@ def sample_counts(llm: LLM, decoding: str, max_num_seqs: int = N_REQ, n_req: int
     return counts, eng.strategy.metrics()
 
 
-def test_speculative_sampling_through_the_engine_matches_the_target(tiny, exact):
-    path, llm, _ = tiny
+def test_speculative_sampling_through_the_engine_matches_the_target(tiny_sampler, exact, monkeypatch):
+    """A draft model's trees, sampled: the target's law. Verification reads the target rows through the
+    seed's beam-to-row mapping (``parent_rows``), called for every sampled verify
+    (test_the_engine_samples_through_the_tree_api breaks that mapping)."""
+    path, llm, _ = tiny_sampler
+    calls = []
+    real = draft_tree.parent_rows
+    monkeypatch.setattr(draft_tree, "parent_rows", lambda umap: calls.append(umap.shape) or real(umap))
     counts, m = sample_counts(llm, "speculative", draft_model=path, **SPEC)
-    # the trees really were verified, with both outcomes
+    # the trees really were verified, with both outcomes, each through the tree API
     assert m["spec_decode_num_drafts"] >= N_REQ and 0.2 < m["spec_decode_acceptance_rate"] < 0.9, m
+    assert len(calls) >= m["spec_decode_num_drafts"]
     p = chi_square_pvalue(counts, exact, N_REQ)
     assert p > 1e-3, f"speculative sampling through the engine deviates from the target (p={p:.2e})"
 
@@ -97,8 +97,8 @@ TREES = {"recycling": dict(method="recycling", tree_nodes=8, max_num_seqs=30),
 
 
 @pytest.mark.parametrize("name", list(TREES))
-def test_tree_proposers_sample_the_target_distribution(tiny, exact, name, monkeypatch):
-    _, llm, _ = tiny
+def test_tree_proposers_sample_the_target_distribution(tiny_sampler, exact, name, monkeypatch):
+    _, llm, _ = tiny_sampler
     counts, m = sample_counts(llm, "speculative", **TREES[name])
     assert m["spec_decode_num_drafts"] >= N_REQ // 2 and m["spec_decode_num_accepted_tokens"] > N_REQ // 10, m
     p = chi_square_pvalue(counts, exact, N_REQ)
@@ -107,14 +107,15 @@ def test_tree_proposers_sample_the_target_distribution(tiny, exact, name, monkey
         return  # earlier waves' outputs), too rarely for a wrong residual to show in 300 requests
     monkeypatch.setattr(tentative, "sample_verify", functools.partial(sample_verify, rule=wrong_full_resample))
     # the same drafts, a wrong rule: caught (with twice the requests: the table's drafts are often
-    # accepted, so fewer steps than with a draft model reach the residual the wrong rule gets wrong)
+    # accepted, so fewer steps than with a draft model reach the residual the wrong rule gets wrong;
+    # measured p = 9e-19 at 600, 2e-6 at 300)
     counts, _ = sample_counts(llm, "speculative", n_req=2 * N_REQ, **TREES[name])
     p = chi_square_pvalue(counts, exact, 2 * N_REQ)
     assert p < 1e-4, f"the chi-square test missed a wrong acceptance rule under {name} drafts (p={p:.2e})"
 
 
-def test_plain_sampling_passes_and_a_wrong_rule_fails(tiny, exact, monkeypatch):
-    path, llm, _ = tiny
+def test_plain_sampling_passes_and_a_wrong_rule_fails(tiny_sampler, exact, monkeypatch):
+    path, llm, _ = tiny_sampler
     counts, _ = sample_counts(llm, "autoregressive")
     assert chi_square_pvalue(counts, exact, N_REQ) > 1e-3, "the oracle disagrees with plain sampling"
     wrong = functools.partial(sample_verify, rule=wrong_full_resample)
@@ -124,16 +125,12 @@ def test_plain_sampling_passes_and_a_wrong_rule_fails(tiny, exact, monkeypatch):
     assert p < 1e-6, f"the engine-level chi-square test missed a wrong acceptance rule (p={p:.2e})"
 
 
-def test_the_engine_samples_through_the_tree_api(tiny, exact, monkeypatch):
+def test_the_engine_samples_through_the_tree_api(tiny_sampler, exact, monkeypatch):
     """Sampled verification reads the target rows through the seed's beam-to-row mapping
-    (``parent_rows``): the engine calls it for every sampled verify, and the same engine with that
-    mapping shifted by one level (each entry judged on its own row) fails the chi-square."""
-    path, llm, _ = tiny
-    calls = []
-    real = draft_tree.parent_rows
-    monkeypatch.setattr(draft_tree, "parent_rows", lambda umap: calls.append(umap.shape) or real(umap))
-    counts, m = sample_counts(llm, "speculative", draft_model=path, **SPEC)
-    assert len(calls) >= m["spec_decode_num_drafts"] >= N_REQ
+    (``parent_rows``; that the engine calls it for every sampled verify is checked with the correct
+    mapping in test_speculative_sampling_through_the_engine_matches_the_target): the same engine with
+    that mapping shifted by one level (each entry judged on its own row) fails the chi-square."""
+    path, llm, _ = tiny_sampler
     monkeypatch.setattr(draft_tree, "parent_rows", own_rows)
     counts, _ = sample_counts(llm, "speculative", draft_model=path, **SPEC)
     p = chi_square_pvalue(counts, exact, N_REQ)

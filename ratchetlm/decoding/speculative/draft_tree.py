@@ -84,15 +84,15 @@ def candidates(tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, C]
     """The tree as a beam again: one candidate per leaf (its root-to-leaf path), with the node of
     every entry — the ``(beam, unpack_map)`` pair :func:`tree_attention.unpack_verified` reads."""
     leaves = [k for k in range(len(tree)) if not tree.children[k + 1]]
-    width = max((tree.depth[k] + 1 for k in leaves), default=0)
-    beam = torch.full((max(1, len(leaves)), max(1, width)), PAD, dtype=torch.long)
-    umap = torch.full_like(beam, -1)
-    for i, leaf in enumerate(leaves):
+    width = max(1, max((tree.depth[k] + 1 for k in leaves), default=0))
+    beam = [[PAD] * width for _ in range(max(1, len(leaves)))]
+    umap = [[-1] * width for _ in beam]
+    for i, leaf in enumerate(leaves):  # filled as lists: a tensor's item assignment costs ~us each
         k = leaf
         while k >= 0:
-            beam[i, tree.depth[k]], umap[i, tree.depth[k]] = tree.tokens[k], k
+            beam[i][tree.depth[k]], umap[i][tree.depth[k]] = tree.tokens[k], k
             k = tree.parent[k]
-    return beam, umap
+    return torch.tensor(beam, dtype=torch.long), torch.tensor(umap, dtype=torch.long)
 
 
 def greedy_verify(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:  # logits [1 + L, V]
