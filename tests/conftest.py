@@ -54,10 +54,12 @@ def hf_smollm():
     from transformers import LlamaForCausalLM
 
     from ratchetlm.models.loader import default_model_path
+    from tests.models.hf_gguf import gguf_parsed_once
 
     transformers.logging.set_verbosity_error()
     p = default_model_path()
-    model = LlamaForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32)
+    with gguf_parsed_once():  # HF's own loader, without its repeated parsing (tests/models/hf_gguf.py)
+        model = LlamaForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32)
     return model.eval()
 
 
