@@ -72,7 +72,9 @@ def test_greedy_matches_hf_greedy(engine, hf_next_token_logprobs, request):
 
 
 def test_mixed_batch_equals_each_alone(llm_fp32):
-    params = [_greedy(8 + 3 * i) for i in range(len(MIXED))]
+    # every request a different length (4 to 18 tokens; 8 to 29 before): the batch loses a request every 2
+    # steps (every 3 before), so each request decodes beside a changing set of others
+    params = [_greedy(4 + 2 * i) for i in range(len(MIXED))]
     together = llm_fp32.generate(MIXED, params)
     for prompt, p, out in zip(MIXED, params, together, strict=True):
         alone = llm_fp32.generate(prompt, p)[0]

@@ -121,7 +121,7 @@ def test_a_block_is_shared_only_once_all_its_kv_is_committed(llm_fp32, chats, pl
     out = drive(on, [p], greedy(n), history=history)[0]
     assert (len(p) + n) % BS == 0 and len(history[0]) == len(p) + n - 1
     longer = p + out + llm_fp32.tokenize(" Thanks")
-    assert drive(on, [longer], greedy(4)) == [plain(longer, 4)]
+    assert drive(on, [longer], greedy(4)) == [plain(longer, 4, longest=4)]
     assert on.blocks.stats.hits == len(p) + n - BS
     settled(on)
 
@@ -133,7 +133,7 @@ def test_shared_system_prompt_and_prompts_differing_in_the_last_full_block(llm_f
     variant = list(base)
     variant[last_full * BS - 3] = llm_fp32.tokenize(" cheese")[0]  # inside the last full block
     prompts = [*chats, variant]
-    want = [plain(p) for p in prompts]
+    want = [plain(p) for p in chats] + [plain(variant, longest=10)]  # (the variant: only this test's)
     history: list[list[int]] = []
     for p, w in zip(prompts, want, strict=True):
         hits_before, hit = on.blocks.stats.hits, expected_hit(p, history)
