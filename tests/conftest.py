@@ -54,10 +54,12 @@ def hf_smollm():
     from transformers import LlamaForCausalLM
 
     from ratchetlm.models.loader import default_model_path
+    from tests.models.hf_gguf import gguf_parsed_once
 
     transformers.logging.set_verbosity_error()
     p = default_model_path()
-    model = LlamaForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32)
+    with gguf_parsed_once():  # HF's own loader, without its repeated parsing (tests/models/hf_gguf.py)
+        model = LlamaForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32)
     return model.eval()
 
 
@@ -141,10 +143,10 @@ def pytest_xdist_auto_num_workers(config):
 # (2-core Xeon, 2026-11-28: the workers' CPU time per unit in a full xdist run, sampled from /proc; rough, only
 # their order matters. A unit missing here is handed out among the last, so a new heavy file belongs here.)
 UNIT_COST_S = {
-    "tests/models/test_gemma3_real.py": 80, "tests/speculative/test_controls_equivalence.py": 64,
+    "tests/models/test_gemma3_real.py": 55, "tests/speculative/test_controls_equivalence.py": 64,
     "tests/speculative/test_greedy_equivalence.py": 70, "tests/speculative/test_prefix_cache.py": 60,
     "tests/api/test_cli.py": 50, "tests/server/test_data_parallel.py": 60, "tests/speculative/test_sampling_e2e.py": 50,
-    "tests/speculative/test_eagle.py": 42, "tests/core/test_prefix_cache.py": 40, "tests/api/test_dependencies.py": 40,
+    "tests/speculative/test_eagle.py": 42, "tests/core/test_prefix_cache.py": 30, "tests/api/test_dependencies.py": 40,
     "tests/speculative/test_int8_engine.py": 35, "tests/server/test_fuzz.py": 35, "tests/server/test_surface.py": 35,
     "tests/api/test_bench.py": 25, "tests/server/test_structured.py": 24, "tests/api/test_gpu_check.py": 20,
     "tests/speculative/test_controls_sampling.py": 20, "tests/server/test_lifecycle.py": 20,
@@ -152,6 +154,8 @@ UNIT_COST_S = {
     # (suite6, 2026-11-28: test_driver.py -45 CPU-s, the gain test -8, test_cli -18: the three entries lowered)
     # (suite7, 2026-11-29: the Gemma 3 HF oracle on the worker's one thread -20, the speculative prefix-cache
     # oracle's repeated histories -20, the temp-dir kernel build of hf_smollm's test_block_kernels -7)
+    # (suiteC, 2026-11-29: HF's GGUF loads without gguf-py's memmap slicing, tests/models/hf_gguf.py: the Gemma 3
+    # oracle -33, hf_smollm -14; the teacher-forced HF greedy check -30; test_prefix_cache's shared oracle -13)
 }
 COST_PER_TEST = 0.8
 # Directories whose tests share session fixtures of their own (tiny models, tokenizers, grammar compilers) that
@@ -165,11 +169,11 @@ UNIT_COST_S.update({"tests/deepseek_v4/": 175, "tests/wedlm/": 40, "tests/struct
 # controller a test's group by appending "@<group>" to its node id on the worker, which pytest 9.2's structured
 # node ids silently drop, pytest-xdist issue #1386.)
 GROUPS = {
-    # HF transformers' GGUF load of the default model (conftest.hf_smollm, ~15 s of CPU)
+    # HF transformers' GGUF load of the default model (conftest.hf_smollm, ~13 s of CPU)
     "hf_smollm": ("tests/core/test_block_kernels.py", "tests/core/test_generation.py",
                   "tests/core/test_model_parity.py", "tests/server/test_embeddings.py"),
 }
-UNIT_COST_S["hf_smollm"] = 185
+UNIT_COST_S["hf_smollm"] = 120
 
 
 def unit_of(nodeid: str) -> str:

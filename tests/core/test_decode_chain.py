@@ -14,9 +14,16 @@ import torch
 from ratchetlm import LLM, SamplingParams
 from ratchetlm.decoding.base import Proposal
 from ratchetlm.models.decode_chain import DecodeChain
-from tests.models.tiny import engine_logits, hf_model, write_gguf
+from tests.models.tiny import engine_logits, engine_on, hf_model, run, write_gguf
 
 PROMPT = "The ratchet only moves forward: committed tokens are never taken back."
+
+
+@pytest.fixture(scope="module")
+def llm_int16() -> LLM:
+    """The bundled model in the int16 mode, loaded once for the tests below (each leaves its chain on and
+    its engine empty; the speculative ones run engines of their own on it: tests/models/tiny.engine_on)."""
+    return LLM(progress=False, numerics="int16", kv_cache_blocks=64)
 
 
 def _chain_rows(monkeypatch) -> list[int]:
@@ -47,8 +54,9 @@ def _decode_logits(llm: LLM) -> dict[int, torch.Tensor]:
 
 
 @pytest.mark.parametrize("numerics", ["int8", "int16"])
-def test_chain_steps_are_bit_identical_to_the_layer_path(numerics, monkeypatch):
-    llm = LLM(progress=False, numerics=numerics, kv_cache_blocks=32)
+def test_chain_steps_are_bit_identical_to_the_layer_path(numerics, monkeypatch, request):
+    llm = request.getfixturevalue("llm_int16") if numerics == "int16" else \
+        LLM(progress=False, numerics=numerics, kv_cache_blocks=32)
     rows = _chain_rows(monkeypatch)
     with _chain(llm, True):
         on, ran = _decode_logits(llm), len(rows)
@@ -105,13 +113,14 @@ def _prefill_and_tree_logits(llm: LLM) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("arch", [None, "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
-def test_chain_prefill_and_tree_verify_are_bit_identical(tmp_path, arch, monkeypatch):
+def test_chain_prefill_and_tree_verify_are_bit_identical(tmp_path, arch, monkeypatch, request):
     """Several rows of one sequence (a short prefill, a staged verify tree over cached context) chain
     too, and equal the layer path bit for bit: verify == plain decoding still holds with both chained.
     The bundled model, and Qwen2's Q/K/V biases and Qwen3's QK-norms (whose heads the chain first
     copies out of the fused projection when a forward has more than one row)."""
-    model = None if arch is None else str(write_gguf(tmp_path / "m.gguf", hf_model(arch), "Q8_0"))
-    llm = LLM(model, progress=False, numerics="int16", kv_cache_blocks=32)
+    llm = request.getfixturevalue("llm_int16") if arch is None else \
+        LLM(str(write_gguf(tmp_path / "m.gguf", hf_model(arch), "Q8_0")), progress=False, numerics="int16",
+            kv_cache_blocks=32)
     rows = _chain_rows(monkeypatch)
     logits = {}
     for on in (True, False):
@@ -125,10 +134,10 @@ def test_chain_prefill_and_tree_verify_are_bit_identical(tmp_path, arch, monkeyp
         assert torch.equal(a, b)
 
 
-def test_chain_batched_decode_is_bit_identical(monkeypatch):
+def test_chain_batched_decode_is_bit_identical(llm_int16, monkeypatch):
     """Decode steps of several sequences (their tokens packed, each attending its own context) chain as
     one forward, and every sequence's logprobs equal the layer path's."""
-    llm = LLM(progress=False, numerics="int16", kv_cache_blocks=64)
+    llm = llm_int16
     prompts = [PROMPT, "def fib(n):", "Once upon a time"]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=5)
     rows = _chain_rows(monkeypatch)
@@ -145,13 +154,13 @@ def test_chain_batched_decode_is_bit_identical(monkeypatch):
         assert outputs() == on and not rows
 
 
-def test_chain_writes_and_stages_the_cache_as_the_layer_path(monkeypatch):
+def test_chain_writes_and_stages_the_cache_as_the_layer_path(llm_int16, monkeypatch):
     """The chain hands the sink every layer's rows at once after the stack (write_layers): prefill and
     decode rows land in their slots, verify rows are staged and the accepted ones committed (no
     fallback), and the cache then holds exactly what the layer-by-layer path writes."""
-    llm = LLM(progress=False, numerics="int16", kv_cache_blocks=64, decoding="speculative",
-              decoding_options={"method": "ngram", "verify_token_cost": 0.0})  # draft on every match
-    eng = llm.engine
+    llm = llm_int16
+    eng = engine_on(llm, kv_cache_blocks=64, decoding="speculative",
+                    decoding_options={"method": "ngram", "verify_token_cost": 0.0})  # draft on every match
     ids = llm.tokenize(" ".join([PROMPT] * 3))
     rows = _chain_rows(monkeypatch)
     cache: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -172,16 +181,16 @@ def test_chain_writes_and_stages_the_cache_as_the_layer_path(monkeypatch):
     assert torch.equal(cache[True][0], cache[False][0]) and torch.equal(cache[True][1], cache[False][1])
 
 
-def test_chain_staging_fault_falls_back_to_recompute():
+def test_chain_staging_fault_falls_back_to_recompute(llm_int16):
     """A staging failure in the chain's all-layers write abandons the forward's staging (counted once)
     and the tokens stay those of plain decoding (the next step recomputes their K/V)."""
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    base = LLM(progress=False, numerics="int16", kv_cache_blocks=64)
-    ids = base.tokenize(" ".join([PROMPT] * 3))
-    plain = base.generate([ids], params)[0]
-    llm = LLM(progress=False, numerics="int16", kv_cache_blocks=64, decoding="speculative",
-              decoding_options={"method": "ngram", "verify_token_cost": 0.0})
-    staging = llm.engine.runner.staging
+    ids = llm_int16.tokenize(" ".join([PROMPT] * 3))
+    plain = llm_int16.generate([ids], params)[0]
+    eng = engine_on(llm_int16, kv_cache_blocks=64, decoding="speculative",
+                    decoding_options={"method": "ngram", "verify_token_cost": 0.0})
+    assert eng.model._chain is not None  # the fault is in the chain's write
+    staging = eng.runner.staging
     staging.fault_stage_layer = 3
-    assert llm.generate([ids], params)[0].outputs[0].token_ids == plain.outputs[0].token_ids
+    assert run(eng, [ids], params.max_tokens) == [plain.outputs[0].token_ids]
     assert staging.metrics.fallback_stage_fail > 0 and staging.metrics.tokens_committed == 0

@@ -16,6 +16,7 @@ from ratchetlm.cli import add_engine_args, engine_kwargs
 from ratchetlm.engine.config import EngineConfig
 from ratchetlm.engine.model_runner import build_runner
 from ratchetlm.runners import register_layout
+from tests.models.tiny import engine_on, run
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 PROMPTS = ["The history of the bicycle", "def fib(n):", "Write a poem about the sea.", "List three colors:",
@@ -95,17 +96,19 @@ def test_the_integer_modes_keep_their_contract_with_a_half_cache(llm_int8):
     assert batched == [llm_int8.generate([p], GREEDY)[0].outputs[0].token_ids for p in enc]
     for opts in ({"method": "ngram", "depth": 4, "depth_schedule": "constant"},
                  {"method": "ngram", "depth": 3, "num_candidates": 3, "depth_schedule": "constant"}):
-        spec = LLM(progress=False, numerics="int8", kv_cache_blocks=64, speculative=opts)
-        assert spec.engine.cache.k.dtype == torch.float16
-        assert [o.outputs[0].token_ids for o in spec.generate(enc, GREEDY)] == batched, opts
+        # a speculative engine (its own half cache: kv_cache_dtype "auto") on the loaded int8 model
+        spec = engine_on(llm_int8, kv_cache_blocks=64, decoding="speculative", decoding_options=opts)
+        assert spec.cache.k.dtype == torch.float16
+        assert run(spec, enc, GREEDY.max_tokens) == batched, opts
+        assert spec.strategy.metrics()["spec_decode_num_accepted_tokens"] > 0, opts  # it did speculate
 
 
 def test_exact_mode_with_a_half_cache_stays_close(llm_fp32):
     """Opt-in in the exact mode (SDPA reads the half cache widened): the greedy text of the fp32 cache."""
-    llm = LLM(progress=False, numerics="exact", kv_cache_dtype="float16", kv_cache_blocks=64)
-    assert llm.engine.cache.k.dtype == torch.float16
-    enc = [llm.tokenize(p) for p in PROMPTS[:3]]
-    got = [o.outputs[0].token_ids for o in llm.generate(enc, GREEDY)]
+    half = engine_on(llm_fp32, kv_cache_dtype="float16", kv_cache_blocks=64)  # on the loaded exact model
+    assert half.cache.k.dtype == torch.float16 and half.dtype == torch.float32
+    enc = [llm_fp32.tokenize(p) for p in PROMPTS[:3]]
+    got = run(half, enc, GREEDY.max_tokens)
     assert got == [o.outputs[0].token_ids for o in llm_fp32.generate(enc, GREEDY)]
 
 

@@ -61,16 +61,43 @@ def settled(eng: LLMEngine) -> dict[str, int]:
     return counts
 
 
+class Plain:
+    """The oracle: a prompt's greedy tokens from the request alone, whole prompt in one prefill, on an
+    engine without prefix caching; run once per prompt for the module (greedy with ``ignore_eos``: the
+    first ``n`` tokens of a longer run are the run of ``n``). The engines under test batch, chunk,
+    preempt and hit the cache, and must give these same tokens (exact mode is batch- and
+    chunk-invariant: tests/core/test_generation.py, tests/core/test_step_budget.py)."""
+
+    LONGEST = 24  # the longest any test asks for: one run serves every length
+
+    def __init__(self, llm) -> None:
+        self.engine = make(llm, enable_prefix_caching=False)
+        self.done: dict[tuple[int, ...], list[int]] = {}
+
+    def __call__(self, prompt: list[int], n: int = 10, longest: int = LONGEST) -> list[int]:
+        """``longest``: how far to run a prompt not run before (a prompt only one test asks for: ``n``)."""
+        got = self.done.get(tuple(prompt))
+        if got is None or len(got) < n:
+            got = self.done[tuple(prompt)] = drive(self.engine, [prompt], greedy(max(n, longest)))[0]
+            settled(self.engine)
+        return got[:n]
+
+
+@pytest.fixture(scope="module")
+def plain(llm_fp32) -> Plain:
+    return Plain(llm_fp32)
+
+
 @pytest.fixture(scope="module")
 def chats(llm_fp32) -> list[list[int]]:
     return [llm_fp32.tokenize(llm_fp32.apply_chat_template([{"role": "system", "content": SYSTEM},
                                                           {"role": "user", "content": q}])) for q in QUESTIONS]
 
 
-def test_identical_prompts_hit_exactly_and_skip_their_prefill(llm_fp32, chats):
-    off, on = make(llm_fp32, enable_prefix_caching=False), make(llm_fp32)
+def test_identical_prompts_hit_exactly_and_skip_their_prefill(llm_fp32, chats, plain):
+    on = make(llm_fp32)
     p = chats[0]
-    want = drive(off, [p], greedy())[0]
+    want = plain(p)
     assert drive(on, [p], greedy()) == [want]
     s = on.blocks.stats
     assert (s.queries, s.hits) == (len(p), 0)
@@ -84,29 +111,29 @@ def test_identical_prompts_hit_exactly_and_skip_their_prefill(llm_fp32, chats):
     settled(on)
 
 
-def test_a_block_is_shared_only_once_all_its_kv_is_committed(llm_fp32, chats):
+def test_a_block_is_shared_only_once_all_its_kv_is_committed(llm_fp32, chats, plain):
     """A request ends with its last token committed but not computed. When that token completes a
     block, the block must not be named: a longer prompt through it hits only the blocks before."""
     p = chats[0]
     n = BS - len(p) % BS or BS  # prompt + output fill whole blocks
-    on, off = make(llm_fp32), make(llm_fp32, enable_prefix_caching=False)
+    on = make(llm_fp32)
     history: list[list[int]] = []
     out = drive(on, [p], greedy(n), history=history)[0]
     assert (len(p) + n) % BS == 0 and len(history[0]) == len(p) + n - 1
     longer = p + out + llm_fp32.tokenize(" Thanks")
-    assert drive(on, [longer], greedy(4)) == drive(off, [longer], greedy(4))
+    assert drive(on, [longer], greedy(4)) == [plain(longer, 4, longest=4)]
     assert on.blocks.stats.hits == len(p) + n - BS
     settled(on)
 
 
-def test_shared_system_prompt_and_prompts_differing_in_the_last_full_block(llm_fp32, chats):
-    off, on = make(llm_fp32, enable_prefix_caching=False), make(llm_fp32)
+def test_shared_system_prompt_and_prompts_differing_in_the_last_full_block(llm_fp32, chats, plain):
+    on = make(llm_fp32)
     base = chats[1]
     last_full = (len(base) - 1) // BS  # index of the block that holds the last token's predecessor
     variant = list(base)
     variant[last_full * BS - 3] = llm_fp32.tokenize(" cheese")[0]  # inside the last full block
     prompts = [*chats, variant]
-    want = [drive(off, [p], greedy())[0] for p in prompts]
+    want = [plain(p) for p in chats] + [plain(variant, longest=10)]  # (the variant: only this test's)
     history: list[list[int]] = []
     for p, w in zip(prompts, want, strict=True):
         hits_before, hit = on.blocks.stats.hits, expected_hit(p, history)
@@ -117,8 +144,9 @@ def test_shared_system_prompt_and_prompts_differing_in_the_last_full_block(llm_f
     settled(on)
 
 
-def test_multi_turn_chat_replayed_turn_by_turn(llm_fp32):
-    def converse(eng: LLMEngine) -> list[str]:
+def test_multi_turn_chat_replayed_turn_by_turn(llm_fp32, plain):
+    def converse(eng: LLMEngine | None) -> list[str]:
+        """The conversation on ``eng``, or on the oracle where ``eng`` is None."""
         messages = [{"role": "system", "content": SYSTEM}]
         replies: list[str] = []
         history: list[list[int]] = []
@@ -127,30 +155,33 @@ def test_multi_turn_chat_replayed_turn_by_turn(llm_fp32):
             messages.append({"role": "user", "content": q})
             ids = llm_fp32.tokenize(llm_fp32.apply_chat_template(messages))
             assert ids[: len(prev)] == prev  # the previous turn's prompt starts this one
-            hits_before, hit = eng.blocks.stats.hits, expected_hit(ids, history)
+            hit = expected_hit(ids, history)
             assert hit >= len(prev) // BS * BS
             prev = ids
-            out = drive(eng, [ids], greedy(8), history=history)[0]
-            if eng.blocks.enable_caching:
+            if eng is None:
+                out = plain(ids, 8, longest=8)
+                history.append(ids + out[:-1])  # (the last token has no K/V)
+            else:
+                hits_before = eng.blocks.stats.hits
+                out = drive(eng, [ids], greedy(8), history=history)[0]
                 assert eng.blocks.stats.hits - hits_before == hit
             replies.append(llm_fp32.tokenizer.decode(out))
             messages.append({"role": "assistant", "content": replies[-1]})
         return replies
 
-    off_replies = converse(make(llm_fp32, enable_prefix_caching=False))
+    off_replies = converse(None)
     on = make(llm_fp32)
     assert converse(on) == off_replies
     assert on.blocks.stats.hits > 0
     settled(on)
 
 
-def test_concurrent_requests_racing_for_the_same_prefix(llm_fp32, chats):
+def test_concurrent_requests_racing_for_the_same_prefix(llm_fp32, chats, plain):
     """Identical and overlapping prompts admitted together and mid-prefill (chunked prefill of 24
     tokens per step), so some hit blocks another request committed a step earlier and some
     commit the same tokens in the same step."""
     prompts = [chats[0], chats[0], chats[1], chats[0], chats[2], chats[1]]
-    off = make(llm_fp32, enable_prefix_caching=False, max_num_batched_tokens=24)
-    want = drive(off, prompts, greedy())
+    want = [plain(p) for p in prompts]
     on = make(llm_fp32, max_num_batched_tokens=24)
     assert drive(on, prompts, greedy()) == want
     assert drive(on, prompts, greedy(), every=2) == want
@@ -158,12 +189,12 @@ def test_concurrent_requests_racing_for_the_same_prefix(llm_fp32, chats):
     settled(on)
 
 
-def test_preemption_under_a_small_cache(llm_fp32, chats):
+def test_preemption_under_a_small_cache(llm_fp32, chats, plain):
     """A pool too small for all requests: preemption releases references (not blocks others hold),
     cached blocks are evicted, a preempted request re-hits its own committed blocks."""
     prompts = [chats[0], chats[1], chats[0], chats[2], chats[1], chats[2]]
     params = greedy(24)
-    want = drive(make(llm_fp32, enable_prefix_caching=False), prompts, params)
+    want = [plain(p, 24) for p in prompts]
     small = make(llm_fp32, kv_cache_blocks=16)
     assert drive(small, prompts, params) == want
     assert small.scheduler.num_preemptions > 0
@@ -201,11 +232,11 @@ def test_cache_salt_isolates_requests(llm_fp32, chats):
         on.add_request(chats[0], greedy(2), cache_salt="")
 
 
-def test_abort_releases_references_not_blocks_others_hold(llm_fp32, chats):
+def test_abort_releases_references_not_blocks_others_hold(llm_fp32, chats, plain):
     """Two requests share a cached prefix; aborting one mid-decode drops its references only: the
     other keeps reading the shared blocks and finishes exactly as without caching."""
     p = chats[0]
-    want = drive(make(llm_fp32, enable_prefix_caching=False), [p], greedy(12))[0]
+    want = plain(p, 12)
     on = make(llm_fp32)
     drive(on, [p], greedy(2))
     shared = (len(p) - 1) // BS

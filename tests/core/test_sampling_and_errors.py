@@ -13,7 +13,9 @@ from ratchetlm.models.loader import ModelLoadError
 
 def test_same_seed_same_output_different_seed_differs(llm_fp32):
     prompt = "Write a short poem about autumn leaves."
-    p = dict(max_tokens=24, temperature=1.0, ignore_eos=True)
+    # 12 tokens at T=1 (24 before): reproducibility shows in any length, and four seeds' samples of an open
+    # poem still all differ (deterministic: fixed seeds)
+    p = dict(max_tokens=12, temperature=1.0, ignore_eos=True)
     a = llm_fp32.generate(prompt, SamplingParams(seed=1234, **p))[0].token_ids
     # the seeded request stays reproducible even when batched with unseeded ones
     batch = llm_fp32.generate([prompt, "Hello", prompt], [SamplingParams(**p), SamplingParams(seed=1234, **p),

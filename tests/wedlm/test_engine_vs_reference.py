@@ -41,7 +41,10 @@ def trained_prompts(pair, n=6):
 
 @pytest.mark.parametrize("window, tau", GRID)
 def test_trained_engine_equals_reference(trained, window, tau):
-    prompts = trained_prompts(trained)
+    # three of the six held-out prompts, batched, alternating with the grid point: every prompt meets
+    # every window and 4-5 of the 9 points (the reference runs HF's forward once per step per prompt:
+    # ~0.3 s of CPU a prompt; the tiny model above runs every prompt at every point)
+    prompts = trained_prompts(trained)[GRID.index((window, tau)) % 2::2]
     params = SamplingParams(temperature=0.0, max_tokens=40)  # stops at <eos>
     opts = dict(window_size=window, entropy_threshold=tau)
     got, reasons, _ = run(trained.engine(**opts), prompts, params)
