@@ -143,19 +143,21 @@ def pytest_xdist_auto_num_workers(config):
 # (2-core Xeon, 2026-11-28: the workers' CPU time per unit in a full xdist run, sampled from /proc; rough, only
 # their order matters. A unit missing here is handed out among the last, so a new heavy file belongs here.)
 UNIT_COST_S = {
-    "tests/models/test_gemma3_real.py": 55, "tests/speculative/test_controls_equivalence.py": 64,
+    "tests/models/test_gemma3_real.py": 55, "tests/speculative/test_controls_equivalence.py": 45,
     "tests/speculative/test_greedy_equivalence.py": 70, "tests/speculative/test_prefix_cache.py": 60,
-    "tests/api/test_cli.py": 50, "tests/server/test_data_parallel.py": 60, "tests/speculative/test_sampling_e2e.py": 50,
-    "tests/speculative/test_eagle.py": 42, "tests/core/test_prefix_cache.py": 30, "tests/api/test_dependencies.py": 40,
-    "tests/speculative/test_int8_engine.py": 35, "tests/server/test_fuzz.py": 35, "tests/server/test_surface.py": 35,
-    "tests/api/test_bench.py": 25, "tests/server/test_structured.py": 24, "tests/api/test_gpu_check.py": 20,
-    "tests/speculative/test_controls_sampling.py": 20, "tests/server/test_lifecycle.py": 20,
+    "tests/api/test_cli.py": 40, "tests/server/test_data_parallel.py": 35, "tests/speculative/test_sampling_e2e.py": 12,
+    "tests/speculative/test_eagle.py": 32, "tests/core/test_prefix_cache.py": 30, "tests/api/test_dependencies.py": 40,
+    "tests/speculative/test_int8_engine.py": 35, "tests/server/test_fuzz.py": 35, "tests/server/test_surface.py": 25,
+    "tests/api/test_bench.py": 10, "tests/server/test_structured.py": 24, "tests/api/test_gpu_check.py": 20,
+    "tests/speculative/test_controls_sampling.py": 6, "tests/server/test_lifecycle.py": 20,
     "tests/core/test_int8_kernels.py": 12,  # 138 quick tests: much less than COST_PER_TEST each
     # (suite6, 2026-11-28: test_driver.py -45 CPU-s, the gain test -8, test_cli -18: the three entries lowered)
     # (suite7, 2026-11-29: the Gemma 3 HF oracle on the worker's one thread -20, the speculative prefix-cache
     # oracle's repeated histories -20, the temp-dir kernel build of hf_smollm's test_block_kernels -7)
     # (suiteC, 2026-11-29: HF's GGUF loads without gguf-py's memmap slicing, tests/models/hf_gguf.py: the Gemma 3
-    # oracle -33, hf_smollm -14; the teacher-forced HF greedy check -30; test_prefix_cache's shared oracle -13)
+    # oracle -33, hf_smollm -14; the teacher-forced HF greedy check -30; test_prefix_cache's shared oracle -13;
+    # suiteS: the statistical sampling tests on a tiny byte-vocabulary model; suiteP: one data-parallel server per
+    # file, bad flags and the bench parent in-process)
 }
 COST_PER_TEST = 0.8
 # Directories whose tests share session fixtures of their own (tiny models, tokenizers, grammar compilers) that
@@ -163,7 +165,7 @@ COST_PER_TEST = 0.8
 # build), its load, and the 16384-token reference (conftest.long_run, ~18 s) that test_driver, test_long_context
 # and test_mtp use.
 DIR_UNITS = ("tests/deepseek_v4/", "tests/wedlm/", "tests/structured/", "tests/text/")
-UNIT_COST_S.update({"tests/deepseek_v4/": 175, "tests/wedlm/": 40, "tests/structured/": 25, "tests/text/": 6})
+UNIT_COST_S.update({"tests/deepseek_v4/": 150, "tests/wedlm/": 40, "tests/structured/": 25, "tests/text/": 6})
 # Files in different directories that share an expensive session fixture, kept on one worker so that it is built
 # once: a group -> its files. (pytest-xdist's ``xdist_group`` mark cannot do this here: xdist 3.8 tells the
 # controller a test's group by appending "@<group>" to its node id on the worker, which pytest 9.2's structured
