@@ -596,6 +596,10 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
                  * per tile, 64 dims at a time in registers */
                 int lmax = 0;
                 for (int u = 0; u < nq; u++) lmax = lim[u] > lmax ? lim[u] : lmax;
+#if defined(ATT_AVX2) /* pv16 skips p = 0: the keys from lim[u] (p = 0 up to lp, raw scores beyond) made 0 up to lmax */
+                for (int u = 0; u < nq; u++)
+                    for (int j = (lim[u] + KL - 1) / KL * KL; j < lmax; j++) s[(long)u * LP + j] = 0.0f;
+#endif
                 for (int d0 = 0; d0 < D; d0 += 64) {
                     const int dn = D - d0 < 64 ? D - d0 : 64;
 #if defined(__AVX512F__)

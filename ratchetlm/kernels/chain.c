@@ -32,7 +32,7 @@ void ratchet_silu_mul(const float *gu, int64_t rows, int64_t ni, float *act, int
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gu + r * 2 * ni, *u = g + ni;
         float *a = act + r * ni;
-        for (int64_t j = 0; j < ni; j++) a[j] = silu_mul1(g[j], u[j]);
+        silu_mul_n(g, u, ni, a);
     }
 }
 

@@ -629,7 +629,7 @@ static void panel_any(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t 
 typedef uint8_t u8x64 __attribute__((vector_size(64), aligned(1))); /* 64 bytes: one zmm, two ymm, or scalar code */
 /* G, vb literals at every call (unpack_panel): the shifts are constants, the loops unrolled */
 static inline __attribute__((always_inline)) void unpack_groups(const uint8_t *Q, int K, const int G, const int vb,
-                                                                uint8_t *dst) {
+                                                                const uint8_t off, uint8_t *dst) {
     const int C = G / 4;
     for (int g = 0; g < K / G; g++) {
         const uint8_t *qg = Q + (long)g * VBYTES(G, vb), *pl = qg + C / 2 * 64;
@@ -640,35 +640,54 @@ static inline __attribute__((always_inline)) void unpack_groups(const uint8_t *Q
             const u8x64 n = c >= C / 2 ? nb >> 4 : nb & 0x0F;
             const u8x64 p = *(const u8x64 *)(vb == 6 ? pl + (c / 4) * 64 : pl);
             const u8x64 h = vb == 6 ? ((p >> (2 * (c % 4))) & 3) << 4 : ((p >> c) & 1) << 4;
-            *(u8x64 *)(o + c * 64) = n | h;
+            *(u8x64 *)(o + c * 64) = (n | h) - off; /* (off: u - 32 as a signed byte, mod 256) */
         }
     }
 }
 
-/* A paired panel's multipliers (PAIRED, matmul_int8_panel.h) as the AVX2 kernel's int16 vectors, made once
- * per unpacked panel (UNPACK_MUL_LAYOUT there) instead of once per block and pass of 4 tokens (~6% of the
- * unpacked Q6_K kernel's samples, AVX2, 512 rows): per group and half the 8 rows' (c, c) pairs, then per
- * 32-block and half the rows' (-z c0, -z c1). The other builds read c from SM. */
-static __attribute__((unused)) void unpack_multipliers(const uint8_t *SMp, int K, int SB, int z, int16_t *dst) {
+#if defined(PAIRS16)
+/* A paired panel's multipliers (PAIRED, matmul_int8_panel.h) as the AVX2 kernel reads them, made once per
+ * unpacked panel (UNPACK_MUL_BYTES there) instead of once per block and pass of 4 tokens (that was ~6% of the
+ * unpacked Q6_K kernel's samples, AVX2, 512 rows): per group and half the 8 rows' (c, c) pairs, then per 32-block
+ * and half the rows' constant -128 (c0 Q0 + c1 Q1), Q the sum of a group's 16 signed values (W: the panel
+ * unpacked as u - 32). In vectors: the scalar loop this replaced took ~0.4 instructions a weight, beside the
+ * products' ~7 of a 64-row MLP call. The other builds read c from SM. */
+static void unpack_multipliers(const uint8_t *SMp, const uint8_t *W, int K, int SB, int16_t *dst) {
     const int GPS = SB / 16, SBB = (2 + GPS) * PN, NG = K / 16;
-    int16_t *zc = dst + (long)NG * 2 * 16;
-    for (int g = 0; g < NG; g++) {
-        const int8_t *cp = (const int8_t *)SMp + (long)(g / GPS) * SBB + 2 * PN + (g % GPS) * PN;
-        for (int h = 0; h < 2; h++)
-            for (int l = 0; l < 8; l++) {
-                dst[(g * 2 + h) * 16 + 2 * l] = dst[(g * 2 + h) * 16 + 2 * l + 1] = cp[8 * h + l];
-                zc[((g / 2) * 2 + h) * 16 + 2 * l + (g & 1)] = (int16_t)(-z * cp[8 * h + l]);
+    int32_t *kc = (int32_t *)(dst + (long)NG * 2 * 16);
+    const __m256i ones = _mm256_set1_epi8(1);
+    for (int b = 0; b < NG / 2; b++) {
+        __m256i k[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (int gi = 0; gi < 2; gi++) {
+            const int g = 2 * b + gi;
+            const int8_t *cp = (const int8_t *)SMp + (long)(g / GPS) * SBB + 2 * PN + (g % GPS) * PN;
+            const uint8_t *wg = W + (long)g * 16 * PN; /* the group's 4 vectors of 64 bytes (16 rows x 4 values) */
+            for (int h = 0; h < 2; h++) {
+                const __m128i cb = _mm_loadl_epi64((const __m128i *)(cp + 8 * h));
+                const __m256i sc = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(cb, cb)); /* (c, c) per row */
+                _mm256_storeu_si256((__m256i *)(dst + ((long)g * 2 + h) * 16), sc);
+                __m256i q = _mm256_setzero_si256(); /* per row two int16 sums of 8 values (|.| <= 256) */
+                for (int c = 0; c < 4; c++)
+                    q = _mm256_add_epi16(q, _mm256_maddubs_epi16(ones, _mm256_loadu_si256((const __m256i *)(wg + c * 64 + 32 * h))));
+                k[h] = _mm256_add_epi32(k[h], _mm256_madd_epi16(q, sc)); /* c Q per row */
             }
+        }
+        for (int h = 0; h < 2; h++) /* |c0 Q0 + c1 Q1| <= 2 * 128 * 512: times -128 within int32 */
+            _mm256_storeu_si256((__m256i *)(kc + ((long)b * 2 + h) * 8), _mm256_mullo_epi32(k[h], _mm256_set1_epi32(-128)));
     }
 }
+#endif
 
-static void unpack_panel(const uint8_t *Q, int K, int G, int vb, uint8_t *dst) {
-    if (vb == 6 && G == 16)
-        unpack_groups(Q, K, 16, 6, dst);
+/* off: 32 where the AVX2 kernel takes the values signed (its unpacked paired panels), else 0 */
+static void unpack_panel(const uint8_t *Q, int K, int G, int vb, int off, uint8_t *dst) {
+    if (vb == 6 && G == 16 && off)
+        unpack_groups(Q, K, 16, 6, 32, dst);
+    else if (vb == 6 && G == 16)
+        unpack_groups(Q, K, 16, 6, 0, dst);
     else if (vb == 6)
-        unpack_groups(Q, K, 32, 6, dst);
+        unpack_groups(Q, K, 32, 6, 0, dst);
     else
-        unpack_groups(Q, K, 32, 5, dst);
+        unpack_groups(Q, K, 32, 5, 0, dst);
 }
 
 /* Calls of UNPACK_TILES+ tiles (prefill, long verifies) go over each thread's panels in blocks of about
@@ -680,16 +699,22 @@ static void unpack_panel(const uint8_t *Q, int K, int G, int vb, uint8_t *dst) {
 #define PANEL_BLOCK (512 * 1024) /* 128 KB: 1.08-1.16x the time, 1 MB 1.02-1.26x (AVX-512, 512 rows, one thread) */
 
 /* A tile's activation items, token-interleaved (word [i][t] is token t's i-th item; the xtile_t fields
- * in order): xh [K / 4], xl [K / 4] (16 bits only), then per 32-block d, sx32, zq16 (2), zq32, sx16 (2),
- * sp32 */
-static long tile_words(int K, int bits) { return (long)K / 4 * (bits == 16 ? 2 : 1) + (long)(K / 32) * 8; }
+ * in order): xh [K / 4], xl [K / 4] (16 bits) or xu [K / 4] (8 bits, AVX2 build: xq + 128), then per 32-block d,
+ * sx32, zq16 (2), zq32, sx16 (2), sp32 */
+#if defined(PAIRS16)
+#define XU_WORDS 1 /* the AVX2 signed-weight kernel's unsigned activations (matmul_int8_panel.h, panel_pass) */
+#else
+#define XU_WORDS 0
+#endif
+static long x_words(int K, int bits) { return (long)K / 4 * (bits == 16 || XU_WORDS ? 2 : 1); }
+static long tile_words(int K, int bits) { return x_words(K, bits) + (long)(K / 32) * 8; }
 
 static xtile_t tile_view(int32_t *dst, int K, int bits, int tt) {
-    const long xw = (long)K / 4 * (bits == 16 ? 2 : 1), NB = K / 32;
-    int32_t *rest = dst + xw * tt;
-    return (xtile_t){dst, bits == 16 ? dst + (long)K / 4 * tt : NULL, (const float *)rest, rest + 4 * NB * tt,
+    const long NB = K / 32;
+    int32_t *rest = dst + x_words(K, bits) * tt, *second = dst + (long)K / 4 * tt;
+    return (xtile_t){dst, bits == 16 ? second : NULL, (const float *)rest, rest + 4 * NB * tt,
                      rest + 2 * NB * tt, (const float *)(rest + NB * tt), (const float *)(rest + 5 * NB * tt),
-                     rest + 7 * NB * tt};
+                     rest + 7 * NB * tt, bits == 8 && XU_WORDS ? second : NULL};
 }
 
 /* Blocks [b0, b1) of the tile's tt tokens quantized (quantize_row) and written straight into the tile's
@@ -697,14 +722,8 @@ static xtile_t tile_view(int32_t *dst, int K, int bits, int tt) {
  * [K], or with `gated` silu(g) * u of its fused gate/up row x + t xs [2 K] (SwiGLU: the down
  * projection's input is made here, the bits of ratchet_silu_mul's). Each token's items depend on its
  * own values only: who prepares which blocks changes no value. */
-/* act[j] = silu(g[j]) * u[j], j < n: silu_mul1's bits, 16 at a time on AVX-512 (silu.h) */
-static inline void swiglu_act(const float *g, const float *u, int n, float *act) {
-    int j = 0;
-#if defined(__AVX512F__)
-    for (; j + 16 <= n; j += 16) _mm512_storeu_ps(act + j, silu_mul16(_mm512_loadu_ps(g + j), _mm512_loadu_ps(u + j)));
-#endif
-    for (; j < n; j++) act[j] = silu_mul1(g[j], u[j]);
-}
+/* act[j] = silu(g[j]) * u[j], j < n: silu_mul1's bits, 16 (AVX-512) or 8 (AVX2) at a time (silu.h) */
+static inline void swiglu_act(const float *g, const float *u, int n, float *act) { silu_mul_n(g, u, n, act); }
 
 /* exported for tests: the down projection's input as ratchet_mm_q8w_swiglu makes it, act [M, K] from gu [M, 2 K] */
 void ratchet_swiglu_act(const float *gu, int M, int K, float *act) {
@@ -715,7 +734,7 @@ void ratchet_swiglu_act(const float *gu, int M, int K, float *act) {
 static void prep_tile_blocks(const float *x, long xs, int gated, int K, int bits, int zw, int32_t *dst, int tt,
                              int b0, int b1) {
     const int NB = K / 32;
-    const long xl_off = (long)K / 4 * tt, rest_off = (long)K / 4 * (bits == 16 ? 2 : 1) * tt;
+    const long xl_off = (long)K / 4 * tt, rest_off = x_words(K, bits) * tt;
     int32_t xh[PREP_CHUNK * 8], xl[PREP_CHUNK * 8], q16[PREP_CHUNK * 2];
     float d[PREP_CHUNK], act[gated ? PREP_CHUNK * QA : 1];
     for (int c0 = b0; c0 < b1; c0 += PREP_CHUNK) {
@@ -741,6 +760,8 @@ static void prep_tile_blocks(const float *x, long xs, int gated, int K, int bits
 #endif
             {
                 for (int i = 0; i < nb * 8; i++) wh[(long)i * tt] = xh[i];
+                if (bits == 8 && XU_WORDS) /* xq + 128 per byte, as unsigned bytes (xq ^ 0x80) */
+                    for (int i = 0; i < nb * 8; i++) wh[xl_off + (long)i * tt] = (int32_t)((uint32_t)xh[i] ^ 0x80808080u);
                 if (bits == 16)
                     for (int i = 0; i < nb * 8; i++) wh[xl_off + (long)i * tt] = xl[i];
             }
@@ -816,10 +837,15 @@ static void mm_q8(const float *x, long xs, int gated, int M, int K, int bits, in
                 const int b1 = MIN(p1, b0 + PB);
                 for (int p = b0; p < b1; p++)
                     if (panels[p].vb == 5 || panels[p].vb == 6) {
-                        unpack_panel(Q + panels[p].qoff, K, panels[p].G, panels[p].vb, ub + (long)(p - b0) * UPS);
-#if defined(PAIRS16) /* (only the AVX2 kernel reads them) */
-                        if (PAIRED(panels[p].G, bits == 16, panels[p].has_m))
-                            unpack_multipliers(SM + panels[p].soff, K, panels[p].SB, panels[p].z,
+#if defined(PAIRS16) /* (only the AVX2 kernel takes them signed, and reads the multipliers' layout) */
+                        const int sw = PAIRED(panels[p].G, bits == 16, panels[p].has_m);
+#else
+                        const int sw = 0;
+#endif
+                        unpack_panel(Q + panels[p].qoff, K, panels[p].G, panels[p].vb, sw, ub + (long)(p - b0) * UPS);
+#if defined(PAIRS16)
+                        if (sw)
+                            unpack_multipliers(SM + panels[p].soff, ub + (long)(p - b0) * UPS, K, panels[p].SB,
                                                (int16_t *)(ub + (long)(p - b0) * UPS + (long)K * PN));
 #endif
                     }

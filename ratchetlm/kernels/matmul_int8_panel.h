@@ -23,6 +23,7 @@ typedef struct {
     const float *sx32;  /* [K / 32][tt] dx * q32 */
     const float *sx16;  /* [K / 16][tt] dx * q16 */
     const int32_t *sp32; /* [K / 32][tt] the block's two half-block sums of xq as int16 (low: first, high: second) */
+    const int32_t *xu;  /* [K / 4][tt] AVX2, 8 bits: 4 bytes of xq + 128 (unsigned) for the signed-weight kernel, else NULL */
 } xtile_t;
 
 /* Groups of 16 weights (Q6_K, Q3_K) with 8-bit activations and no offsets ("paired" panels): the sub-scale
@@ -34,9 +35,10 @@ typedef struct {
  * too, over its 256-activation blocks). 16-bit activations (|J| could pass 2^31) and offsets keep one
  * float step per group. Every build forms the same J and the same float steps in the same order. */
 #define PAIRED(G, b16, has_m) ((G) == 16 && !(b16) && !(has_m))
-/* Beside an unpacked paired panel's K * PN bytes (vb 14): its multipliers as int16 vectors of 16 (the AVX2
- * kernel's): per group g and half h at (2 g + h) * 16, (c, c) per row; then, from K / 16 * 32, per 32-block b and
- * half h at (2 b + h) * 16, (-z c0, -z c1) per row. Room is kept for every unpacked panel. */
+/* Beside an unpacked paired panel's K * PN bytes (vb 14): its multipliers as the AVX2 kernel reads them: per
+ * group g and half h at int16 (2 g + h) * 16, (c, c) per row; then, from int16 K / 16 * 32, per 32-block b and half
+ * h at int32 (2 b + h) * 8, the block's constant -128 (c0 Q0 + c1 Q1) per row (Q: the sum of the group's signed
+ * values u - 32; AVX2's unpacked paired panels hold u - 32, see panel_pass). Room is kept for every unpacked panel. */
 #define UNPACK_MUL_BYTES(K) ((long)(K) / 16 * 64 + (long)(K) / 32 * 64)
 
 /* y[t * N + l] (t < tt, l < nvalid) = the panel's 16 rows (packed at Q, factors at SM: ratchet_pack_q8) times
@@ -292,6 +294,13 @@ static inline __attribute__((always_inline)) void panel_pass(const uint8_t *Q, c
     /* paired panels (PAIRED above): both groups of a 32-block go into one integer chain, each group's products
      * widened by vpmaddwd with its multipliers c (int16 pairs) where the other kinds widen by 1 */
     const int P = PAIRED(G, b16, has_m), GS = P ? 2 : 1;
+    /* Unpacked paired panels (vb 14, Q6_K) hold signed values u - 32 (unpack_panel) and take the activations as
+     * xq + 128 (unsigned: vpmaddubsw's first operand), so that the zero point is a constant per row and block:
+     * sum (xq + 128)(u - 32) = sum xq u - 32 sum xq + 128 Q, Q = sum (u - 32) over the group, and
+     *   J = sum_g c_g [sum (xq + 128)(u - 32)] - 128 (c0 Q0 + c1 Q1) + (32 - z)(c0 S0 + c1 S1)
+     * is the same integer as c0 (U0 - z S0) + c1 (U1 - z S1) (so the same bits), where the constant is made once
+     * per unpacked panel and the last term is 0 for Q6_K (z = 32): no vpmaddwd of the token's sums per block */
+    const int SW = P && vb > 8;
     /* The float accumulators live in memory (L1), touched once per group (paired: block) and token, so that
      * the 16 ymm registers hold the integer chains and the weight vectors (in registers beside them:
      * 0.85-1.09x the time of this, measured with the chains' asm below in place). Paired panels: acc is the
@@ -313,17 +322,30 @@ static inline __attribute__((always_inline)) void panel_pass(const uint8_t *Q, c
         __m256i I[AVX2_TS][2];
         /* vb 14: the multipliers' vectors made once per unpacked panel (UNPACK_MUL_BYTES) */
         const int16_t *um = (const int16_t *)(Q + (long)K * PN);
-        if (P && z) {
+        if (SW) { /* from the block's constant -128 (c0 Q0 + c1 Q1), and where z != 32 the rest of the zero point */
             #pragma GCC unroll 2
             for (int h = 0; h < 2; h++) {
-                __m256i zc;
-                if (vb > 8) {
-                    zc = _mm256_loadu_si256((const __m256i *)(um + (long)K * 2 + ((long)gb + h) * 16));
-                } else {
+                const __m256i kv = _mm256_loadu_si256((const __m256i *)((const int32_t *)(um + (long)K * 2) + ((long)gb + h) * 8));
+                #pragma GCC unroll 4
+                for (int t = 0; t < S; t++) I[t][h] = kv;
+            }
+            if (z != 32) { /* (32 - z) (c0 S0 + c1 S1): |(32 - z) c| <= 32 * 128, an int16 */
+                #pragma GCC unroll 2
+                for (int h = 0; h < 2; h++) {
                     const __m128i c01 = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(cp0 + 8 * h)),
                                                           _mm_loadl_epi64((const __m128i *)(cp0 + PN + 8 * h)));
-                    zc = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(c01), _mm256_set1_epi16((int16_t)-z));
+                    const __m256i zc = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(c01), _mm256_set1_epi16((int16_t)(32 - z)));
+                    #pragma GCC unroll 4
+                    for (int t = 0; t < S; t++)
+                        I[t][h] = _mm256_add_epi32(I[t][h], _mm256_madd_epi16(zc, _mm256_set1_epi32(xs->sp32[(long)(gb / 2) * tt + t0 + t])));
                 }
+            }
+        } else if (P && z) {
+            #pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                const __m128i c01 = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(cp0 + 8 * h)),
+                                                      _mm_loadl_epi64((const __m128i *)(cp0 + PN + 8 * h)));
+                const __m256i zc = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(c01), _mm256_set1_epi16((int16_t)-z));
                 #pragma GCC unroll 4
                 for (int t = 0; t < S; t++)
                     I[t][h] = _mm256_madd_epi16(zc, _mm256_set1_epi32(xs->sp32[(long)(gb / 2) * tt + t0 + t]));
@@ -355,13 +377,16 @@ static inline __attribute__((always_inline)) void panel_pass(const uint8_t *Q, c
                 for (int j = 0; j < 2; j++)
                     #pragma GCC unroll 2
                     for (int h = 0; h < 2; h++) w[j][h] = unpack_avx2(qg, C, vb, c0 + j, h);
+                const int32_t *xa = SW ? xs->xu : xs->xh;
                 #pragma GCC unroll 4
                 for (int t = 0; t < S; t++) {
                     const long i = ((long)g * C + c0) * tt + t0 + t;
-                    const __m256i x0 = _mm256_set1_epi32(xs->xh[i]), x1 = _mm256_set1_epi32(xs->xh[i + tt]);
+                    const __m256i x0 = _mm256_set1_epi32(xa[i]), x1 = _mm256_set1_epi32(xa[i + tt]);
                     #pragma GCC unroll 2
                     for (int h = 0; h < 2; h++) {
-                        const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0][h], x0), _mm256_maddubs_epi16(w[1][h], x1));
+                        /* signed weights: (xq + 128) (u - 32), pair sums |.| <= 2 * 255 * 32 = 16320, two of them 32640 */
+                        const __m256i s16 = SW ? _mm256_add_epi16(_mm256_maddubs_epi16(x0, w[0][h]), _mm256_maddubs_epi16(x1, w[1][h]))
+                                               : _mm256_add_epi16(_mm256_maddubs_epi16(w[0][h], x0), _mm256_maddubs_epi16(w[1][h], x1));
                         I[t][h] = _mm256_add_epi32(I[t][h], _mm256_madd_epi16(s16, sc[h]));
                         __asm__("" : "+x"(I[t][h]));
                     }

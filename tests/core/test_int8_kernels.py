@@ -238,6 +238,28 @@ def test_paired_sub_scales_apply_in_integers_with_one_float_step_per_block(lib, 
         assert same_bits(got[[rows[i] for i in picked]], ref[picked]), m
 
 
+@pytest.mark.parametrize("zero_point", [0, 16, 32])
+def test_unpacked_q6_k_panels_give_the_paired_bits_at_every_zero_point(lib, zero_point):
+    """A prefill-sized call unpacks Q6_K panels once per block of panels; the AVX2 kernel then holds the values
+    as u - 32 and takes the activations as xq + 128, the zero point a constant per row and block made at
+    unpacking, plus a term of each token's sums where the weight's zero point is not 32 (values all >= -16:
+    z = 16; all >= 0: z = 0). Every build gives the scalar reference's bits at each zero point, in the
+    prefill-sized call and in one of a single token (the packed kernels)."""
+    k, n = 512, 20
+    raw = random_raw("Q6_K", n, k, seed=14)
+    qh = raw.reshape(n, k // 256, 210)[..., 128:192]  # the high 2 bits of every value (bits 2j..2j+1 of a byte)
+    qh |= {0: 0xAA, 16: 0x55, 32: 0x00}[zero_point]  # values >= 32 (q >= 0), >= 16 (q >= -16), or as drawn
+    w = BlockWeight.from_gguf("Q6_K", raw, k)
+    assert w.pack_q8(lib)[3] == zero_point
+    torch.manual_seed(15)
+    x = torch.randn(33, k)
+    x[7] *= 60.0
+    rows = [0, 7, 31, 32]
+    ref = paired_ref(x[rows], raw, "Q6_K", k)
+    assert same_bits(block_matmul(x, w, lib=lib, numerics="int8")[rows], ref)  # 5 tiles: the unpacked panels
+    assert same_bits(block_matmul(x[7:8], w, lib=lib, numerics="int8"), ref[1:2])
+
+
 # per format: (bits per stored value, G, zero point) that the packer must read off the values
 LAYOUT = {"Q4_0": (4, 32, 8), "Q4_1": (4, 32, 0), "Q5_0": (5, 32, 16), "Q5_1": (5, 32, 0), "Q8_0": (8, 32, 128),
           "Q2_K": (4, 16, 0), "Q3_K": (4, 16, 4), "Q4_K": (4, 32, 0), "Q5_K": (5, 32, 0), "Q6_K": (6, 16, 32)}
@@ -515,3 +537,34 @@ def test_a_panel_mixing_q6_k_and_q8_0_rows_applies_its_sub_scales_in_integers_in
         got = block_matmul(x[:rows], fused, lib=native, numerics="int8")
         assert_int8_close(got, x[:rows], fused)
         assert same_bits(block_matmul(x[:rows], fused, lib=other, numerics="int8"), got), rows
+
+
+def test_silu_mul_gives_the_portable_builds_bits_in_every_build(kernel_builds):
+    """SwiGLU's silu(g) * u, on the layer path (ratchet_silu_mul) and as the fused down projection's input
+    (ratchet_swiglu_act), 16 lanes at a time on AVX-512 and 8 on AVX2 then a scalar tail: the portable
+    scalar code's bits in every build, across exp's clamps, signed zeros, infinities and NaN."""
+    portable = kernel_builds["portable"]
+    if portable is None:
+        pytest.skip("no C compiler")
+    rows, ni = 3, 4099  # a row length with a scalar tail after the vectors
+    g = torch.Generator().manual_seed(21)
+    gu = torch.randn(rows, 2 * ni, generator=g) * 6
+    gu[0, :ni] = torch.linspace(-120.0, 120.0, ni)
+    gu[1, :12] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 87.9, -87.9, 88.5, -88.5, float("inf"), float("-inf"),
+                               float("nan"), 3.0])
+    gu[1, ni + 11] = float("nan")  # a NaN up
+
+    def both(lib) -> tuple[np.ndarray, np.ndarray]:
+        act, fused = torch.empty(rows, ni), torch.empty(rows, ni)
+        lib.ratchet_silu_mul(gu.data_ptr(), rows, ni, act.data_ptr(), 2)
+        lib.ratchet_swiglu_act.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        lib.ratchet_swiglu_act(gu.data_ptr(), rows, ni, fused.data_ptr())
+        return act.numpy().view(np.uint32), fused.numpy().view(np.uint32)
+
+    ref, ref_fused = both(portable)
+    assert np.array_equal(ref, ref_fused)
+    for name in ("native", "avx2"):
+        lib = kernel_builds[name]
+        assert lib is not None, name
+        act, fused = both(lib)
+        assert np.array_equal(act, ref) and np.array_equal(fused, ref), name
