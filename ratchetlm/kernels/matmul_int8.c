@@ -722,12 +722,10 @@ static xtile_t tile_view(int32_t *dst, int K, int bits, int tt) {
  * [K], or with `gated` silu(g) * u of its fused gate/up row x + t xs [2 K] (SwiGLU: the down
  * projection's input is made here, the bits of ratchet_silu_mul's). Each token's items depend on its
  * own values only: who prepares which blocks changes no value. */
-/* act[j] = silu(g[j]) * u[j], j < n: silu_mul1's bits, 16 (AVX-512) or 8 (AVX2) at a time (silu.h) */
-static inline void swiglu_act(const float *g, const float *u, int n, float *act) { silu_mul_n(g, u, n, act); }
 
 /* exported for tests: the down projection's input as ratchet_mm_q8w_swiglu makes it, act [M, K] from gu [M, 2 K] */
 void ratchet_swiglu_act(const float *gu, int M, int K, float *act) {
-    for (int r = 0; r < M; r++) swiglu_act(gu + 2L * r * K, gu + 2L * r * K + K, K, act + (long)r * K);
+    for (int r = 0; r < M; r++) silu_mul_n(gu + 2L * r * K, gu + 2L * r * K + K, K, act + (long)r * K);
 }
 
 #define PREP_CHUNK 64 /* blocks per quantize_row call (its outputs on the stack) */
@@ -742,7 +740,7 @@ static void prep_tile_blocks(const float *x, long xs, int gated, int K, int bits
         for (int t = 0; t < tt; t++) {
             const float *src = x + (long)t * xs + (long)c0 * QA;
             if (gated) {
-                swiglu_act(src, src + K, nb * QA, act);
+                silu_mul_n(src, src + K, nb * QA, act); /* silu_mul1's bits, 16 or 8 at a time (silu.h) */
                 src = act;
             }
             quantize_row(src, nb * QA, bits, (int8_t *)xh, bits == 16 ? (int8_t *)xl : NULL, d, q16);
