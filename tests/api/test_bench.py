@@ -17,13 +17,14 @@ REPO = Path(__file__).parents[2]
 
 def test_bench_runs_any_gguf_and_reports_every_column(tmp_path, monkeypatch, capsys):
     """The parent (``ratchet bench``: tokenizes the prompts, starts one worker process per engine, writes
-    the report) runs in this process; the engine's worker is its own ``python -m ratchetlm.bench --worker``."""
+    the report) runs in this process; the engine's worker is its own ``python -m ratchetlm.bench --worker``,
+    on one thread (a tiny model: a second thread only spins on the shared CPU)."""
     monkeypatch.setenv("PYTHONPATH", str(REPO))  # the worker imports this tree's ratchetlm
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
     model = write_tiny_gguf(tmp_path / "qwen3.gguf", "qwen3", ["Q4_K", "Q6_K", "Q8_0"])
     out = tmp_path / "bench.json"
     argv = ["bench", "--model", str(model), "--engines", "ratchetlm,nonsense-free", "--max-tokens", "4",
-            "--batch-sizes", "1,2", "--prompt-tokens", "24", "--repeats", "1", "--json", str(out)]
+            "--batch-sizes", "1,2", "--prompt-tokens", "24", "--repeats", "1", "--threads", "1", "--json", str(out)]
     with pytest.raises(SystemExit) as e:  # named, not a traceback, before any engine runs
         main(argv)
     assert "unknown engine 'nonsense-free'" in str(e.value.code) and "(ratchetlm done)" not in capsys.readouterr().out

@@ -81,15 +81,19 @@ def test_bool_flags_alone_mean_true_and_bad_values_are_refused(capsys):
     assert "expected true or false" in capsys.readouterr().err
 
 
-def test_generate_reads_stdin_and_prints_json():
-    r = subprocess.run([*RATCHET, "generate", "-", "--json", "--max-tokens", "4"], input="The capital of France is\n",
-                       capture_output=True, text=True, env=ENV, timeout=600)
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+def test_generate_reads_stdin_and_prints_json(in_process, monkeypatch):
+    """``-`` reads the prompt from standard input (as ``echo ... | ratchet generate -`` gives it): the
+    command's main in this process, stdin a pipe's text (``python -m ratchetlm`` itself, with its exit
+    codes, runs in the Ctrl-C tests below; a subprocess here paid ~5 s of interpreter, torch and
+    transformers start-up for what the command prints)."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("The capital of France is\n"))
+    code, stdout, stderr = in_process(["generate", "-", "--json", "--max-tokens", "4"])
+    assert code == 0, stderr
+    out = json.loads(stdout)
     assert out["prompt"] == "The capital of France is"  # echo's newline dropped
     assert out["text"].strip().startswith("Paris") and len(out["token_ids"]) == out["usage"]["completion_tokens"]
     assert out["finish_reason"] in ("stop", "length") and out["usage"]["prompt_tokens"] == 5
-    assert r.stderr.count("INFO ratchet: dtype=float32 (GGUF on CPU, block kernels: ") == 1
+    assert stderr.count("INFO ratchet: dtype=float32 (GGUF on CPU, block kernels: ") == 1
 
 
 def test_generate_refuses_an_empty_stdin(in_process, monkeypatch):
@@ -131,7 +135,8 @@ def test_ctrl_c_ends_generate_quietly_with_130():
 
 
 def test_ctrl_c_ends_serve_quietly_with_130():
-    srv = start_server(base_args=[str(default_model_path()), "--max-model-len", "256", "--kv-cache-blocks", "32"],
+    srv = start_server(base_args=[str(default_model_path()), "--max-model-len", "256", "--kv-cache-blocks", "32",
+                                  "--torch-threads", "1"],  # its step-cost probe: a second thread only spins
                        stderr=subprocess.PIPE, preexec_fn=_default_sigint)
     assert srv.health().json()["status"] == "ok"
     srv.proc.send_signal(signal.SIGINT)

@@ -42,6 +42,11 @@ def test_ranges_admit_the_stacks_we_install_beside(stack):
         assert REQS[name].specifier.contains(v), f"{stack} needs {name}=={v}; we ask {REQS[name]}"
 
 
+# pytest plugins of the test environment that a pytest subprocess running plain tests does not need:
+# importing them (schemathesis, hypothesis, anyio) is ~3 CPU-s of its start-up
+NO_PLUGINS = ["-p", "no:schemathesis", "-p", "no:hypothesispytest", "-p", "no:anyio"]
+
+
 def _floor(name: str) -> str:
     floors = [s.version for s in REQS[name].specifier if s.operator == ">="]
     assert len(floors) == 1, f"{name} needs one >= floor"
@@ -61,10 +66,13 @@ def test_transformers_floor_converts_and_templates(tmp_path):
                           str(target), f"transformers=={floor}"], capture_output=True, text=True, timeout=600)
     assert pip.returncode == 0, pip.stderr
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(target), str(REPO)]), RATCHETLM_CACHE=str(tmp_path / "c"))
-    check = subprocess.run([sys.executable, "-c", "import transformers; print(transformers.__version__)"],
-                           capture_output=True, text=True, env=env, timeout=120)
-    assert Version(check.stdout.strip()) == Version(floor)
+    # one interpreter: it prints the transformers it imported (from the floor's --target), then runs the
+    # tests with it; without the test suite's heavy pytest plugins, which these tests do not use (an
+    # interpreter and the plugins were ~6 CPU-s of this test's ~28)
     tests = ["tests/text/test_tokenizer_cache.py", "tests/api/test_outputs.py::test_prompt_dicts_and_lists"]
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", *tests],
-                         capture_output=True, text=True, env=env, cwd=REPO, timeout=1200)
+    driver = ("import sys, transformers, pytest; print(transformers.__version__, flush=True); "
+              "sys.exit(pytest.main(sys.argv[1:]))")
+    run = subprocess.run([sys.executable, "-c", driver, "-q", "-p", "no:cacheprovider", "-n", "0", *NO_PLUGINS,
+                          *tests], capture_output=True, text=True, env=env, cwd=REPO, timeout=1200)
+    assert Version(run.stdout.split("\n", 1)[0].strip()) == Version(floor), run.stdout[-3000:] + run.stderr[-3000:]
     assert run.returncode == 0, run.stdout[-3000:]

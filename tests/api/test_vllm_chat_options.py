@@ -13,7 +13,7 @@ import pytest
 from ratchetlm import LLM, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 from ratchetlm.server.config import ServerConfig
 from tests.core.gguf_factory import BOS, write_tiny_gguf
-from tests.server.conftest import start_server, stop_server
+from tests.server.conftest import serve_main_in_thread
 from tests.server.openai_schema import assert_valid
 from tests.server.test_inprocess import serve
 
@@ -151,9 +151,11 @@ def test_flags_that_would_change_results_are_refused(tiny_path, capsys, flags, s
 
 
 def test_a_vllm_serve_command_line_runs(tiny_path):
-    srv = start_server([str(tiny_path), *VLLM_SERVE], base_args=["--served-model-name", "tiny", "--kv-cache-blocks",
-                                                                 "64", "--log-level", "warning"])
-    try:
+    """The command line through serve's main (parser, flag checks, load, app, uvicorn) on a thread here;
+    ``python -m ratchetlm serve`` as a process runs in tests/api/test_cli.py and tests/server."""
+    with serve_main_in_thread([str(tiny_path), *VLLM_SERVE],
+                              base_args=["--served-model-name", "tiny", "--kv-cache-blocks", "64",
+                                         "--log-level", "warning"]) as srv:
         body = {"model": "tiny", "prompt": "the tea set " * 12, "max_tokens": 2, "temperature": 0}
         for _ in range(2):  # the same prompt twice: with prefix caching off nothing is reused
             r = httpx.post(srv.v1 + "/completions", json=body, timeout=120)
@@ -162,5 +164,3 @@ def test_a_vllm_serve_command_line_runs(tiny_path):
         r = httpx.post(srv.v1 + "/chat/completions", json={"model": "tiny", "messages": USER, "max_tokens": 2},
                        timeout=120)
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
-    finally:
-        stop_server(srv)

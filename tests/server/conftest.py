@@ -54,7 +54,7 @@ def serve_in_thread(llm_or_loader: Any, name: str = "m", config: Any = None) -> 
 @dataclass
 class Server:
     base: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen | None  # None: served on a thread of this process (serve_main_in_thread)
     headers: dict[str, str] = field(default_factory=dict)  # what every /v1 request must carry (auth)
 
     @property
@@ -78,15 +78,16 @@ def start_server(extra: list[str] | None = None, timeout: float = 240.0, launche
                             env=env, **popen)
     srv = Server(f"http://127.0.0.1:{port}", proc)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"ratchet serve exited with {proc.returncode}")
-        try:
-            if srv.health().status_code == 200:
-                return srv
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
+    with httpx.Client(timeout=10) as probe:  # one client: a new one per probe cost ~3 CPU-s over a slow start
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"ratchet serve exited with {proc.returncode}")
+            try:
+                if probe.get(srv.base + "/health").status_code == 200:
+                    return srv
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
     proc.terminate()
     raise RuntimeError("ratchet serve did not become healthy")
 
@@ -97,6 +98,66 @@ def stop_server(srv: Server) -> None:
         srv.proc.wait(15)
     except subprocess.TimeoutExpired:
         srv.proc.kill()
+
+
+@contextmanager
+def serve_main_in_thread(extra: list[str] | None = None, base_args: list[str] | None = None,
+                         timeout: float = 240.0) -> Iterator[Server]:
+    """``ratchet serve``'s own code (ratchetlm/server/cli.py: the same argv through its parser, flag checks,
+    model load, app and uvicorn server, on a free port) on a thread of this process: for a server whose
+    process is not the point (no signal, exit code or killed process; those tests start ``ratchet serve``
+    with start_server). It saves the interpreter, torch and transformers start-up and the model's first
+    load in a new process (~5 CPU-s a server). On leaving, the server stops as on a signal, and the test
+    asserts that serve ended with 0 and no thread of it still running."""
+    import logging
+
+    from ratchetlm.server import cli, http
+
+    servers: list[Any] = []
+    served: list[Any] = []
+
+    class Captured(http.RatchetServer):  # the instance serve builds, to stop it as its signal handler would
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            servers.append(self)
+
+    log = logging.getLogger("ratchetlm")  # serve sets its logger up (a handler, no propagation): put back after
+    saved = list(log.handlers), log.level, log.propagate
+    threads = torch.get_num_threads()  # --torch-threads sets this process's
+    port = free_port()
+    args = SERVER_ARGS if base_args is None else base_args
+    argv = ["--host", "127.0.0.1", "--port", str(port), *args, *(extra or [])]
+    result: dict[str, Any] = {}
+    patch = pytest.MonkeyPatch()
+    patch.setattr(http, "RatchetServer", Captured)  # serve's main imports it from there when it runs
+    t = threading.Thread(target=lambda: result.update(code=cli._main(argv, served)), name="ratchet-serve-main",
+                         daemon=True)
+    t.start()
+    srv = Server(f"http://127.0.0.1:{port}", None)
+    try:
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=10) as probe:
+            while True:
+                assert t.is_alive(), f"ratchet serve ended with {result.get('code')}"
+                assert time.monotonic() < deadline, "ratchet serve did not become healthy"
+                try:
+                    if probe.get(srv.base + "/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.2)
+        yield srv
+    finally:
+        if servers:
+            servers[0].should_exit = True
+        t.join(60)
+        patch.undo()
+        log.handlers[:] = saved[0]
+        log.setLevel(saved[1])
+        log.propagate = saved[2]
+        torch.set_num_threads(threads)
+    assert not t.is_alive() and result.get("code") == 0, result
+    assert [name for st in served for name in st.busy_threads()] == []
 
 
 @pytest.fixture(scope="session")
@@ -138,10 +199,12 @@ def client(server):
 def wait_idle(server: Server, within: float) -> dict:
     """Poll /health until no request runs or waits and every KV block is free; returns the last JSON."""
     deadline = time.monotonic() + within
-    while True:
-        h = server.health().json()
-        if h["requests_running"] == 0 and h["requests_waiting"] == 0 and h["kv_blocks_free"] == h["kv_blocks_total"]:
-            return h
-        if time.monotonic() > deadline:
-            return h
-        time.sleep(0.02)
+    with httpx.Client(timeout=10) as probe:  # one client for the polling (a new one per probe: ~10 ms of CPU)
+        while True:
+            h = probe.get(server.base + "/health").json()
+            if h["requests_running"] == 0 and h["requests_waiting"] == 0 and \
+                    h["kv_blocks_free"] == h["kv_blocks_total"]:
+                return h
+            if time.monotonic() > deadline:
+                return h
+            time.sleep(0.02)

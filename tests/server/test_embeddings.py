@@ -15,7 +15,7 @@ import torch
 from ratchetlm import LLM
 from ratchetlm.engine.engine_args import split_engine_args
 from ratchetlm.engine.pooling import PoolingParams
-from tests.server.conftest import MODEL_NAME, start_server, stop_server
+from tests.server.conftest import MODEL_NAME, serve_main_in_thread
 from tests.server.openai_schema import violations
 
 TEXTS = ["Hello world", "The capital of France is Paris.", "def add(a, b):\n    return a + b",
@@ -104,9 +104,10 @@ def test_vllm_spellings_select_the_pooling_runner():
 
 @pytest.fixture(scope="module")
 def pool_server():
-    srv = start_server(["--runner", "pooling", "--numerics", "int16"])  # the integer path (default: exact)
-    yield srv
-    stop_server(srv)
+    # serve's main on a thread here (its parser, pooling runner, app and uvicorn; not the process, which the
+    # other server tests start): a subprocess cost ~5 CPU-s more
+    with serve_main_in_thread(["--runner", "pooling", "--numerics", "int16"]) as srv:  # the integer path
+        yield srv  # (default: exact)
 
 
 def test_openai_embeddings_equal_hf_last_token_pooling(pool_server, hf_smollm):
