@@ -32,7 +32,8 @@ class Ran:
 def _run_script(path: str) -> Ran:
     """``python script.py`` as far as the script can tell, in this process: its own ``__main__`` namespace,
     its stdout and stderr captured, its warnings printed to that stderr as the interpreter prints them
-    (each once per place, the default filter), an exception its traceback on stderr and exit status 1.
+    (its default filters: each once per place; deprecations only from ``__main__``), an exception its
+    traceback on stderr and exit status 1.
     A python + torch + transformers start-up per script, or one for both, cost ~5 CPU-s."""
     out, err = io.StringIO(), io.StringIO()
 
@@ -40,8 +41,11 @@ def _run_script(path: str) -> Ran:
         err.write(warnings.formatwarning(message, category, filename, lineno, line))
 
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
-        warnings.resetwarnings()
+        warnings.resetwarnings()  # the interpreter's default filters (no -W), the last one first
         warnings.simplefilter("default")
+        for category in (ResourceWarning, ImportWarning, PendingDeprecationWarning, DeprecationWarning):
+            warnings.filterwarnings("ignore", category=category)
+        warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
         warnings.showwarning = show
         try:
             runpy.run_path(path, run_name="__main__")
