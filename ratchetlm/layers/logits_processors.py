@@ -131,7 +131,9 @@ class LogitsControls:
                 counts[i].index_add_(0, torch.tensor(path, dtype=torch.long), torch.ones(len(path)))
         if p.repetition_penalty != 1.0:
             seen = self.in_prompt | (counts > 0)  # [n, V]
-            rp = p.repetition_penalty
+            # in fp32: a penalty below fp32's smallest normal rounds to 0, and a banned (-inf) seen token's
+            # -inf * 0 would be NaN; at the smallest normal it stays -inf (found by the server fuzz test)
+            rp = max(p.repetition_penalty, torch.finfo(torch.float32).tiny)
             x = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
         if p.frequency_penalty:
             x = x - p.frequency_penalty * counts

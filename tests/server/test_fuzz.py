@@ -4,13 +4,14 @@ negative (bodies that break the schema). No case may produce a 5xx (or a 5xx err
 stream); ``/health`` is 200 with every KV block free afterwards. Bounded: a small context and few
 choices keep each generation short, and the run sends ``CASES`` cases. Deterministic (issue 40): the
 cases come from a fixed seed and their number is fixed, so every machine, busy or idle, sends the same
-cases and a failure on one fails on all; and the case a fresh clone once drew — a regex whose second
-character no token spells — is an explicit test."""
+cases and a failure on one fails on all; and the cases it once drew — a regex whose second character
+no token spells, a repetition penalty that rounds to 0 beside a banned token — are explicit tests."""
 
 from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 
 import httpx
 import pytest
@@ -62,26 +63,36 @@ def test_the_drawn_regex_case_completes(fuzz_server):
     assert choice["text"] == "\x80" and choice["finish_reason"] == "stop", choice
 
 
-def test_fuzzed_bodies_never_give_a_5xx(fuzz_server):
-    import requests  # schemathesis's transport
+def test_the_drawn_penalty_case_completes(fuzz_server):
+    """``repetition_penalty`` 5e-324 (rounds to 0 in fp32) with ``allowed_token_ids`` [0]: a banned token
+    that the prompt holds was ``-inf * 0`` = NaN, a 500 ("probability tensor contains ... nan"); drawn by
+    this file's fixed sequence (2026-11-29). Token 0, the one allowed, is generated (greedy and sampled)."""
+    for temperature in (0, 1.0):
+        r = httpx.post(fuzz_server.base + "/v1/chat/completions", timeout=60,
+                       json={"messages": [{"role": "system", "content": ""}], "allowed_token_ids": [0],
+                             "repetition_penalty": 5e-324, "max_tokens": 2, "temperature": temperature})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] >= 1
 
+
+def test_fuzzed_bodies_never_give_a_5xx(fuzz_server):
     raw = httpx.get(fuzz_server.base + "/openapi.json", timeout=30).json()
     seen = {"sent": 0, "2xx": 0, "4xx": 0}
-    session = requests.Session()  # one keep-alive connection, not a new session and connection per case
+    codes: Counter[int] = Counter()  # every status, for the message when a count falls short
 
     @settings(max_examples=CASES, deadline=None, database=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
     @given(_cases(raw))
     def check(case):
-        r = case.call(base_url=fuzz_server.base, session=session, timeout=60)
+        r = case.call(base_url=fuzz_server.base, timeout=60)  # a connection of its own: no case sees another's
         seen["sent"] += 1
+        codes[r.status_code] += 1
         seen["2xx"] += r.status_code < 300
         seen["4xx"] += 400 <= r.status_code < 500
         assert not _server_errors(r), (case.path, case.body, r.status_code, r.text[:500])
 
-    with session:
-        check()
-    assert seen["sent"] >= CASES and seen["2xx"] >= 5 and seen["4xx"] >= 5, seen  # valid and invalid bodies ran
+    check()
+    assert seen["sent"] >= CASES and seen["2xx"] >= 5 and seen["4xx"] >= 5, (seen, codes)  # valid and invalid ran
     h = wait_idle(fuzz_server, within=10.0)
     assert fuzz_server.health().status_code == 200
     assert h["kv_blocks_free"] == h["kv_blocks_total"] and h["http_requests_active"] == 0, h
