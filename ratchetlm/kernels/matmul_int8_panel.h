@@ -607,8 +607,25 @@ static inline void panel_tile(const uint8_t *Q, const uint8_t *SM, int z, const 
                 NAME##_r3(Q, SM, z, xs, K, SB, y, N, nvalid, tt, t0);                                                  \
         }                                                                                                              \
     }
+/* a kind only calls of several full tiles take (the unpacked 5- and 6-bit panels: prefill, long verifies, where
+ * all tiles but the last hold TT tokens): the passes of a full tile with tt and t0 literals, any other tile
+ * through the run-time passes of PANEL_KIND_RARE (the same bits) */
+#define PANEL_KIND_FULL(NAME, G, VB, B16, HM, U)                                                                       \
+    PANEL_S(NAME##_8p0, G, VB, B16, HM, U, AVX2_PASS(VB), TT, 0)                                                       \
+    PANEL_S(NAME##_8p1, G, VB, B16, HM, U, AVX2_PASS(VB), TT, AVX2_PASS(VB))                                           \
+    PANEL_S(NAME##_8p2, G, VB, B16, HM, U, 2, TT, 6)                                                                   \
+    PANEL_KIND_RARE(NAME##_r, G, VB, B16, HM, U)                                                                       \
+    static void NAME(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, int SB, float *y, int N,    \
+                     int nvalid, int tt) {                                                                             \
+        if (tt != TT) {                                                                                                \
+            NAME##_r(Q, SM, z, xs, K, SB, y, N, nvalid, tt);                                                           \
+            return;                                                                                                    \
+        }                                                                                                              \
+        NAME##_8p0(Q, SM, z, xs, K, SB, y, N, nvalid, tt, 0);                                                          \
+        NAME##_8p1(Q, SM, z, xs, K, SB, y, N, nvalid, tt, AVX2_PASS(VB));                                              \
+        if (AVX2_PASS(VB) == 3) NAME##_8p2(Q, SM, z, xs, K, SB, y, N, nvalid, tt, 6);                                  \
+    }
 #else
-#define PANEL_KIND_RARE PANEL_KIND
 #define PANEL_TT(NAME, G, VB, B16, HM, U, T)                                                                            \
     static __attribute__((noinline)) void NAME(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K,   \
                                                int SB, float *y, int N, int nvalid) {                                  \
@@ -625,8 +642,26 @@ static inline void panel_tile(const uint8_t *Q, const uint8_t *SM, int z, const 
             {NAME##_1, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6, NAME##_7, NAME##_8};                \
         f[tt < TT ? tt : TT](Q, SM, z, xs, K, SB, y, N, nvalid);                                                       \
     }
+/* a kind no single format's panels take (PANEL_KINDS' FAST flags): one function with tt read at run time (the
+ * same bits: each token's chain is its own; the accumulators live in memory, not registers) */
+#define PANEL_KIND_RARE(NAME, G, VB, B16, HM, U)                                                                       \
+    static __attribute__((noinline)) void NAME(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K,   \
+                                               int SB, float *y, int N, int nvalid, int tt) {                          \
+        panel_tile(Q, SM, z, xs, K, G, VB, B16, HM, U, SB, y, N, nvalid, tt);                                         \
+    }
+/* a kind only calls of several full tiles take (see the AVX2 form): TT a literal, other tiles at run time */
+#define PANEL_KIND_FULL(NAME, G, VB, B16, HM, U)                                                                       \
+    PANEL_TT(NAME##_8, G, VB, B16, HM, U, TT) PANEL_KIND_RARE(NAME##_r, G, VB, B16, HM, U)                           \
+    static void NAME(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, int SB, float *y, int N,    \
+                     int nvalid, int tt) {                                                                             \
+        if (tt == TT)                                                                                                  \
+            NAME##_8(Q, SM, z, xs, K, SB, y, N, nvalid);                                                               \
+        else                                                                                                           \
+            NAME##_r(Q, SM, z, xs, K, SB, y, N, nvalid, tt);                                                           \
+    }
 #endif
 
+#define PANEL_KIND_FAST2 PANEL_KIND_FULL
 #define PANEL_KIND_FAST1 PANEL_KIND
 #define PANEL_KIND_FAST0 PANEL_KIND_RARE
 /* the four kinds of one (G, VB, U), 8- or 16-bit activations, with or without offsets, and function NAME

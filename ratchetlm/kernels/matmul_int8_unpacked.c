@@ -8,10 +8,10 @@
 #define RATCHET_PANEL_UNIT
 #include "matmul_int8_panel.h"
 
-PANEL_KINDS(g32_unit5, 32, 13, 1, 1, 1) /* Q5_0; Q5_1 */
-PANEL_KINDS(g32_5, 32, 13, 0, 0, 1)     /* Q5_K */
+PANEL_KINDS(g32_unit5, 32, 13, 1, 2, 2) /* Q5_0; Q5_1 */
+PANEL_KINDS(g32_5, 32, 13, 0, 0, 2)     /* Q5_K */
 PANEL_KINDS(g32_6, 32, 14, 0, 0, 0)
-PANEL_KINDS(g16_6, 16, 14, 0, 1, 0)     /* Q6_K */
+PANEL_KINDS(g16_6, 16, 14, 0, 2, 0)     /* Q6_K */
 
 void ratchet_panel_unpacked(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, int G, int vb,
                             int b16, int has_m, int unit, int SB, float *y, int N, int nvalid, int tt) {

@@ -231,7 +231,7 @@ def test_switch_off_and_compiler_missing_fall_back_to_dense(monkeypatch, tmp_pat
     # empty one converts the GGUF vocabulary again: ~15 s of CPU that has nothing to do with the kernels)
     monkeypatch.setenv("RATCHETLM_CACHE", str(tokenizer.cache_root()))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(kernels, "_compiler", lambda: None)
+    monkeypatch.setattr(kernels.build, "_compiler", lambda: None)
     monkeypatch.setattr(norm_rope, "_lanes", [])  # found without a library here: not kept for later tests
     kernels.load.cache_clear()
     try:
@@ -248,7 +248,7 @@ def test_switch_off_and_compiler_missing_fall_back_to_dense(monkeypatch, tmp_pat
 
 def test_failed_build_returns_none(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(kernels, "_compiler", lambda: "false")  # a "compiler" that always fails
+    monkeypatch.setattr(kernels.build, "_compiler", lambda: "false")  # a "compiler" that always fails
     assert kernels.compile_library(["-march=native"]) is None
     assert not list((tmp_path / "ratchetlm" / "kernels").glob("*.so"))
 
@@ -267,9 +267,9 @@ def test_unwritable_cache_falls_back_to_temp_dir(monkeypatch, tmp_path):
     blocker = tmp_path / "file-not-dir"
     blocker.write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # cache_dir() lies under a file: mkdir fails
-    monkeypatch.setattr(kernels.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setattr(kernels.build.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     # unoptimised (a fresh build either way, where it lands is under test): ~11 s of CPU at -O3, a few at -O0
-    monkeypatch.setattr(kernels, "_CFLAGS", [*kernels._CFLAGS, "-O0"])
+    monkeypatch.setattr(kernels.build, "_CFLAGS", [*kernels.build._CFLAGS, "-O0"])
     lib = kernels.compile_library([])
     assert lib is not None
     assert list((tmp_path / "tmp").glob("ratchetlm-kernels-*/ratchet_kernels-*.so"))

@@ -24,7 +24,7 @@ def _load(**kw):
 
 def test_a_dense_copy_larger_than_the_free_memory_is_refused_naming_why(monkeypatch):
     monkeypatch.setattr(kernels, "load", lambda: None)
-    monkeypatch.setattr(kernels, "_compiler", lambda: None)
+    monkeypatch.setattr(kernels.build, "_compiler", lambda: None)
     monkeypatch.setattr(registry, "available_bytes", lambda: 100 * MiB)
     with pytest.raises(ModelLoadError) as e:
         _load()
@@ -60,7 +60,7 @@ def test_available_bytes_reads_the_host():
 
 def test_a_CC_that_is_no_executable_falls_back_to_the_system_compiler(monkeypatch, caplog):
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    assert kernels._compiler() == (shutil.which("cc") or shutil.which("gcc"))
+    assert kernels.build._compiler() == (shutil.which("cc") or shutil.which("gcc"))
     assert "CC='/nonexistent/cc' is not an executable" in caplog.text
 
 

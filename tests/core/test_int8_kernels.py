@@ -337,7 +337,7 @@ def test_float_formats_stay_exact_in_int8_mode():
 
 
 def test_best_build_uses_vnni_where_the_cpu_has_it():
-    flags = kernels._cpu_flags()
+    flags = kernels.build._cpu_flags()
     want = "avx512vnni" if "avx512_vnni" in flags and "avx512bw" in flags else (
         "avx2" if all(f in flags.split() for f in ("avx2", "fma", "f16c")) else "scalar")
     assert kernels.int8_isa() == want
