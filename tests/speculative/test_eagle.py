@@ -36,8 +36,8 @@ def test_random_head_is_lossless_batched_alone_and_under_preemption(exact_llm, e
     m = eng.strategy.metrics()
     assert m["spec_decode_num_drafts"] > 0 and m["spec_draft_forwards"] > 0
     assert m["spec_draft_kv_blocks_used"] == 0, "head KV blocks leaked"
-    for i in (0, 5):
-        assert run_engine(eng, [encoded[i]], GREEDY) == [exact_reference[i]]
+    # alone: one request (a chat turn) is the batch-of-one path; the engine's batched run above had all 11
+    assert run_engine(eng, [encoded[5]], GREEDY) == [exact_reference[5]]
     gain = eagle_engine(exact_llm, random_head, depth=6, depth_schedule="gain")  # confidence-cut chains
     assert run_engine(gain, [encoded[i] for i in (0, 3, 9)], GREEDY) == [exact_reference[i] for i in (0, 3, 9)]
     tight = eagle_engine(exact_llm, random_head, depth=3, kv_cache_blocks=10)
