@@ -44,9 +44,8 @@ def encoded8(llm_int8) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference8(llm_int8, encoded8) -> list[list[int]]:
-    """Plain greedy in the mode, all prompts in one batch (the oracle; one batched run instead of 11 runs alone:
-    test_alone_equals_in_a_batch_of_8_... runs 8 of them alone against it, and the speculative tests 2)."""
-    return run_engine(int8_engine(llm_int8), encoded8, GREEDY)
+    """Plain greedy in int8, each prompt alone (the oracle)."""
+    return [run_engine(int8_engine(llm_int8), [p], GREEDY)[0] for p in encoded8]
 
 
 
@@ -112,9 +111,7 @@ def test_eagle_head_equals_plain_greedy_in_int8(llm_int8, encoded8, reference8, 
 
 def test_alone_equals_in_a_batch_of_8_and_preemption_changes_nothing(llm_int8, encoded8, reference8):
     batch = run_engine(int8_engine(llm_int8), encoded8[:8], GREEDY)
-    assert batch == reference8[:8]  # a batch of 8 equals the batch of 11
-    alone = int8_engine(llm_int8)
-    assert [run_engine(alone, [p], GREEDY)[0] for p in encoded8[:8]] == batch  # and each request alone
+    assert batch == reference8[:8]
     tight = int8_engine(llm_int8, kv_cache_blocks=6)
     assert run_engine(tight, encoded8[:6], GREEDY) == reference8[:6]
     assert tight.scheduler.num_preemptions > 0
