@@ -84,20 +84,32 @@ class Plain:
 
 
 @pytest.fixture(scope="module")
-def plain(llm_fp32) -> Plain:
-    return Plain(llm_fp32)
+def llm(llm_default):
+    """The model in the engine's default numerics (``auto``: int8 on the bundled Q4_1 file, at ~0.4x the exact
+    mode's CPU per forward), the mode users run; a prefix hit must give the tokens of a whole-prompt prefill in
+    every mode (each row's result is independent of the rows and chunks beside it). The first test below runs in
+    the exact (HF-identical) mode too: a hit and the K/V it skips writing are the same code in both."""
+    return llm_default
 
 
 @pytest.fixture(scope="module")
-def chats(llm_fp32) -> list[list[int]]:
-    return [llm_fp32.tokenize(llm_fp32.apply_chat_template([{"role": "system", "content": SYSTEM},
+def plain(llm) -> Plain:
+    return Plain(llm)
+
+
+@pytest.fixture(scope="module")
+def chats(llm) -> list[list[int]]:
+    return [llm.tokenize(llm.apply_chat_template([{"role": "system", "content": SYSTEM},
                                                           {"role": "user", "content": q}])) for q in QUESTIONS]
 
 
-def test_identical_prompts_hit_exactly_and_skip_their_prefill(llm_fp32, chats, plain):
-    on = make(llm_fp32)
+@pytest.mark.parametrize("mode", ["default", "exact"])
+def test_identical_prompts_hit_exactly_and_skip_their_prefill(llm, llm_fp32, chats, plain, mode):
+    if mode == "exact":  # its own oracle: a run without caching in the exact mode (the same file's tokens)
+        llm, plain = llm_fp32, Plain(llm_fp32)
+    on = make(llm)
     p = chats[0]
-    want = plain(p)
+    want = plain(p, longest=10 if mode == "exact" else Plain.LONGEST)
     assert drive(on, [p], greedy()) == [want]
     s = on.blocks.stats
     assert (s.queries, s.hits) == (len(p), 0)
@@ -111,27 +123,27 @@ def test_identical_prompts_hit_exactly_and_skip_their_prefill(llm_fp32, chats, p
     settled(on)
 
 
-def test_a_block_is_shared_only_once_all_its_kv_is_committed(llm_fp32, chats, plain):
+def test_a_block_is_shared_only_once_all_its_kv_is_committed(llm, chats, plain):
     """A request ends with its last token committed but not computed. When that token completes a
     block, the block must not be named: a longer prompt through it hits only the blocks before."""
     p = chats[0]
     n = BS - len(p) % BS or BS  # prompt + output fill whole blocks
-    on = make(llm_fp32)
+    on = make(llm)
     history: list[list[int]] = []
     out = drive(on, [p], greedy(n), history=history)[0]
     assert (len(p) + n) % BS == 0 and len(history[0]) == len(p) + n - 1
-    longer = p + out + llm_fp32.tokenize(" Thanks")
+    longer = p + out + llm.tokenize(" Thanks")
     assert drive(on, [longer], greedy(4)) == [plain(longer, 4, longest=4)]
     assert on.blocks.stats.hits == len(p) + n - BS
     settled(on)
 
 
-def test_shared_system_prompt_and_prompts_differing_in_the_last_full_block(llm_fp32, chats, plain):
-    on = make(llm_fp32)
+def test_shared_system_prompt_and_prompts_differing_in_the_last_full_block(llm, chats, plain):
+    on = make(llm)
     base = chats[1]
     last_full = (len(base) - 1) // BS  # index of the block that holds the last token's predecessor
     variant = list(base)
-    variant[last_full * BS - 3] = llm_fp32.tokenize(" cheese")[0]  # inside the last full block
+    variant[last_full * BS - 3] = llm.tokenize(" cheese")[0]  # inside the last full block
     prompts = [*chats, variant]
     want = [plain(p) for p in chats] + [plain(variant, longest=10)]  # (the variant: only this test's)
     history: list[list[int]] = []
@@ -144,7 +156,7 @@ def test_shared_system_prompt_and_prompts_differing_in_the_last_full_block(llm_f
     settled(on)
 
 
-def test_multi_turn_chat_replayed_turn_by_turn(llm_fp32, plain):
+def test_multi_turn_chat_replayed_turn_by_turn(llm, plain):
     def converse(eng: LLMEngine | None) -> list[str]:
         """The conversation on ``eng``, or on the oracle where ``eng`` is None."""
         messages = [{"role": "system", "content": SYSTEM}]
@@ -153,7 +165,7 @@ def test_multi_turn_chat_replayed_turn_by_turn(llm_fp32, plain):
         prev: list[int] = []
         for q in QUESTIONS:
             messages.append({"role": "user", "content": q})
-            ids = llm_fp32.tokenize(llm_fp32.apply_chat_template(messages))
+            ids = llm.tokenize(llm.apply_chat_template(messages))
             assert ids[: len(prev)] == prev  # the previous turn's prompt starts this one
             hit = expected_hit(ids, history)
             assert hit >= len(prev) // BS * BS
@@ -165,47 +177,47 @@ def test_multi_turn_chat_replayed_turn_by_turn(llm_fp32, plain):
                 hits_before = eng.blocks.stats.hits
                 out = drive(eng, [ids], greedy(8), history=history)[0]
                 assert eng.blocks.stats.hits - hits_before == hit
-            replies.append(llm_fp32.tokenizer.decode(out))
+            replies.append(llm.tokenizer.decode(out))
             messages.append({"role": "assistant", "content": replies[-1]})
         return replies
 
     off_replies = converse(None)
-    on = make(llm_fp32)
+    on = make(llm)
     assert converse(on) == off_replies
     assert on.blocks.stats.hits > 0
     settled(on)
 
 
-def test_concurrent_requests_racing_for_the_same_prefix(llm_fp32, chats, plain):
+def test_concurrent_requests_racing_for_the_same_prefix(llm, chats, plain):
     """Identical and overlapping prompts admitted together and mid-prefill (chunked prefill of 24
     tokens per step), so some hit blocks another request committed a step earlier and some
     commit the same tokens in the same step."""
     prompts = [chats[0], chats[0], chats[1], chats[0], chats[2], chats[1]]
     want = [plain(p) for p in prompts]
-    on = make(llm_fp32, max_num_batched_tokens=24)
+    on = make(llm, max_num_batched_tokens=24)
     assert drive(on, prompts, greedy()) == want
     assert drive(on, prompts, greedy(), every=2) == want
     assert on.blocks.stats.hits > 0
     settled(on)
 
 
-def test_preemption_under_a_small_cache(llm_fp32, chats, plain):
+def test_preemption_under_a_small_cache(llm, chats, plain):
     """A pool too small for all requests: preemption releases references (not blocks others hold),
     cached blocks are evicted, a preempted request re-hits its own committed blocks."""
     prompts = [chats[0], chats[1], chats[0], chats[2], chats[1], chats[2]]
     params = greedy(24)
     want = [plain(p, 24) for p in prompts]
-    small = make(llm_fp32, kv_cache_blocks=16)
+    small = make(llm, kv_cache_blocks=16)
     assert drive(small, prompts, params) == want
     assert small.scheduler.num_preemptions > 0
     assert small.blocks.stats.recompute_hits > 0 and small.blocks.stats.evictions > 0
     settled(small)
 
 
-def test_prompt_logprobs_requests_compute_their_whole_prompt(llm_fp32, chats):
+def test_prompt_logprobs_requests_compute_their_whole_prompt(llm, chats):
     """A cached block has no logits: a request asking for prompt logprobs does not look up, and its
     prompt logprobs equal those of an engine without caching."""
-    on = make(llm_fp32)
+    on = make(llm)
     drive(on, [chats[0]], greedy(2))
     params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1)
     sid = on.add_request(chats[0], params)
@@ -213,7 +225,7 @@ def test_prompt_logprobs_requests_compute_their_whole_prompt(llm_fp32, chats):
         on.step()
     got = on.seqs[sid].prompt_logprobs
     assert on.seqs[sid].num_prefix_hit_tokens == 0 and on.blocks.stats.requests == 1
-    off = make(llm_fp32, enable_prefix_caching=False)
+    off = make(llm, enable_prefix_caching=False)
     sid = off.add_request(chats[0], params)
     while off.has_unfinished():
         off.step()
@@ -221,8 +233,8 @@ def test_prompt_logprobs_requests_compute_their_whole_prompt(llm_fp32, chats):
     assert len(got) == len(chats[0]) and got == want
 
 
-def test_cache_salt_isolates_requests(llm_fp32, chats):
-    on = make(llm_fp32)
+def test_cache_salt_isolates_requests(llm, chats):
+    on = make(llm)
     for salt, hit in ((None, 0), ("tenant-a", 0), ("tenant-a", (len(chats[0]) - 1) // BS * BS), ("tenant-b", 0)):
         sid = on.add_request(chats[0], greedy(2), cache_salt=salt)
         while on.has_unfinished():
@@ -232,12 +244,12 @@ def test_cache_salt_isolates_requests(llm_fp32, chats):
         on.add_request(chats[0], greedy(2), cache_salt="")
 
 
-def test_abort_releases_references_not_blocks_others_hold(llm_fp32, chats, plain):
+def test_abort_releases_references_not_blocks_others_hold(llm, chats, plain):
     """Two requests share a cached prefix; aborting one mid-decode drops its references only: the
     other keeps reading the shared blocks and finishes exactly as without caching."""
     p = chats[0]
     want = plain(p, 12)
-    on = make(llm_fp32)
+    on = make(llm)
     drive(on, [p], greedy(2))
     shared = (len(p) - 1) // BS
     a, b = on.add_request(p, greedy(12)), on.add_request(p, greedy(12))

@@ -26,7 +26,10 @@ SPECS = {
     "eagle": dict(method="eagle", depth=4),
     "draft_model": dict(method="draft_model", draft_model=str(default_model_path()), depth=3),
 }
-CHATTY = PROMPTS[5:] + ["<|im_start|>user\nRepeat the word 'go' ten times.<|im_end|>\n<|im_start|>assistant\n"]
+# two chat turns, a repeated phrase, a counting list and a request to repeat a word: 5 rows a step (7 before, with
+# a story opening and a Q/A that repeat nothing: each row's penalties are its own, so more rows add no path)
+CHATTY = [PROMPTS[i] for i in (5, 6, 8, 9)] + [
+    "<|im_start|>user\nRepeat the word 'go' ten times.<|im_end|>\n<|im_start|>assistant\n"]
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +80,10 @@ SCHEMA = {
     "required": ["name", "age", "city", "fields"],
     "additionalProperties": False,
 }
+# two extractions a step (three before): every row walks the same schema (strings, an integer, an enum, an array)
+# on a matcher of its own, so a third row added no path; two still batch rows in different grammar states
 TEXTS = [
     "Marie Curie was a physicist and chemist born in Warsaw; she died at 66.",
-    "Alan Turing, a mathematician from London, lived to 41.",
     "Victor Hugo (83) was a French writer who lived in Paris.",
 ]
 

@@ -27,10 +27,14 @@ CONFIGS = {
 
 
 # every prompt for each proposer / tree shape; chunking is orthogonal to prompt variety
-BATCHED = {name: list(range(len(PROMPTS))) for name in CONFIGS} | {"ngram_chunked": [0, 1, 3, 9],
+BATCHED = {name: list(range(len(PROMPTS))) for name in CONFIGS} | {"self_draft_chain": [0, 1, 3, 5, 7, 9],
+                                                                    "self_draft_beam": [0, 1, 3, 5, 7, 9],
+                                                                    "ngram_chunked": [0, 1, 3, 9],
                                                                     "ngram_tree_chunked": [0, 1, 3, 8],
                                                                     "ngram_adaptive": [0, 1, 3, 5, 9],
                                                                     "hybrid_gain": [0, 1, 3, 9]}
+# (self_draft_*: the model drafts, whatever the prompt copies: six prompts of every kind batch its rows as 11 did;
+# the n-gram, suffix and recycling proposers keep all 11, their drafts depend on what each prompt repeats)
 # (hybrid_gain: 11 at once, the gain rule drafts nothing in the first steps and the idle gate closes,
 # idle_gate.py, tested at batch 8 in test_idle_gate.py; four copy-heavy prompts at once draft)
 
