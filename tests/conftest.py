@@ -143,10 +143,10 @@ def pytest_xdist_auto_num_workers(config):
 # (2-core Xeon, 2026-11-28: the workers' CPU time per unit in a full xdist run, sampled from /proc; rough, only
 # their order matters. A unit missing here is handed out among the last, so a new heavy file belongs here.)
 UNIT_COST_S = {
-    "tests/models/test_gemma3_real.py": 55, "tests/speculative/test_controls_equivalence.py": 45,
+    "tests/models/test_gemma3_real.py": 55, "tests/speculative/test_controls_equivalence.py": 40,
     "tests/speculative/test_greedy_equivalence.py": 70, "tests/speculative/test_prefix_cache.py": 60,
-    "tests/api/test_cli.py": 40, "tests/server/test_data_parallel.py": 35, "tests/speculative/test_sampling_e2e.py": 12,
-    "tests/speculative/test_eagle.py": 32, "tests/core/test_prefix_cache.py": 30, "tests/api/test_dependencies.py": 40,
+    "tests/api/test_cli.py": 30, "tests/server/test_data_parallel.py": 35, "tests/speculative/test_sampling_e2e.py": 12,
+    "tests/speculative/test_eagle.py": 32, "tests/core/test_prefix_cache.py": 12, "tests/api/test_dependencies.py": 40,
     "tests/speculative/test_int8_engine.py": 35, "tests/server/test_fuzz.py": 35, "tests/server/test_surface.py": 25,
     "tests/api/test_bench.py": 10, "tests/server/test_structured.py": 24, "tests/api/test_gpu_check.py": 20,
     "tests/speculative/test_controls_sampling.py": 6, "tests/server/test_lifecycle.py": 20,
@@ -157,7 +157,8 @@ UNIT_COST_S = {
     # (suiteC, 2026-11-29: HF's GGUF loads without gguf-py's memmap slicing, tests/models/hf_gguf.py: the Gemma 3
     # oracle -33, hf_smollm -14; the teacher-forced HF greedy check -30; test_prefix_cache's shared oracle -13;
     # suiteS: the statistical sampling tests on a tiny byte-vocabulary model; suiteP: one data-parallel server per
-    # file, bad flags and the bench parent in-process)
+    # file, bad flags and the bench parent in-process; suiteA/suiteB, 2026-11-29: prefix-cache scenarios in the
+    # default numerics, the vLLM scripts and the flagged servers in the test process, stdin in-process)
 }
 COST_PER_TEST = 0.8
 # Directories whose tests share session fixtures of their own (tiny models, tokenizers, grammar compilers) that
