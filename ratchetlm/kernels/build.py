@@ -43,15 +43,12 @@ HEADERS = tuple(Path(__file__).with_name(n) for n in (
 # -ffp-contract=off: dequantization must round exactly like gguf-py's numpy code (no fused d * q + m).
 _CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fPIC"]
 _LDFLAGS = ["-shared", "-fopenmp"]
-# CPU seconds of a whole build (every unit, gcc 12 -O3) on the developers' 2.5 GHz Xeon, by the kernel paths
-# the flags select: the estimate the first-use log line gives, divided over the parallel jobs. Measured
-# 2026-11-28 (docs/benchmarks.md, "Kernel build time"; a shared machine): AVX-512 35 s, AVX2 42 s at load
-# 4-7 (-march=znver3 45 s at load 5-16), portable C 6 s; before the AVX2 panel kernel compiled passes
-# instead of tile sizes and the few-token kernels got units of their own: AVX-512 37-49 s, AVX2 83-92 s.
-# Again 2026-11-29 (idle machine, the sources after the unpacked 5-/6-bit prefill kernels and the Q6_K
-# sub-scale work): AVX-512 ~64 s (35 s wall on 2 cores), AVX2 ~95 s (51 s wall; matmul_int8_vb4.c 17 s,
-# matmul_int8_unpacked.c 16 s alone): over issue 41's 30 s again
-BUILD_CPU_S = {"avx512": 64.0, "avx2": 95.0, "portable C": 6.0}
+# CPU seconds of a whole build (every unit, gcc 12 -O3, 2 parallel jobs) on the developers' 2.5 GHz Xeon, by
+# the kernel paths the flags select: the estimate the first-use log line gives, divided over the parallel jobs
+# (docs/benchmarks.md, "Kernel build time"). 2026-11-29 09:03, idle machine, this package's own path into an
+# empty cache: AVX-512 47 s of CPU (25 s wall), AVX2 83 s (44 s wall), portable C ~6 s; before the unpacked
+# prefill kinds compiled full tiles only and the AVX-512 rare kinds one body: 69 s (35 s), 100 s (51 s).
+BUILD_CPU_S = {"avx512": 47.0, "avx2": 83.0, "portable C": 6.0}
 
 
 def cache_dir() -> Path:
