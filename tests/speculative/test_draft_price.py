@@ -32,7 +32,8 @@ def test_the_fit_recovers_what_drafts_really_cost_per_batch_size():
     steps(price, 8, factor=2.5, fixed=0.3, n=400)
     steps(price, 1, factor=1.0, fixed=0.0, n=400, seed=1)
     at8, at1 = price.price(8), price.price(1)
-    assert at8.factor == pytest.approx(2.5, rel=0.05) and at8.fixed == pytest.approx(0.3, abs=0.06)  # (the priors pull a little)
+    # (the priors pull a little)
+    assert at8.factor == pytest.approx(2.5, rel=0.05) and at8.fixed == pytest.approx(0.3, abs=0.06)
     assert at1.factor == pytest.approx(1.0, rel=0.05) and at1.fixed == pytest.approx(0.0, abs=0.03)
     assert price.price(4) == Price()  # batch sizes are separate
 

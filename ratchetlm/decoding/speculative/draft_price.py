@@ -1,30 +1,37 @@
-"""What a draft's rows really cost against the cost curve's price for them, learnt from the steps themselves.
+"""What drafts really cost, and whether proposing pays at all, learnt from the steps themselves.
 
 The gain rule (gain.py) prices a draft by the cost curve (cost_curve.py): bare forwards of one sequence
 timed at start-up, fastest of a few runs. A real speculative step also builds and verifies the draft
-in Python, stages and commits its K/V, and runs its rows beside the batch's other sequences, whose
-contexts and rows change the kernels' shapes. Measured at batch 2-8 on Spec-Bench (default model,
-int8, one core, process CPU time, 2026-11-29): a draft row cost ~2-3x what the curve priced it at,
-against about its price at batch 1; priced at the curve, n-gram drafts at batch 8 made the decode
-phase 0.955x plain decoding (docs/benchmarks.md).
+in Python, stages and commits its K/V, and runs its rows beside the batch's other sequences. Measured on
+Spec-Bench at batch 8 (default model, int8, one core, thread CPU time, engines in lockstep, 2026-11-29,
+docs/benchmarks.md "spec8"): a drafting step's Python and staging cost 1.5-2.7 ms more than a plain
+step's (~5-8% of a step), its forward 35-45% more per unit of the curve's plain cost, and a draft row at
+batch 4-8 about as much as a whole sequence's share of the step; priced at the curve, n-gram drafts
+made the decode phase 0.94-0.955x plain decoding.
 
-So the strategy times every step that decodes only (propose → forward → commit, the engine thread's
-CPU time with one torch thread on a CPU, else wall time) and hands this class the step's predicted
-plain cost ``P`` (``C(B) + f·ΣL``, one-row forwards) and the curve's price ``E`` of the drafts it
-carried (0 for a plain step). Per batch size ``B``, a least-squares line through the steps' ``t / P``
-against ``x = E / P`` gives the time of a unit of plain work (``α``, the intercept) and of a unit of
-the drafts' price (``β``, the slope); ``factor(B) = β / α`` is what the rule then multiplies a
-draft's price by. Older steps weigh less (``FORGET`` per newer step of that batch size), and a
-ridge term (``PRIOR`` steps' worth) pulls ``β`` towards ``α``, i.e. the factor towards 1 (the curve
-as measured): with few drafting steps the curve stands, and once drafting stops the factor drifts
-back to 1 as the drafting steps age, so a batch size that priced drafts out is tried again later
-(the idle gate's probes, idle_gate.py, keep proposing then). The factor is kept within
-``[LOW, HIGH]``.
+**Price** (:class:`DraftPrice`). The strategy times every step that decodes only (propose → forward →
+commit; the engine thread's CPU time with one torch thread on a CPU, else wall time) and hands the
+proposer the step's time and committed tokens; the proposer adds its predicted plain cost ``P``
+(``C(B) + f·ΣL``, one-row forwards), the curve's price ``E`` of its drafts and how many sequences
+drafted, ``n``. Per batch size, least squares through the steps' ``y = t / P`` against ``x = E / P``
+and ``z = n / P`` gives ``y = α + β·x + γ·z``: ``α`` the time of a unit of plain work, ``β`` of a unit
+of the curve's draft price, ``γ`` the fixed time of a drafting sequence. The rule then prices a draft
+``factor·E + fixed`` with ``factor = β / α`` and ``fixed = γ / α``. Older steps weigh less (``FORGET``),
+``α`` is held near the time of plain work pooled over every batch size (``PRIOR_PLAIN`` steps' worth:
+at a batch size whose steps nearly all draft it cannot be told apart from the drafts' own time), and a
+ridge term (``PRIOR``) pulls the factor to 1 and the fixed part to 0 (the curve as measured) until
+drafting steps say otherwise; both are kept within bounds.
 
-Only speed depends on it: it changes how many tokens are drafted, never which are accepted, so greedy
-output is unchanged (tested); seeded speculative sampling stays exact in distribution but, like any
-timing-based choice, need not repeat draw for draw across runs (a fixed ``verify_token_cost`` turns
-this off, and tests pin one).
+**Ledger** (:class:`DraftLedger`). Both the price and the acceptance estimates err, and every proposing
+step pays for its lookups whether it drafts or not; so per batch size the proposer also compares the
+measured rate of steps in which it proposed with that of plain steps, and stops proposing where it
+lost (see the class). This is what makes a batch of eight at worst plain decoding's speed on a CPU
+where, at that batch, a draft row costs about what a sequence's token does.
+
+Only speed depends on either: they change how many tokens are drafted, never which are accepted, so
+greedy output is unchanged (tested); seeded speculative sampling stays exact in distribution but, like
+any timing-based choice, need not repeat draw for draw across runs (a fixed ``verify_token_cost`` turns
+both off, and tests pin one).
 """
 
 from __future__ import annotations
