@@ -70,6 +70,17 @@ def test_where_proposing_lost_only_probes_propose():
     assert led.skipped == 2 * (probe - 1)
 
 
+def test_a_batch_size_not_judged_yet_takes_a_loss_measured_below_it():
+    led = ledger_with(5, on=7, off=8)
+    assert led.loses(5) is True and led.loses(7) is True and led.loses(4) is None
+    led.observe(6, 2.0, True, 9, 2.0)  # batch 6 measured once: not judged, still takes batch 5's loss
+    assert led.loses(6) is True
+    won = ledger_with(5, on=9, off=8)  # a win is not inherited: larger batch sizes are explored
+    assert won.loses(5) is False and won.loses(7) is None
+    ones = ledger_with(1, on=1, off=8)  # (batch 1 is never judged, nor passed on)
+    assert ones.loses(3) is None
+
+
 def test_where_proposing_won_plain_steps_are_rare_and_batch_1_is_never_judged():
     ahead = ledger_with(4, on=12, off=8)  # 1.5x the plain rate: clearly ahead
     rare = draft_price.LEDGER_EXPLORE_RARE

@@ -177,12 +177,22 @@ class DraftLedger:
     steps: dict[int, int] = field(default_factory=dict)  # batch size -> steps asked about
     skipped: int = 0  # steps made plain (a metric)
 
-    def loses(self, batch: int) -> bool | None:
-        """Whether proposing loses at ``batch`` (None: not judged yet)."""
+    def _judged(self, batch: int) -> bool | None:
         on, off = self.on.get(batch), self.off.get(batch)
         if on is None or off is None or on.w < LEDGER_MIN or off.w < LEDGER_MIN:
             return None
         return on.rate < off.rate
+
+    def loses(self, batch: int) -> bool | None:
+        """Whether proposing loses at ``batch`` (None: not judged yet). A batch size not judged yet takes
+        a loss measured at the largest smaller one judged: a bigger batch only makes a draft's rows
+        dearer against a sequence's share of the step (a batch of eight visits every size below it
+        for a few steps each, too few to judge them all in time)."""
+        own = self._judged(batch)
+        if own is not None:
+            return own
+        below = [b for b in self.on if LEDGER_FROM <= b < batch and self._judged(b) is not None]
+        return True if below and self._judged(max(below)) else None
 
     def allows(self, batch: int) -> bool:
         """Whether a step of ``batch`` decoding sequences may propose (always at batch 1, see LEDGER_FROM)."""
