@@ -147,3 +147,18 @@ def test_the_proposer_is_handed_the_times_of_decode_only_steps(spec_llm, encoded
             expect.append((n, sum(len(o.new_token_ids) for o in outs)))
     assert [eng.seqs[i].output_ids for i in ids] == reference[:3]
     assert [(b, t) for b, t, _ in seen] == expect and all(s > 0 for _, _, s in seen)
+
+
+def test_the_gain_rule_takes_the_measured_price_in_a_batch_and_the_curve_s_at_batch_1():
+    from ratchetlm.decoding.speculative.cost_curve import CostCurve
+    from ratchetlm.decoding.speculative.gain import GainSchedule
+
+    curve = CostCurve((1, 2, 4, 8, 16, 32), (1.0, 1.05, 1.1, 1.4, 2.3, 4.1))
+    measured, bare = GainSchedule(4, 8, curve, DraftPrice()), GainSchedule(4, 8, curve)
+    for b in (1, 2):
+        steps(measured.price, b, factor=6.0, fixed=0.5, n=300)  # drafts measured far dearer than the curve
+    rec = measured.new_record()
+    for _ in range(6):  # 3-token matches whose continuations agreed for 4 tokens
+        rec.counts.add(3, 8, 4)
+    assert measured.length(rec, 3, 8, 1) == bare.length(rec, 3, 8, 1) > 0  # batch 1: the curve's price
+    assert bare.length(rec, 3, 8, 2) > 0 and measured.length(rec, 3, 8, 2) == 0  # batch 2: priced out

@@ -142,7 +142,8 @@ class GainSchedule:
         base = batch + drafted
         c = self.cost_list(base + max_depth + 1)
         share = c[batch] / batch + self.cost.first_token * context
-        price = Price() if self.price is None else self.price.price(batch)
+        # (batch 1: the curve's price; a chain there costs about it, and the fit's noise only cut drafts)
+        price = Price() if self.price is None or batch == 1 else self.price.price(batch)
         reads = self.cost.row_token * context  # each draft row's attention over the context
         # draft_value for every length (the same float operations, in plain Python: this runs for every
         # decoding sequence every step, and numpy's per-call cost on 8-element arrays was ~0.1 ms)
