@@ -158,7 +158,7 @@ def test_the_gain_rule_takes_the_measured_price_in_a_batch_and_the_curve_s_at_ba
     for b in (1, 2):
         steps(measured.price, b, factor=6.0, fixed=0.5, n=300)  # drafts measured far dearer than the curve
     rec = measured.new_record()
-    for _ in range(6):  # 3-token matches whose continuations agreed for 4 tokens
-        rec.counts.add(3, 8, 4)
+    for _ in range(6):  # 3-token matches whose continuations agreed for 1 token
+        rec.counts.add(3, 8, 1)
     assert measured.length(rec, 3, 8, 1) == bare.length(rec, 3, 8, 1) > 0  # batch 1: the curve's price
     assert bare.length(rec, 3, 8, 2) > 0 and measured.length(rec, 3, 8, 2) == 0  # batch 2: priced out
