@@ -4,10 +4,10 @@ The gain rule (gain.py) prices a draft by the cost curve (cost_curve.py): bare f
 timed at start-up, fastest of a few runs. A real speculative step also builds and verifies the draft
 in Python, stages and commits its K/V, and runs its rows beside the batch's other sequences. Measured on
 Spec-Bench at batch 8 (default model, int8, one core, thread CPU time, engines in lockstep, 2026-11-29,
-docs/benchmarks.md "spec8"): a drafting step's Python and staging cost 1.5-2.7 ms more than a plain
-step's (~5-8% of a step), its forward 35-45% more per unit of the curve's plain cost, and a draft row at
-batch 4-8 about as much as a whole sequence's share of the step; priced at the curve, n-gram drafts
-made the decode phase 0.94-0.955x plain decoding.
+docs/benchmarks.md, "Spec-Bench at batch 8 and the prefill-bound groups"): a drafting step cost ~1.4x
+a plain one at batch 2-5, 1.5-2.5 ms of it outside the forward (Python, staging), and a draft row at
+batch 4-8 about as much as a whole sequence's row, about twice the curve's price; priced at the curve,
+n-gram drafts made the decode phase 0.955x plain decoding.
 
 **Price** (:class:`DraftPrice`). The strategy times every step that decodes only (propose → forward →
 commit; the engine thread's CPU time with one torch thread on a CPU, else wall time) and hands the
