@@ -5,9 +5,11 @@ benchmarks/data/spec_bench/) holds 480 questions in six groups of 80: multi-turn
 the first turn, then the second turn after the model's own first answer), translation, summarization,
 question answering, mathematical reasoning and retrieval-augmented generation. ``--per-group N`` questions
 of each group (a seeded sample, the same for every config) run greedy for ``--max-tokens`` tokens at
-batch 1, in one process, each case through plain AR and then every speculative config on the same
-model (interleaved: load drift on a shared machine hits all alike; engines are kept across cases, as
-a server keeps them, after one warm-up case each).
+batch 1, in one process, each case through plain AR and every speculative config on the same model,
+interleaved: by default one engine step of each in turn (``--interleave step``, lockstep; each engine is
+timed by its own steps, so load drift on a shared machine hits all alike even within a case), or each
+case through one engine after the other (``--interleave run``); engines are kept across cases, as a
+server keeps them, after one warm-up case each.
 
 Per group and config: **MAL** (mean accepted length: tokens committed per target forward after the first
 token, 1.00 for AR; Spec-Bench's "mean accepted tokens"; vLLM's counter in decoding/speculative/stats.py
@@ -20,7 +22,7 @@ same aggregate over every case, and the median of the per-case speed-ups. ``--ll
 ids through llama-cpp-python on the same file and threads, plain and with its prompt-lookup draft
 (``LlamaPromptLookupDecoding``); those columns compare decode-phase tokens/s (after the first token) of
 the config with llama.cpp's. ``--batch N`` then runs the sample's first turns N different prompts at a
-time through AR and every config (interleaved per batch): speed-up against AR and greedy identity at that
+time through AR and every config (interleaved the same way): speed-up against AR and greedy identity at that
 batch.
 
     python benchmarks/bench_specbench.py [--model FILE.gguf] [--numerics auto] [--configs default ngram]
@@ -138,6 +140,57 @@ def run_case(eng: LLMEngine, prompt: list[int], params: SamplingParams) -> Run:
     return Run(list(seq.output_ids), end - t, end - t_first, eng.runner.num_forwards - f_first)
 
 
+@dataclass
+class Lockstep:
+    """One engine's part of a :func:`lockstep` run."""
+
+    runs: list[Run]  # per request: seconds of this engine's steps from the start to the request's end
+    seconds: float  # all of this engine's steps
+    decode_seconds: float  # its steps with no prompt computed or waiting (the decode phase)
+    decode_tokens: int  # tokens those steps committed
+
+
+def lockstep(engines: dict[str, LLMEngine], prompts: list[list[int]], params: SamplingParams) -> dict[str, Lockstep]:
+    """``prompts`` (at once) through every engine, one step of each engine in turn until all are done: each
+    engine is timed by its own steps only, so load on a shared machine that changes within a run (seconds)
+    hits every engine alike. (Interleaving whole runs left identical AR engines 0.8-1.2x apart per batch of
+    8 at load 3-4 by CPU time: 2026-11-29, docs/benchmarks.md.)"""
+    ids = {label: [e.add_request(p, params) for p in prompts] for label, e in engines.items()}
+    spent = dict.fromkeys(engines, 0.0)
+    dsecs, dtoks = dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0)
+    first: dict[str, dict[int, tuple[float, int]]] = {k: {} for k in engines}  # seq id -> (time, forwards)
+    end: dict[str, dict[int, float]] = {k: {} for k in engines}
+    live = [k for k, e in engines.items() if e.has_unfinished()]
+    while live:
+        for label in live:
+            eng = engines[label]
+            prompt = bool(eng.scheduler.waiting) or any(eng.scheduler.prefilling(s) for s in eng.scheduler.running)
+            t = CLOCK()
+            outs = eng.step()
+            dt = CLOCK() - t
+            spent[label] += dt
+            if not prompt:
+                dsecs[label] += dt
+                dtoks[label] += sum(len(o.new_token_ids) for o in outs)
+            for o in outs:
+                if o.new_token_ids and o.seq_id not in first[label]:
+                    first[label][o.seq_id] = (spent[label], eng.runner.num_forwards)
+                if o.finished:
+                    end[label][o.seq_id] = spent[label]
+        live = [k for k in live if engines[k].has_unfinished()]
+    out = {}
+    for label, eng in engines.items():
+        runs = []
+        for i in ids[label]:
+            seq = eng.release(i)
+            assert seq is not None and i in first[label], "a request ended without a token"
+            t_first, f_first = first[label][i]
+            runs.append(Run(list(seq.output_ids), end[label][i], end[label][i] - t_first,
+                            eng.runner.num_forwards - f_first if len(ids[label]) == 1 else 0))
+        out[label] = Lockstep(runs, spent[label], dsecs[label], dtoks[label])
+    return out
+
+
 class LlamaCpp:
     """llama-cpp-python on the same file and threads, greedy, on the same token ids; ``pld``: its
     prompt-lookup draft (``LlamaPromptLookupDecoding``; ``num_pred_tokens`` 2, its README's advice for a
@@ -218,6 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="N > 1: also the sample's first turns N at a time (different prompts batched), each "
                          "config against AR on the same batches")
     ap.add_argument("--batch-only", action="store_true", help="with --batch: skip the batch-1 cases")
+    ap.add_argument("--interleave", choices=("step", "run"), default="step",
+                    help="step: every engine one step in turn on the same requests (lockstep; each timed by its "
+                         "own steps); run: each case or batch through one engine after the other")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="time runs by wall clock or by this process's CPU seconds (a busy shared machine; "
                          "meaningful with --threads 1)")
@@ -270,6 +326,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         e = engines[label]
         return e.run(ids, a.max_tokens) if isinstance(e, LlamaCpp) else run_case(e, ids, params)
 
+    ours = {k: e for k, e in engines.items() if isinstance(e, LLMEngine)}
     warm = prompts.ids([questions["qa"][-1]["turns"][0]], [])  # a question no sample of size < 80 takes first
     for label in engines:
         go(label, warm[:64])
@@ -283,8 +340,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             answers: list[str] = []
             for turn in range(len(q["turns"])):
                 case = Case(g, q["question_id"], turn + 1, prompts.ids(q["turns"][: turn + 1], answers))
+                if a.interleave == "step":
+                    case.runs.update((k, v.runs[0]) for k, v in lockstep(ours, [case.prompt], params).items())
                 for label in engines:
-                    case.runs[label] = go(label, case.prompt)
+                    if label not in case.runs:
+                        case.runs[label] = go(label, case.prompt)
                 cases.append(case)
                 ar = case.runs["AR"]
                 cells = "  ".join(f"{k} {len(r.tokens) / r.seconds:.1f}" for k, r in case.runs.items())
@@ -300,13 +360,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         firsts = [prompts.ids([q["turns"][0]], []) for qs in sample.values() for q in qs]
         random.Random(a.seed).shuffle(firsts)  # mixed groups in every batch
         batches = [firsts[i : i + a.batch] for i in range(0, len(firsts) - a.batch + 1, a.batch)]
-        batched = run_batches({k: e for k, e in engines.items() if isinstance(e, LLMEngine)}, batches, params)
+        batched = run_batches(ours, batches, params, a.interleave == "step")
     return {"cases": cases, "rows": rows, "numerics": llm.config.numerics, "chat": chat, "llm": llm,
             "batched": batched}
 
 
-def run_batches(engines: dict[str, LLMEngine], batches: list[list[list[int]]], params: SamplingParams
-                ) -> dict[str, dict[str, float]]:
+def run_batches(engines: dict[str, LLMEngine], batches: list[list[list[int]]], params: SamplingParams,
+                by_step: bool = True) -> dict[str, dict[str, float]]:
     """Each batch of different prompts through every engine in turn (interleaved): per config its
     speed-up against AR (total tokens over total seconds, request to last token), the same over the
     decode phase alone (steps in which no prompt was computed or waiting: the eight prompts' prefill,
@@ -319,6 +379,16 @@ def run_batches(engines: dict[str, LLMEngine], batches: list[list[list[int]]], p
     dtoks = dict.fromkeys(engines, 0)
     for batch in batches:
         ref: list[list[int]] = []
+        if by_step:  # every engine one step in turn (lockstep)
+            for label, r in lockstep(engines, batch, params).items():
+                secs[label] += r.seconds
+                dsecs[label] += r.decode_seconds
+                dtoks[label] += r.decode_tokens
+                outs = [run.tokens for run in r.runs]
+                ref = ref or outs
+                toks[label] += sum(map(len, outs))
+                same[label] += sum(o == x for o, x in zip(outs, ref, strict=True))
+            continue
         for label, eng in engines.items():
             t = CLOCK()
             ids = [eng.add_request(p, params) for p in batch]

@@ -142,9 +142,10 @@ def test_gain_schedule_drafts_by_the_curve():
 
 def test_length_is_the_best_draft_value_over_every_length():
     """GainSchedule.length prices every length at once: the same choice as draft_value length by length
-    (ties to the shorter), on curves, batches, earlier drafts and evidence drawn at random."""
+    (ties to the shorter; in a batch a draft must beat the plain step by MARGIN), on curves, batches, earlier drafts
+    and evidence drawn at random."""
     from ratchetlm.decoding.speculative.cost_curve import CostCurve
-    from ratchetlm.decoding.speculative.gain import draft_value
+    from ratchetlm.decoding.speculative.gain import MARGIN, draft_value
 
     rng = np.random.default_rng(0)
     for trial in range(300):
@@ -156,8 +157,9 @@ def test_length_is_the_best_draft_value_over_every_length():
         rec = _record_with(g, m=m, agreed=agreed, times=int(rng.integers(0, 12)))
         max_depth, batch, drafted = int(rng.integers(0, 9)), int(rng.integers(1, 12)), int(rng.integers(0, 40))
         gain = 1.0 + np.concatenate([[0.0], np.cumsum(g.agreement(rec, m)[:max_depth])])
-        expect = int(np.argmax([draft_value(float(x), d, curve, batch, drafted) for d, x in enumerate(gain)]))
-        assert g.length(rec, m, max_depth, batch, drafted) == expect, trial
+        values = [draft_value(float(x), d, curve, batch, drafted) * (1.0 + MARGIN if d == 0 and batch > 1 else 1.0)
+                  for d, x in enumerate(gain)]
+        assert g.length(rec, m, max_depth, batch, drafted) == int(np.argmax(values)), trial
 
 
 def test_long_contexts_price_every_row_s_attention():

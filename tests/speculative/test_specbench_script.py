@@ -93,3 +93,29 @@ def test_a_tiny_run_on_the_default_model(bench, capsys):
     assert out["batched"][name]["same"] == out["batched"][name]["n"] == 2
     assert out["batched"][name]["speedup"] > 0 and "batches of 2 different prompts" in llm_text
     assert out["batched"][name]["decode_speedup"] > 0 and "decode phase" in llm_text
+
+
+def test_lockstep_alternates_engines_and_times_each_by_its_own_steps(bench, spec_llm, encoded, reference,
+                                                                       monkeypatch):
+    """--interleave step: one step of each engine in turn while both have work; each engine's seconds are
+    the sum of its own steps (a clock that ticks once per reading: 1 per step), its decode phase the steps
+    with no prompt computed or waiting, and its tokens are its own."""
+    from .conftest import GREEDY, make_engine
+
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(bench, "CLOCK", lambda: float(next(ticks)))
+    engines = {"AR": make_engine(spec_llm), "ngram": make_engine(spec_llm, "speculative")}
+    order: list[str] = []
+    for label, eng in engines.items():
+        real = eng.step
+        monkeypatch.setattr(eng, "step", lambda _r=real, _l=label: order.append(_l) or _r())
+    out = bench.lockstep(engines, encoded[:2], GREEDY)
+    n_ar, n_spec = order.count("AR"), order.count("ngram")
+    assert n_spec < n_ar  # the drafts saved steps
+    assert order[: 2 * n_spec] == ["AR", "ngram"] * n_spec and set(order[2 * n_spec:]) == {"AR"}
+    assert out["AR"].seconds == n_ar and out["ngram"].seconds == n_spec
+    for label in engines:
+        assert [r.tokens for r in out[label].runs] == reference[:2]
+        assert 0 < out[label].decode_seconds < out[label].seconds
+        assert out[label].decode_tokens <= sum(len(r.tokens) for r in out[label].runs)
+        assert max(r.seconds for r in out[label].runs) == out[label].seconds  # the last request ends with the run

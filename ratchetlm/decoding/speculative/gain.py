@@ -39,8 +39,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ratchetlm.decoding.speculative.cost_curve import CostCurve
+from ratchetlm.decoding.speculative.draft_price import DraftPrice, Price
 
 PRIOR_WEIGHT = 2.0  # pseudo-observations of the strategy-wide rate in a sequence's estimate
+# In a batch (B > 1) a draft must beat a plain step by this much (expected tokens per unit of cost): its
+# price there is an estimate (a draft row at batch 4-8 measured ~2x the curve's price, the measured factor
+# of draft_price.py moves by tens of percent between runs on a shared CPU), and a draft that only breaks
+# even on paper loses as often as it wins; the drafts it stops are the ones that were worth least. At
+# batch 1 a chain costs about its price and the margin only cost speed (Spec-Bench, docs/benchmarks.md).
+MARGIN = 0.1
 
 
 @dataclass
@@ -89,12 +96,20 @@ def agreed_prefix(a: list[int], b: list[int]) -> int:
 
 
 class GainSchedule:
-    def __init__(self, max_n: int, depth: int, verify_token_cost: float | CostCurve) -> None:
+    """``price``: the measured price factor of draft rows per batch size (draft_price.py), None = the
+    curve's price as is (a fixed ``verify_token_cost``)."""
+
+    def __init__(self, max_n: int, depth: int, verify_token_cost: float | CostCurve,
+                 price: DraftPrice | None = None) -> None:
         self.max_n, self.depth = max_n, depth
         self.cost = verify_token_cost if isinstance(verify_token_cost, CostCurve) else CostCurve.linear(
             verify_token_cost)
+        self.price = price
+        self.margin = MARGIN
         self.totals = AgreementCounts(max_n, depth)  # strategy-wide, the prior of every sequence
         self._c = np.ones(1)  # [R + 1] self.cost(r) at r = 0..R (r = 0 read as 1; grown on demand)
+        self._cl: list[float] = [1.0]  # self._c as a list
+        self.last_extra = 0.0  # the curve's price of the last length() choice (unscaled; 0 for no draft)
 
     def new_record(self) -> SequenceRecord:
         return SequenceRecord(AgreementCounts(self.max_n, self.depth))
@@ -121,21 +136,43 @@ class GainSchedule:
                context: int = 0) -> int:
         """The draft length in ``[0, max_depth]`` with the most expected tokens per unit of cost
         (``drafted``: rows the step's earlier sequences already drafted; ``context``: the sequence's
-        cached tokens, which every verified row reads)."""
-        gain = 1.0 + np.concatenate([[0.0], np.cumsum(self.agreement(rec, m)[:max_depth])])  # [max_depth + 1]
+        cached tokens, which every verified row reads). A draft's price is the curve's times the
+        measured factor at this batch size (``price``)."""
+        p = self.agreement(rec, m)[:max_depth].tolist()
         base = batch + drafted
-        c = self.costs(base + max_depth + 1)
+        c = self.cost_list(base + max_depth + 1)
         share = c[batch] / batch + self.cost.first_token * context
-        reads = self.cost.row_token * context * np.arange(1, max_depth + 1)  # [max_depth] the rows' attention
-        extra = c[base + 2 : base + max_depth + 2] - c[base] + reads
-        # draft_value for every length at once (the same float operations; called every step)
-        value = gain / np.concatenate([[share], share + extra])
-        return int(np.argmax(value))  # ties go to the shorter draft
+        # (batch 1: the curve's price; a chain there costs about it, and the fit's noise only cut drafts)
+        price = Price() if self.price is None or batch == 1 else self.price.price(batch)
+        reads = self.cost.row_token * context  # each draft row's attention over the context
+        # draft_value for every length (the same float operations, in plain Python: this runs for every
+        # decoding sequence every step, and numpy's per-call cost on 8-element arrays was ~0.1 ms)
+        margin = self.margin if batch > 1 else 0.0
+        best, best_value, best_extra = 0, 1.0 / (share / (1.0 + margin)), 0.0
+        agreed = 0.0
+        for d in range(1, max_depth + 1):
+            agreed += p[d - 1]
+            extra = c[base + d + 1] - c[base] + reads * d
+            value = (1.0 + agreed) / (share + (price.factor * extra + price.fixed))
+            if value > best_value:  # ties go to the shorter draft
+                best, best_value, best_extra = d, value, extra
+        self.last_extra = best_extra
+        return best
+
+    def plain_cost(self, batch: int, context: int) -> float:
+        """The curve's cost of a plain step over ``batch`` decoding sequences holding ``context`` cached
+        tokens in all (one-row forwards): what a step costs with no draft."""
+        return float(self.costs(batch)[batch]) + self.cost.first_token * context
 
     def costs(self, rows: int) -> np.ndarray:  # [>= rows + 1] the cost curve at 0..rows rows (0: as 1)
         if len(self._c) <= rows:
             self._c = np.array([self.cost(max(r, 1)) for r in range(2 * rows + 1)])
+            self._cl = self._c.tolist()
         return self._c
+
+    def cost_list(self, rows: int) -> list[float]:  # the same as a list (Python floats index faster)
+        self.costs(rows)
+        return self._cl
 
 
 def draft_value(expected_tokens: float, draft_len: int, cost: CostCurve | float, batch: int,

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ratchetlm.decoding.speculative.cost_curve import CostCurve, measured
+from ratchetlm.decoding.speculative.draft_price import DraftLedger, DraftPrice
 from ratchetlm.decoding.speculative.gain import GainSchedule, PendingContinuation
 from ratchetlm.decoding.speculative.idle_gate import IdleGate
 from ratchetlm.decoding.speculative.verify import DraftTree
@@ -73,6 +74,13 @@ class Proposer(ABC):
         """``seq`` finished (stop, length, abort; called before :meth:`release`)."""
         return None
 
+    def observe_step(self, batch: int, tokens: int, seconds: float) -> None:
+        """The last step decoded ``batch`` sequences and nothing else (no prompt rows, no forced
+        chain), committed ``tokens`` and took ``seconds`` from its proposals to its commits (the
+        strategy's clock, draft_price.step_clock): a proposer that prices its drafts may learn their
+        real cost."""
+        return None
+
     def max_draft_tokens(self, depth: int) -> int:
         """Most draft tokens one proposal for a sequence may hold (the scheduler reserves them)."""
         return int(self.cfg.num_candidates) * depth
@@ -103,7 +111,8 @@ def create_proposer(name: str, cfg: Any, ctx: Any) -> Proposer:
     return _PROPOSERS[name](cfg, ctx)
 
 
-def ngram_candidates(tokens: list[int], min_n: int, max_n: int, m: int, c: int) -> list[tuple[int, list[int]]]:
+def ngram_candidates(tokens: list[int], min_n: int, max_n: int, m: int, c: int,
+                     arr: np.ndarray | None = None) -> list[tuple[int, list[int]]]:
     """Up to ``m`` distinct continuations (each up to ``c`` tokens) following earlier occurrences
     of the sequence's longest suffix n-gram, ``min_n <= n <= max_n``, each with its match length
     ``n``. Longer matches come first; within one length, the most recent occurrence first (recent
@@ -112,12 +121,14 @@ def ngram_candidates(tokens: list[int], min_n: int, max_n: int, m: int, c: int) 
 
     Every occurrence ends on a copy of the last token: one vector comparison finds those, and each
     is extended backwards (at most ``max_n`` tokens) in Python — a few tens of microseconds per
-    step, where a window comparison per n took ~130 us on a 400-token sequence with no match."""
+    step, where a window comparison per n took ~130 us on a 400-token sequence with no match.
+    ``arr``: ``tokens`` as an int64 array when the caller keeps one (:class:`TokenArray`)."""
     t = len(tokens)
     top = min(max_n, t - 1)
     if top < min_n:
         return []
-    arr = np.asarray(tokens, dtype=np.int64)
+    arr = np.asarray(tokens, dtype=np.int64) if arr is None else arr
+    assert len(arr) == t, (len(arr), t)
     ends = np.flatnonzero(arr[: t - 1] == arr[t - 1])[::-1].tolist()  # most recent first; each followed by a token
     found = []  # (end, match length <= top)
     for e in ends:
@@ -143,6 +154,30 @@ def ngram_candidates(tokens: list[int], min_n: int, max_n: int, m: int, c: int) 
 
 
 _GAIN = "spec_gain"  # strategy_state key: the gain schedule's record of this sequence
+_TOKENS = "spec_ngram_tokens"  # strategy_state key: the sequence's TokenArray
+
+
+class TokenArray:
+    """A sequence's tokens as a growing int64 array: committed tokens are only ever appended, so each
+    step copies just the new ones (converting the whole list took ~0.1 ms a sequence and step at
+    1,200 tokens, several percent of a decode step at batch 8 on one core)."""
+
+    def __init__(self) -> None:
+        self.buf = np.empty(256, dtype=np.int64)
+        self.n = 0
+
+    def of(self, tokens: list[int]) -> np.ndarray:  # [len(tokens)] int64, a view valid until the next call
+        t = len(tokens)
+        if t < self.n or (self.n and int(self.buf[self.n - 1]) != tokens[self.n - 1]):
+            self.n = 0  # not an extension of what is held: start over
+        if t > len(self.buf):
+            grown = np.empty(max(2 * len(self.buf), t), dtype=np.int64)
+            grown[: self.n] = self.buf[: self.n]
+            self.buf = grown
+        if t > self.n:
+            self.buf[self.n : t] = tokens[self.n : t]
+        self.n = t
+        return self.buf[:t]
 
 
 def verify_cost(cfg: Any, ctx: Any) -> CostCurve:
@@ -163,27 +198,64 @@ class NgramProposer(Proposer):
 
     def __init__(self, cfg: Any, ctx: Any) -> None:
         super().__init__(cfg, ctx)
-        self.gain = GainSchedule(cfg.max_n, cfg.depth, verify_cost(cfg, ctx)) if cfg.depth_schedule == "gain" else None
+        # a measured curve's price is corrected by the steps' own times (draft_price.py); a fixed
+        # verify_token_cost is taken as is
+        price = DraftPrice() if cfg.verify_token_cost is None else None
+        self.gain = GainSchedule(cfg.max_n, cfg.depth, verify_cost(cfg, ctx), price) \
+            if cfg.depth_schedule == "gain" else None
         self.gain_skipped = 0  # steps whose n-gram match was not worth drafting
         self.gate = IdleGate()  # batch sizes at which the gain rule drafts nothing: plain steps, no lookups
+        # the last step: (batch, plain cost, the curve's price of its drafts, sequences that drafted,
+        # whether the proposer ran)
+        self._priced: tuple[int, float, float, int, bool] | None = None
+        # whether drafting has paid at each batch size, as measured (a measured curve only, like the price)
+        self.ledger = DraftLedger() if price is not None else None
 
     def metrics(self) -> dict[str, float]:
-        return {} if self.gain is None else {"spec_decode_gain_skipped_drafts": self.gain_skipped,
-                                             "spec_decode_idle_plain_steps": self.gate.skipped}
+        if self.gain is None:
+            return {}
+        out: dict[str, float] = {"spec_decode_gain_skipped_drafts": self.gain_skipped,
+                                 "spec_decode_idle_plain_steps": self.gate.skipped}
+        if self.ledger is not None:  # steps made plain by the measured ledger (draft_price.py)
+            out["spec_decode_ledger_plain_steps"] = self.ledger.skipped
+        if self.gain.price is not None:  # the measured price factor of draft rows per batch size seen
+            for b in sorted(self.gain.price.fits):
+                p = self.gain.price.price(b)
+                out[f"spec_decode_draft_price_factor_batch_{b}"] = p.factor
+                out[f"spec_decode_draft_price_fixed_batch_{b}"] = p.fixed
+        return out
+
+    def observe_step(self, batch: int, tokens: int, seconds: float) -> None:
+        priced, self._priced = self._priced, None
+        if self.gain is not None and self.gain.price is not None and priced is not None and priced[0] == batch:
+            self.gain.price.observe(batch, priced[1], priced[2], priced[3], seconds)
+            if self.ledger is not None:
+                self.ledger.observe(batch, priced[1], priced[4], tokens, seconds)
 
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[DraftBeam | None]:
-        if self.gain is not None and not self.gate.open(len(seqs)):
+        self._priced = None
+        if self.gain is not None and ((self.ledger is not None and not self.ledger.allows(len(seqs)))
+                                      or not self.gate.open(len(seqs))):
+            self._priced = (len(seqs), self.gain.plain_cost(len(seqs), sum(s.num_cached for s in seqs)), 0.0, 0,
+                            False)
             return [None] * len(seqs)
         out: list[DraftBeam | None] = []
         m = self.cfg.num_candidates
         drafted = 0  # rows this step's earlier sequences drafted (their cost is already taken)
+        extra, drafting = 0.0, 0  # the curve's price of this step's drafts, sequences that drafted
         for seq, d in zip(seqs, depths, strict=True):
+            held = seq.strategy_state.get(_TOKENS)
+            if held is None:
+                held = seq.strategy_state[_TOKENS] = TokenArray()
             cands = ngram_candidates(seq.token_ids, self.cfg.min_n, self.cfg.max_n, m,
-                                     d if self.gain is None else self.cfg.depth)
+                                     d if self.gain is None else self.cfg.depth, held.of(seq.token_ids))
             if self.gain is not None:
                 d = self._gain_length(seq, cands, d, len(seqs), drafted)
                 self.gain_skipped += bool(cands) and d == 0
                 drafted += d + 1 if d else 0
+                if cands and d:
+                    extra += self.gain.last_extra
+                    drafting += 1
             cands = [(n, x[:d]) for n, x in cands]
             if not cands or d == 0:
                 out.append(None)
@@ -195,6 +267,8 @@ class NgramProposer(Proposer):
             out.append(DraftBeam(toks, torch.zeros(toks.shape)))
         if self.gain is not None:
             self.gate.observe(len(seqs), drafted > 0)
+            self._priced = (len(seqs), self.gain.plain_cost(len(seqs), sum(s.num_cached for s in seqs)), extra,
+                            drafting, True)
         return out
 
     def _gain_length(self, seq: Sequence, cands: list[tuple[int, list[int]]], max_depth: int, batch: int,

@@ -46,6 +46,7 @@ from ratchetlm.decoding.speculative import (  # noqa: F401  (register the propos
     tree_proposers,
 )
 from ratchetlm.decoding.speculative.config import SpecConfig
+from ratchetlm.decoding.speculative.draft_price import step_clock
 from ratchetlm.decoding.speculative.draft_tree import continuation, cut, restrict, trees_from_beams
 from ratchetlm.decoding.speculative.proposers import PAD, create_proposer
 from ratchetlm.decoding.speculative.stats import ChunkCounters, SpecCounters
@@ -101,6 +102,9 @@ class Speculative(DecodeStrategy):
         self.totals = SpecCounters()
         self.chunks = ChunkCounters()
         self.disabled_steps = 0  # steps decoded plainly because of disable_by_batch_size
+        # a decode-only step's time, propose to commit, for the proposer's price of drafts (draft_price.py)
+        self._clock = step_clock(getattr(ctx.runner, "device", "cpu"))
+        self._timed: tuple[int, float] | None = None  # (batch, start) of the step being timed
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -148,6 +152,8 @@ class Speculative(DecodeStrategy):
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
         for s in seqs:
             s.strategy_state.pop(_CONTINUE, None)  # SCV work never outlives its step
+        start = self._clock()
+        self._timed = None
         limit = self.cfg.disable_by_batch_size
         disabled = bool(limit and len(seqs) >= limit)  # a big batch: no drafts (they cost more than they save)
         self.disabled_steps += disabled
@@ -164,6 +170,8 @@ class Speculative(DecodeStrategy):
             if not disabled and len(s.token_ids) - s.num_cached == 1 and d > 0:
                 todo.append(i)
                 depths.append(d)
+        if len(todo) == len(seqs) and not disabled:  # decode rows only: the proposer may learn from its time
+            self._timed = (len(seqs), start)
         beams = self.proposer.propose([seqs[i] for i in todo], depths) if todo else []
         built: dict[int, DraftTree] = {}  # trees a proposer built itself (no grammar to cut them)
         drafted: list[tuple[int, torch.Tensor]] = []
@@ -240,6 +248,12 @@ class Speculative(DecodeStrategy):
         if self.proposer.wants_logits and logits:  # every computed row's top-k (recycling), one call a step
             rows = [p.token_ids[r] for p in proposals for r in p.logit_rows]
             self.proposer.observe_logits(torch.tensor(rows, dtype=torch.long), torch.cat(logits))
+        timed, self._timed = self._timed, None
+        # a step the strategy proposed for (not an SCV continuation), whole (fault isolation re-runs halves)
+        if timed is not None and timed[0] == len(seqs) and all(isinstance(p.state, TreeState) and p.state.first
+                                                               or p.state is None for p in proposals):
+            if not any(_CONTINUE in s.strategy_state for s in seqs):  # its drafts' verify is not over yet
+                self.proposer.observe_step(timed[0], sum(len(c.token_ids) for c in out), self._clock() - timed[1])
         return out
 
     def _commit_tree(self, seq: Sequence, prop: Proposal, logits: torch.Tensor) -> Commit:
