@@ -105,10 +105,9 @@ class GainSchedule:
         self.cost = verify_token_cost if isinstance(verify_token_cost, CostCurve) else CostCurve.linear(
             verify_token_cost)
         self.price = price
-        self.margin = MARGIN
         self.totals = AgreementCounts(max_n, depth)  # strategy-wide, the prior of every sequence
-        self._c = np.ones(1)  # [R + 1] self.cost(r) at r = 0..R (r = 0 read as 1; grown on demand)
-        self._cl: list[float] = [1.0]  # self._c as a list
+        self._c: list[float] = [1.0]  # self.cost(r) at r = 0..R (r = 0 read as 1; grown on demand; Python floats
+        # index faster than a numpy array in length()'s per-sequence loop)
         self.last_extra = 0.0  # the curve's price of the last length() choice (unscaled; 0 for no draft)
 
     def new_record(self) -> SequenceRecord:
@@ -140,15 +139,15 @@ class GainSchedule:
         measured factor at this batch size (``price``)."""
         p = self.agreement(rec, m)[:max_depth].tolist()
         base = batch + drafted
-        c = self.cost_list(base + max_depth + 1)
+        c = self.costs(base + max_depth + 1)
         share = c[batch] / batch + self.cost.first_token * context
         # (batch 1: the curve's price; a chain there costs about it, and the fit's noise only cut drafts)
         price = Price() if self.price is None or batch == 1 else self.price.price(batch)
         reads = self.cost.row_token * context  # each draft row's attention over the context
         # draft_value for every length (the same float operations, in plain Python: this runs for every
         # decoding sequence every step, and numpy's per-call cost on 8-element arrays was ~0.1 ms)
-        margin = self.margin if batch > 1 else 0.0
-        best, best_value, best_extra = 0, 1.0 / (share / (1.0 + margin)), 0.0
+        margin = MARGIN if batch > 1 else 0.0
+        best, best_value, best_extra = 0, (1.0 + margin) / share, 0.0
         agreed = 0.0
         for d in range(1, max_depth + 1):
             agreed += p[d - 1]
@@ -162,17 +161,12 @@ class GainSchedule:
     def plain_cost(self, batch: int, context: int) -> float:
         """The curve's cost of a plain step over ``batch`` decoding sequences holding ``context`` cached
         tokens in all (one-row forwards): what a step costs with no draft."""
-        return float(self.costs(batch)[batch]) + self.cost.first_token * context
+        return self.costs(batch)[batch] + self.cost.first_token * context
 
-    def costs(self, rows: int) -> np.ndarray:  # [>= rows + 1] the cost curve at 0..rows rows (0: as 1)
+    def costs(self, rows: int) -> list[float]:  # [>= rows + 1] the cost curve at 0..rows rows (0: as 1)
         if len(self._c) <= rows:
-            self._c = np.array([self.cost(max(r, 1)) for r in range(2 * rows + 1)])
-            self._cl = self._c.tolist()
+            self._c = [float(self.cost(max(r, 1))) for r in range(2 * rows + 1)]
         return self._c
-
-    def cost_list(self, rows: int) -> list[float]:  # the same as a list (Python floats index faster)
-        self.costs(rows)
-        return self._cl
 
 
 def draft_value(expected_tokens: float, draft_len: int, cost: CostCurve | float, batch: int,
