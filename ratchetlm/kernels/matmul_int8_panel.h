@@ -665,10 +665,11 @@ static inline void panel_tile(const uint8_t *Q, const uint8_t *SM, int z, const 
 #define PANEL_KIND_FAST1 PANEL_KIND
 #define PANEL_KIND_FAST0 PANEL_KIND_RARE
 /* the four kinds of one (G, VB, U), 8- or 16-bit activations, with or without offsets, and function NAME
- * that picks one. F0, F1 (1 or 0): whether the kinds without / with offsets are panels a single format
- * makes (Q4_0 ... Q8_0, the K-quants: matmul_int8.c), or arise only where a fused weight mixes formats
- * (a zero point or offsets from another part, e.g. Q6_K rows beside Q8_0 rows: 8-bit values in groups
- * of 16), which the AVX2 build compiles as the cheaper PANEL_KIND_RARE. */
+ * that picks one. F0, F1 (0, 1 or 2): how the kinds without / with offsets compile. 1: panels a single format
+ * makes (Q4_0 ... Q8_0, the K-quants: matmul_int8.c), every tile shape with literals (PANEL_KIND); 2: the
+ * same, in a unit only calls of several full tiles reach (PANEL_KIND_FULL); 0: kinds that arise only where a
+ * fused weight mixes formats (a zero point or offsets from another part, e.g. Q6_K rows beside Q8_0 rows:
+ * 8-bit values in groups of 16), compiled as the cheaper PANEL_KIND_RARE. */
 #define PANEL_KINDS(NAME, G, VB, U, F0, F1)                                                                            \
     PANEL_KIND_FAST##F0(NAME##_a8, G, VB, 0, 0, U)                                                                     \
     PANEL_KIND_FAST##F1(NAME##_a8m, G, VB, 0, 1, U)                                                                    \
