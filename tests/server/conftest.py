@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,19 +77,30 @@ def start_server(extra: list[str] | None = None, timeout: float = 240.0, launche
     proc = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(port), *args, *(extra or [])],
                             env=env, **popen)
     srv = Server(f"http://127.0.0.1:{port}", proc)
+    ended = lambda: None if proc.poll() is None else f"ratchet serve exited with {proc.returncode}"  # noqa: E731
+    if not wait_healthy(srv.base, timeout, ended, pause=0.5):
+        proc.terminate()
+        raise RuntimeError("ratchet serve did not become healthy")
+    return srv
+
+
+def wait_healthy(base: str, timeout: float, ended: Callable[[], str | None], pause: float) -> bool:
+    """Poll ``base``/health until it answers 200 (True) or ``timeout`` passes (False); ``ended`` says why the
+    server is gone (raised as a RuntimeError), None while it runs. One client for the whole loop: a new one
+    per probe cost ~3 CPU-s over a slow start."""
     deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=10) as probe:  # one client: a new one per probe cost ~3 CPU-s over a slow start
+    with httpx.Client(timeout=10) as probe:
         while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"ratchet serve exited with {proc.returncode}")
+            why = ended()
+            if why is not None:
+                raise RuntimeError(why)
             try:
-                if probe.get(srv.base + "/health").status_code == 200:
-                    return srv
+                if probe.get(base + "/health").status_code == 200:
+                    return True
             except httpx.TransportError:
                 pass
-            time.sleep(0.5)
-    proc.terminate()
-    raise RuntimeError("ratchet serve did not become healthy")
+            time.sleep(pause)
+    return False
 
 
 def stop_server(srv: Server) -> None:
@@ -135,17 +146,8 @@ def serve_main_in_thread(extra: list[str] | None = None, base_args: list[str] | 
     t.start()
     srv = Server(f"http://127.0.0.1:{port}", None)
     try:
-        deadline = time.monotonic() + timeout
-        with httpx.Client(timeout=10) as probe:
-            while True:
-                assert t.is_alive(), f"ratchet serve ended with {result.get('code')}"
-                assert time.monotonic() < deadline, "ratchet serve did not become healthy"
-                try:
-                    if probe.get(srv.base + "/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.2)
+        ended = lambda: None if t.is_alive() else f"ratchet serve ended with {result.get('code')}"  # noqa: E731
+        assert wait_healthy(srv.base, timeout, ended, pause=0.2), "ratchet serve did not become healthy"
         yield srv
     finally:
         if servers:
