@@ -351,8 +351,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 mals = "  ".join(f"{k} MAL {r.decode_tokens / max(r.decode_forwards, 1):.2f}"
                                  f"{'' if r.tokens == ar.tokens else ' (differs)'}"
                                  for k, r in case.runs.items() if k in configs)
+                # seconds to the first token (the prompt's prefill): the same work in every engine
+                firsts = "  ".join(f"{k} {r.seconds - r.decode_seconds:.2f}" for k, r in case.runs.items())
                 print(f"  {g} q{q['question_id']} turn {turn + 1}: {len(case.prompt)} prompt tokens, "
-                      f"{len(ar.tokens)} out, tok/s {cells}; {mals}", flush=True)
+                      f"{len(ar.tokens)} out, tok/s {cells}; {mals}; first token s {firsts}", flush=True)
                 answers.append(llm.tokenizer.decode(ar.tokens, skip_special_tokens=True))
     rows = report(cases, list(configs), a.groups, "llama.cpp" in engines) if cases else {}
     batched = None
