@@ -28,6 +28,12 @@ measured rate of steps in which it proposed with that of plain steps, and stops 
 lost (see the class). This is what makes a batch of eight at worst plain decoding's speed on a CPU
 where, at that batch, a draft row costs about what a sequence's token does.
 
+**Who uses them.** ``ngram`` (gain.py) and the tree proposers (tree_proposers.py, tree_select.py), each
+through :class:`MeasuredDrafts`. ``ngram`` prices at batch 1 by the curve (a chain there costs about its
+price, and the fit's noise only cut drafts); a tree step at batch 1 measured ~1.6x the curve's price of
+its rows, so the trees take the fit at every batch size, starting from and pulled towards that factor
+(``DraftPrice.prior``) rather than the curve's 1.
+
 Only speed depends on either: they change how many tokens are drafted, never which are accepted, so
 greedy output is unchanged (tested); seeded speculative sampling stays exact in distribution but, like
 any timing-based choice, need not repeat draw for draw across runs (a fixed ``verify_token_cost`` turns
