@@ -363,8 +363,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         random.Random(a.seed).shuffle(firsts)  # mixed groups in every batch
         batches = [firsts[i : i + a.batch] for i in range(0, len(firsts) - a.batch + 1, a.batch)]
         batched = run_batches(ours, batches, params, a.interleave == "step")
+    print_prices(ours)
     return {"cases": cases, "rows": rows, "numerics": llm.config.numerics, "chat": chat, "llm": llm,
             "batched": batched}
+
+
+def print_prices(engines: dict[str, LLMEngine]) -> None:
+    """Each config's learnt draft price per batch size (decoding/speculative/draft_price.py: a draft of the
+    curve's price E costs factor·E + fixed) and the steps its ledger made plain, from its metrics."""
+    for label, eng in engines.items():
+        m = eng.strategy.metrics()
+        sizes = sorted(int(k.rsplit("_", 1)[1]) for k in m if k.startswith("spec_decode_draft_price_factor_batch_"))
+        if sizes:
+            cells = ", ".join(f"{b}: {m[f'spec_decode_draft_price_factor_batch_{b}']:.2f}"
+                              f" + {m[f'spec_decode_draft_price_fixed_batch_{b}']:.2f}" for b in sizes)
+            print(f"  {label} draft price per batch size (factor + fixed): {cells}; "
+                  f"ledger plain steps {m.get('spec_decode_ledger_plain_steps', 0):.0f}")
 
 
 def run_batches(engines: dict[str, LLMEngine], batches: list[list[list[int]]], params: SamplingParams,

@@ -55,9 +55,9 @@ class SpecConfig:
     docs/speculative.md). Output is the same with every schedule.
     ``verify_token_cost``: the gain schedule's price of verified rows. None (the default): the
     target model's cost curve, measured once per process on this machine (cost_curve.py: a forward
-    over 1..32 rows against one row), and for n-gram drafts corrected per batch size by the decode
-    steps' measured times, with proposing stopped at a batch size where it measured a loss
-    (draft_price.py); a number c: every row after the first costs c one-row forwards (0 on a GPU,
+    over 1..32 rows against one row), and for n-gram drafts and the tree methods corrected per batch
+    size by the decode steps' measured times, with proposing stopped at a batch size where it measured
+    a loss (draft_price.py); a number c: every row after the first costs c one-row forwards (0 on a GPU,
     where a verify forward costs about what a plain one does), nothing measured.
     ``disable_by_batch_size``: a step that schedules at least this many sequences decodes them all
     plainly (no drafts; vLLM's option of the same name); 0 = never. On a CPU the verify forward is

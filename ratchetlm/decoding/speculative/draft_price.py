@@ -28,6 +28,12 @@ measured rate of steps in which it proposed with that of plain steps, and stops 
 lost (see the class). This is what makes a batch of eight at worst plain decoding's speed on a CPU
 where, at that batch, a draft row costs about what a sequence's token does.
 
+**Who uses them.** ``ngram`` (gain.py) and the tree proposers (tree_proposers.py, tree_select.py), each
+through :class:`MeasuredDrafts`. ``ngram`` prices at batch 1 by the curve (a chain there costs about its
+price, and the fit's noise only cut drafts); a tree step at batch 1 measured ~1.6x the curve's price of
+its rows, so the trees take the fit at every batch size, starting from and pulled towards that factor
+(``DraftPrice.prior``) rather than the curve's 1.
+
 Only speed depends on either: they change how many tokens are drafted, never which are accepted, so
 greedy output is unchanged (tested); seeded speculative sampling stays exact in distribution but, like
 any timing-based choice, need not repeat draw for draw across runs (a fixed ``verify_token_cost`` turns
@@ -74,13 +80,15 @@ class _Fit:
         self.vv = FORGET * self.vv + np.outer(v, v)
         self.vy = FORGET * self.vy + v * y
 
-    def price(self, plain: float | None) -> Price:
-        """Least squares plus ``ρa·(α − plain)² + ρx·(β − α)² + ρz·γ²``: α held near ``plain`` (the pooled
-        time of a unit of plain work; None: not yet measured) by PRIOR_PLAIN steps, so that a batch size
-        whose steps nearly all draft still separates their price from plain work; ``β / α`` and ``γ / α``,
-        the factor and the fixed price, are 1 and 0 until the steps say otherwise (PRIOR steps' worth)."""
+    def price(self, plain: float | None, prior: float = 1.0) -> Price:
+        """Least squares plus ``ρa·(α − plain)² + ρx·(β − prior·α)² + ρz·γ²``: α held near ``plain`` (the
+        pooled time of a unit of plain work; None: not yet measured) by PRIOR_PLAIN steps, so that a batch
+        size whose steps nearly all draft still separates their price from plain work; ``β / α`` and
+        ``γ / α``, the factor and the fixed price, are ``prior`` and 0 until the steps say otherwise (PRIOR
+        steps' worth)."""
         rx, rz = PRIOR * PRIOR_X**2, PRIOR * PRIOR_Z**2
-        a = self.vv + np.array([[rx, -rx, 0.0], [-rx, rx, 0.0], [0.0, 0.0, rz]])
+        f = prior
+        a = self.vv + np.array([[rx * f * f, -rx * f, 0.0], [-rx * f, rx, 0.0], [0.0, 0.0, rz]])
         b = self.vy.copy()
         if plain is not None:
             a[0, 0] += PRIOR_PLAIN
@@ -88,7 +96,7 @@ class _Fit:
         try:
             alpha, beta, gamma = np.linalg.solve(a, b)
         except np.linalg.LinAlgError:  # no step yet
-            return Price()
+            return Price(prior)
         if alpha <= 0.0:
             return Price(HIGH, HIGH_FIXED)
         return Price(float(min(max(beta / alpha, LOW), HIGH)), float(min(max(gamma / alpha, 0.0), HIGH_FIXED)))
@@ -103,8 +111,11 @@ def step_clock(device: torch.device | str = "cpu") -> Callable[[], float]:
 
 @dataclass
 class DraftPrice:
-    """Per batch size, the measured price of drafts (see the module doc)."""
+    """Per batch size, the measured price of drafts (see the module doc). ``prior``: the factor a batch
+    size's price starts from and is pulled towards (1: the curve's price; the tree proposers start from
+    what their steps measured, tree_proposers.TREE_PRICE)."""
 
+    prior: float = 1.0
     fits: dict[int, _Fit] = field(default_factory=dict)
     plain_w: float = 0.0  # decayed count and sum of y over plain steps of every batch size
     plain_y: float = 0.0
@@ -115,7 +126,7 @@ class DraftPrice:
         if p is None:
             fit = self.fits.get(batch)
             plain = self.plain_y / self.plain_w if self.plain_w > 0.0 else None
-            p = self._cache[batch] = Price() if fit is None else fit.price(plain)
+            p = self._cache[batch] = Price(self.prior) if fit is None else fit.price(plain, self.prior)
         return p
 
     def observe(self, batch: int, plain: float, extra: float, drafting: int, seconds: float) -> None:
@@ -213,3 +224,39 @@ class DraftLedger:
         committed and the ``seconds`` it took."""
         if plain > 0.0 and seconds > 0.0:
             (self.on if proposed else self.off).setdefault(batch, _Rate()).add(tokens * plain / seconds)
+
+
+@dataclass
+class MeasuredDrafts:
+    """A proposer's bookkeeping for :class:`DraftPrice` and :class:`DraftLedger` (``ngram`` and the tree
+    proposers share it): :meth:`allows` asks the ledger whether a step may propose, :meth:`record` keeps
+    what the step proposed — its plain cost ``P``, the curve's price ``E`` of its drafts, the sequences
+    that drafted, whether the proposer ran — and :meth:`observe_step` hands both the step's measured time
+    once the strategy has it (``Proposer.observe_step``)."""
+
+    price: DraftPrice = field(default_factory=DraftPrice)
+    ledger: DraftLedger = field(default_factory=DraftLedger)
+    # the last step: (batch, plain cost, the curve's price of its drafts, sequences that drafted, proposed)
+    _last: tuple[int, float, float, int, bool] | None = None
+
+    def allows(self, batch: int) -> bool:
+        self._last = None
+        return self.ledger.allows(batch)
+
+    def record(self, batch: int, plain: float, extra: float, drafting: int, proposed: bool) -> None:
+        self._last = (batch, plain, extra, drafting, proposed)
+
+    def observe_step(self, batch: int, tokens: int, seconds: float) -> None:
+        last, self._last = self._last, None
+        if last is not None and last[0] == batch:
+            self.price.observe(batch, last[1], last[2], last[3], seconds)
+            self.ledger.observe(batch, last[1], last[4], tokens, seconds)
+
+    def metrics(self) -> dict[str, float]:
+        """Steps the ledger made plain, and the measured price per batch size seen."""
+        out: dict[str, float] = {"spec_decode_ledger_plain_steps": self.ledger.skipped}
+        for b in sorted(self.price.fits):
+            p = self.price.price(b)
+            out[f"spec_decode_draft_price_factor_batch_{b}"] = p.factor
+            out[f"spec_decode_draft_price_fixed_batch_{b}"] = p.fixed
+        return out

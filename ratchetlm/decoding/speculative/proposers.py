@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ratchetlm.decoding.speculative.cost_curve import CostCurve, measured
-from ratchetlm.decoding.speculative.draft_price import DraftLedger, DraftPrice
+from ratchetlm.decoding.speculative.draft_price import DraftLedger, MeasuredDrafts
 from ratchetlm.decoding.speculative.gain import GainSchedule, PendingContinuation
 from ratchetlm.decoding.speculative.idle_gate import IdleGate
 from ratchetlm.decoding.speculative.verify import DraftTree
@@ -200,54 +200,45 @@ class NgramProposer(Proposer):
         super().__init__(cfg, ctx)
         # a measured curve's price is corrected by the steps' own times (draft_price.py); a fixed
         # verify_token_cost is taken as is
-        price = DraftPrice() if cfg.verify_token_cost is None else None
-        self.gain = GainSchedule(cfg.max_n, cfg.depth, verify_cost(cfg, ctx), price) \
+        # and whether drafting has paid at each batch size, as measured
+        self.measured = MeasuredDrafts() if cfg.verify_token_cost is None and cfg.depth_schedule == "gain" else None
+        self.gain = GainSchedule(cfg.max_n, cfg.depth, verify_cost(cfg, ctx),
+                                 None if self.measured is None else self.measured.price) \
             if cfg.depth_schedule == "gain" else None
         self.gain_skipped = 0  # steps whose n-gram match was not worth drafting
         self.gate = IdleGate()  # batch sizes at which the gain rule drafts nothing: plain steps, no lookups
-        # the last step: (batch, plain cost, the curve's price of its drafts, sequences that drafted,
-        # whether the proposer ran)
-        self._priced: tuple[int, float, float, int, bool] | None = None
-        # whether drafting has paid at each batch size, as measured (a measured curve only, like the price)
-        self.ledger = DraftLedger() if price is not None else None
+
+    @property
+    def ledger(self) -> DraftLedger | None:
+        return None if self.measured is None else self.measured.ledger
 
     def metrics(self) -> dict[str, float]:
         if self.gain is None:
             return {}
         out: dict[str, float] = {"spec_decode_gain_skipped_drafts": self.gain_skipped,
                                  "spec_decode_idle_plain_steps": self.gate.skipped}
-        if self.ledger is not None:  # steps made plain by the measured ledger (draft_price.py)
-            out["spec_decode_ledger_plain_steps"] = self.ledger.skipped
-        if self.gain.price is not None:  # the measured price factor of draft rows per batch size seen
-            for b in sorted(self.gain.price.fits):
-                p = self.gain.price.price(b)
-                out[f"spec_decode_draft_price_factor_batch_{b}"] = p.factor
-                out[f"spec_decode_draft_price_fixed_batch_{b}"] = p.fixed
+        if self.measured is not None:  # the ledger's plain steps and the measured price (draft_price.py)
+            out.update(self.measured.metrics())
         return out
 
     def observe_step(self, batch: int, tokens: int, seconds: float) -> None:
-        priced, self._priced = self._priced, None
-        if self.gain is not None and self.gain.price is not None and priced is not None and priced[0] == batch:
-            self.gain.price.observe(batch, priced[1], priced[2], priced[3], seconds)
-            if self.ledger is not None:
-                self.ledger.observe(batch, priced[1], priced[4], tokens, seconds)
+        if self.measured is not None:
+            self.measured.observe_step(batch, tokens, seconds)
 
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[DraftBeam | None]:
-        self._priced = None
-        if self.gain is not None and ((self.ledger is not None and not self.ledger.allows(len(seqs)))
-                                      or not self.gate.open(len(seqs))):
-            self._priced = (len(seqs), self.gain.plain_cost(len(seqs), sum(s.num_cached for s in seqs)), 0.0, 0,
-                            False)
+        m = self.measured
+        if self.gain is not None and ((m is not None and not m.allows(len(seqs))) or not self.gate.open(len(seqs))):
+            if m is not None:
+                m.record(len(seqs), self.gain.plain_cost(len(seqs), sum(s.num_cached for s in seqs)), 0.0, 0, False)
             return [None] * len(seqs)
         out: list[DraftBeam | None] = []
-        m = self.cfg.num_candidates
         drafted = 0  # rows this step's earlier sequences drafted (their cost is already taken)
         extra, drafting = 0.0, 0  # the curve's price of this step's drafts, sequences that drafted
         for seq, d in zip(seqs, depths, strict=True):
             held = seq.strategy_state.get(_TOKENS)
             if held is None:
                 held = seq.strategy_state[_TOKENS] = TokenArray()
-            cands = ngram_candidates(seq.token_ids, self.cfg.min_n, self.cfg.max_n, m,
+            cands = ngram_candidates(seq.token_ids, self.cfg.min_n, self.cfg.max_n, self.cfg.num_candidates,
                                      d if self.gain is None else self.cfg.depth, held.of(seq.token_ids))
             if self.gain is not None:
                 d = self._gain_length(seq, cands, d, len(seqs), drafted)
@@ -267,8 +258,9 @@ class NgramProposer(Proposer):
             out.append(DraftBeam(toks, torch.zeros(toks.shape)))
         if self.gain is not None:
             self.gate.observe(len(seqs), drafted > 0)
-            self._priced = (len(seqs), self.gain.plain_cost(len(seqs), sum(s.num_cached for s in seqs)), extra,
-                            drafting, True)
+            if m is not None:
+                m.record(len(seqs), self.gain.plain_cost(len(seqs), sum(s.num_cached for s in seqs)), extra,
+                         drafting, True)
         return out
 
     def _gain_length(self, seq: Sequence, cands: list[tuple[int, list[int]]], max_depth: int, batch: int,

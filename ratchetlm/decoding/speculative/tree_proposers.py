@@ -1,6 +1,7 @@
 """Training-free tree proposers: ``recycling`` (Token Recycling's successor table), ``suffix``
 (SuffixDecoding-style tries over the request and the engine's recent outputs) and ``hybrid``
-(both merged into one tree: the default ``speculative`` method).
+(both merged into one tree; the default ``speculative`` method is ``ngram``, measured faster on
+Spec-Bench, docs/benchmarks.md).
 
 Every source proposes scored children for the nodes of one tree and tree_select.py keeps the
 nodes, best first, while the expected accepted tokens per unit of verify cost (the measured cost
@@ -17,6 +18,8 @@ from typing import Any
 
 import torch
 
+from ratchetlm.decoding.speculative.draft_price import DraftPrice, MeasuredDrafts, Price
+from ratchetlm.decoding.speculative.gain import MARGIN
 from ratchetlm.decoding.speculative.idle_gate import IdleGate
 from ratchetlm.decoding.speculative.proposers import DraftBeam, Proposer, register_proposer, verify_cost
 from ratchetlm.decoding.speculative.recycling import SuccessorTable
@@ -41,7 +44,8 @@ SUFFIX_WIDTH = 4  # most frequent continuations kept per suffix node
 # ~200 steps each) steps verifying trees of at most 4 / 8 / 16 nodes cost 1.64x / 2.45x / 4.41x a plain
 # step where the curve (1.21x at 4 rows, 1.50x at 8, 2.61x at 16) priced them at ~1.3x / 1.6x / 2.8x:
 # the curve times bare forwards (no context, tree mask, staging, commit or top-k of every row).
-# Priced at the curve, trees of 1-4 nodes looked worth it at MAL 1.4 (QA, math) and lost there.
+# Priced at the curve, trees of 1-4 nodes looked worth it at MAL 1.4 (QA, math) and lost there. With the
+# measured curve this is where each batch size's learnt price starts (draft_price.DraftPrice's prior).
 TREE_PRICE = 1.6
 _PLAN = "spec_tree_plan"  # strategy_state keys: the last tree (judged once committed tokens pass it)
 _INDEX = "spec_suffix_index"  # this sequence's SequenceIndex
@@ -107,9 +111,13 @@ class TreeProposer(Proposer):
             self.sources += [SuffixSource("suffix"), SuffixSource("history")]
         self.wants_logits = self.recycling
         self.calib = Calibration(prior=prior)
-        # a price fixed by verify_token_cost is taken as given; the measured curve's at its real price
-        self.costs = CostTable(verify_cost(cfg, ctx), 1.0 if cfg.verify_token_cost is not None else TREE_PRICE)
+        self.costs = CostTable(verify_cost(cfg, ctx))
         self.gain = cfg.depth_schedule != "constant"
+        # a price fixed by verify_token_cost is taken as given (the curve's, nothing measured); the measured
+        # curve's is learnt per batch size from the steps' own times, starting at TREE_PRICE, and a ledger
+        # stops proposing at a batch size where it measured slower than plain steps (draft_price.py)
+        self.measured = MeasuredDrafts(DraftPrice(TREE_PRICE)) \
+            if self.gain and cfg.verify_token_cost is None else None
         self.gate = IdleGate()  # batch sizes at which the gain rule drafts nothing: plain steps, no proposing
         self.counts = {"trees": 0, "nodes": 0, "skipped": 0}
 
@@ -118,19 +126,27 @@ class TreeProposer(Proposer):
 
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[DraftBeam | None]:
         # a gated step is a plain one: nothing proposed, and the strategy hands over no logits (no top-k)
-        gated = self.gain and not self.gate.open(len(seqs))
+        b, m = len(seqs), self.measured
+        gated = self.gain and ((m is not None and not m.allows(b)) or not self.gate.open(b))
         self.wants_logits = self.recycling and not gated
+        plain = self.costs(b)[b] + self.costs.cost.first_token * sum(s.num_cached for s in seqs) \
+            if m is not None else 0.0
         if gated:
+            if m is not None:
+                m.record(b, plain, 0.0, 0, False)
             return [None] * len(seqs)
+        price = m.price.price(b) if m is not None else Price()
+        margin = MARGIN if m is not None and b > 1 else 0.0
         out: list[DraftBeam | None] = []
         drafted = 0  # rows this step's earlier sequences drafted
+        extra, drafting = 0.0, 0  # the curve's price of this step's trees, sequences that drafted
         for seq, d in zip(seqs, depths, strict=True):
             tokens = seq.token_ids
             prev: Plan | None = seq.strategy_state.get(_PLAN)
             if prev is not None and prev.start < len(tokens):
                 judge(prev, tokens, self.calib)
             plan = build(self.sources, self._roots(seq), tokens[-1], self.calib, self.costs, self.cfg.tree_nodes, d,
-                         len(seqs), drafted, self.gain, len(tokens), seq.num_cached)
+                         b, drafted, self.gain, len(tokens), seq.num_cached, price, margin)
             seq.strategy_state[_PLAN] = plan
             if not plan.nodes:
                 self.counts["skipped"] += bool(plan.root_kids)
@@ -139,10 +155,14 @@ class TreeProposer(Proposer):
             self.counts["trees"] += 1
             self.counts["nodes"] += len(plan.nodes)
             drafted += len(plan.nodes) + 1
+            extra += plan.extra
+            drafting += 1
             beam = to_beam(plan.nodes)
             out.append(DraftBeam(beam, torch.zeros(beam.shape), to_tree(plan.nodes)))
         if self.gain:
-            self.gate.observe(len(seqs), drafted > 0)
+            self.gate.observe(b, drafted > 0)
+            if m is not None:
+                m.record(b, plain, extra, drafting, True)
         return out
 
     def _roots(self, seq: Sequence) -> dict[int, Any]:
@@ -174,10 +194,18 @@ class TreeProposer(Proposer):
         if self.history is not None:
             self.history.add(seq.output_ids)
 
+    def observe_step(self, batch: int, tokens: int, seconds: float) -> None:
+        if self.measured is not None:
+            self.measured.observe_step(batch, tokens, seconds)
+
     def metrics(self) -> dict[str, float]:
         c = self.counts
-        return {"spec_decode_tree_drafts": c["trees"], "spec_decode_tree_draft_nodes": c["nodes"],
-                "spec_decode_gain_skipped_drafts": c["skipped"], "spec_decode_idle_plain_steps": self.gate.skipped}
+        out: dict[str, float] = {
+            "spec_decode_tree_drafts": c["trees"], "spec_decode_tree_draft_nodes": c["nodes"],
+            "spec_decode_gain_skipped_drafts": c["skipped"], "spec_decode_idle_plain_steps": self.gate.skipped}
+        if self.measured is not None:  # the ledger's plain steps and the measured price (draft_price.py)
+            out.update(self.measured.metrics())
+        return out
 
 
 @register_proposer("recycling")

@@ -13,15 +13,18 @@ the edge probabilities from the root), so with nodes taken best-first by path pr
 child's never exceeds its parent's: every prefix of the order is a tree) the tree of ``n`` nodes
 is worth::
 
-    value(n) = (1 + Σ_{first n} p_path) / (share + k·(C(B + e + n + 1) − C(B + e)) + n·r·L),   value(0) = 1 / share
+    value(n) = (1 + Σ_{first n} p_path) / (share + k·E(n) + g),   value(0) = (1 + margin) / share
+    E(n) = C(B + e + n + 1) − C(B + e) + n·r·L
 
 — the gain schedule's rule (gain.py) with the chain's ``P(≥ j)`` replaced by node path
 probabilities: ``C`` the measured cost curve, ``share = C(B)/B + f·L`` (``f``, ``r``: the curve's
 per-cached-token terms, ``L`` the sequence's cached tokens), ``e`` the rows earlier sequences
-of the step drafted. The tree is the ``n`` maximising it (0: a plain step). ``k``
-(``CostTable.tree_price``, ``TREE_PRICE`` in tree_proposers.py for the measured curve) is what a tree
-step's rows really cost against the curve's price: the curve times bare forwards with no context,
-mask, staging or per-row top-k, and a tree step measured ~1.6x the curve's extra cost.
+of the step drafted. The tree is the ``n`` maximising it (0: a plain step). ``E(n)`` is the curve's
+price of the tree; ``k`` and ``g`` (a :class:`Price`: factor and fixed part) what a tree step's rows
+really cost against it, learnt per batch size from the steps' own times (draft_price.py; starting
+from ``TREE_PRICE`` in tree_proposers.py: the curve times bare forwards with no context, mask,
+staging or per-row top-k, and a tree step measured ~1.6x the curve's extra cost); ``margin`` (in a
+batch, gain.MARGIN) what a draft must beat a plain step by where its price is an estimate.
 
 Judging: every candidate child of every node the tree *selected* (drafted or not) is scored once the
 committed tokens pass it — hit if it is the committed token — walking down the committed path while
@@ -40,8 +43,10 @@ import numpy as np
 import torch
 
 from ratchetlm.decoding.speculative.cost_curve import CostCurve
+from ratchetlm.decoding.speculative.draft_price import Price
 from ratchetlm.decoding.speculative.verify import DraftTree
 
+CURVE = Price()  # the curve's price as it is
 PRIOR = 2.0  # pseudo-observations of a key's source-wide rate in the key's own estimate
 
 
@@ -93,6 +98,7 @@ class Plan:
     start: int  # len(seq.token_ids) when proposed: the first committed token after the root
     root_kids: list[tuple[int, list[tuple]]]
     nodes: list[Node]
+    extra: float = 0.0  # the curve's price of ``nodes`` (E(n), unscaled; 0 for no tree)
 
 
 def _children(sources: list[DraftSource], states: dict[int, Any], token: int, calib: Calibration
@@ -110,12 +116,10 @@ def _children(sources: list[DraftSource], states: dict[int, Any], token: int, ca
 
 
 class CostTable:
-    """The cost curve at 0..R rows as an array (grown on demand; row 0 read as 1). ``tree_price``:
-    what a draft's rows really cost per unit of the curve's price for them (1: the curve as is)."""
+    """The cost curve at 0..R rows as an array (grown on demand; row 0 read as 1)."""
 
-    def __init__(self, cost: CostCurve, tree_price: float = 1.0) -> None:
-        assert tree_price >= 1.0, tree_price
-        self.cost, self.c, self.tree_price = cost, np.ones(1), tree_price
+    def __init__(self, cost: CostCurve) -> None:
+        self.cost, self.c = cost, np.ones(1)
 
     def __call__(self, rows: int) -> np.ndarray:
         if len(self.c) <= rows:
@@ -125,10 +129,13 @@ class CostTable:
 
 def build(sources: list[DraftSource], roots: dict[int, Any], root_token: int, calib: Calibration, costs: CostTable,
           max_nodes: int, max_depth: int, batch: int, drafted: int, gain: bool, start: int,
-          context: int = 0) -> Plan:
+          context: int = 0, price: Price = CURVE, margin: float = 0.0) -> Plan:
     """Best-first tree from the root (``roots``: each source's state at the root; sources without a
     state there propose nothing). ``gain``: cut at the best value; else keep ``max_nodes`` nodes
-    (a static size). ``context``: the sequence's cached tokens (every verified row reads them)."""
+    (a static size). ``context``: the sequence's cached tokens (every verified row reads them);
+    ``price``: a tree's real cost against the curve's price ``E(n)``, ``factor·E(n) + fixed``;
+    ``margin``: what a tree must beat a plain step's value by. The plan's ``extra`` is ``E(n)`` of
+    the tree kept (the curve's price, unscaled: what the measured price is fitted against)."""
     root_kids = _children(sources, roots, root_token, calib)
     heap: list[tuple[float, int, int, int, list[tuple], dict[int, Any]]] = []  # (-p, order, token, parent, ...)
     order = 0
@@ -139,21 +146,22 @@ def build(sources: list[DraftSource], roots: dict[int, Any], root_token: int, ca
     curve = costs.cost
     share = c[batch] / batch + curve.first_token * context
     base = batch + drafted
-    c = c[base] + costs.tree_price * (c - c[base])  # a draft's rows at their real price (c[base] unchanged)
-    # ... and each reads the context: c[base + n + 1] - c[base] then prices n nodes with their attention
-    c = c + curve.row_token * context * np.maximum(np.arange(len(c)) - base - 1, 0)
+    # extra[base + n + 1] = E(n): the curve's price of n nodes (and the root's staging row), each node's
+    # row also reading the context; cost[...] the same at its real price
+    extra = c - c[base] + curve.row_token * context * np.maximum(np.arange(len(c)) - base - 1, 0)
+    cost = price.factor * extra + price.fixed
     nodes: list[Node] = []
-    expected, best, best_n = 1.0, 1.0 / share, 0
+    expected, best, best_n = 1.0, (1.0 + margin) / share, 0
     while heap and len(nodes) < max_nodes:
         negp, _, tok, parent, keys, sts = heapq.heappop(heap)
         depth = 0 if parent < 0 else nodes[parent].depth + 1
         node = Node(tok, parent, depth, -negp, keys, sts)
         nodes.append(node)
         expected += node.p
-        value = expected / (share + c[base + len(nodes) + 1] - c[base])
+        value = expected / (share + cost[base + len(nodes) + 1])
         if value > best or not gain:
             best, best_n = value, len(nodes)
-        if gain and not _may_improve(expected, node.p, len(nodes), max_nodes, c, base, share, best):
+        if gain and not _may_improve(expected, node.p, len(nodes), max_nodes, cost, base, share, best):
             break  # no later node (none is likelier than this one) can lift the value above the best
         if depth + 1 < max_depth and sts:
             kids = _children(sources, sts, tok, calib)
@@ -161,16 +169,18 @@ def build(sources: list[DraftSource], roots: dict[int, Any], root_token: int, ca
             for t, p, k, s in kids:
                 heapq.heappush(heap, (-node.p * p, order, t, len(nodes) - 1, k, s))
                 order += 1
-    return Plan(start, [(t, k) for t, _, k, _ in root_kids], nodes[:best_n])
+    return Plan(start, [(t, k) for t, _, k, _ in root_kids], nodes[:best_n],
+                float(extra[base + best_n + 1]) if best_n else 0.0)
 
 
-def _may_improve(expected: float, p: float, n: int, max_nodes: int, c: np.ndarray, base: int, share: float,
+def _may_improve(expected: float, p: float, n: int, max_nodes: int, cost: np.ndarray, base: int, share: float,
                  best: float) -> bool:
-    """Whether some tree of ``n + k`` nodes could beat ``best``, every further node at most ``p``."""
+    """Whether some tree of ``n + k`` nodes could beat ``best``, every further node at most ``p``
+    (``cost[base + m + 1]``: the price of ``m`` nodes)."""
     k = np.arange(1, max_nodes - n + 1)
     if not len(k):
         return False
-    bound = (expected + p * k) / (share + c[base + n + k + 1] - c[base])
+    bound = (expected + p * k) / (share + cost[base + n + k + 1])
     return bool(bound.max() > best)
 
 
