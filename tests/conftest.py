@@ -159,6 +159,8 @@ UNIT_COST_S = {
     # suiteS: the statistical sampling tests on a tiny byte-vocabulary model; suiteP: one data-parallel server per
     # file, bad flags and the bench parent in-process; suiteA/suiteB, 2026-11-29: prefix-cache scenarios in the
     # default numerics, the vLLM scripts and the flagged servers in the test process, stdin in-process)
+    # (suiteD, 2026-11-29: the V4 mixed batch 160 calls, the V4 continuous-batching HF check teacher-forced:
+    # tests/deepseek_v4/ 150 -> 135)
 }
 COST_PER_TEST = 0.8
 # Directories whose tests share session fixtures of their own (tiny models, tokenizers, grammar compilers) that
@@ -166,7 +168,7 @@ COST_PER_TEST = 0.8
 # build), its load, and the 16384-token reference (conftest.long_run, ~18 s) that test_driver, test_long_context
 # and test_mtp use.
 DIR_UNITS = ("tests/deepseek_v4/", "tests/wedlm/", "tests/structured/", "tests/text/")
-UNIT_COST_S.update({"tests/deepseek_v4/": 150, "tests/wedlm/": 40, "tests/structured/": 25, "tests/text/": 6})
+UNIT_COST_S.update({"tests/deepseek_v4/": 135, "tests/wedlm/": 40, "tests/structured/": 25, "tests/text/": 6})
 # Files in different directories that share an expensive session fixture, kept on one worker so that it is built
 # once: a group -> its files. (pytest-xdist's ``xdist_group`` mark cannot do this here: xdist 3.8 tells the
 # controller a test's group by appending "@<group>" to its node id on the worker, which pytest 9.2's structured

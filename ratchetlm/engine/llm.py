@@ -19,10 +19,10 @@ from ratchetlm.engine.engine_args import decoding_shorthands, split_engine_args
 from ratchetlm.engine.generation_config import model_sampling_defaults
 from ratchetlm.engine.llm_engine import LLMEngine
 from ratchetlm.engine.pooling import PoolingParams, PoolingRequestOutput, embed, encode
-from ratchetlm.engine.prompts import Prompt, PromptTokenizer, as_prompt_list, prompt_text, render_chat
+from ratchetlm.engine.prompt_side import PromptSide
+from ratchetlm.engine.prompts import Prompt, as_prompt_list, prompt_text
 from ratchetlm.layers.mapped_pages import trim_heap
 from ratchetlm.models.registry import load_model
-from ratchetlm.models.tokenizer import other_tokenizer, special_tokens
 from ratchetlm.outputs import RequestOutput
 from ratchetlm.runners import start_tensor_parallel
 from ratchetlm.sampling_params import SamplingParams
@@ -32,11 +32,12 @@ log = logging.getLogger("ratchetlm")
 __all__ = ["LLM", "RequestOutput", "StreamEvent"]
 
 
-class LLM:
+class LLM(PromptSide):
     """Offline inference. Keyword arguments are :class:`EngineConfig` fields and vLLM engine
     arguments (engine/engine_args.py: honoured where they mean something here, else ignored with
     one warning), plus ``speculative={...}`` / ``wedlm={...}`` shorthands for
-    ``decoding``/``decoding_options``."""
+    ``decoding``/``decoding_options``. ``tokenize`` / ``apply_chat_template`` / the default sampling
+    parameters come from :class:`PromptSide`."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         mask_token_id = kwargs.pop("mask_token_id", None)
@@ -57,12 +58,7 @@ class LLM:
             self.config = self.config.with_model_numerics(loaded.model)
             log.info("%s", loaded.numerics.describe())  # once per engine: which numerics, and why
             self.numerics_description = loaded.numerics.describe()
-            self.tokenizer, tok_source = loaded.tokenizer, loaded.source
-            other = None if extras.get("tokenizer") is None else \
-                other_tokenizer(str(extras["tokenizer"]), loaded.source, loaded.config.vocab_size)
-            if other is not None:
-                self.tokenizer, tok_source = other
-            self._prompts = PromptTokenizer(self.tokenizer, special_tokens(tok_source, self.tokenizer))
+            self._set_tokenizer(loaded.tokenizer, loaded.source, extras.get("tokenizer"), loaded.config.vocab_size)
             self.model_config = loaded.config
             # vLLM's generation_config: the model's recommended sampling, for requests that give none
             self.default_sampling = model_sampling_defaults(self.config.generation_config, loaded.source,
@@ -87,35 +83,13 @@ class LLM:
         if close is not None:
             close()
 
-    def get_tokenizer(self) -> Any:
-        return self.tokenizer
-
-    def get_default_sampling_params(self) -> SamplingParams:
-        """vLLM's: the sampling parameters of a ``generate`` / ``chat`` call given none: the model's
-        defaults (``generation_config``, engine/generation_config.py) over SamplingParams' own."""
-        return SamplingParams(**self.default_sampling)
-
-    # ------------------------------------------------------------------ prompts (engine/prompts.py)
-
-    def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
-        """The token ids a prompt feeds the model: text with the tokenizer's own special tokens (the
-        BOS where the model's metadata asks for one) unless ``add_special_tokens=False``; token ids as given."""
-        return self._prompts.tokenize(prompt, add_special_tokens)
+    # ------------------------------------------------------------------ pooling (engine/pooling.py)
 
     def encode(self, prompt: Any, pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
                use_tqdm: bool | None = None, pooling_task: str | None = None) -> list[PoolingRequestOutput]:
         """vLLM's pooling call (engine/pooling.py): a :class:`PoolingRequestOutput` per prompt. The tokenizer
         helper that used this name is :meth:`tokenize`."""
         return encode(self, prompt, pooling_params, pooling_task or "embed")
-
-    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                            tool_parser: str | None = None, add_generation_prompt: bool = True,
-                            chat_template: str | None = None, continue_final_message: bool = False,
-                            chat_template_kwargs: Mapping[str, Any] | None = None,
-                            content_format: str = "auto") -> str:
-        """The prompt text for ``messages`` (engine/prompts.py:render_chat)."""
-        return render_chat(self.tokenizer, messages, tools, tool_parser, add_generation_prompt, chat_template,
-                           continue_final_message, chat_template_kwargs, content_format)
 
     def embed(self, prompts: Any, pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
               use_tqdm: bool | None = None) -> list[PoolingRequestOutput]:

@@ -57,6 +57,7 @@ from ratchetlm.server.protocol import (
     check_unsupported,
     lone_surrogate_path,
 )
+from ratchetlm.server.replicas import ReplicaPool
 from ratchetlm.server.responses_store import ResponseStore
 from ratchetlm.server.serving_chat import ChatPlan
 from ratchetlm.server.serving_completion import CompletionPlan
@@ -151,17 +152,21 @@ class ServerState:
                                   max_tokens_cap=_override_cap(llm))
         self.engine = eng
 
-    def load(self, loader: Callable[[], Any]) -> None:
+    def load(self, loader: Any) -> None:
+        """``loader()``: the model (server/cli.py:ModelLoader); with data parallelism, pickled into
+        each replica, and ``loader.front(facts)`` is what this process serves from."""
         try:
-            llm = loader()
-            pool = None
             if self.cfg.data_parallel_size > 1:
-                from ratchetlm.server.replicas import ReplicaPool
-
-                # this process keeps the tokenizer and template (requests are prepared here); the
-                # replicas load the model again, each with its own engine and KV cache
+                # the replicas load the model, each with its own engine and KV cache; this process
+                # prepares requests, from the tokenizer and template alone (server/front.py)
                 pool = ReplicaPool(loader, self.cfg.data_parallel_size)
-            self.ready(llm, pool)
+                try:
+                    self.ready(loader.front(pool.facts), pool)
+                except BaseException:
+                    pool.shutdown()
+                    raise
+            else:
+                self.ready(loader())
         except Exception as e:  # reported by /health (no paths); the full message goes to the log
             self.load_error = "the model failed to load: " + public_error(e, self.hide)
             print(f"ratchet serve: failed to load the model: {type(e).__name__}: {e}", file=sys.stderr)

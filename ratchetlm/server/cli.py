@@ -30,7 +30,7 @@ _SERVER_HELP = {
     "allowed_origins": "CORS: origins browsers may call from, as a JSON list or comma-separated ('*' = any); "
                        "default: none (no CORS headers)",
     "data_parallel_size": "engine replicas (processes, each with the model and its own KV cache) behind this "
-                          "server; requests go to the least loaded",
+                          "server, which keeps only the tokenizer; requests go to the least loaded",
     "responses_store_size": "/v1/responses kept in memory for previous_response_id and GET /v1/responses/{id} "
                             "(least recently used dropped first; 0 = none kept)",
     "tool_call_parser": "tool-call format of the model family: auto (from the chat template) | smollm2 | "
@@ -133,6 +133,16 @@ class ModelLoader:
         if self.chat_template is not None:
             llm.tokenizer.chat_template = self.chat_template
         return llm
+
+    def front(self, facts: Any) -> Any:
+        """What a data-parallel front process serves from: the tokenizer and chat template with the
+        replicas' :class:`~ratchetlm.server.front.EngineFacts`, no weights (server/front.py); the
+        whole model for the pooling runner only, whose embeddings are computed in the front."""
+        if facts.config.runner == "pooling":
+            return self()
+        from ratchetlm.server.front import FrontLLM  # (as in __call__: `ratchet serve --help` imports no torch)
+
+        return FrontLLM(self.model, self.kwargs, facts, self.chat_template)
 
 
 def check_engine_flags(model: str | None, kw: dict) -> str | None:

@@ -2,12 +2,13 @@
 
 Each replica is a process (``spawn``: a fork of a process that already ran torch's thread pool can
 hang) that loads the model and runs the usual :class:`AsyncEngine` — scheduler, strategy, text
-layer — unchanged. The front keeps its own tokenizer and chat template (it validates and tokenizes
-requests as with one engine) and talks to each replica over a pipe:
+layer — unchanged. The front loads the tokenizer and chat template alone, no weights (it validates
+and tokenizes requests as with one engine, against the facts a replica reports: server/front.py)
+and talks to each replica over a pipe:
 
     front -> replica   ("add", gid, [Submission]) | ("abort", gid) | ("fail_all", (msg, status)) | ("stop", None)
-    replica -> front   ("ready", pid) | ("accepted", gid) | ("rejected", gid, exc) | ("deltas", gid, [Delta])
-                       | ("error", gid, (msg, status)) | ("snapshot", Snapshot)
+    replica -> front   ("ready", pid, EngineFacts) | ("accepted", gid) | ("rejected", gid, exc)
+                       | ("deltas", gid, [Delta]) | ("error", gid, (msg, status)) | ("snapshot", Snapshot)
 
 A request goes to the live replica with the fewest unfinished choices (its running + waiting
 requests, counted by the front, so it is exact at routing time). A replica that dies fails only its
@@ -35,6 +36,7 @@ from ratchetlm.server.async_engine import (
     Snapshot,
     Submission,
 )
+from ratchetlm.server.front import EngineFacts
 
 # ---------------------------------------------------------------------- the replica process
 
@@ -51,7 +53,7 @@ def replica_main(loader: Callable[[], Any], conn: Any) -> None:
     # then reports it in /health and routes to the others; the delay lets its errors reach the front
     eng.on_dead = lambda: threading.Timer(1.0, os._exit, args=(3,)).start()
     eng.start()
-    conn.send(("ready", os.getpid()))
+    conn.send(("ready", os.getpid(), EngineFacts.of(llm)))
     asyncio.run(_serve_pipe(eng, conn))
     eng.shutdown()
 
@@ -156,13 +158,14 @@ class Replica:
         self.snapshot = Snapshot()
         self.alive = False
         self.pid: int | None = None
+        self.facts: EngineFacts | None = None  # what the loaded engine checks requests against
         self.served = 0  # requests routed here (the routing spread, shown by /health)
 
     def wait_ready(self) -> None:
         msg = self.conn.recv()
         if msg[0] != "ready":
             raise RuntimeError(f"data-parallel replica {self.index} failed to load the model: {msg[1]}")
-        self.pid, self.alive = msg[1], True
+        self.pid, self.facts, self.alive = msg[1], msg[2], True
         threading.Thread(target=self._read, name=f"ratchet-replica-{self.index}-reader", daemon=True).start()
 
     @property
@@ -230,6 +233,13 @@ class ReplicaPool:
         except BaseException:
             self.shutdown()
             raise
+
+    @property
+    def facts(self) -> EngineFacts:
+        """The engines' facts (the replicas load the same model with the same flags)."""
+        facts = self.replicas[0].facts
+        assert facts is not None, "every replica reported ready"
+        return facts
 
     def start(self) -> None:  # the replicas run from construction
         return None

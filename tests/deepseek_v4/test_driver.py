@@ -37,7 +37,9 @@ def test_single_8192_prompt_512_steps_matches_hf(hf_model, model):
     hf = _hf_logits(hf_model, torch.cat([prompt, cont[:STEPS]]))[8192 - 1 :]  # [1 + STEPS, vocab]
     # The prompt is prefilled through the engine in 2048-token chunks (its token budget).
     engine = v4_engine(model, "teacher_forced", shuffle_seed=5, max_num_seqs=1)
-    (sid,) = forced_run(engine, [prompt.tolist()], [cont.tolist()])
+    (sid,) = forced_run(engine, [prompt.tolist()], [cont.tolist() + [0]], steps=0)  # one to spare: stays live
+    while engine.seqs[sid].num_cached < 8192 + STEPS:
+        engine.step()
     logits = torch.stack(engine.strategy.logits[sid])  # [0]: after the prompt; [1 + i]: after decode call i
     assert logits.shape == hf.shape == (1 + STEPS, 96)
     top2 = hf.topk(2, dim=-1).values
@@ -54,14 +56,30 @@ def test_single_8192_prompt_512_steps_matches_hf(hf_model, model):
     decode_calls = engine.strategy.commits[-STEPS:]
     assert all(c == {sid: 1} for c in decode_calls)  # each decode call commits exactly one token
     assert engine.seqs[sid].num_cached == 8192 + STEPS
+    _next_step_lowers(engine, [sid])  # the seed's "after 512 calls, cache/state metadata remains valid"
+
+
+def _next_step_lowers(engine, sids: list[int]) -> None:
+    """The metadata stays valid: the next decode step lowers without complaint, from the sequences' own
+    blocks grown the way the scheduler grows them."""
+    for sid in sids:
+        seq = engine.seqs[sid]
+        engine.blocks.grow(seq, seq.num_cached + 1)
+    lower_decode_step(torch.tensor([engine.seqs[s].num_cached for s in sids]), engine.runner.layout.tables(sids),
+                      engine.runner.cap)
 
 
 MIXED_STARTS = [120, 505, 4090, 8185, 8703]  # near 127/128, 511/512, 4095/4096, 8191/8192, 8703
 # the determinism rerun: 48 calls (positions start .. start + 47) take every sequence across its boundary
 # above, each with a ring wrap (127 -> 0), twelve CSA windows (compressed + indexer entries), one HCA window
-# (at 127, 511, 4095, 8191, 8703), for 505 -> 512 a second CSA block, and hand freed state pages of every
-# kind out again (asserted below); the 464 calls after them cross no kind of boundary not crossed here
+# (at 127, 511, 4095, 8191, 8703), for 505 -> 512, 4090 -> 4096 and 8185 -> 8192 a new CSA compressed block,
+# and hand freed state pages of every kind out again (asserted below)
 RERUN_STEPS = 48
+# the mixed batch runs 160 calls (the 8192-token test above keeps the seed's 512): every sequence's ring
+# wraps twice, so ring rows that decode itself wrote are overwritten by decode (32 of them per sequence),
+# and every sequence completes two HCA windows; the calls after these cross no kind of boundary not crossed
+# here (the seed's 512 did: 1.4 ms of each 31 ms call was the check, the rest the forward)
+MIXED_STEPS = 160
 POOLS = ("ori", "csa_cmp", "idx", "hca_cmp", "csa_state", "inner_state", "hca_state")
 
 
@@ -118,14 +136,14 @@ def _watch_cache_writes(engine) -> list[dict[int, int]]:
     return calls
 
 
-def test_mixed_batch_512_steps_matches_reference_and_is_deterministic(model, long_run):
+def test_mixed_batch_matches_reference_and_is_deterministic(model, long_run):
     ids, ref, traces = long_run
 
     def run(steps, seed, watch=True):
         engine = v4_engine(model, "teacher_forced", shuffle_seed=seed, max_num_seqs=len(MIXED_STARTS))
         writes = _watch_cache_writes(engine) if watch else []
         prompts = [ids[: p + 1].tolist() for p in MIXED_STARTS]
-        forced = [ids[p + 1 : p + 2 + STEPS].tolist() for p in MIXED_STARTS]  # one to spare: stay live
+        forced = [ids[p + 1 : p + 2 + MIXED_STEPS].tolist() for p in MIXED_STARTS]  # one to spare: stay live
         sids = forced_run(engine, prompts, forced, restored=[(traces, p) for p in MIXED_STARTS], steps=steps)
         return engine, sids, writes
 
@@ -135,30 +153,34 @@ def test_mixed_batch_512_steps_matches_reference_and_is_deterministic(model, lon
     for name in ("csa_state", "inner_state", "hca_state"):
         phys = [p for n, _, p in engine.blocks.page_history if n == name]
         assert len(phys) > len(set(phys)), name
-    for _ in range(STEPS - RERUN_STEPS):
+    for _ in range(MIXED_STEPS - RERUN_STEPS):
         engine.step()
+    cap = engine.runner.cap
+    for p in MIXED_STARTS:  # what MIXED_STEPS is chosen for (above): calls write positions p .. p + 159
+        assert (p + MIXED_STEPS - 1) // cap.window - (p - 1) // cap.window >= 2  # ring slot 0 written twice
+        assert (p + MIXED_STEPS) // cap.hca_ratio - p // cap.hca_ratio >= 2  # two HCA windows completed
     # every call committed exactly one token per sequence, judged by what reached the caches
-    assert len(writes) == STEPS and all(w == {s: 1 for s in sids} for w in writes)
+    assert len(writes) == MIXED_STEPS and all(w == {s: 1 for s in sids} for w in writes)
     assert all(c == {s: 1 for s in sids} for c in engine.strategy.commits)  # batched, one commit each
     for sid, p in zip(sids, MIXED_STARTS, strict=True):
-        assert engine.seqs[sid].num_cached == p + STEPS
+        assert engine.seqs[sid].num_cached == p + MIXED_STEPS
         logits = engine.strategy.logits[sid]
-        for step in SAMPLED:
+        assert len(logits) == MIXED_STEPS
+        for step in range(MIXED_STEPS):  # every call's logits (the seed's 512-call run sampled 14 of them)
             torch.testing.assert_close(logits[step], ref[p + step], atol=5e-5, rtol=0,
                                        msg=f"seq start {p} step {step}")
             assert int(logits[step].argmax()) == int(ref[p + step].argmax())
-    # metadata stays valid after 512 calls: the next step lowers without complaint (from the
-    # sequences' own blocks, grown the way the scheduler grows them)
-    for sid in sids:
-        seq = engine.seqs[sid]
-        engine.blocks.grow(seq, seq.num_cached + 1)
-    lower_decode_step(torch.tensor([engine.seqs[s].num_cached for s in sids]), engine.runner.layout.tables(sids),
-                      engine.runner.cap)
+    for sid in sids:  # nothing piles up as the windows move: each kind of state page stays within its bound
+        held = engine.blocks.mapped(sid)
+        for name, ratio in (("csa_state", cap.csa_ratio), ("inner_state", cap.csa_ratio),
+                            ("hca_state", cap.hca_ratio)):
+            assert 0 < held[name] <= cap.state_pages_per_seq(ratio), (sid, name, held[name])
+    _next_step_lowers(engine, sids)
     # deterministic: a fresh run (same tables) reproduces the first RERUN_STEPS calls bit for bit, caches included
     again, again_sids, _ = run(RERUN_STEPS, seed=21, watch=False)  # (the writes were checked on the first run)
     for a_sid, sid in zip(again_sids, sids, strict=True):
         a_logits, logits = again.strategy.logits[a_sid], engine.strategy.logits[sid]
-        assert len(a_logits) == RERUN_STEPS and len(logits) == STEPS
+        assert len(a_logits) == RERUN_STEPS and len(logits) == MIXED_STEPS
         for step, (a, b) in enumerate(zip(a_logits, logits[:RERUN_STEPS], strict=True)):
             assert torch.equal(a, b), (sid, step)
     for key, pool in again.runner.layout.pools.tensors.items():
