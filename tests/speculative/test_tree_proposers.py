@@ -315,7 +315,7 @@ def test_every_computed_row_reaches_the_successor_table_once_per_step(spec_llm, 
     real_observe, real_commit = prop.observe_logits, strat.commit
 
     def observe(tokens, logits):
-        calls.append((tokens.clone(), logits.clone()))
+        calls.append((list(tokens), logits.clone()))
         real_observe(tokens, logits)
 
     def commit(seqs, proposals, logits):
@@ -327,11 +327,11 @@ def test_every_computed_row_reaches_the_successor_table_once_per_step(spec_llm, 
     assert len(calls) == len(steps) > 2  # one call per forward, with exactly its rows
     assert eng.strategy.metrics()["spec_decode_num_draft_tokens"] > 0  # tree rows (rejected ones too) among them
     for (tokens, logits), (want_tokens, want_logits) in zip(calls, steps, strict=True):
-        assert tokens.tolist() == want_tokens
+        assert tokens == want_tokens
         assert torch.equal(logits, want_logits)
     tokens, logits = calls[-1]
-    for j, t in enumerate(tokens.tolist()):
-        if t not in tokens.tolist()[j + 1:]:  # each token's last row of the last forward
+    for j, t in enumerate(tokens):
+        if t not in tokens[j + 1:]:  # each token's last row of the last forward
             assert prop.table.successors(t) == torch.topk(logits[j], 8).indices.tolist()
 
 
