@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from ratchetlm.decoding.speculative import suffix_index
 from ratchetlm.decoding.speculative.cost_curve import CostCurve
 from ratchetlm.decoding.speculative.draft_tree import trees_from_beams
 from ratchetlm.decoding.speculative.recycling import SuccessorTable, top_k_indices
@@ -338,3 +339,31 @@ def test_every_computed_row_reaches_the_successor_table_once_per_step(spec_llm, 
 def test_the_hook_is_off_for_proposers_that_do_not_want_logits(spec_llm, encoded):
     eng = make_engine(spec_llm, "speculative", method="suffix")
     assert not eng.strategy.proposer.wants_logits and eng.strategy.proposer.table is None
+
+
+def _span_walk(node: Any, depth: int) -> list[tuple[int, list[int], int, int]]:
+    out: list[tuple[int, list[int], int, int]] = []
+    if depth:
+        for t, k in node.kids.items():
+            out += [(t, k.starts.tolist(), k.count, k.left), *_span_walk(k, depth - 1)]
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_span_node_kids_grouped_in_python_equal_the_array_grouping(seed, monkeypatch):
+    """A node of a few occurrences groups its kids in Python (suffix_index.FEW): the same kids, in the
+    same order, with the same positions as numpy's grouping, on texts of few distinct tokens."""
+    rng = random.Random(seed)
+    for _ in range(60):
+        tokens = [rng.randrange(rng.randint(2, 7)) for _ in range(rng.randint(2, 200))]
+        idx = SequenceIndex(6)
+        idx.sync(tokens)
+        found = idx.match(5)
+        if found is None:
+            continue
+        walks = []
+        for few in (suffix_index.FEW, -1):  # -1: every node through numpy
+            monkeypatch.setattr(suffix_index, "FEW", few)
+            node = found[0]
+            walks.append(_span_walk(suffix_index.SpanNode(node.arr, node.starts, node.left), 4))
+        assert walks[0] == walks[1]
