@@ -6,7 +6,8 @@ Two parts:
   time, medians: the successor table's top-k of a verify's rows (kernels/argmax.c's one-pass selection
   against the former two-stage ``top_k_indices`` and ``torch.topk``; the default model's vocabulary,
   real-looking logits: a Gaussian row with a few dozen tokens far above the rest), a table row's read
-  (a Python list against indexing a ``[vocab, 8]`` int32 tensor and ``tolist``), the tree value bound
+  (a Python list against indexing a ``[vocab, 8]`` int32 tensor and ``tolist``), staging a step's K/V rows
+  (a slice copy against a converted copy and ``index_copy_``), the tree value bound
   (a loop over a list against numpy arrays), a suffix node's kids (grouped in Python against numpy's
   ``unique`` and masks) and the strategy's copy of one proposal's logits (``torch.cat``).
 * ``--phases``: Spec-Bench cases (the arguments after ``--`` go to bench_specbench.py) with every
@@ -122,6 +123,14 @@ def cuts(rows_list: list[int], repeats: int) -> None:
     suffix_index.FEW = few
     print(f"| suffix node kids, a 4-level walk ({node.count} occurrences) | {t['python']:.3f} | {t['numpy']:.3f} | "
           f"{t['numpy'] - t['python']:.3f} |")
+    k_all = torch.randn(30, 64, 3, 64)  # the decode chain's K rows of every layer (a view of its first rows)
+    buf = torch.zeros(30, 64, 3, 64, dtype=torch.float16)
+    for n in (1, 8):
+        rows, idx = k_all[:, :n], torch.arange(n)
+        t = timed({"slice": lambda rows=rows, n=n: buf[:, 0:n].copy_(rows),
+                   "index": lambda rows=rows, idx=idx: buf.index_copy_(1, idx, rows.to(buf.dtype))}, repeats)
+        print(f"| staging {n} rows' K of 30 layers (fp32 -> half) | {t['slice']:.3f} | index_copy_ {t['index']:.3f} | "
+              f"{t['index'] - t['slice']:.3f} |")
     one = logits(8)
     t = timed({"view": lambda: [one][0], "cat": lambda: torch.cat([one])}, repeats)
     print(f"| one proposal's 8 logit rows to the table | {t['view']:.3f} | cat {t['cat']:.3f} | "

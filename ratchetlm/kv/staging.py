@@ -154,6 +154,10 @@ class StagingBuffer:
         self._keep = stage_index >= 0
         self._keep_all = bool(self._keep.all())
         self._idx = stage_index if self._keep_all else stage_index[self._keep]
+        # staged at consecutive rows (a step's proposals are): a slice copy, converting as it goes, in
+        # place of a converted copy and an index_copy_ (~0.05 ms a forward of the default model)
+        idx = self._idx.tolist()
+        self._span = idx[0] if idx and idx == list(range(idx[0], idx[0] + len(idx))) else None
 
     def _abandon(self, cause: str) -> None:
         """Give up staging for the rest of this forward (counted once per forward). Rows already
@@ -203,7 +207,10 @@ class StagingBuffer:
                 buf = self._buffer(pool)
                 if not self._keep_all:
                     values = values[:, self._keep]
-                buf[i : i + n].index_copy_(1, idx, values.to(buf.dtype))
+                if self._span is not None:
+                    buf[i : i + n, self._span : self._span + len(idx)].copy_(values)
+                else:
+                    buf[i : i + n].index_copy_(1, idx, values.to(buf.dtype))
                 if pool not in self.staged_pools:
                     self.staged_pools.append(pool)
         except Exception:  # any staging failure: the plain path recomputes these tokens
