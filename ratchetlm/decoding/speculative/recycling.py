@@ -9,9 +9,8 @@ next.
 
 One table per engine (strategy), shared by every request, as in the paper's per-model table: the
 successors of common tokens (punctuation, function words, chat-template tokens) carry over, so a
-new request drafts from its first token instead of warming up, and a [vocab, 8] int32 table is
-1.5 MB for the default model's 49k vocabulary. Requests only ever see each other's drafts, never
-each other's tokens (verification keeps the output the target's own).
+new request drafts from its first token instead of warming up. Requests only ever see each other's
+drafts, never each other's tokens (verification keeps the output the target's own).
 """
 
 from __future__ import annotations
