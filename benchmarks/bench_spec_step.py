@@ -10,12 +10,15 @@ Two parts:
   (a slice copy against a converted copy and ``index_copy_``), the tree value bound
   (a loop over a list against numpy arrays), a suffix node's kids (grouped in Python against numpy's
   ``unique`` and masks) and the strategy's copy of one proposal's logits (``torch.cat``).
+* ``--attention``: the attention kernel alone at 1 row, chains of 4 and 5 rows and an 8-node tree
+  (9 rows, masked) over ``--contexts`` cached tokens: what each extra verified row costs there.
 * ``--phases``: Spec-Bench cases (the arguments after ``--`` go to bench_specbench.py) with every
   phase of a step wrapped: per engine (AR, ``ngram``, ``hybrid``) the thread CPU time per step of
   propose, the proposer's tree build, the forward and its LM head, the table's top-k, the strategy's
   commit and verify, the staging commit, and the step.
 
     python benchmarks/bench_spec_step.py [--cuts] [--rows 1 4 8 12] [--repeats 400]
+    python benchmarks/bench_spec_step.py --attention [--contexts 300 1000]
     python benchmarks/bench_spec_step.py --phases -- --configs default hybrid --groups qa translation \\
         math_reasoning mt_bench --per-group 1 --max-tokens 128 --threads 1 --clock cpu --numerics int8
 """
@@ -137,6 +140,52 @@ def cuts(rows_list: list[int], repeats: int) -> None:
           f"{t['cat'] - t['view']:.3f} |")
 
 
+def attention(contexts: list[int], repeats: int) -> None:
+    """The attention kernel alone (kernels/attention.c, the default model's 9 query / 3 KV heads of 64,
+    a half cache, one thread, 30 layers' worth): 1 row, a chain of 4 and 5 rows (causal, no mask) and
+    a tree of 8 nodes (9 rows with the root, a binary tree's mask) on top of ``contexts`` cached keys."""
+    import ctypes
+
+    from ratchetlm import kernels
+    lib = kernels.load()
+    if lib is None:
+        print("no C kernels")
+        return
+    torch.set_num_threads(1)
+    h, hkv, d, slots = 9, 3, 64, 4096
+    kc, vc = torch.randn(slots, hkv, d).half(), torch.randn(slots, hkv, d).half()
+    tree_parent = [-1, 0, 0, 1, 1, 2, 2, 3, 4]  # row 0 the root; rows 1-8 a tree of 8 nodes
+    print(f"attention, 30 layers, thread CPU ms (medians of {repeats}); load average {os.getloadavg()[0]:.1f}")
+    print("| cached tokens | 1 row | chain of 4 | chain of 5 | tree of 8 nodes (9 rows, mask) |")
+    print("|---|---|---|---|---|")
+    for ctx in contexts:
+        cells = []
+        for n, tree in ((1, False), (4, False), (5, False), (9, True)):
+            g = torch.Generator().manual_seed(n)
+            q, kn, vn = torch.randn(n, h, d, generator=g), torch.randn(n, hkv, d, generator=g), \
+                torch.randn(n, hkv, d, generator=g)
+            cs = torch.arange(ctx, dtype=torch.long).reshape(1, ctx)  # [1, ctx] slots, in order (as blocks are)
+            meta = torch.tensor([ctx, 0, n], dtype=torch.int32)
+            out = torch.empty(n, h, d)
+            mask = None
+            if tree:  # [1, n, ctx + n]: every context key, then the row's ancestors and itself
+                mask = torch.full((1, n, ctx + n), float("-inf"))
+                mask[0, :, :ctx] = 0.0
+                for i in range(n):
+                    j = i
+                    while j >= 0:
+                        mask[0, i, ctx + j] = 0.0
+                        j = tree_parent[j]
+
+            def call(q=q, kn=kn, vn=vn, cs=cs, meta=meta, out=out, mask=mask, ctx=ctx, n=n) -> None:
+                lib.ratchet_attention(q.data_ptr(), kn.data_ptr(), vn.data_ptr(), kc.data_ptr(), vc.data_ptr(),
+                                      cs.data_ptr(), ctx, meta.data_ptr(), n,
+                                      None if mask is None else mask.data_ptr(), 1, h, hkv, d, ctypes.c_float(0.125),
+                                      ctypes.c_float(0.0), 1, out.data_ptr(), 1)
+            cells.append(timed({"a": call}, repeats)["a"] * 30)
+        print(f"| {ctx} | " + " | ".join(f"{c:.2f} ({c / cells[0]:.2f}x)" for c in cells) + " |")
+
+
 def phases(argv: list[str]) -> None:
     """Spec-Bench through bench_specbench.py with each phase of a step wrapped (thread CPU time)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -194,6 +243,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cuts", action="store_true", help="the cuts against the code they replaced (default)")
     ap.add_argument("--phases", action="store_true", help="per-phase time of Spec-Bench steps (args after --)")
+    ap.add_argument("--attention", action="store_true", help="the attention kernel by rows and cached tokens")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[300, 1000])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 12])
     ap.add_argument("--repeats", type=int, default=400)
     argv = sys.argv[1:]
@@ -203,6 +254,8 @@ def main() -> None:
     args = ap.parse_args(argv)
     if args.phases:
         phases(rest)
+    elif args.attention:
+        attention(args.contexts, args.repeats)
     else:
         cuts(args.rows, args.repeats)
 
