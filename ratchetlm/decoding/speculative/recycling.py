@@ -85,7 +85,8 @@ class SuccessorTable:
             return
         self.vocab = logits.shape[1]
         last = {t: i for i, t in enumerate(toks)}  # token -> its last row
-        rows = None if len(last) == len(toks) else torch.tensor(list(last.values()), dtype=torch.long)
+        rows = None if len(last) == len(toks) else torch.tensor(list(last.values()), dtype=torch.long,
+                                                                device=logits.device)
         top = top_k_rows(logits, self.k, rows).tolist()  # [U][k]
         for t, succ in zip(last, top, strict=True):
             self.rows[t] = succ
