@@ -135,6 +135,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ratchet_rope.restype = None
     lib.ratchet_argmax_rows.argtypes = [p, i64, i64, i64, p]
     lib.ratchet_argmax_rows.restype = None
+    lib.ratchet_topk_rows.argtypes = [p, p, i64, i64, i64, i, p]
+    lib.ratchet_topk_rows.restype = i
     lib.ratchet_silu_mul.argtypes = [p, i64, i64, p, i]
     lib.ratchet_silu_mul.restype = None
     lib.ratchet_chain.argtypes = [p, p, p]

@@ -1,4 +1,5 @@
-/* Greedy token choice: the index of each row's largest logit, as torch.argmax(dim=-1) on CPU.
+/* Greedy token choice: the index of each row's largest logit, as torch.argmax(dim=-1) on CPU (and each
+ * row's top-k, below).
  *
  * Why: torch's CPU argmax of one 49152-logit row takes ~50 us (a scalar index-tracking reduction),
  * the same order as a whole decoder layer of the 135M model at batch 1, and every greedy step of
@@ -41,4 +42,82 @@ static int64_t row_argmax(const float *x, int64_t n) {
 /* out[r] = argmax of x[r * stride : r * stride + n], r < rows */
 void ratchet_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t stride, int64_t *out) {
     for (int64_t r = 0; r < rows; r++) out[r] = row_argmax(x + r * stride, n);
+}
+
+/* Top-k of each row, for Token Recycling's successor table (decoding/speculative/recycling.py): the
+ * indices of the k largest entries, best first, ties in index order (the lower index first: the order
+ * of a stable descending sort). torch.topk over a 49152-logit row takes ~50-130 us on one core and the
+ * table takes one of every row a verify computes; one vector pass against the k-th best so far (a row's
+ * entries rarely beat it: ~k ln(n / k) insertions) takes ~10-20 us.
+ *
+ * One pass: the first k entries sorted, then every entry greater than the current k-th best is inserted
+ * after every kept entry >= it (so an equal entry later in the row never displaces an earlier one).
+ * Returns the number of rows holding a NaN, whose output is then unspecified (the caller uses torch's
+ * order there: NaN ranks highest). Needs 1 <= k <= 64 and k <= n. ``rows``: the row of each output
+ * (NULL: rows 0 .. nrows - 1). */
+static int row_topk(const float *x, int64_t n, int k, int64_t *out) {
+    float val[64];
+    int64_t i = 0;
+    int nan = 0, have = 0;
+    for (; i < k; i++) { /* the first k entries, insertion-sorted */
+        const float v = x[i];
+        nan |= v != v;
+        int p = have;
+        while (p > 0 && val[p - 1] < v) {
+            val[p] = val[p - 1];
+            out[p] = out[p - 1];
+            p--;
+        }
+        val[p] = v;
+        out[p] = i;
+        have++;
+    }
+    float thr = val[k - 1];
+#if defined(__AVX512F__)
+    __mmask16 un = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        un |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        __mmask16 gt = _mm512_cmp_ps_mask(v, _mm512_set1_ps(thr), _CMP_GT_OQ);
+        while (gt) {
+            const int j = __builtin_ctz(gt);
+            gt &= gt - 1;
+            const float y = x[i + j];
+            if (!(y > thr)) continue; /* thr rose within this vector */
+            int p = k - 1;
+            while (p > 0 && val[p - 1] < y) {
+                val[p] = val[p - 1];
+                out[p] = out[p - 1];
+                p--;
+            }
+            val[p] = y;
+            out[p] = i + j;
+            thr = val[k - 1];
+        }
+    }
+    nan |= un != 0;
+#endif
+    for (; i < n; i++) {
+        const float y = x[i];
+        nan |= y != y;
+        if (!(y > thr)) continue;
+        int p = k - 1;
+        while (p > 0 && val[p - 1] < y) {
+            val[p] = val[p - 1];
+            out[p] = out[p - 1];
+            p--;
+        }
+        val[p] = y;
+        out[p] = i;
+        thr = val[k - 1];
+    }
+    return nan;
+}
+
+/* out[r * k : (r + 1) * k] = top-k indices of x[rows[r] * stride : ... + n] (rows NULL: row r), r < nrows */
+int ratchet_topk_rows(const float *x, const int64_t *rows, int64_t nrows, int64_t n, int64_t stride, int k,
+                      int64_t *out) {
+    int nan = 0;
+    for (int64_t r = 0; r < nrows; r++) nan += row_topk(x + (rows ? rows[r] : r) * stride, n, k, out + r * k);
+    return nan;
 }

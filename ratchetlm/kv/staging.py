@@ -154,6 +154,10 @@ class StagingBuffer:
         self._keep = stage_index >= 0
         self._keep_all = bool(self._keep.all())
         self._idx = stage_index if self._keep_all else stage_index[self._keep]
+        # staged at consecutive rows (a step's proposals are): a slice copy, converting as it goes, in
+        # place of a converted copy and an index_copy_ (~0.05 ms a forward of the default model)
+        idx = self._idx.tolist()
+        self._span = idx[0] if idx and idx == list(range(idx[0], idx[0] + len(idx))) else None
 
     def _abandon(self, cause: str) -> None:
         """Give up staging for the rest of this forward (counted once per forward). Rows already
@@ -203,7 +207,10 @@ class StagingBuffer:
                 buf = self._buffer(pool)
                 if not self._keep_all:
                     values = values[:, self._keep]
-                buf[i : i + n].index_copy_(1, idx, values.to(buf.dtype))
+                if self._span is not None:
+                    buf[i : i + n, self._span : self._span + len(idx)].copy_(values)
+                else:
+                    buf[i : i + n].index_copy_(1, idx, values.to(buf.dtype))
                 if pool not in self.staged_pools:
                     self.staged_pools.append(pool)
         except Exception:  # any staging failure: the plain path recomputes these tokens
@@ -228,21 +235,26 @@ class StagingBuffer:
         if rows.numel() == 0:
             return
         try:
-            if int(rows.min()) < 0 or int(rows.max()) >= self.max_tokens:
+            lo, hi = torch.aminmax(rows)
+            if int(lo) < 0 or int(hi) >= self.max_tokens:
                 raise StagingCommitError("staging commit with an out-of-range row")
             if not bool(self._staged[rows].all()):
                 raise StagingCommitError("staging commit of a row that was not staged this forward")
             plan = []
-            for pool in self.staged_pools:
-                dest = self.dest[self.pools.group[pool]][rows]
-                ok = dest >= 0
-                if bool(ok.all()):
-                    plan.append((pool, rows, dest))
-                elif bool(ok.any()):
-                    plan.append((pool, rows[ok], dest[ok]))
-            for pool, _, slots in plan:
-                if int(slots.max()) >= self.pools.stacked[pool].shape[1]:
-                    raise StagingCommitError(f"staging commit to an out-of-range slot of {pool}")
+            found: dict[str, tuple[torch.Tensor, torch.Tensor, int] | None] = {}  # group -> rows, slots, top
+            for pool in self.staged_pools:  # (pools of one group share their rows' slots: looked up once)
+                group = self.pools.group[pool]
+                if group not in found:
+                    dest = self.dest[group][rows]
+                    ok = dest >= 0
+                    n_ok = int(ok.sum())
+                    sel = (rows, dest) if n_ok == len(ok) else (rows[ok], dest[ok]) if n_ok else None
+                    found[group] = None if sel is None else (*sel, int(sel[1].max()))
+                got = found[group]
+                if got is not None:
+                    if got[2] >= self.pools.stacked[pool].shape[1]:
+                        raise StagingCommitError(f"staging commit to an out-of-range slot of {pool}")
+                    plan.append((pool, got[0], got[1]))
             written = self._write_all(plan)
         except StagingCommitError:
             self.metrics.fallback_commit_fail += 1
@@ -263,8 +275,12 @@ class StagingBuffer:
         """Stage ``rows`` ([n]) of a successfully committed proposal were discarded."""
         self.metrics.tokens_rejected += int(rows.numel())
         if rows.numel():
-            self.metrics.bytes_avoided += sum(int((self.dest[self.pools.group[p]][rows] >= 0).sum())
-                                              * self.pools.row_bytes(p) for p in self.staged_pools)
+            written: dict[str, int] = {}  # group -> rows with a slot (looked up once per group)
+            for p in self.staged_pools:
+                g = self.pools.group[p]
+                if g not in written:
+                    written[g] = int((self.dest[g][rows] >= 0).sum())
+                self.metrics.bytes_avoided += written[g] * self.pools.row_bytes(p)
 
     def _write_all(self, plan: list[tuple[str, torch.Tensor, torch.Tensor]]) -> int:
         """Copy every pool's rows (all its layers at once); returns the bytes written."""

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from ratchetlm.decoding.speculative import suffix_index
 from ratchetlm.decoding.speculative.cost_curve import CostCurve
 from ratchetlm.decoding.speculative.draft_tree import trees_from_beams
 from ratchetlm.decoding.speculative.recycling import SuccessorTable, top_k_indices
@@ -38,7 +39,7 @@ def test_successor_table_keeps_each_tokens_last_top_k():
             ref[t] = sorted(range(vocab), key=lambda j: -float(row[j]))[:k]
     for t in range(vocab):
         assert table.successors(t) == ref.get(t, []), t
-    assert table.table is not None and table.table.dtype == torch.int32 and table.table.shape == (vocab, k)
+    assert table.vocab == vocab and all(len(r) == k for r in table.rows.values())
 
 
 @pytest.mark.parametrize("shape", [(1, 50), (3, 128 * 9), (4, 128 * 20 + 37), (2, 5000)])
@@ -54,7 +55,7 @@ def test_successor_table_empty_and_out_of_range():
     table = SuccessorTable(8)
     assert table.successors(3) == []
     table.observe(torch.tensor([], dtype=torch.long), torch.zeros(0, 20))
-    assert table.table is None
+    assert table.vocab is None and not table.rows
     table.observe(torch.tensor([2]), torch.arange(20.0)[None])
     assert table.successors(2) == list(range(19, 11, -1))
     assert table.successors(25) == [] and table.successors(-1) == []
@@ -315,7 +316,7 @@ def test_every_computed_row_reaches_the_successor_table_once_per_step(spec_llm, 
     real_observe, real_commit = prop.observe_logits, strat.commit
 
     def observe(tokens, logits):
-        calls.append((tokens.clone(), logits.clone()))
+        calls.append((list(tokens), logits.clone()))
         real_observe(tokens, logits)
 
     def commit(seqs, proposals, logits):
@@ -327,14 +328,42 @@ def test_every_computed_row_reaches_the_successor_table_once_per_step(spec_llm, 
     assert len(calls) == len(steps) > 2  # one call per forward, with exactly its rows
     assert eng.strategy.metrics()["spec_decode_num_draft_tokens"] > 0  # tree rows (rejected ones too) among them
     for (tokens, logits), (want_tokens, want_logits) in zip(calls, steps, strict=True):
-        assert tokens.tolist() == want_tokens
+        assert tokens == want_tokens
         assert torch.equal(logits, want_logits)
     tokens, logits = calls[-1]
-    for j, t in enumerate(tokens.tolist()):
-        if t not in tokens.tolist()[j + 1:]:  # each token's last row of the last forward
+    for j, t in enumerate(tokens):
+        if t not in tokens[j + 1:]:  # each token's last row of the last forward
             assert prop.table.successors(t) == torch.topk(logits[j], 8).indices.tolist()
 
 
 def test_the_hook_is_off_for_proposers_that_do_not_want_logits(spec_llm, encoded):
     eng = make_engine(spec_llm, "speculative", method="suffix")
     assert not eng.strategy.proposer.wants_logits and eng.strategy.proposer.table is None
+
+
+def _span_walk(node: Any, depth: int) -> list[tuple[int, list[int], int, int]]:
+    out: list[tuple[int, list[int], int, int]] = []
+    if depth:
+        for t, k in node.kids.items():
+            out += [(t, k.starts.tolist(), k.count, k.left), *_span_walk(k, depth - 1)]
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_span_node_kids_grouped_in_python_equal_the_array_grouping(seed, monkeypatch):
+    """A node of a few occurrences groups its kids in Python (suffix_index.FEW): the same kids, in the
+    same order, with the same positions as numpy's grouping, on texts of few distinct tokens."""
+    rng = random.Random(seed)
+    for _ in range(60):
+        tokens = [rng.randrange(rng.randint(2, 7)) for _ in range(rng.randint(2, 200))]
+        idx = SequenceIndex(6)
+        idx.sync(tokens)
+        found = idx.match(5)
+        if found is None:
+            continue
+        walks = []
+        for few in (suffix_index.FEW, -1):  # -1: every node through numpy
+            monkeypatch.setattr(suffix_index, "FEW", few)
+            node = found[0]
+            walks.append(_span_walk(suffix_index.SpanNode(node.arr, node.starts, node.left), 4))
+        assert walks[0] == walks[1]

@@ -65,8 +65,8 @@ class Proposer(ABC):
         last norm) of positions ``start .. start + n - 1``, whose K/V this step commits."""
         return None
 
-    def observe_logits(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
-        """Only if ``wants_logits``: ``tokens`` ``[R]`` the input token of every row of the step's
+    def observe_logits(self, tokens: list[int], logits: torch.Tensor) -> None:
+        """Only if ``wants_logits``: ``tokens`` (``R``) the input token of every row of the step's
         forward whose logits were computed, ``logits`` ``[R, vocab]`` (CPU fp32) those rows' logits."""
         return None
 

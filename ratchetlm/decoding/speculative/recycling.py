@@ -9,16 +9,35 @@ next.
 
 One table per engine (strategy), shared by every request, as in the paper's per-model table: the
 successors of common tokens (punctuation, function words, chat-template tokens) carry over, so a
-new request drafts from its first token instead of warming up, and a [vocab, 8] int32 table is
-1.5 MB for the default model's 49k vocabulary. Requests only ever see each other's drafts, never
-each other's tokens (verification keeps the output the target's own).
+new request drafts from its first token instead of warming up. Requests only ever see each other's
+drafts, never each other's tokens (verification keeps the output the target's own).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ratchetlm import kernels
+
 CHUNK = 128  # columns per block of the two-stage top-k
+MAX_KERNEL_K = 64  # the C kernel's largest k (kernels/argmax.c)
+
+
+def top_k_rows(x: torch.Tensor, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:  # -> [R, k] int64
+    """The top-``k`` column indices of ``x[rows]`` (every row when None), best first, ties in column
+    order (the lower index first). CPU fp32 rows go through kernels/argmax.c's one-pass selection
+    (~0.02 ms a row of the default model's 49k vocabulary against ~0.05 ms for :func:`top_k_indices`,
+    which the other cases and rows holding a NaN use: torch's order there); ``rows`` spares
+    gathering the rows first."""
+    lib = kernels.load() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+    r, v = (x.shape[0] if rows is None else rows.shape[0]), x.shape[1]
+    if lib is None or not 1 <= k <= min(v, MAX_KERNEL_K) or r == 0 or x.stride(1) != 1:
+        return top_k_indices(x if rows is None else x[rows], k)
+    out = torch.empty(r, k, dtype=torch.long)
+    idx = None if rows is None else rows.to(torch.long).contiguous()
+    nan = lib.ratchet_topk_rows(x.data_ptr(), None if idx is None else idx.data_ptr(), r, v, x.stride(0), k,
+                                out.data_ptr())
+    return top_k_indices(x if rows is None else x[rows], k) if nan else out
 
 
 def top_k_indices(x: torch.Tensor, k: int) -> torch.Tensor:  # x [R, V] -> [R, k] int64, best first
@@ -43,35 +62,37 @@ def top_k_indices(x: torch.Tensor, k: int) -> torch.Tensor:  # x [R, V] -> [R, k
 
 
 class SuccessorTable:
-    """``table[t]``: ``[k]`` int32, the latest top-``k`` successors of token ``t`` (best first; -1 =
-    none seen yet). Sized from the first logits it observes (their vocabulary, their device)."""
+    """``rows[t]``: the latest top-``k`` successors of token ``t`` (best first; absent = none seen yet).
+    Kept as Python lists: the proposer reads a row per tree node it expands (a dozen or more a step),
+    and a list lookup costs ~0.1 us where indexing a ``[vocab, k]`` tensor and ``tolist`` cost ~2 us;
+    only the tokens seen get a row (a few thousand over a long run: well under the 1.5 MB of a full
+    int32 table of the default model's 49k vocabulary)."""
 
     def __init__(self, k: int) -> None:
         assert k >= 1
         self.k = k
-        self.table: torch.Tensor | None = None  # [vocab, k] int32
+        self.rows: dict[int, list[int]] = {}
+        self.vocab: int | None = None  # from the first logits observed
         self.updates = 0  # rows observed
 
-    def observe(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
-        """``tokens``: ``[R]`` the token of each row, ``logits``: ``[R, vocab]`` that row's logits.
-        One top-k over the rows, one ``index_copy``; a token appearing in several rows keeps its
-        last row's successors (made explicit: ``index_copy`` leaves duplicates unspecified)."""
-        assert tokens.dim() == 1 and logits.dim() == 2 and tokens.shape[0] == logits.shape[0], (tokens.shape,
-                                                                                              logits.shape)
-        if tokens.numel() == 0:
+    def observe(self, tokens: list[int] | torch.Tensor, logits: torch.Tensor) -> None:
+        """``tokens``: the token of each row (``[R]``), ``logits``: ``[R, vocab]`` that row's logits.
+        One top-k over the rows (of each token's last row only: a token appearing in several rows
+        keeps its last row's successors)."""
+        toks = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+        assert logits.dim() == 2 and len(toks) == logits.shape[0], (len(toks), logits.shape)
+        if not toks:
             return
-        if self.table is None:
-            self.table = torch.full((logits.shape[1], self.k), -1, dtype=torch.int32, device=logits.device)
-        last = {t: i for i, t in enumerate(tokens.tolist())}  # token -> its last row (a few dozen ints; four
-        # torch ops — unique, scatter_reduce — cost more than the top-k itself on a one-row step)
-        rows = torch.tensor(list(last.values()), dtype=torch.long, device=logits.device)  # [U]
-        top = top_k_indices(logits[rows], self.k) if len(rows) < len(tokens) else top_k_indices(logits, self.k)
-        uniq = torch.tensor(list(last), dtype=torch.long, device=self.table.device)  # [U]
-        self.table.index_copy_(0, uniq, top.to(self.table.device, torch.int32))  # [U, k]
-        self.updates += len(tokens)
+        self.vocab = logits.shape[1]
+        last = {t: i for i, t in enumerate(toks)}  # token -> its last row
+        rows = None if len(last) == len(toks) else torch.tensor(list(last.values()), dtype=torch.long,
+                                                                device=logits.device)
+        top = top_k_rows(logits, self.k, rows).tolist()  # [U][k]
+        for t, succ in zip(last, top, strict=True):
+            self.rows[t] = succ
+        self.updates += len(toks)
 
     def successors(self, token: int) -> list[int]:
-        """The latest top-k after ``token`` (best first), without the unseen (-1) entries."""
-        if self.table is None or not 0 <= token < self.table.shape[0]:
-            return []
-        return [t for t in self.table[token].tolist() if t >= 0]
+        """The latest top-k after ``token`` (best first; [] where none was seen). The caller must not
+        modify the list."""
+        return self.rows.get(token, [])

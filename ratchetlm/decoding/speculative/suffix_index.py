@@ -78,6 +78,10 @@ class SuffixTrie:
         return None
 
 
+FEW = 16  # occurrences up to which a SpanNode groups its kids in Python (numpy's unique and masks cost
+# ~20 us a node; most nodes a draft expands occur once or twice)
+
+
 class SpanNode:
     """A node of a request's own suffix trie, built only where a draft looks: the occurrences of its
     substring (as the positions of the token after each) in the request's tokens ``arr``, ``left``
@@ -99,7 +103,15 @@ class SpanNode:
     def kids(self) -> dict[int, SpanNode]:
         if self._kids is None:
             self._kids = {}
-            if self.left > 0:
+            if self.left > 0 and self.count <= FEW:  # grouped in Python: the same kids, ~5x quicker
+                n = len(self.arr)
+                groups: dict[int, list[int]] = {}  # token -> the positions after its occurrences, in order
+                for s in self.starts.tolist():
+                    if s < n:
+                        groups.setdefault(int(self.arr[s]), []).append(s + 1)
+                for tok in sorted(groups):
+                    self._kids[tok] = SpanNode(self.arr, np.array(groups[tok], dtype=np.int64), self.left - 1)
+            elif self.left > 0:
                 starts = self.starts[self.starts < len(self.arr)]  # occurrences the text goes on after
                 toks = self.arr[starts]
                 for tok in np.unique(toks).tolist():

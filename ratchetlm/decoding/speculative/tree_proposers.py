@@ -186,7 +186,7 @@ class TreeProposer(Proposer):
                 roots[i + 1] = hist
         return roots
 
-    def observe_logits(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+    def observe_logits(self, tokens: list[int], logits: torch.Tensor) -> None:
         if self.table is not None:
             self.table.observe(tokens, logits)
 
