@@ -123,6 +123,7 @@ def sample_verify(tree: DraftTree, probs: torch.Tensor, gen: torch.Generator | l
     toks, nodes = beam.tolist(), umap.tolist()
     probs = probs.double()
     draws = gen if isinstance(gen, list) else None  # seeded: one uniform per level
+    shared = gen if not isinstance(gen, list) else None  # else: the generator every level draws from
     if rule is None:
         rule = residual_rule if draws is None else match_rule
     alive = list(range(len(toks)))
@@ -132,7 +133,7 @@ def sample_verify(tree: DraftTree, probs: torch.Tensor, gen: torch.Generator | l
         for m in alive:
             if c < len(toks[m]) and nodes[m][c] >= 0:
                 kids.setdefault(nodes[m][c], (toks[m][c], m))
-        level = draws[c] if draws is not None else gen  # (this level's uniform, or the generator)
+        level: torch.Generator | float | None = draws[c] if draws is not None else shared
         if not kids:  # a leaf (or an empty tree): the target's own token from the last accepted row
             last = probs[1 + path[-1] if path else 0]
             if isinstance(level, float):
