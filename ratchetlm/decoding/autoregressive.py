@@ -14,7 +14,8 @@ import torch
 
 from ratchetlm.decoding.base import Commit, DecodeStrategy, Proposal, register
 from ratchetlm.decoding.tentative import chain, chain_limit, chain_proposal, forced_chain, observe_forced, verify_tree
-from ratchetlm.layers.sampler import sample, target_logits, top_logprobs
+from ratchetlm.layers.sampler import filtered_probs, sample, target_logits, top_logprobs
+from ratchetlm.layers.seeded_draw import inverse_cdf, position_uniform
 from ratchetlm.sequence import Sequence
 
 
@@ -58,7 +59,12 @@ def catch_up_commit(seq: Sequence, prop: Proposal, logits: torch.Tensor, sample_
     lps = None
     if reached_end:
         last = logits[-1:]
-        tok = sample(target_logits(last, seq.controls), seq.params, seq.generator)
+        x = target_logits(last, seq.controls)
+        if seq.params.seed is not None and not seq.params.greedy:  # keyed by position: layers/seeded_draw.py
+            u = position_uniform(seq.params.seed, len(seq.token_ids))
+            tok = torch.tensor([inverse_cdf(filtered_probs(x, seq.params)[0], u)])
+        else:
+            tok = sample(x, seq.params, seq.generator)
         tokens = [int(tok[0])]
         if seq.params.logprobs is not None:
             lps = top_logprobs(last, tok, seq.params.logprobs)

@@ -17,6 +17,7 @@ from ratchetlm.decoding.base import Commit, Proposal
 from ratchetlm.decoding.speculative.draft_tree import greedy_verify, sample_verify
 from ratchetlm.decoding.speculative.verify import DraftTree
 from ratchetlm.layers.sampler import filtered_probs, target_logits, top_logprobs
+from ratchetlm.layers.seeded_draw import position_uniforms
 from ratchetlm.sequence import Sequence
 
 FORCED_PROPOSED = "forced_tokens_proposed"  # seq.stats keys (jump-forward)
@@ -66,7 +67,10 @@ def verify_tree(seq: Sequence, tree: DraftTree, logits: torch.Tensor, room: int)
     if seq.params.greedy:
         path, nxt = greedy_verify(tree, x)
     else:
-        path, nxt = sample_verify(tree, filtered_probs(x, seq.params), seq.generator)
+        # a seeded request: one uniform per level, keyed by the position it fills (layers/seeded_draw.py)
+        seed, levels = seq.params.seed, max(tree.depth, default=-1) + 2  # node levels + the bonus token
+        gen = seq.generator if seed is None else position_uniforms(seed, len(seq.token_ids), levels)
+        path, nxt = sample_verify(tree, filtered_probs(x, seq.params), gen)
     tokens = [tree.tokens[n] for n in path] + [nxt]
     cut = room
     for j, t in enumerate(tokens):

@@ -16,6 +16,7 @@ from ratchetlm.decoding.speculative import draft_tree
 from ratchetlm.decoding.speculative.draft_tree import sample_verify, trees_from_beams
 from ratchetlm.decoding.speculative.verify import residual_rule
 from ratchetlm.layers.sampler import filtered_probs
+from ratchetlm.layers.seeded_draw import inverse_cdf
 from ratchetlm.sampling_params import SamplingParams
 
 V = 5
@@ -112,7 +113,16 @@ def chi_square_pvalue(counts: dict, expected_p: dict, n: int) -> float:
 
 
 def wrong_full_resample(p, child_tokens, gen):
-    """A classic bug: after rejecting drafts, resample from the full target instead of the residual."""
+    """A classic bug: after rejecting drafts, resample from the full target instead of the residual.
+    A seeded request's verify passes its level's uniform ``u`` (match_rule's input) instead of a
+    generator: the same bug then tests each child against a second uniform derived from ``u`` and,
+    all rejected, emits the full target's token ``inverse_cdf(p, u)``."""
+    if isinstance(gen, float):
+        v = (gen * 7919.0) % 1.0  # ~independent of u (the low digits of a 53-bit uniform)
+        for i, tok in enumerate(child_tokens):
+            if v < float(p[tok]):
+                return i, tok
+        return None, inverse_cdf(p, gen)
     for i, tok in enumerate(child_tokens):
         if float(torch.rand((), dtype=torch.float64, generator=gen)) < float(p[tok]):
             return i, tok

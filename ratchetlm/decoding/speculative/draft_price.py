@@ -35,9 +35,11 @@ its rows, so the trees take the fit at every batch size, starting from and pulle
 (``DraftPrice.prior``) rather than the curve's 1.
 
 Only speed depends on either: they change how many tokens are drafted, never which are accepted, so
-greedy output is unchanged (tested); seeded speculative sampling stays exact in distribution but, like
-any timing-based choice, need not repeat draw for draw across runs (a fixed ``verify_token_cost`` turns
-both off, and tests pin one).
+greedy output is unchanged (tested), and so is seeded sampling's: a seeded request's token ``n`` is
+drawn with a uniform keyed by ``(seed, n)`` and a draft is accepted exactly when it is that token
+(layers/seeded_draw.py), so its draws do not depend on how many tokens were drafted. Unseeded requests
+share the engine's generator and need not repeat across runs (a fixed ``verify_token_cost`` turns both
+measurements off, and tests pin one).
 """
 
 from __future__ import annotations

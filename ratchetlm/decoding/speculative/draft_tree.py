@@ -13,8 +13,9 @@ import torch
 
 from ratchetlm.decoding.speculative.proposers import PAD
 from ratchetlm.decoding.speculative.tree_attention import pack, parent_rows
-from ratchetlm.decoding.speculative.verify import DraftTree, NodeRule, greedy_accept, residual_rule
+from ratchetlm.decoding.speculative.verify import DraftTree, NodeRule, greedy_accept, match_rule, residual_rule
 from ratchetlm.layers.sampler import argmax
+from ratchetlm.layers.seeded_draw import inverse_cdf
 
 
 def trees_from_beams(beams: list[torch.Tensor]) -> list[DraftTree]:  # beams[i]: [M_i, C_i] with PAD
@@ -104,19 +105,27 @@ def greedy_verify(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int
     return greedy_accept(tree, argmax(logits).tolist())
 
 
-def sample_verify(tree: DraftTree, probs: torch.Tensor, gen: torch.Generator | None,
-                  rule: NodeRule = residual_rule) -> tuple[list[int], int]:  # probs [1 + L, V]
+def sample_verify(tree: DraftTree, probs: torch.Tensor, gen: torch.Generator | list[float] | None,
+                  rule: NodeRule | None = None) -> tuple[list[int], int]:  # probs [1 + L, V]
     """Sampled verification through the seed's API: the tree as candidates ``(beam, unpack_map)``,
     each beam entry judged on the distribution of its parent's row (:func:`parent_rows`, the
     mapping ``unpack_verified`` reads). Candidate by candidate, the entries at depth ``c`` of the
     candidates still alive are the children of the last accepted node (in node order); ``rule``
     accepts one of them or emits a token of its own. A leaf's bonus token comes from the leaf's
     own row. Returns (accepted node path, next token) — the tree walk :func:`verify.sample_accept`
-    draws the same with the same generator."""
+    draws the same with the same generator.
+
+    ``gen``: a generator (``rule`` defaults to the residual rule), or a seeded request's uniforms,
+    one per level (``u[c]`` for the token ``c`` places after the root; ``rule`` defaults to
+    ``match_rule`` and a leaf's bonus token is ``inverse_cdf`` of its row with its level's ``u``)."""
     beam, umap = candidates(tree)  # [M, C] each
     rows = parent_rows(umap[None])[0].tolist()  # [M][C]
     toks, nodes = beam.tolist(), umap.tolist()
     probs = probs.double()
+    draws = gen if isinstance(gen, list) else None  # seeded: one uniform per level
+    shared = gen if not isinstance(gen, list) else None  # else: the generator every level draws from
+    if rule is None:
+        rule = residual_rule if draws is None else match_rule
     alive = list(range(len(toks)))
     path: list[int] = []
     for c in range(len(toks[0]) + 1):
@@ -124,11 +133,15 @@ def sample_verify(tree: DraftTree, probs: torch.Tensor, gen: torch.Generator | N
         for m in alive:
             if c < len(toks[m]) and nodes[m][c] >= 0:
                 kids.setdefault(nodes[m][c], (toks[m][c], m))
+        level: torch.Generator | float | None = draws[c] if draws is not None else shared
         if not kids:  # a leaf (or an empty tree): the target's own token from the last accepted row
-            return path, int(torch.multinomial(probs[1 + path[-1] if path else 0], 1, generator=gen))
+            last = probs[1 + path[-1] if path else 0]
+            if isinstance(level, float):
+                return path, inverse_cdf(last, level)
+            return path, int(torch.multinomial(last, 1, generator=level))
         order = sorted(kids)
         row = rows[kids[order[0]][1]][c]  # every alive candidate has the same parent here
-        idx, tok = rule(probs[row], [kids[k][0] for k in order], gen)
+        idx, tok = rule(probs[row], [kids[k][0] for k in order], level)
         if idx is None:
             return path, tok
         path.append(order[idx])

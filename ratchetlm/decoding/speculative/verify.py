@@ -12,6 +12,12 @@ children. Siblings always carry distinct tokens (the tree is a deduplicated pref
   residual ``normalise(p with x removed)`` and the next child is tried; if all are rejected
   the token is drawn from the residual. The emitted token is then distributed exactly as
   ``p`` (the rejection factors telescope), so the output equals sampling from the target.
+* Seeded sampling (``match_rule``): each level has its own uniform ``u`` (layers/seeded_draw.py:
+  a function of the request's seed and the level's position); the target's token at a node is
+  ``inverse_cdf(p, u)`` and the child equal to it, if any, is accepted. For point-mass drafts the
+  acceptance probabilities are the residual rule's (child ``x`` is reached with probability
+  ``p(x)``), each emitted token is drawn from ``p`` exactly, and the output is plain sampling's
+  with the same uniforms, whatever the drafts.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from ratchetlm.layers.seeded_draw import inverse_cdf
 
 
 @dataclass(frozen=True)
@@ -56,13 +64,15 @@ def greedy_accept(tree: DraftTree, argmax: list[int]) -> tuple[list[int], int]:
         row = nxt + 1
 
 
-# A node-level rule: (target probs [V] fp64, child tokens, generator) -> (index of the accepted
-# child or None, token to emit when none is accepted or -1).
-NodeRule = Callable[[torch.Tensor, list[int], torch.Generator | None], tuple[int | None, int]]
+# A node-level rule: (target probs [V] fp64, child tokens, generator — or, for a seeded request, the
+# level's uniform) -> (index of the accepted child or None, token to emit when none is accepted or -1).
+NodeRule = Callable[[torch.Tensor, list[int], torch.Generator | float | None], tuple[int | None, int]]
 
 
-def residual_rule(p: torch.Tensor, child_tokens: list[int], gen: torch.Generator | None) -> tuple[int | None, int]:
+def residual_rule(p: torch.Tensor, child_tokens: list[int],
+                  gen: torch.Generator | float | None) -> tuple[int | None, int]:
     """The exact rule for deterministic drafts (see module docstring)."""
+    assert not isinstance(gen, float), "the residual rule draws from a generator"
     p = p.clone()
     for i, tok in enumerate(child_tokens):
         u = float(torch.rand((), dtype=torch.float64, generator=gen))
@@ -75,6 +85,15 @@ def residual_rule(p: torch.Tensor, child_tokens: list[int], gen: torch.Generator
             return i, tok
         p /= total
     return None, int(torch.multinomial(p, 1, generator=gen))
+
+
+def match_rule(p: torch.Tensor, child_tokens: list[int],
+               gen: torch.Generator | float | None) -> tuple[int | None, int]:
+    """Seeded sampling's rule: the target's own token ``inverse_cdf(p, u)`` (``gen`` is the level's
+    uniform ``u``); the child equal to it is accepted, else it is emitted (see module docstring)."""
+    assert isinstance(gen, float), "the match rule reads the level's uniform"
+    tok = inverse_cdf(p, gen)
+    return (child_tokens.index(tok), tok) if tok in child_tokens else (None, tok)
 
 
 def sample_accept(
