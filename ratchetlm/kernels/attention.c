@@ -49,6 +49,9 @@
 #define VT_DIMS 8
 #endif
 #define QT 4  /* queries per tile */
+/* Transposed keys: blocks of KL keys, each [D][KL] (one key per lane) and contiguous, so that a block's
+ * scores read D * KL consecutive items (the prefetchers follow one stream, not D rows LP apart) */
+#define KTI(d, j, D) ((long)((j) / KL) * KL * (D) + (long)(d) * KL + (j) % KL)
 /* Software prefetch of context rows: a (sequence, KV head)'s keys and values are 64-256 byte pieces
  * of cache rows spread over the slots, too short and too scattered for the hardware prefetcher, and
  * a layer's K/V of a batch are usually out of cache (every other layer and the weights ran since).
@@ -134,9 +137,9 @@ static inline void transpose16_h(__m256i r[16]) {
 }
 /* Scores of keys j0..j0+15 (one per lane, from the transposed kb [D][LP]) for nq queries: two
  * chains per query (even and odd d), added at the end: a fixed order */
-static inline __attribute__((always_inline)) __m512 key16(const float *kb, int kh, int LP, int d, int j0) {
-    if (kh) return _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)((const uint16_t *)kb + (long)d * LP + j0)));
-    return _mm512_load_ps(kb + (long)d * LP + j0);
+static inline __attribute__((always_inline)) __m512 key16(const float *kb, int kh, int D, int d, int j0) {
+    if (kh) return _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)((const uint16_t *)kb + KTI(d, j0, D))));
+    return _mm512_load_ps(kb + KTI(d, j0, D));
 }
 /* kh: the transposed keys are halves ([D][LP] uint16, widened here: exact, so the same scores) */
 static inline __attribute__((always_inline)) void scores16(const float *kb, const int kh, int LP, int j0, int D,
@@ -144,7 +147,7 @@ static inline __attribute__((always_inline)) void scores16(const float *kb, cons
     __m512 a[QT], c[QT];
     for (int u = 0; u < nq; u++) a[u] = c[u] = _mm512_setzero_ps();
     for (int d = 0; d + 1 < D; d += 2) {
-        const __m512 k0 = key16(kb, kh, LP, d, j0), k1 = key16(kb, kh, LP, d + 1, j0);
+        const __m512 k0 = key16(kb, kh, D, d, j0), k1 = key16(kb, kh, D, d + 1, j0);
         for (int u = 0; u < nq; u++) {
             a[u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][d]), k0, a[u]);
             c[u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][d + 1]), k1, c[u]);
@@ -152,7 +155,7 @@ static inline __attribute__((always_inline)) void scores16(const float *kb, cons
     }
     if (D % 2)
         for (int u = 0; u < nq; u++)
-            a[u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][D - 1]), key16(kb, kh, LP, D - 1, j0), a[u]);
+            a[u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][D - 1]), key16(kb, kh, D, D - 1, j0), a[u]);
     for (int u = 0; u < nq; u++)
         _mm512_store_ps(s + (long)u * LP + j0, _mm512_mul_ps(_mm512_add_ps(a[u], c[u]), _mm512_set1_ps(scale)));
 }
@@ -307,7 +310,7 @@ static void transpose_keys(const float *kn, const void *kc, int kv_half, const i
                 __m256i r[KL];
                 for (int j = 0; j < KL; j++) r[j] = _mm256_loadu_si256((const __m256i *)(rp[j] + d0));
                 transpose16_h(r);
-                for (int i = 0; i < 16; i++) _mm256_store_si256((__m256i *)(dh + (long)(d0 + HALF_COL[i]) * LP + jf), r[i]);
+                for (int i = 0; i < 16; i++) _mm256_store_si256((__m256i *)(dh + KTI(d0 + HALF_COL[i], jf, D)), r[i]);
             }
         }
     }
@@ -338,7 +341,7 @@ static void transpose_keys(const float *kn, const void *kc, int kv_half, const i
                                               : _mm512_cvtps_ph(_mm512_loadu_ps((const float *)kr[j].p + d0),
                                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
                     transpose16_h(r);
-                    for (int i = 0; i < 16; i++) _mm256_store_si256((__m256i *)(dh + (long)(d0 + HALF_COL[i]) * LP + j0), r[i]);
+                    for (int i = 0; i < 16; i++) _mm256_store_si256((__m256i *)(dh + KTI(d0 + HALF_COL[i], j0, D)), r[i]);
                 }
                 continue;
             }
@@ -346,7 +349,7 @@ static void transpose_keys(const float *kn, const void *kc, int kv_half, const i
                 __m512 r[KL];
                 for (int j = 0; j < KL; j++) r[j] = kr[j].p ? kv_load16(kr[j], d0, kv_half) : _mm512_setzero_ps();
                 transpose16(r);
-                for (int d = 0; d < 16; d++) _mm512_store_ps(dst + (long)(d0 + d) * LP + j0, r[d]);
+                for (int d = 0; d < 16; d++) _mm512_store_ps(dst + KTI(d0 + d, j0, D), r[d]);
             }
             continue;
         }
@@ -357,13 +360,13 @@ static void transpose_keys(const float *kn, const void *kc, int kv_half, const i
                     __m256 r[8];
                     for (int j = 0; j < 8; j++) r[j] = kr[h + j].p ? kv_load8(kr[h + j], d0, kv_half) : _mm256_setzero_ps();
                     transpose8(r);
-                    for (int d = 0; d < 8; d++) _mm256_store_ps(dst + (long)(d0 + d) * LP + j0 + h, r[d]);
+                    for (int d = 0; d < 8; d++) _mm256_store_ps(dst + KTI(d0 + d, j0 + h, D), r[d]);
                 }
             continue;
         }
 #endif
         for (int d = 0; d < D; d++)
-            for (int j = 0; j < KL; j++) dst[(long)d * LP + j0 + j] = kr[j].p ? kv_load1(kr[j], d, kv_half) : 0.0f;
+            for (int j = 0; j < KL; j++) dst[KTI(d, j0 + j, D)] = kr[j].p ? kv_load1(kr[j], d, kv_half) : 0.0f;
     }
 }
 
@@ -371,37 +374,57 @@ static void transpose_keys(const float *kn, const void *kc, int kv_half, const i
 /* acc[u][d0 .. d0 + 63] (rows of D + 16) = sum_j p_uj v_j over the keys j < lmax in increasing order,
  * skipping j >= lim[u] and p_uj = 0 (the order every build follows), for nq queries of KV head hk (a
  * literal: the 4 nq accumulators stay in registers). Context rows are read by slot (cs: this
- * sequence's slots), the rest from this forward's vn. */
+ * sequence's slots), the rest from this forward's vn. nzm[u][j / KL] bit j % KL: p_uj is a number != 0
+ * and j < lim[u] (0 from lim's block on): a block of KL keys that every query keeps takes plain FMAs,
+ * the same operations as the masked ones with every lane kept, without the per-key scalar tests (they
+ * cost about as much as the FMAs); any other block takes the masked loop. */
+static inline __attribute__((always_inline)) __m512 pv_load(const char *base, const int64_t *cs, long rs, int nc,
+                                                            const float *vn, int start, int ctx, int Hkv, int hk,
+                                                            int D, int d0, int kv_half, int j, int c) {
+    if (j < nc) {
+        const char *r = base + cs[j] * rs;
+        return kv_half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r + 32 * c)))
+                       : _mm512_loadu_ps((const float *)r + 16 * c);
+    }
+    /* this forward's row, rounded to half with a half cache (as the cache will hold it) */
+    const kvrow_t vr = {(const char *)(vn + ((long)(start + j - ctx) * Hkv + hk) * D), 0};
+    return kv_load16(vr, d0 + 16 * c, kv_half);
+}
 static inline __attribute__((always_inline)) void pv64(const float *vn, const void *vc, int kv_half, const int64_t *cs,
                                                        int ctx, int start, int Hkv, int hk, int D, int d0, int lmax,
-                                                       const int *lim, const float *s, int LP, const int nq, float *acc) {
+                                                       const int *lim, const float *s, int LP, const uint16_t *nzm,
+                                                       int NB, const int nq, float *acc) {
     __m512 o[QT][4];
     for (int u = 0; u < nq; u++)
         for (int c = 0; c < 4; c++) o[u][c] = _mm512_setzero_ps();
     const long es = kv_half ? 2 : 4, rs = (long)Hkv * D * es; /* a slot's row, bytes */
     const char *base = (const char *)vc + ((long)hk * D + d0) * es;
     const int nc = ctx < lmax ? ctx : lmax;
-    for (int j = 0; j < lmax; j++) {
-        __m512 v[4];
-        if (j < nc) {
+    for (int j0 = 0; j0 < lmax; j0 += KL) {
+        const int je = j0 + KL < lmax ? j0 + KL : lmax;
+        unsigned all = 0xffffu;
+        for (int u = 0; u < nq; u++) all &= nzm[(long)u * NB + j0 / KL];
+        for (int j = j0; j < je; j++) {
             if (j + V_AHEAD < nc) {
                 const char *np = base + cs[j + V_AHEAD] * rs;
                 for (long c = 0; c < 64 * es; c += 64) _mm_prefetch(np + c, _MM_HINT_T0);
             }
-            const char *r = base + cs[j] * rs;
-            for (int c = 0; c < 4; c++)
-                v[c] = kv_half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r + 32 * c)))
-                               : _mm512_loadu_ps((const float *)r + 16 * c);
-        } else { /* this forward's row, rounded to half with a half cache (as the cache will hold it) */
-            const kvrow_t vr = {(const char *)(vn + ((long)(start + j - ctx) * Hkv + hk) * D), 0};
-            for (int c = 0; c < 4; c++) v[c] = kv_load16(vr, d0 + 16 * c, kv_half);
-        }
-        for (int u = 0; u < nq; u++) { /* skipped as a mask, not a branch: a long context's p = 0 (exp
-                                          * underflow) fall anywhere, and mispredicted branches cost more */
-            const float p = s[(long)u * LP + j];
-            const __mmask16 m = (__mmask16)-(int)(j < lim[u] && p != 0.0f);
-            const __m512 pv = _mm512_set1_ps(p);
-            for (int c = 0; c < 4; c++) o[u][c] = _mm512_mask3_fmadd_ps(pv, v[c], o[u][c], m);
+            __m512 v[4];
+            for (int c = 0; c < 4; c++) v[c] = pv_load(base, cs, rs, nc, vn, start, ctx, Hkv, hk, D, d0, kv_half, j, c);
+            if (all == 0xffffu) {
+                for (int u = 0; u < nq; u++) {
+                    const __m512 pv = _mm512_set1_ps(s[(long)u * LP + j]);
+                    for (int c = 0; c < 4; c++) o[u][c] = _mm512_fmadd_ps(pv, v[c], o[u][c]);
+                }
+                continue;
+            }
+            for (int u = 0; u < nq; u++) { /* skipped as a mask, not a branch: a long context's p = 0 (exp
+                                              * underflow) fall anywhere, and mispredicted branches cost more */
+                const float p = s[(long)u * LP + j];
+                const __mmask16 m = (__mmask16)-(int)(j < lim[u] && p != 0.0f);
+                const __m512 pv = _mm512_set1_ps(p);
+                for (int c = 0; c < 4; c++) o[u][c] = _mm512_mask3_fmadd_ps(pv, v[c], o[u][c], m);
+            }
         }
     }
     for (int u = 0; u < nq; u++)
@@ -446,6 +469,8 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
         float *s = aligned_alloc(64, sizeof(float) * (size_t)QT * (LPmax > 0 ? LPmax : 16));
         float *acc = aligned_alloc(64, sizeof(float) * (size_t)QT * (D + 16));
         float *pc = aligned_alloc(64, sizeof(float) * (size_t)((LPmax > 0 ? LPmax : 16) + KL)); /* p > 0, compacted */
+        const int NB = (LPmax > 0 ? LPmax : 16) / KL; /* key blocks */
+        uint16_t *nzm = malloc(sizeof(uint16_t) * (size_t)QT * NB); /* [QT][NB]: see pv64 */
 #pragma omp for schedule(dynamic, 1)
         for (int w = 0; w < nwork; w++) {
             const int b = work[w].b, hk = work[w].hk;
@@ -504,11 +529,11 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
                         for (int l = 0; l < KL; l++) a[l] = c[l] = 0.0f;
                         for (int d = 0; d + 1 < D; d += 2)
                             for (int l = 0; l < KL; l++) {
-                                a[l] = fmaf(qr[u][d], kb[(long)d * LP + j0 + l], a[l]);
-                                c[l] = fmaf(qr[u][d + 1], kb[(long)(d + 1) * LP + j0 + l], c[l]);
+                                a[l] = fmaf(qr[u][d], kb[KTI(d, j0 + l, D)], a[l]);
+                                c[l] = fmaf(qr[u][d + 1], kb[KTI(d + 1, j0 + l, D)], c[l]);
                             }
                         if (D % 2)
-                            for (int l = 0; l < KL; l++) a[l] = fmaf(qr[u][D - 1], kb[(long)(D - 1) * LP + j0 + l], a[l]);
+                            for (int l = 0; l < KL; l++) a[l] = fmaf(qr[u][D - 1], kb[KTI(D - 1, j0 + l, D)], a[l]);
                         for (int l = 0; l < KL; l++) s[(long)u * LP + j0 + l] = (a[l] + c[l]) * scale;
                     }
 #endif
@@ -543,6 +568,9 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
                      * does not depend on the invisible keys before it (a tree draft's siblings) */
                     float lanes[KL];
                     for (int l = 0; l < KL; l++) lanes[l] = 0.0f;
+#if defined(__AVX512F__)
+                    for (int k = m > -INFINITY ? lp / KL : 0; k < LP / KL; k++) nzm[(long)u * NB + k] = 0;
+#endif
                     if (m > -INFINITY) {
 #if defined(__AVX512F__)
                         int cnt = 0;
@@ -552,6 +580,7 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
                             const __mmask16 nz = _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_NEQ_OQ);
                             _mm512_storeu_ps(pc + cnt, _mm512_maskz_compress_ps(nz, p)); /* register form: the store form is slow on Zen 4 */
                             cnt += __builtin_popcount(nz);
+                            nzm[(long)u * NB + j0 / KL] = nz;
                         }
                         for (int j = cnt; j < (cnt + KL - 1) / KL * KL; j++) pc[j] = 0.0f;
                         __m512 sum = _mm512_setzero_ps();
@@ -604,7 +633,7 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
                     const int dn = D - d0 < 64 ? D - d0 : 64;
 #if defined(__AVX512F__)
                     if (dn == 64) { /* literal query count: the accumulators stay in registers */
-#define PV64(NQ) pv64(vn, vc, kv_half, ctx_slots + (long)b * max_ctx, ctx, start, Hkv, hk, D, d0, lmax, lim, s, LP, NQ, acc)
+#define PV64(NQ) pv64(vn, vc, kv_half, ctx_slots + (long)b * max_ctx, ctx, start, Hkv, hk, D, d0, lmax, lim, s, LP, nzm, NB, NQ, acc)
                         switch (nq) {
                         case 1: PV64(1); break;
                         case 2: PV64(2); break;
@@ -649,6 +678,7 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
         free(s);
         free(acc);
         free(pc);
+        free(nzm);
     }
     free(work);
 }
