@@ -49,6 +49,7 @@
 #define VT_DIMS 8
 #endif
 #define QT 4  /* queries per tile */
+#define TG 8  /* tiles whose scores are taken together (see tile_setup's caller) */
 /* Transposed keys: blocks of KL keys, each [D][KL] (one key per lane) and contiguous, so that a block's
  * scores read D * KL consecutive items (the prefetchers follow one stream, not D rows LP apart) */
 #define KTI(d, j, D) ((long)((j) / KL) * KL * (D) + (long)(d) * KL + (j) % KL)
@@ -432,6 +433,26 @@ static inline __attribute__((always_inline)) void pv64(const float *vn, const vo
 }
 #endif
 
+/* Query u < nq (the count returned) of tile tq of a (sequence b, KV head hk) with NQ = G n queries: row
+ * row[u], head head[u] of the group; keys [0, lim[u]) may be visible; *limp: the largest lim rounded up to KL */
+static inline int tile_setup(int tq, int NQ, int n, int hk, int G, int H, int D, int start, int b, int ctx, int L,
+                             int max_ctx, int max_new, const float *q, const float *mask, const float **qr,
+                             const float **mr, int *row, int *head, int *lim, int *limp) {
+    const int nq = NQ - tq * QT < QT ? NQ - tq * QT : QT;
+    *limp = 0;
+    for (int u = 0; u < nq; u++) {
+        const int e = tq * QT + u;
+        row[u] = e % n;
+        head[u] = hk * G + e / n;
+        qr[u] = q + ((long)(start + row[u]) * H + head[u]) * D;
+        mr[u] = mask ? mask + ((long)b * max_new + row[u]) * (max_ctx + max_new) : NULL;
+        lim[u] = mask ? L : ctx + row[u] + 1;
+        const int lp = (lim[u] + KL - 1) / KL * KL;
+        *limp = lp > *limp ? lp : *limp;
+    }
+    return nq;
+}
+
 /* Keys of sequence b, in order: its ctx context rows (cache rows ctx_slots[b][j]), then its n new
  * tokens (packed rows start .. start + n - 1 of kn/vn). seq_meta[b] = (ctx, start, n). Visibility:
  * mask[b][i][j] (additive; context key j in column j, new key i2 in column max_ctx + i2), or without
@@ -466,7 +487,7 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
 #pragma omp parallel num_threads(threads)
     {
         float *kt = aligned_alloc(64, sizeof(float) * (size_t)D * (LPmax > 0 ? LPmax : 16));
-        float *s = aligned_alloc(64, sizeof(float) * (size_t)QT * (LPmax > 0 ? LPmax : 16));
+        float *sg = aligned_alloc(64, sizeof(float) * (size_t)TG * QT * (LPmax > 0 ? LPmax : 16)); /* [TG][QT][LP] */
         float *acc = aligned_alloc(64, sizeof(float) * (size_t)QT * (D + 16));
         float *pc = aligned_alloc(64, sizeof(float) * (size_t)((LPmax > 0 ? LPmax : 16) + KL)); /* p > 0, compacted */
         const int NB = (LPmax > 0 ? LPmax : 16) / KL; /* key blocks */
@@ -488,56 +509,66 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
 #if defined(__AVX512F__)
             const int kh = kv_half && D % 16 == 0; /* transpose_keys kept them halves */
 #endif
-            for (int tq = work[w].t0; tq < work[w].t1; tq++) {
-                const int nq = NQ - tq * QT < QT ? NQ - tq * QT : QT;
-                const float *qr[QT], *mr[QT];
-                int row[QT], head[QT], lim[QT], limp = 0;
-                for (int u = 0; u < nq; u++) { /* query u of the tile: row i, head h of this group */
-                    const int e = tq * QT + u;
-                    row[u] = e % n;
-                    head[u] = hk * G + e / n;
-                    qr[u] = q + ((long)(start + row[u]) * H + head[u]) * D;
-                    mr[u] = mask ? mask + ((long)b * max_new + row[u]) * (max_ctx + max_new) : NULL;
-                    lim[u] = mask ? L : ctx + row[u] + 1; /* keys [0, lim) may be visible */
-                    const int lp = (lim[u] + KL - 1) / KL * KL;
-                    limp = lp > limp ? lp : limp;
+            for (int tg = work[w].t0; tg < work[w].t1; tg += TG) {
+                const int tge = tg + TG < work[w].t1 ? tg + TG : work[w].t1;
+                /* scores of the group's tiles, KL keys at a time for every query: a block of transposed keys
+                 * is read (from L1 after the first tile) by every tile of the group */
+                const float *gqr[TG][QT];
+                int gnq[TG], glimp[TG], gl = 0;
+                for (int tq = tg; tq < tge; tq++) {
+                    const float *mr[QT];
+                    int row[QT], head[QT], lim[QT];
+                    gnq[tq - tg] = tile_setup(tq, NQ, n, hk, G, H, D, start, b, ctx, L, max_ctx, max_new, q, mask, gqr[tq - tg],
+                                              mr, row, head, lim, &glimp[tq - tg]);
+                    gl = glimp[tq - tg] > gl ? glimp[tq - tg] : gl;
                 }
-                /* scores, KL keys at a time for every query of the tile */
-                for (int j0 = 0; j0 < limp; j0 += KL) {
+                for (int j0 = 0; j0 < gl; j0 += KL)
+                    for (int tq = tg; tq < tge; tq++) {
+                        if (j0 >= glimp[tq - tg]) continue;
+                        const int nq = gnq[tq - tg];
+                        const float *const *qr = gqr[tq - tg];
+                        float *s = sg + (long)(tq - tg) * QT * LP;
 #if defined(__AVX512F__)
-/* literal query count and key width: the loops over queries unroll, the key loads are fixed */
+    /* literal query count and key width: the loops over queries unroll, the key loads are fixed */
 #define SCORES16(NQ) (kh ? scores16(kb, 1, LP, j0, D, qr, NQ, scale, s) : scores16(kb, 0, LP, j0, D, qr, NQ, scale, s))
-                    switch (nq) {
-                    case 1: SCORES16(1); break;
-                    case 2: SCORES16(2); break;
-                    case 3: SCORES16(3); break;
-                    default: SCORES16(QT); break;
-                    }
+                        switch (nq) {
+                        case 1: SCORES16(1); break;
+                        case 2: SCORES16(2); break;
+                        case 3: SCORES16(3); break;
+                        default: SCORES16(QT); break;
+                        }
 #undef SCORES16
 #elif defined(ATT_AVX2)
 #define SCORES8(NQ) (scores8(kb, LP, j0, D, qr, NQ, scale, s), scores8(kb, LP, j0 + 8, D, qr, NQ, scale, s))
-                    switch (nq) { /* the keys are fp32 [D][LP] at every D */
-                    case 1: SCORES8(1); break;
-                    case 2: SCORES8(2); break;
-                    case 3: SCORES8(3); break;
-                    default: SCORES8(QT); break;
-                    }
+                        switch (nq) { /* the keys are fp32 [D][LP] at every D */
+                        case 1: SCORES8(1); break;
+                        case 2: SCORES8(2); break;
+                        case 3: SCORES8(3); break;
+                        default: SCORES8(QT); break;
+                        }
 #undef SCORES8
 #else
-                    for (int u = 0; u < nq; u++) {
-                        float a[KL], c[KL];
-                        for (int l = 0; l < KL; l++) a[l] = c[l] = 0.0f;
-                        for (int d = 0; d + 1 < D; d += 2)
-                            for (int l = 0; l < KL; l++) {
-                                a[l] = fmaf(qr[u][d], kb[KTI(d, j0 + l, D)], a[l]);
-                                c[l] = fmaf(qr[u][d + 1], kb[KTI(d + 1, j0 + l, D)], c[l]);
-                            }
-                        if (D % 2)
-                            for (int l = 0; l < KL; l++) a[l] = fmaf(qr[u][D - 1], kb[KTI(D - 1, j0 + l, D)], a[l]);
-                        for (int l = 0; l < KL; l++) s[(long)u * LP + j0 + l] = (a[l] + c[l]) * scale;
-                    }
+                        for (int u = 0; u < nq; u++) {
+                            float a[KL], c[KL];
+                            for (int l = 0; l < KL; l++) a[l] = c[l] = 0.0f;
+                            for (int d = 0; d + 1 < D; d += 2)
+                                for (int l = 0; l < KL; l++) {
+                                    a[l] = fmaf(qr[u][d], kb[KTI(d, j0 + l, D)], a[l]);
+                                    c[l] = fmaf(qr[u][d + 1], kb[KTI(d + 1, j0 + l, D)], c[l]);
+                                }
+                            if (D % 2)
+                                for (int l = 0; l < KL; l++) a[l] = fmaf(qr[u][D - 1], kb[KTI(D - 1, j0 + l, D)], a[l]);
+                            for (int l = 0; l < KL; l++) s[(long)u * LP + j0 + l] = (a[l] + c[l]) * scale;
+                        }
 #endif
-                }
+                    }
+                for (int tq = tg; tq < tge; tq++) {
+                float *s = sg + (long)(tq - tg) * QT * LP;
+                const float *qr[QT], *mr[QT];
+                int row[QT], head[QT], lim[QT], limp;
+                const int nq = tile_setup(tq, NQ, n, hk, G, H, D, start, b, ctx, L, max_ctx, max_new, q, mask, qr, mr, row, head,
+                                          lim, &limp);
+                (void)qr;
                 float inv[QT];
                 for (int u = 0; u < nq; u++) {
                     float *su = s + (long)u * LP;
@@ -673,9 +704,10 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
                     for (int d = 0; d < D; d++) o[d] = acc[(long)u * (D + 16) + d] * inv[u];
                 }
             }
+            }
         }
         free(kt);
-        free(s);
+        free(sg);
         free(acc);
         free(pc);
         free(nzm);
