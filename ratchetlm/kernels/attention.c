@@ -143,12 +143,12 @@ static inline __attribute__((always_inline)) __m512 key16(const float *kb, int k
     return _mm512_load_ps(kb + KTI(d, j0, D));
 }
 /* kh: the transposed keys are halves ([D][LP] uint16, widened here: exact, so the same scores) */
-static inline __attribute__((always_inline)) void scores16(const float *kb, const int kh, int LP, int j0, int D,
+static inline __attribute__((always_inline)) void scores16(const float *kb, const int kh, int kj, int LP, int j0, int D,
                                                            const float *const *qr, const int nq, float scale, float *s) {
     __m512 a[QT], c[QT];
     for (int u = 0; u < nq; u++) a[u] = c[u] = _mm512_setzero_ps();
     for (int d = 0; d + 1 < D; d += 2) {
-        const __m512 k0 = key16(kb, kh, D, d, j0), k1 = key16(kb, kh, D, d + 1, j0);
+        const __m512 k0 = key16(kb, kh, D, d, kj), k1 = key16(kb, kh, D, d + 1, kj);
         for (int u = 0; u < nq; u++) {
             a[u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][d]), k0, a[u]);
             c[u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][d + 1]), k1, c[u]);
@@ -156,7 +156,7 @@ static inline __attribute__((always_inline)) void scores16(const float *kb, cons
     }
     if (D % 2)
         for (int u = 0; u < nq; u++)
-            a[u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][D - 1]), key16(kb, kh, D, D - 1, j0), a[u]);
+            a[u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][D - 1]), key16(kb, kh, D, D - 1, kj), a[u]);
     for (int u = 0; u < nq; u++)
         _mm512_store_ps(s + (long)u * LP + j0, _mm512_mul_ps(_mm512_add_ps(a[u], c[u]), _mm512_set1_ps(scale)));
 }
@@ -433,6 +433,82 @@ static inline __attribute__((always_inline)) void pv64(const float *vn, const vo
 }
 #endif
 
+#if defined(__AVX512F__)
+/* pv64 for the ntile tiles of a group (query u of tile t: row t * QT + u of s [.][LP], acc [.][D + 16] and
+ * nzm [.][NB]), key block by key block: a block's values are read and widened once into vbuf [KL][64]
+ * for every tile (pv64 converts them again in each), the accumulators kept in acc between blocks. Per
+ * output the same FMAs in the same key order as pv64: the same bits. */
+static inline __attribute__((always_inline)) void pv_block(const float *vbuf, int j0, int je, const int *lim,
+                                                          const float *s, int LP, const uint16_t *nzm, int NB,
+                                                          const int nq, float *acc, int D, int d0) {
+    __m512 o[QT][4];
+    for (int u = 0; u < nq; u++)
+        for (int c = 0; c < 4; c++) o[u][c] = _mm512_load_ps(acc + (long)u * (D + 16) + d0 + 16 * c);
+    unsigned all = 0xffffu;
+    for (int u = 0; u < nq; u++) all &= nzm[(long)u * NB + j0 / KL];
+    if (all == 0xffffu) {
+        for (int j = j0; j < je; j++) {
+            __m512 v[4];
+            for (int c = 0; c < 4; c++) v[c] = _mm512_load_ps(vbuf + (j - j0) * 64 + 16 * c);
+            for (int u = 0; u < nq; u++) {
+                const __m512 pv = _mm512_set1_ps(s[(long)u * LP + j]);
+                for (int c = 0; c < 4; c++) o[u][c] = _mm512_fmadd_ps(pv, v[c], o[u][c]);
+            }
+        }
+    } else {
+        for (int j = j0; j < je; j++) {
+            __m512 v[4];
+            for (int c = 0; c < 4; c++) v[c] = _mm512_load_ps(vbuf + (j - j0) * 64 + 16 * c);
+            for (int u = 0; u < nq; u++) {
+                const float p = s[(long)u * LP + j];
+                const __mmask16 m = (__mmask16)-(int)(j < lim[u] && p != 0.0f);
+                const __m512 pv = _mm512_set1_ps(p);
+                for (int c = 0; c < 4; c++) o[u][c] = _mm512_mask3_fmadd_ps(pv, v[c], o[u][c], m);
+            }
+        }
+    }
+    for (int u = 0; u < nq; u++)
+        for (int c = 0; c < 4; c++) _mm512_store_ps(acc + (long)u * (D + 16) + d0 + 16 * c, o[u][c]);
+}
+static void pv_group(const float *vn, const void *vc, int kv_half, const int64_t *cs, int ctx, int start, int Hkv, int hk,
+                     int D, int d0, int ntile, const int *gnq, const int *glmax, const int (*glim)[QT], const float *sg,
+                     int LP, const uint16_t *gnzm, int NB, float *gacc, float *vbuf) {
+    int lmax = 0;
+    for (int t = 0; t < ntile; t++) {
+        lmax = glmax[t] > lmax ? glmax[t] : lmax;
+        for (int u = 0; u < gnq[t]; u++)
+            for (int c = 0; c < 64; c += 16) _mm512_store_ps(gacc + ((long)t * QT + u) * (D + 16) + d0 + c, _mm512_setzero_ps());
+    }
+    const long es = kv_half ? 2 : 4, rs = (long)Hkv * D * es; /* a slot's row, bytes */
+    const char *base = (const char *)vc + ((long)hk * D + d0) * es;
+    const int nc = ctx < lmax ? ctx : lmax;
+    for (int j0 = 0; j0 < lmax; j0 += KL) {
+        const int je = j0 + KL < lmax ? j0 + KL : lmax;
+        for (int j = j0; j < je; j++) {
+            if (j + KL < nc) {
+                const char *np = base + cs[j + KL] * rs;
+                for (long c = 0; c < 64 * es; c += 64) _mm_prefetch(np + c, _MM_HINT_T0);
+            }
+            for (int c = 0; c < 4; c++)
+                _mm512_store_ps(vbuf + (j - j0) * 64 + 16 * c, pv_load(base, cs, rs, nc, vn, start, ctx, Hkv, hk, D, d0, kv_half, j, c));
+        }
+        for (int t = 0; t < ntile; t++) {
+            if (j0 >= glmax[t]) continue;
+            const int jt = je < glmax[t] ? je : glmax[t];
+            const float *s = sg + (long)t * QT * LP;
+            const uint16_t *nzm = gnzm + (long)t * QT * NB;
+            float *acc = gacc + (long)t * QT * (D + 16);
+            switch (gnq[t]) {
+            case 1: pv_block(vbuf, j0, jt, glim[t], s, LP, nzm, NB, 1, acc, D, d0); break;
+            case 2: pv_block(vbuf, j0, jt, glim[t], s, LP, nzm, NB, 2, acc, D, d0); break;
+            case 3: pv_block(vbuf, j0, jt, glim[t], s, LP, nzm, NB, 3, acc, D, d0); break;
+            default: pv_block(vbuf, j0, jt, glim[t], s, LP, nzm, NB, QT, acc, D, d0); break;
+            }
+        }
+    }
+}
+#endif
+
 /* Query u < nq (the count returned) of tile tq of a (sequence b, KV head hk) with NQ = G n queries: row
  * row[u], head head[u] of the group; keys [0, lim[u]) may be visible; *limp: the largest lim rounded up to KL */
 static inline int tile_setup(int tq, int NQ, int n, int hk, int G, int H, int D, int start, int b, int ctx, int L,
@@ -488,10 +564,12 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
     {
         float *kt = aligned_alloc(64, sizeof(float) * (size_t)D * (LPmax > 0 ? LPmax : 16));
         float *sg = aligned_alloc(64, sizeof(float) * (size_t)TG * QT * (LPmax > 0 ? LPmax : 16)); /* [TG][QT][LP] */
-        float *acc = aligned_alloc(64, sizeof(float) * (size_t)QT * (D + 16));
+        float *gacc = aligned_alloc(64, sizeof(float) * (size_t)TG * QT * (D + 16)); /* [TG][QT][D + 16] */
+        float *kw = aligned_alloc(64, sizeof(float) * (size_t)D * KL);                /* a block of keys, widened */
+        float *vbuf = aligned_alloc(64, sizeof(float) * (size_t)KL * 64);             /* a block of values, widened */
         float *pc = aligned_alloc(64, sizeof(float) * (size_t)((LPmax > 0 ? LPmax : 16) + KL)); /* p > 0, compacted */
         const int NB = (LPmax > 0 ? LPmax : 16) / KL; /* key blocks */
-        uint16_t *nzm = malloc(sizeof(uint16_t) * (size_t)QT * NB); /* [QT][NB]: see pv64 */
+        uint16_t *gnzm = malloc(sizeof(uint16_t) * (size_t)TG * QT * NB); /* [TG][QT][NB]: see pv64 */
 #pragma omp for schedule(dynamic, 1)
         for (int w = 0; w < nwork; w++) {
             const int b = work[w].b, hk = work[w].hk;
@@ -522,7 +600,15 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
                                               mr, row, head, lim, &glimp[tq - tg]);
                     gl = glimp[tq - tg] > gl ? glimp[tq - tg] : gl;
                 }
-                for (int j0 = 0; j0 < gl; j0 += KL)
+#if defined(__AVX512F__)
+                const int wide = kh && tge - tg > 1; /* several tiles: a block of half keys widened once, to kw */
+#endif
+                for (int j0 = 0; j0 < gl; j0 += KL) {
+#if defined(__AVX512F__)
+                    if (wide) /* (exact: the same scores; the conversions would share the FMAs' ports in every tile) */
+                        for (int i = 0; i < D * KL; i += 16)
+                            _mm512_store_ps(kw + i, _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)((const uint16_t *)kb + (long)j0 * D + i))));
+#endif
                     for (int tq = tg; tq < tge; tq++) {
                         if (j0 >= glimp[tq - tg]) continue;
                         const int nq = gnq[tq - tg];
@@ -530,7 +616,7 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
                         float *s = sg + (long)(tq - tg) * QT * LP;
 #if defined(__AVX512F__)
     /* literal query count and key width: the loops over queries unroll, the key loads are fixed */
-#define SCORES16(NQ) (kh ? scores16(kb, 1, LP, j0, D, qr, NQ, scale, s) : scores16(kb, 0, LP, j0, D, qr, NQ, scale, s))
+#define SCORES16(NQ) (kh && !wide ? scores16(kb, 1, j0, LP, j0, D, qr, NQ, scale, s) : scores16(wide ? kw : kb, 0, wide ? 0 : j0, LP, j0, D, qr, NQ, scale, s))
                         switch (nq) {
                         case 1: SCORES16(1); break;
                         case 2: SCORES16(2); break;
@@ -562,6 +648,14 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
                         }
 #endif
                     }
+                }
+                float ginv[TG][QT];
+                int glmax[TG], glim[TG][QT];
+#if defined(__AVX512F__)
+                const int grouped = D % 64 == 0 && tge - tg > 1; /* values: pv_group after every tile's softmax */
+#else
+                const int grouped = 0;
+#endif
                 for (int tq = tg; tq < tge; tq++) {
                 float *s = sg + (long)(tq - tg) * QT * LP;
                 const float *qr[QT], *mr[QT];
@@ -569,7 +663,8 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
                 const int nq = tile_setup(tq, NQ, n, hk, G, H, D, start, b, ctx, L, max_ctx, max_new, q, mask, qr, mr, row, head,
                                           lim, &limp);
                 (void)qr;
-                float inv[QT];
+                float *inv = ginv[tq - tg], *acc = gacc + (long)(tq - tg) * QT * (D + 16);
+                uint16_t *nzm = gnzm + (long)(tq - tg) * QT * NB;
                 for (int u = 0; u < nq; u++) {
                     float *su = s + (long)u * LP;
                     const int lp = (lim[u] + KL - 1) / KL * KL;
@@ -656,6 +751,9 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
                  * per tile, 64 dims at a time in registers */
                 int lmax = 0;
                 for (int u = 0; u < nq; u++) lmax = lim[u] > lmax ? lim[u] : lmax;
+                glmax[tq - tg] = lmax;
+                for (int u = 0; u < nq; u++) glim[tq - tg][u] = lim[u];
+                if (grouped) continue;
 #if defined(ATT_AVX2) /* pv16 skips p = 0: the keys from lim[u] (p = 0 up to lp, raw scores beyond) made 0 up to lmax */
                 for (int u = 0; u < nq; u++)
                     for (int j = (lim[u] + KL - 1) / KL * KL; j < lmax; j++) s[(long)u * LP + j] = 0.0f;
@@ -704,13 +802,33 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
                     for (int d = 0; d < D; d++) o[d] = acc[(long)u * (D + 16) + d] * inv[u];
                 }
             }
+#if defined(__AVX512F__)
+            if (grouped) {
+                for (int d0 = 0; d0 < D; d0 += 64)
+                    pv_group(vn, vc, kv_half, ctx_slots + (long)b * max_ctx, ctx, start, Hkv, hk, D, d0, tge - tg, gnq,
+                             glmax, glim, sg, LP, gnzm, NB, gacc, vbuf);
+                for (int tq = tg; tq < tge; tq++) {
+                    const float *qr[QT], *mr[QT];
+                    int row[QT], head[QT], lim[QT], limp;
+                    const int nq = tile_setup(tq, NQ, n, hk, G, H, D, start, b, ctx, L, max_ctx, max_new, q, mask, qr, mr,
+                                              row, head, lim, &limp);
+                    const float *acc = gacc + (long)(tq - tg) * QT * (D + 16);
+                    for (int u = 0; u < nq; u++) {
+                        float *o = out + ((long)(start + row[u]) * H + head[u]) * D;
+                        for (int d = 0; d < D; d++) o[d] = acc[(long)u * (D + 16) + d] * ginv[tq - tg][u];
+                    }
+                }
+            }
+#endif
             }
         }
         free(kt);
         free(sg);
-        free(acc);
+        free(gacc);
+        free(kw);
+        free(vbuf);
         free(pc);
-        free(nzm);
+        free(gnzm);
     }
     free(work);
 }
