@@ -26,6 +26,13 @@
  * accumulators stay in registers, and the skipped keys (invisible, p = 0) a mask or blend instead of a
  * branch. The same operations in the same order: no bit changes. Decode steps of 4 sequences x 1,000
  * cached keys, 30 layers, one thread (cold K/V, a shared 2-core box): 22.1 -> 18-19 ms (AVX-512).
+ * Verify steps (several tiles a KV head): the tiles are taken TG at a time, scores key block by key block
+ * for every tile of the group (a half block widened once, not per tile: its conversions share the FMAs'
+ * ports), then every tile's softmax, then (AVX-512) the values block by block for every tile (pv_group:
+ * each value row read and widened once for the group, the accumulators kept in memory between blocks);
+ * a block that every query of a tile keeps (all p > 0, all visible) takes plain FMAs instead of the
+ * masked ones. Per output the same operations in the same order: no bit changes. 9 verify rows (a tree)
+ * over 1,000 half keys, 30 layers, one thread, warm: 9.0 -> 7.3 ms (docs/benchmarks.md, issue 37).
  *
  * Layouts: q, out [T, H, D] and this forward's kn, vn [T, Hkv, D] packed over the sequences; context
  * keys read in place from the cache layer kc, vc [slots, Hkv, D] (fp32, or IEEE half with kv_half: a
@@ -136,13 +143,13 @@ static inline void transpose16_h(__m256i r[16]) {
         r[8 + k] = _mm256_permute2x128_si256(c[k], c[8 + k], 0x31);
     }
 }
-/* Scores of keys j0..j0+15 (one per lane, from the transposed kb [D][LP]) for nq queries: two
+/* Scores of keys j0..j0+15 (one per lane, from the transposed block of kb at item kj: see KTI) for nq queries: two
  * chains per query (even and odd d), added at the end: a fixed order */
 static inline __attribute__((always_inline)) __m512 key16(const float *kb, int kh, int D, int d, int j0) {
     if (kh) return _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)((const uint16_t *)kb + KTI(d, j0, D))));
     return _mm512_load_ps(kb + KTI(d, j0, D));
 }
-/* kh: the transposed keys are halves ([D][LP] uint16, widened here: exact, so the same scores) */
+/* kh: the transposed keys are halves (uint16, widened here: exact, so the same scores) */
 static inline __attribute__((always_inline)) void scores16(const float *kb, const int kh, int kj, int LP, int j0, int D,
                                                            const float *const *qr, const int nq, float scale, float *s) {
     __m512 a[QT], c[QT];
@@ -284,7 +291,7 @@ static inline __m512 kv_load16(kvrow_t r, int d, int kv_half) {
 }
 #endif
 
-/* Keys [0, Lk) of sequence b, KV head hk, transposed: dst[d][LP] (LP = Lk rounded up to KL; zero
+/* Keys [0, Lk) of sequence b, KV head hk, transposed: dst[KTI(d, j)] (LP = Lk rounded up to KL; zero
  * padding), one key per lane. Context key j is cache row ctx_slots[b][j], new key j >= ctx packed row
  * start + j - ctx. */
 static void transpose_keys(const float *kn, const void *kc, int kv_half, const int64_t *ctx_slots, int max_ctx, int b,
@@ -332,7 +339,7 @@ static void transpose_keys(const float *kn, const void *kc, int kv_half, const i
 #endif
 #if defined(__AVX512F__)
         if (D % VT_DIMS == 0) { /* 16 x 16 blocks, transposed in registers */
-            if (kv_half) { /* halves stay halves: dst is [D][LP] uint16 (scores16 widens them) */
+            if (kv_half) { /* halves stay halves: dst is uint16 (scores16 widens them) */
                 uint16_t *dh = (uint16_t *)dst;
                 for (int d0 = 0; d0 < D; d0 += 16) {
                     __m256i r[KL];
@@ -583,7 +590,7 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
             }
             const int LP = (Lk + KL - 1) / KL * KL;
             transpose_keys(kn, kc, kv_half, ctx_slots, max_ctx, b, hk, ctx, start, Lk, Hkv, D, kt);
-            const float *kb = kt; /* this run's keys, [D][LP] (halves with kh) */
+            const float *kb = kt; /* this run's keys, [LP / KL][D][KL] (halves with kh) */
 #if defined(__AVX512F__)
             const int kh = kv_half && D % 16 == 0; /* transpose_keys kept them halves */
 #endif
@@ -626,7 +633,7 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
 #undef SCORES16
 #elif defined(ATT_AVX2)
 #define SCORES8(NQ) (scores8(kb, LP, j0, D, qr, NQ, scale, s), scores8(kb, LP, j0 + 8, D, qr, NQ, scale, s))
-                        switch (nq) { /* the keys are fp32 [D][LP] at every D */
+                        switch (nq) { /* the keys are fp32 at every D */
                         case 1: SCORES8(1); break;
                         case 2: SCORES8(2); break;
                         case 3: SCORES8(3); break;
@@ -657,168 +664,168 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
                 const int grouped = 0;
 #endif
                 for (int tq = tg; tq < tge; tq++) {
-                float *s = sg + (long)(tq - tg) * QT * LP;
-                const float *qr[QT], *mr[QT];
-                int row[QT], head[QT], lim[QT], limp;
-                const int nq = tile_setup(tq, NQ, n, hk, G, H, D, start, b, ctx, L, max_ctx, max_new, q, mask, qr, mr, row, head,
-                                          lim, &limp);
-                (void)qr;
-                float *inv = ginv[tq - tg], *acc = gacc + (long)(tq - tg) * QT * (D + 16);
-                uint16_t *nzm = gnzm + (long)(tq - tg) * QT * NB;
-                for (int u = 0; u < nq; u++) {
-                    float *su = s + (long)u * LP;
-                    const int lp = (lim[u] + KL - 1) / KL * KL;
-                    if (softcap > 0.0f)
-                        for (int j = 0; j < lim[u]; j++) su[j] = tanhf(su[j] / softcap) * softcap;
-                    if (mr[u]) { /* the mask's context columns, then its new-key columns */
-                        for (int j = 0; j < ctx && j < lim[u]; j++) su[j] = su[j] + mr[u][j];
-                        for (int j = ctx; j < lim[u]; j++) su[j] = su[j] + mr[u][max_ctx + j - ctx];
-                    }
-                    for (int j = lim[u]; j < lp; j++) su[j] = -INFINITY;
-                    float m = -INFINITY; /* a max: exact in any order */
-#if defined(__AVX512F__)
-                    __m512 mv = _mm512_set1_ps(-INFINITY);
-                    for (int j0 = 0; j0 < lp; j0 += KL) mv = _mm512_max_ps(mv, _mm512_load_ps(su + j0));
-                    m = _mm512_reduce_max_ps(mv);
-#elif defined(ATT_AVX2)
-                    __m256 mv = _mm256_set1_ps(-INFINITY);
-                    for (int j0 = 0; j0 < lp; j0 += 8) mv = _mm256_max_ps(mv, _mm256_load_ps(su + j0));
-                    float ml[8];
-                    _mm256_storeu_ps(ml, mv);
-                    for (int l = 0; l < 8; l++) m = ml[l] > m ? ml[l] : m;
-#else
-                    for (int j = 0; j < lp; j++) m = su[j] > m ? su[j] : m;
-#endif
-                    /* p_j = exp(s_j - max) in place; the keys with p_j > 0 summed by rank among them
-                     * (rank r in lane r % 16, in key order per lane), then a fixed tree: a key's lane
-                     * does not depend on the invisible keys before it (a tree draft's siblings) */
-                    float lanes[KL];
-                    for (int l = 0; l < KL; l++) lanes[l] = 0.0f;
-#if defined(__AVX512F__)
-                    for (int k = m > -INFINITY ? lp / KL : 0; k < LP / KL; k++) nzm[(long)u * NB + k] = 0;
-#endif
-                    if (m > -INFINITY) {
-#if defined(__AVX512F__)
-                        int cnt = 0;
-                        for (int j0 = 0; j0 < lp; j0 += KL) {
-                            const __m512 p = exp_neg(_mm512_sub_ps(_mm512_load_ps(su + j0), _mm512_set1_ps(m)));
-                            _mm512_store_ps(su + j0, p);
-                            const __mmask16 nz = _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_NEQ_OQ);
-                            _mm512_storeu_ps(pc + cnt, _mm512_maskz_compress_ps(nz, p)); /* register form: the store form is slow on Zen 4 */
-                            cnt += __builtin_popcount(nz);
-                            nzm[(long)u * NB + j0 / KL] = nz;
-                        }
-                        for (int j = cnt; j < (cnt + KL - 1) / KL * KL; j++) pc[j] = 0.0f;
-                        __m512 sum = _mm512_setzero_ps();
-                        for (int j0 = 0; j0 < cnt; j0 += KL) sum = _mm512_add_ps(sum, _mm512_loadu_ps(pc + j0));
-                        _mm512_storeu_ps(lanes, sum);
-#elif defined(ATT_AVX2)
-                        int cnt = 0; /* compacted 8 at a time where all 8 are > 0, else one by one */
-                        for (int j0 = 0; j0 < lp; j0 += 8) {
-                            const __m256 p = exp_neg8(_mm256_sub_ps(_mm256_load_ps(su + j0), _mm256_set1_ps(m)));
-                            _mm256_store_ps(su + j0, p);
-                            const int nz = _mm256_movemask_ps(_mm256_cmp_ps(p, _mm256_setzero_ps(), _CMP_NEQ_OQ));
-                            if (nz == 0xff) {
-                                _mm256_storeu_ps(pc + cnt, p);
-                                cnt += 8;
-                            } else {
-                                for (int l = 0; l < 8; l++)
-                                    if (nz >> l & 1) pc[cnt++] = su[j0 + l];
-                            }
-                        }
-                        for (int j = cnt; j < (cnt + KL - 1) / KL * KL; j++) pc[j] = 0.0f;
-                        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(); /* lanes 0-7, 8-15 */
-                        for (int j0 = 0; j0 < cnt; j0 += KL) {
-                            s0 = _mm256_add_ps(s0, _mm256_loadu_ps(pc + j0));
-                            s1 = _mm256_add_ps(s1, _mm256_loadu_ps(pc + j0 + 8));
-                        }
-                        _mm256_storeu_ps(lanes, s0);
-                        _mm256_storeu_ps(lanes + 8, s1);
-#else
-                        int cnt = 0;
-                        for (int j = 0; j < lp; j++) {
-                            su[j] = exp_neg1(su[j] - m);
-                            if (su[j] != 0.0f) lanes[cnt++ % KL] += su[j];
-                        }
-#endif
-                    } else {
-                        for (int j = 0; j < lp; j++) su[j] = 0.0f;
-                    }
-                    const float tot = lane_tree_sum(lanes);
-                    inv[u] = tot > 0.0f ? 1.0f / tot : 0.0f;
-                }
-                /* weighted values, keys in increasing order per output; each value row loaded once
-                 * per tile, 64 dims at a time in registers */
-                int lmax = 0;
-                for (int u = 0; u < nq; u++) lmax = lim[u] > lmax ? lim[u] : lmax;
-                glmax[tq - tg] = lmax;
-                for (int u = 0; u < nq; u++) glim[tq - tg][u] = lim[u];
-                if (grouped) continue;
-#if defined(ATT_AVX2) /* pv16 skips p = 0: the keys from lim[u] (p = 0 up to lp, raw scores beyond) made 0 up to lmax */
-                for (int u = 0; u < nq; u++)
-                    for (int j = (lim[u] + KL - 1) / KL * KL; j < lmax; j++) s[(long)u * LP + j] = 0.0f;
-#endif
-                for (int d0 = 0; d0 < D; d0 += 64) {
-                    const int dn = D - d0 < 64 ? D - d0 : 64;
-#if defined(__AVX512F__)
-                    if (dn == 64) { /* literal query count: the accumulators stay in registers */
-#define PV64(NQ) pv64(vn, vc, kv_half, ctx_slots + (long)b * max_ctx, ctx, start, Hkv, hk, D, d0, lmax, lim, s, LP, nzm, NB, NQ, acc)
-                        switch (nq) {
-                        case 1: PV64(1); break;
-                        case 2: PV64(2); break;
-                        case 3: PV64(3); break;
-                        default: PV64(QT); break;
-                        }
-#undef PV64
-                        continue;
-                    }
-#elif defined(ATT_AVX2)
-                    if (dn % 16 == 0) { /* 16 dims a pass (literal query count: 2 nq accumulators in registers) */
-#define PV16(NQ) pv16(vn, vc, kv_half, ctx_slots + (long)b * max_ctx, ctx, start, Hkv, hk, D, d0, dn, lmax, lim, s, LP, NQ, acc)
-                        switch (nq) {
-                        case 1: PV16(1); break;
-                        case 2: PV16(2); break;
-                        case 3: PV16(3); break;
-                        default: PV16(QT); break;
-                        }
-#undef PV16
-                        continue;
-                    }
-#endif
-                    for (int u = 0; u < nq; u++)
-                        for (int d = 0; d < dn; d++) acc[(long)u * (D + 16) + d0 + d] = 0.0f;
-                    for (int j = 0; j < lmax; j++) {
-                        const kvrow_t vr = kv_row(vn, vc, kv_half, ctx_slots, max_ctx, b, j, ctx, start, Hkv, hk, D);
-                        for (int u = 0; u < nq; u++) {
-                            const float p = s[(long)u * LP + j];
-                            if (j >= lim[u] || p == 0.0f) continue;
-                            float *au = acc + (long)u * (D + 16) + d0;
-                            for (int d = 0; d < dn; d++) au[d] = fmaf(p, kv_load1(vr, d0 + d, kv_half), au[d]);
-                        }
-                    }
-                }
-                for (int u = 0; u < nq; u++) {
-                    float *o = out + ((long)(start + row[u]) * H + head[u]) * D;
-                    for (int d = 0; d < D; d++) o[d] = acc[(long)u * (D + 16) + d] * inv[u];
-                }
-            }
-#if defined(__AVX512F__)
-            if (grouped) {
-                for (int d0 = 0; d0 < D; d0 += 64)
-                    pv_group(vn, vc, kv_half, ctx_slots + (long)b * max_ctx, ctx, start, Hkv, hk, D, d0, tge - tg, gnq,
-                             glmax, glim, sg, LP, gnzm, NB, gacc, vbuf);
-                for (int tq = tg; tq < tge; tq++) {
+                    float *s = sg + (long)(tq - tg) * QT * LP;
                     const float *qr[QT], *mr[QT];
                     int row[QT], head[QT], lim[QT], limp;
-                    const int nq = tile_setup(tq, NQ, n, hk, G, H, D, start, b, ctx, L, max_ctx, max_new, q, mask, qr, mr,
-                                              row, head, lim, &limp);
-                    const float *acc = gacc + (long)(tq - tg) * QT * (D + 16);
+                    const int nq = tile_setup(tq, NQ, n, hk, G, H, D, start, b, ctx, L, max_ctx, max_new, q, mask, qr, mr, row, head,
+                                              lim, &limp);
+                    (void)qr;
+                    float *inv = ginv[tq - tg], *acc = gacc + (long)(tq - tg) * QT * (D + 16);
+                    uint16_t *nzm = gnzm + (long)(tq - tg) * QT * NB;
+                    for (int u = 0; u < nq; u++) {
+                        float *su = s + (long)u * LP;
+                        const int lp = (lim[u] + KL - 1) / KL * KL;
+                        if (softcap > 0.0f)
+                            for (int j = 0; j < lim[u]; j++) su[j] = tanhf(su[j] / softcap) * softcap;
+                        if (mr[u]) { /* the mask's context columns, then its new-key columns */
+                            for (int j = 0; j < ctx && j < lim[u]; j++) su[j] = su[j] + mr[u][j];
+                            for (int j = ctx; j < lim[u]; j++) su[j] = su[j] + mr[u][max_ctx + j - ctx];
+                        }
+                        for (int j = lim[u]; j < lp; j++) su[j] = -INFINITY;
+                        float m = -INFINITY; /* a max: exact in any order */
+#if defined(__AVX512F__)
+                        __m512 mv = _mm512_set1_ps(-INFINITY);
+                        for (int j0 = 0; j0 < lp; j0 += KL) mv = _mm512_max_ps(mv, _mm512_load_ps(su + j0));
+                        m = _mm512_reduce_max_ps(mv);
+#elif defined(ATT_AVX2)
+                        __m256 mv = _mm256_set1_ps(-INFINITY);
+                        for (int j0 = 0; j0 < lp; j0 += 8) mv = _mm256_max_ps(mv, _mm256_load_ps(su + j0));
+                        float ml[8];
+                        _mm256_storeu_ps(ml, mv);
+                        for (int l = 0; l < 8; l++) m = ml[l] > m ? ml[l] : m;
+#else
+                        for (int j = 0; j < lp; j++) m = su[j] > m ? su[j] : m;
+#endif
+                        /* p_j = exp(s_j - max) in place; the keys with p_j > 0 summed by rank among them
+                         * (rank r in lane r % 16, in key order per lane), then a fixed tree: a key's lane
+                         * does not depend on the invisible keys before it (a tree draft's siblings) */
+                        float lanes[KL];
+                        for (int l = 0; l < KL; l++) lanes[l] = 0.0f;
+#if defined(__AVX512F__)
+                        for (int k = m > -INFINITY ? lp / KL : 0; k < LP / KL; k++) nzm[(long)u * NB + k] = 0;
+#endif
+                        if (m > -INFINITY) {
+#if defined(__AVX512F__)
+                            int cnt = 0;
+                            for (int j0 = 0; j0 < lp; j0 += KL) {
+                                const __m512 p = exp_neg(_mm512_sub_ps(_mm512_load_ps(su + j0), _mm512_set1_ps(m)));
+                                _mm512_store_ps(su + j0, p);
+                                const __mmask16 nz = _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+                                _mm512_storeu_ps(pc + cnt, _mm512_maskz_compress_ps(nz, p)); /* register form: the store form is slow on Zen 4 */
+                                cnt += __builtin_popcount(nz);
+                                nzm[(long)u * NB + j0 / KL] = nz;
+                            }
+                            for (int j = cnt; j < (cnt + KL - 1) / KL * KL; j++) pc[j] = 0.0f;
+                            __m512 sum = _mm512_setzero_ps();
+                            for (int j0 = 0; j0 < cnt; j0 += KL) sum = _mm512_add_ps(sum, _mm512_loadu_ps(pc + j0));
+                            _mm512_storeu_ps(lanes, sum);
+#elif defined(ATT_AVX2)
+                            int cnt = 0; /* compacted 8 at a time where all 8 are > 0, else one by one */
+                            for (int j0 = 0; j0 < lp; j0 += 8) {
+                                const __m256 p = exp_neg8(_mm256_sub_ps(_mm256_load_ps(su + j0), _mm256_set1_ps(m)));
+                                _mm256_store_ps(su + j0, p);
+                                const int nz = _mm256_movemask_ps(_mm256_cmp_ps(p, _mm256_setzero_ps(), _CMP_NEQ_OQ));
+                                if (nz == 0xff) {
+                                    _mm256_storeu_ps(pc + cnt, p);
+                                    cnt += 8;
+                                } else {
+                                    for (int l = 0; l < 8; l++)
+                                        if (nz >> l & 1) pc[cnt++] = su[j0 + l];
+                                }
+                            }
+                            for (int j = cnt; j < (cnt + KL - 1) / KL * KL; j++) pc[j] = 0.0f;
+                            __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(); /* lanes 0-7, 8-15 */
+                            for (int j0 = 0; j0 < cnt; j0 += KL) {
+                                s0 = _mm256_add_ps(s0, _mm256_loadu_ps(pc + j0));
+                                s1 = _mm256_add_ps(s1, _mm256_loadu_ps(pc + j0 + 8));
+                            }
+                            _mm256_storeu_ps(lanes, s0);
+                            _mm256_storeu_ps(lanes + 8, s1);
+#else
+                            int cnt = 0;
+                            for (int j = 0; j < lp; j++) {
+                                su[j] = exp_neg1(su[j] - m);
+                                if (su[j] != 0.0f) lanes[cnt++ % KL] += su[j];
+                            }
+#endif
+                        } else {
+                            for (int j = 0; j < lp; j++) su[j] = 0.0f;
+                        }
+                        const float tot = lane_tree_sum(lanes);
+                        inv[u] = tot > 0.0f ? 1.0f / tot : 0.0f;
+                    }
+                    /* weighted values, keys in increasing order per output; each value row loaded once
+                     * per tile, 64 dims at a time in registers */
+                    int lmax = 0;
+                    for (int u = 0; u < nq; u++) lmax = lim[u] > lmax ? lim[u] : lmax;
+                    glmax[tq - tg] = lmax;
+                    for (int u = 0; u < nq; u++) glim[tq - tg][u] = lim[u];
+                    if (grouped) continue;
+#if defined(ATT_AVX2) /* pv16 skips p = 0: the keys from lim[u] (p = 0 up to lp, raw scores beyond) made 0 up to lmax */
+                    for (int u = 0; u < nq; u++)
+                        for (int j = (lim[u] + KL - 1) / KL * KL; j < lmax; j++) s[(long)u * LP + j] = 0.0f;
+#endif
+                    for (int d0 = 0; d0 < D; d0 += 64) {
+                        const int dn = D - d0 < 64 ? D - d0 : 64;
+#if defined(__AVX512F__)
+                        if (dn == 64) { /* literal query count: the accumulators stay in registers */
+#define PV64(NQ) pv64(vn, vc, kv_half, ctx_slots + (long)b * max_ctx, ctx, start, Hkv, hk, D, d0, lmax, lim, s, LP, nzm, NB, NQ, acc)
+                            switch (nq) {
+                            case 1: PV64(1); break;
+                            case 2: PV64(2); break;
+                            case 3: PV64(3); break;
+                            default: PV64(QT); break;
+                            }
+#undef PV64
+                            continue;
+                        }
+#elif defined(ATT_AVX2)
+                        if (dn % 16 == 0) { /* 16 dims a pass (literal query count: 2 nq accumulators in registers) */
+#define PV16(NQ) pv16(vn, vc, kv_half, ctx_slots + (long)b * max_ctx, ctx, start, Hkv, hk, D, d0, dn, lmax, lim, s, LP, NQ, acc)
+                            switch (nq) {
+                            case 1: PV16(1); break;
+                            case 2: PV16(2); break;
+                            case 3: PV16(3); break;
+                            default: PV16(QT); break;
+                            }
+#undef PV16
+                            continue;
+                        }
+#endif
+                        for (int u = 0; u < nq; u++)
+                            for (int d = 0; d < dn; d++) acc[(long)u * (D + 16) + d0 + d] = 0.0f;
+                        for (int j = 0; j < lmax; j++) {
+                            const kvrow_t vr = kv_row(vn, vc, kv_half, ctx_slots, max_ctx, b, j, ctx, start, Hkv, hk, D);
+                            for (int u = 0; u < nq; u++) {
+                                const float p = s[(long)u * LP + j];
+                                if (j >= lim[u] || p == 0.0f) continue;
+                                float *au = acc + (long)u * (D + 16) + d0;
+                                for (int d = 0; d < dn; d++) au[d] = fmaf(p, kv_load1(vr, d0 + d, kv_half), au[d]);
+                            }
+                        }
+                    }
                     for (int u = 0; u < nq; u++) {
                         float *o = out + ((long)(start + row[u]) * H + head[u]) * D;
-                        for (int d = 0; d < D; d++) o[d] = acc[(long)u * (D + 16) + d] * ginv[tq - tg][u];
+                        for (int d = 0; d < D; d++) o[d] = acc[(long)u * (D + 16) + d] * inv[u];
                     }
                 }
-            }
+#if defined(__AVX512F__)
+                if (grouped) {
+                    for (int d0 = 0; d0 < D; d0 += 64)
+                        pv_group(vn, vc, kv_half, ctx_slots + (long)b * max_ctx, ctx, start, Hkv, hk, D, d0, tge - tg, gnq,
+                                 glmax, glim, sg, LP, gnzm, NB, gacc, vbuf);
+                    for (int tq = tg; tq < tge; tq++) {
+                        const float *qr[QT], *mr[QT];
+                        int row[QT], head[QT], lim[QT], limp;
+                        const int nq = tile_setup(tq, NQ, n, hk, G, H, D, start, b, ctx, L, max_ctx, max_new, q, mask, qr, mr,
+                                                  row, head, lim, &limp);
+                        const float *acc = gacc + (long)(tq - tg) * QT * (D + 16);
+                        for (int u = 0; u < nq; u++) {
+                            float *o = out + ((long)(start + row[u]) * H + head[u]) * D;
+                            for (int d = 0; d < D; d++) o[d] = acc[(long)u * (D + 16) + d] * ginv[tq - tg][u];
+                        }
+                    }
+                }
 #endif
             }
         }

@@ -51,7 +51,7 @@ static inline __m256 kv_load8(kvrow_t r, int d, int kv_half) {
     return _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps((const float *)r.p + d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-/* Scores of keys j0..j0+7 (one per lane of the transposed kb [D][LP], fp32) for nq queries: scores16's
+/* Scores of keys j0..j0+7 (lanes of the transposed kb, fp32: see KTI) for nq queries: scores16's
  * two chains per query (even and odd d), added at the end */
 static inline __attribute__((always_inline)) void scores8(const float *kb, int LP, int j0, int D,
                                                           const float *const *qr, const int nq, float scale, float *s) {
