@@ -56,10 +56,14 @@
 #define VT_DIMS 8
 #endif
 #define QT 4  /* queries per tile */
-#define TG 8  /* tiles whose scores are taken together (see tile_setup's caller) */
+#if defined(__AVX512F__)
+#define TG 8 /* tiles taken together (a verify step's group of tiles: see the header) */
+#else
+#define TG 1 /* (AVX2, portable: measured no faster with groups) */
+#endif
 /* Transposed keys: blocks of KL keys, each [D][KL] (one key per lane) and contiguous, so that a block's
  * scores read D * KL consecutive items (the prefetchers follow one stream, not D rows LP apart) */
-#define KTI(d, j, D) ((long)((j) / KL) * KL * (D) + (long)(d) * KL + (j) % KL)
+#define KTI(d, j, D) ((long)((unsigned)(j) / KL) * KL * (D) + (long)(d) * KL + (unsigned)(j) % KL)
 /* Software prefetch of context rows: a (sequence, KV head)'s keys and values are 64-256 byte pieces
  * of cache rows spread over the slots, too short and too scattered for the hardware prefetcher, and
  * a layer's K/V of a batch are usually out of cache (every other layer and the weights ran since).
@@ -641,16 +645,17 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
                         }
 #undef SCORES8
 #else
+                        const float *kbb = kb + (long)j0 * D; /* this block, [D][KL] */
                         for (int u = 0; u < nq; u++) {
                             float a[KL], c[KL];
                             for (int l = 0; l < KL; l++) a[l] = c[l] = 0.0f;
                             for (int d = 0; d + 1 < D; d += 2)
                                 for (int l = 0; l < KL; l++) {
-                                    a[l] = fmaf(qr[u][d], kb[KTI(d, j0 + l, D)], a[l]);
-                                    c[l] = fmaf(qr[u][d + 1], kb[KTI(d + 1, j0 + l, D)], c[l]);
+                                    a[l] = fmaf(qr[u][d], kbb[d * KL + l], a[l]);
+                                    c[l] = fmaf(qr[u][d + 1], kbb[(d + 1) * KL + l], c[l]);
                                 }
                             if (D % 2)
-                                for (int l = 0; l < KL; l++) a[l] = fmaf(qr[u][D - 1], kb[KTI(D - 1, j0 + l, D)], a[l]);
+                                for (int l = 0; l < KL; l++) a[l] = fmaf(qr[u][D - 1], kbb[(D - 1) * KL + l], a[l]);
                             for (int l = 0; l < KL; l++) s[(long)u * LP + j0 + l] = (a[l] + c[l]) * scale;
                         }
 #endif
