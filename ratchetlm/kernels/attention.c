@@ -32,7 +32,7 @@
  * each value row read and widened once for the group, the accumulators kept in memory between blocks);
  * a block that every query of a tile keeps (all p > 0, all visible) takes plain FMAs instead of the
  * masked ones. Per output the same operations in the same order: no bit changes. 9 verify rows (a tree)
- * over 1,000 half keys, 30 layers, one thread, warm: 9.0 -> 7.3 ms (docs/benchmarks.md, issue 37).
+ * over 1,000 half keys, 30 layers, one thread, warm: 0.76x the former time (docs/benchmarks.md, issue 37).
  *
  * Layouts: q, out [T, H, D] and this forward's kn, vn [T, Hkv, D] packed over the sequences; context
  * keys read in place from the cache layer kc, vc [slots, Hkv, D] (fp32, or IEEE half with kv_half: a
