@@ -11,14 +11,17 @@ Two parts:
   (a loop over a list against numpy arrays), a suffix node's kids (grouped in Python against numpy's
   ``unique`` and masks) and the strategy's copy of one proposal's logits (``torch.cat``).
 * ``--attention``: the attention kernel alone at 1 row, chains of 4 and 5 rows and an 8-node tree
-  (9 rows, masked) over ``--contexts`` cached tokens: what each extra verified row costs there.
+  (9 rows, masked) over ``--contexts`` cached tokens: what each extra verified row costs there. With
+  ``--peer DIR``, this tree's attention.c and DIR's (another checkout, e.g. main) each compiled alone with
+  the kernel build's flags into a temporary library, timed interleaved; the table gives this tree's times,
+  its ratio to the peer's and whether the outputs' bits are equal.
 * ``--phases``: Spec-Bench cases (the arguments after ``--`` go to bench_specbench.py) with every
   phase of a step wrapped: per engine (AR, ``ngram``, ``hybrid``) the thread CPU time per step of
   propose, the proposer's tree build, the forward and its LM head, the table's top-k, the strategy's
   commit and verify, the staging commit, and the step.
 
     python benchmarks/bench_spec_step.py [--cuts] [--rows 1 4 8 12] [--repeats 400]
-    python benchmarks/bench_spec_step.py --attention [--contexts 300 1000]
+    python benchmarks/bench_spec_step.py --attention [--contexts 300 1000] [--peer /path/to/other/checkout]
     python benchmarks/bench_spec_step.py --phases -- --configs default hybrid --groups qa translation \\
         math_reasoning mt_bench --per-group 1 --max-tokens 128 --threads 1 --clock cpu --numerics int8
 """
@@ -140,33 +143,60 @@ def cuts(rows_list: list[int], repeats: int) -> None:
           f"{t['cat'] - t['view']:.3f} |")
 
 
-def attention(contexts: list[int], repeats: int) -> None:
+def attention_library(root: Path, out_dir: Path) -> Any:
+    """``root``'s kernels/attention.c compiled alone (the kernel build's flags, ``-march=native``)."""
+    import ctypes
+    import subprocess
+
+    from ratchetlm.kernels import build
+    cc = build._compiler()
+    if cc is None:
+        raise SystemExit("no C compiler")
+    out = out_dir / f"attention_{len(list(out_dir.iterdir()))}.so"
+    subprocess.run([cc, *build._CFLAGS, "-march=native", str(root / "ratchetlm" / "kernels" / "attention.c"), "-o",
+                    str(out), *build._LDFLAGS, "-lm"], check=True)
+    lib = ctypes.CDLL(str(out))
+    p, i, fl = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.ratchet_attention.argtypes = [p, p, p, p, p, p, i, p, i, p, i, i, i, i, fl, fl, i, p, i]
+    lib.ratchet_attention.restype = None
+    return lib
+
+
+def attention(contexts: list[int], repeats: int, peer: Path | None = None) -> None:
     """The attention kernel alone (kernels/attention.c, the default model's 9 query / 3 KV heads of 64,
     a half cache, one thread, 30 layers' worth): 1 row, a chain of 4 and 5 rows (causal, no mask) and
     a tree of 8 nodes (9 rows with the root, a binary tree's mask) on top of ``contexts`` cached keys."""
     import ctypes
+    import tempfile
 
     from ratchetlm import kernels
-    lib = kernels.load()
-    if lib is None:
+    libs: dict[str, Any] = {"this": kernels.load()}
+    if libs["this"] is None:
         print("no C kernels")
         return
+    if peer is not None:
+        tmp = Path(tempfile.mkdtemp(prefix="bench_attention_"))
+        libs = {"this": attention_library(Path(__file__).resolve().parents[1], tmp),
+                "peer": attention_library(peer, tmp)}
     torch.set_num_threads(1)
     h, hkv, d, slots = 9, 3, 64, 4096
     kc, vc = torch.randn(slots, hkv, d).half(), torch.randn(slots, hkv, d).half()
     tree_parent = [-1, 0, 0, 1, 1, 2, 2, 3, 4]  # row 0 the root; rows 1-8 a tree of 8 nodes
     print(f"attention, 30 layers, thread CPU ms (medians of {repeats}); load average {os.getloadavg()[0]:.1f}")
+    if peer is not None:
+        print(f"this tree against {peer}: this tree's ms (its time / the peer's; bits equal?)")
     print("| cached tokens | 1 row | chain of 4 | chain of 5 | tree of 8 nodes (9 rows, mask) |")
     print("|---|---|---|---|---|")
     for ctx in contexts:
-        cells = []
+        cells: list[str] = []
+        ms: list[float] = []
         for n, tree in ((1, False), (4, False), (5, False), (9, True)):
             g = torch.Generator().manual_seed(n)
             q, kn, vn = torch.randn(n, h, d, generator=g), torch.randn(n, hkv, d, generator=g), \
                 torch.randn(n, hkv, d, generator=g)
             cs = torch.arange(ctx, dtype=torch.long).reshape(1, ctx)  # [1, ctx] slots, in order (as blocks are)
             meta = torch.tensor([ctx, 0, n], dtype=torch.int32)
-            out = torch.empty(n, h, d)
+            outs = {k: torch.empty(n, h, d) for k in libs}
             mask = None
             if tree:  # [1, n, ctx + n]: every context key, then the row's ancestors and itself
                 mask = torch.full((1, n, ctx + n), float("-inf"))
@@ -177,13 +207,21 @@ def attention(contexts: list[int], repeats: int) -> None:
                         mask[0, i, ctx + j] = 0.0
                         j = tree_parent[j]
 
-            def call(q=q, kn=kn, vn=vn, cs=cs, meta=meta, out=out, mask=mask, ctx=ctx, n=n) -> None:
+            def call(lib: Any, out: torch.Tensor, q=q, kn=kn, vn=vn, cs=cs, meta=meta, mask=mask, ctx=ctx,
+                     n=n) -> None:
                 lib.ratchet_attention(q.data_ptr(), kn.data_ptr(), vn.data_ptr(), kc.data_ptr(), vc.data_ptr(),
                                       cs.data_ptr(), ctx, meta.data_ptr(), n,
                                       None if mask is None else mask.data_ptr(), 1, h, hkv, d, ctypes.c_float(0.125),
                                       ctypes.c_float(0.0), 1, out.data_ptr(), 1)
-            cells.append(timed({"a": call}, repeats)["a"] * 30)
-        print(f"| {ctx} | " + " | ".join(f"{c:.2f} ({c / cells[0]:.2f}x)" for c in cells) + " |")
+            t = timed({k: (lambda lib=lib, out=outs[k], call=call: call(lib, out)) for k, lib in libs.items()}, repeats)
+            if peer is None:  # this tree's ms, and its ratio to the 1-row call
+                ms.append(t["this"] * 30)
+                cells.append(f"{ms[-1]:.2f} ({ms[-1] / ms[0]:.2f}x)")
+            else:
+                same = torch.equal(outs["this"].view(torch.int32), outs["peer"].view(torch.int32))
+                cells.append(f"{t['this'] * 30:.2f} ({t['this'] / t['peer']:.2f}x; "
+                             f"{'same bits' if same else 'BITS DIFFER'})")
+        print(f"| {ctx} | " + " | ".join(cells) + " |")
 
 
 def phases(argv: list[str]) -> None:
@@ -245,6 +283,7 @@ def main() -> None:
     ap.add_argument("--phases", action="store_true", help="per-phase time of Spec-Bench steps (args after --)")
     ap.add_argument("--attention", action="store_true", help="the attention kernel by rows and cached tokens")
     ap.add_argument("--contexts", type=int, nargs="+", default=[300, 1000])
+    ap.add_argument("--peer", type=Path, default=None, help="--attention: another checkout to time against")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 12])
     ap.add_argument("--repeats", type=int, default=400)
     argv = sys.argv[1:]
@@ -255,7 +294,7 @@ def main() -> None:
     if args.phases:
         phases(rest)
     elif args.attention:
-        attention(args.contexts, args.repeats)
+        attention(args.contexts, args.repeats, args.peer)
     else:
         cuts(args.rows, args.repeats)
 

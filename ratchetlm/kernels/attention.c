@@ -26,6 +26,13 @@
  * accumulators stay in registers, and the skipped keys (invisible, p = 0) a mask or blend instead of a
  * branch. The same operations in the same order: no bit changes. Decode steps of 4 sequences x 1,000
  * cached keys, 30 layers, one thread (cold K/V, a shared 2-core box): 22.1 -> 18-19 ms (AVX-512).
+ * Verify steps (several tiles a KV head): the tiles are taken TG at a time, scores key block by key block
+ * for every tile of the group (a half block widened once, not per tile: its conversions share the FMAs'
+ * ports), then every tile's softmax, then (AVX-512) the values block by block for every tile (pv_group:
+ * each value row read and widened once for the group, the accumulators kept in memory between blocks);
+ * a block that every query of a tile keeps (all p > 0, all visible) takes plain FMAs instead of the
+ * masked ones. Per output the same operations in the same order: no bit changes. 9 verify rows (a tree)
+ * over 1,000 half keys, 30 layers, one thread, warm: 0.76x the former time (docs/benchmarks.md, issue 37).
  *
  * Layouts: q, out [T, H, D] and this forward's kn, vn [T, Hkv, D] packed over the sequences; context
  * keys read in place from the cache layer kc, vc [slots, Hkv, D] (fp32, or IEEE half with kv_half: a
@@ -49,6 +56,14 @@
 #define VT_DIMS 8
 #endif
 #define QT 4  /* queries per tile */
+#if defined(__AVX512F__)
+#define TG 8 /* tiles taken together (a verify step's group of tiles: see the header) */
+#else
+#define TG 1 /* (AVX2, portable: measured no faster with groups) */
+#endif
+/* Transposed keys: blocks of KL keys, each [D][KL] (one key per lane) and contiguous, so that a block's
+ * scores read D * KL consecutive items (the prefetchers follow one stream, not D rows LP apart) */
+#define KTI(d, j, D) ((long)((unsigned)(j) / KL) * KL * (D) + (long)(d) * KL + (unsigned)(j) % KL)
 /* Software prefetch of context rows: a (sequence, KV head)'s keys and values are 64-256 byte pieces
  * of cache rows spread over the slots, too short and too scattered for the hardware prefetcher, and
  * a layer's K/V of a batch are usually out of cache (every other layer and the weights ran since).
@@ -132,19 +147,19 @@ static inline void transpose16_h(__m256i r[16]) {
         r[8 + k] = _mm256_permute2x128_si256(c[k], c[8 + k], 0x31);
     }
 }
-/* Scores of keys j0..j0+15 (one per lane, from the transposed kb [D][LP]) for nq queries: two
+/* Scores of keys j0..j0+15 (one per lane, from the transposed block of kb at item kj: see KTI) for nq queries: two
  * chains per query (even and odd d), added at the end: a fixed order */
-static inline __attribute__((always_inline)) __m512 key16(const float *kb, int kh, int LP, int d, int j0) {
-    if (kh) return _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)((const uint16_t *)kb + (long)d * LP + j0)));
-    return _mm512_load_ps(kb + (long)d * LP + j0);
+static inline __attribute__((always_inline)) __m512 key16(const float *kb, int kh, int D, int d, int j0) {
+    if (kh) return _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)((const uint16_t *)kb + KTI(d, j0, D))));
+    return _mm512_load_ps(kb + KTI(d, j0, D));
 }
-/* kh: the transposed keys are halves ([D][LP] uint16, widened here: exact, so the same scores) */
-static inline __attribute__((always_inline)) void scores16(const float *kb, const int kh, int LP, int j0, int D,
+/* kh: the transposed keys are halves (uint16, widened here: exact, so the same scores) */
+static inline __attribute__((always_inline)) void scores16(const float *kb, const int kh, int kj, int LP, int j0, int D,
                                                            const float *const *qr, const int nq, float scale, float *s) {
     __m512 a[QT], c[QT];
     for (int u = 0; u < nq; u++) a[u] = c[u] = _mm512_setzero_ps();
     for (int d = 0; d + 1 < D; d += 2) {
-        const __m512 k0 = key16(kb, kh, LP, d, j0), k1 = key16(kb, kh, LP, d + 1, j0);
+        const __m512 k0 = key16(kb, kh, D, d, kj), k1 = key16(kb, kh, D, d + 1, kj);
         for (int u = 0; u < nq; u++) {
             a[u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][d]), k0, a[u]);
             c[u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][d + 1]), k1, c[u]);
@@ -152,7 +167,7 @@ static inline __attribute__((always_inline)) void scores16(const float *kb, cons
     }
     if (D % 2)
         for (int u = 0; u < nq; u++)
-            a[u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][D - 1]), key16(kb, kh, LP, D - 1, j0), a[u]);
+            a[u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][D - 1]), key16(kb, kh, D, D - 1, kj), a[u]);
     for (int u = 0; u < nq; u++)
         _mm512_store_ps(s + (long)u * LP + j0, _mm512_mul_ps(_mm512_add_ps(a[u], c[u]), _mm512_set1_ps(scale)));
 }
@@ -280,7 +295,7 @@ static inline __m512 kv_load16(kvrow_t r, int d, int kv_half) {
 }
 #endif
 
-/* Keys [0, Lk) of sequence b, KV head hk, transposed: dst[d][LP] (LP = Lk rounded up to KL; zero
+/* Keys [0, Lk) of sequence b, KV head hk, transposed: dst[KTI(d, j)] (LP = Lk rounded up to KL; zero
  * padding), one key per lane. Context key j is cache row ctx_slots[b][j], new key j >= ctx packed row
  * start + j - ctx. */
 static void transpose_keys(const float *kn, const void *kc, int kv_half, const int64_t *ctx_slots, int max_ctx, int b,
@@ -307,7 +322,7 @@ static void transpose_keys(const float *kn, const void *kc, int kv_half, const i
                 __m256i r[KL];
                 for (int j = 0; j < KL; j++) r[j] = _mm256_loadu_si256((const __m256i *)(rp[j] + d0));
                 transpose16_h(r);
-                for (int i = 0; i < 16; i++) _mm256_store_si256((__m256i *)(dh + (long)(d0 + HALF_COL[i]) * LP + jf), r[i]);
+                for (int i = 0; i < 16; i++) _mm256_store_si256((__m256i *)(dh + KTI(d0 + HALF_COL[i], jf, D)), r[i]);
             }
         }
     }
@@ -328,7 +343,7 @@ static void transpose_keys(const float *kn, const void *kc, int kv_half, const i
 #endif
 #if defined(__AVX512F__)
         if (D % VT_DIMS == 0) { /* 16 x 16 blocks, transposed in registers */
-            if (kv_half) { /* halves stay halves: dst is [D][LP] uint16 (scores16 widens them) */
+            if (kv_half) { /* halves stay halves: dst is uint16 (scores16 widens them) */
                 uint16_t *dh = (uint16_t *)dst;
                 for (int d0 = 0; d0 < D; d0 += 16) {
                     __m256i r[KL];
@@ -338,7 +353,7 @@ static void transpose_keys(const float *kn, const void *kc, int kv_half, const i
                                               : _mm512_cvtps_ph(_mm512_loadu_ps((const float *)kr[j].p + d0),
                                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
                     transpose16_h(r);
-                    for (int i = 0; i < 16; i++) _mm256_store_si256((__m256i *)(dh + (long)(d0 + HALF_COL[i]) * LP + j0), r[i]);
+                    for (int i = 0; i < 16; i++) _mm256_store_si256((__m256i *)(dh + KTI(d0 + HALF_COL[i], j0, D)), r[i]);
                 }
                 continue;
             }
@@ -346,7 +361,7 @@ static void transpose_keys(const float *kn, const void *kc, int kv_half, const i
                 __m512 r[KL];
                 for (int j = 0; j < KL; j++) r[j] = kr[j].p ? kv_load16(kr[j], d0, kv_half) : _mm512_setzero_ps();
                 transpose16(r);
-                for (int d = 0; d < 16; d++) _mm512_store_ps(dst + (long)(d0 + d) * LP + j0, r[d]);
+                for (int d = 0; d < 16; d++) _mm512_store_ps(dst + KTI(d0 + d, j0, D), r[d]);
             }
             continue;
         }
@@ -357,13 +372,13 @@ static void transpose_keys(const float *kn, const void *kc, int kv_half, const i
                     __m256 r[8];
                     for (int j = 0; j < 8; j++) r[j] = kr[h + j].p ? kv_load8(kr[h + j], d0, kv_half) : _mm256_setzero_ps();
                     transpose8(r);
-                    for (int d = 0; d < 8; d++) _mm256_store_ps(dst + (long)(d0 + d) * LP + j0 + h, r[d]);
+                    for (int d = 0; d < 8; d++) _mm256_store_ps(dst + KTI(d0 + d, j0 + h, D), r[d]);
                 }
             continue;
         }
 #endif
         for (int d = 0; d < D; d++)
-            for (int j = 0; j < KL; j++) dst[(long)d * LP + j0 + j] = kr[j].p ? kv_load1(kr[j], d, kv_half) : 0.0f;
+            for (int j = 0; j < KL; j++) dst[KTI(d, j0 + j, D)] = kr[j].p ? kv_load1(kr[j], d, kv_half) : 0.0f;
     }
 }
 
@@ -371,43 +386,159 @@ static void transpose_keys(const float *kn, const void *kc, int kv_half, const i
 /* acc[u][d0 .. d0 + 63] (rows of D + 16) = sum_j p_uj v_j over the keys j < lmax in increasing order,
  * skipping j >= lim[u] and p_uj = 0 (the order every build follows), for nq queries of KV head hk (a
  * literal: the 4 nq accumulators stay in registers). Context rows are read by slot (cs: this
- * sequence's slots), the rest from this forward's vn. */
+ * sequence's slots), the rest from this forward's vn. nzm[u][j / KL] bit j % KL: p_uj is a number != 0
+ * and j < lim[u] (0 from lim's block on): a block of KL keys that every query keeps takes plain FMAs,
+ * the same operations as the masked ones with every lane kept, without the per-key scalar tests (they
+ * cost about as much as the FMAs); any other block takes the masked loop. */
+static inline __attribute__((always_inline)) __m512 pv_load(const char *base, const int64_t *cs, long rs, int nc,
+                                                            const float *vn, int start, int ctx, int Hkv, int hk,
+                                                            int D, int d0, int kv_half, int j, int c) {
+    if (j < nc) {
+        const char *r = base + cs[j] * rs;
+        return kv_half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r + 32 * c)))
+                       : _mm512_loadu_ps((const float *)r + 16 * c);
+    }
+    /* this forward's row, rounded to half with a half cache (as the cache will hold it) */
+    const kvrow_t vr = {(const char *)(vn + ((long)(start + j - ctx) * Hkv + hk) * D), 0};
+    return kv_load16(vr, d0 + 16 * c, kv_half);
+}
 static inline __attribute__((always_inline)) void pv64(const float *vn, const void *vc, int kv_half, const int64_t *cs,
                                                        int ctx, int start, int Hkv, int hk, int D, int d0, int lmax,
-                                                       const int *lim, const float *s, int LP, const int nq, float *acc) {
+                                                       const int *lim, const float *s, int LP, const uint16_t *nzm,
+                                                       int NB, const int nq, float *acc) {
     __m512 o[QT][4];
     for (int u = 0; u < nq; u++)
         for (int c = 0; c < 4; c++) o[u][c] = _mm512_setzero_ps();
     const long es = kv_half ? 2 : 4, rs = (long)Hkv * D * es; /* a slot's row, bytes */
     const char *base = (const char *)vc + ((long)hk * D + d0) * es;
     const int nc = ctx < lmax ? ctx : lmax;
-    for (int j = 0; j < lmax; j++) {
-        __m512 v[4];
-        if (j < nc) {
+    for (int j0 = 0; j0 < lmax; j0 += KL) {
+        const int je = j0 + KL < lmax ? j0 + KL : lmax;
+        unsigned all = 0xffffu;
+        for (int u = 0; u < nq; u++) all &= nzm[(long)u * NB + j0 / KL];
+        for (int j = j0; j < je; j++) {
             if (j + V_AHEAD < nc) {
                 const char *np = base + cs[j + V_AHEAD] * rs;
                 for (long c = 0; c < 64 * es; c += 64) _mm_prefetch(np + c, _MM_HINT_T0);
             }
-            const char *r = base + cs[j] * rs;
-            for (int c = 0; c < 4; c++)
-                v[c] = kv_half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r + 32 * c)))
-                               : _mm512_loadu_ps((const float *)r + 16 * c);
-        } else { /* this forward's row, rounded to half with a half cache (as the cache will hold it) */
-            const kvrow_t vr = {(const char *)(vn + ((long)(start + j - ctx) * Hkv + hk) * D), 0};
-            for (int c = 0; c < 4; c++) v[c] = kv_load16(vr, d0 + 16 * c, kv_half);
-        }
-        for (int u = 0; u < nq; u++) { /* skipped as a mask, not a branch: a long context's p = 0 (exp
-                                          * underflow) fall anywhere, and mispredicted branches cost more */
-            const float p = s[(long)u * LP + j];
-            const __mmask16 m = (__mmask16)-(int)(j < lim[u] && p != 0.0f);
-            const __m512 pv = _mm512_set1_ps(p);
-            for (int c = 0; c < 4; c++) o[u][c] = _mm512_mask3_fmadd_ps(pv, v[c], o[u][c], m);
+            __m512 v[4];
+            for (int c = 0; c < 4; c++) v[c] = pv_load(base, cs, rs, nc, vn, start, ctx, Hkv, hk, D, d0, kv_half, j, c);
+            if (all == 0xffffu) {
+                for (int u = 0; u < nq; u++) {
+                    const __m512 pv = _mm512_set1_ps(s[(long)u * LP + j]);
+                    for (int c = 0; c < 4; c++) o[u][c] = _mm512_fmadd_ps(pv, v[c], o[u][c]);
+                }
+                continue;
+            }
+            for (int u = 0; u < nq; u++) { /* skipped as a mask, not a branch: a long context's p = 0 (exp
+                                              * underflow) fall anywhere, and mispredicted branches cost more */
+                const float p = s[(long)u * LP + j];
+                const __mmask16 m = (__mmask16)-(int)(j < lim[u] && p != 0.0f);
+                const __m512 pv = _mm512_set1_ps(p);
+                for (int c = 0; c < 4; c++) o[u][c] = _mm512_mask3_fmadd_ps(pv, v[c], o[u][c], m);
+            }
         }
     }
     for (int u = 0; u < nq; u++)
         for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + (long)u * (D + 16) + d0 + 16 * c, o[u][c]);
 }
 #endif
+
+#if defined(__AVX512F__)
+/* pv64 for the ntile tiles of a group (query u of tile t: row t * QT + u of s [.][LP], acc [.][D + 16] and
+ * nzm [.][NB]), key block by key block: a block's values are read and widened once into vbuf [KL][64]
+ * for every tile (pv64 converts them again in each), the accumulators kept in acc between blocks. Per
+ * output the same FMAs in the same key order as pv64: the same bits. */
+static inline __attribute__((always_inline)) void pv_block(const float *vbuf, int j0, int je, const int *lim,
+                                                          const float *s, int LP, const uint16_t *nzm, int NB,
+                                                          const int nq, float *acc, int D, int d0) {
+    __m512 o[QT][4];
+    for (int u = 0; u < nq; u++)
+        for (int c = 0; c < 4; c++) o[u][c] = _mm512_load_ps(acc + (long)u * (D + 16) + d0 + 16 * c);
+    unsigned all = 0xffffu;
+    for (int u = 0; u < nq; u++) all &= nzm[(long)u * NB + j0 / KL];
+    if (all == 0xffffu) {
+        for (int j = j0; j < je; j++) {
+            __m512 v[4];
+            for (int c = 0; c < 4; c++) v[c] = _mm512_load_ps(vbuf + (j - j0) * 64 + 16 * c);
+            for (int u = 0; u < nq; u++) {
+                const __m512 pv = _mm512_set1_ps(s[(long)u * LP + j]);
+                for (int c = 0; c < 4; c++) o[u][c] = _mm512_fmadd_ps(pv, v[c], o[u][c]);
+            }
+        }
+    } else {
+        for (int j = j0; j < je; j++) {
+            __m512 v[4];
+            for (int c = 0; c < 4; c++) v[c] = _mm512_load_ps(vbuf + (j - j0) * 64 + 16 * c);
+            for (int u = 0; u < nq; u++) {
+                const float p = s[(long)u * LP + j];
+                const __mmask16 m = (__mmask16)-(int)(j < lim[u] && p != 0.0f);
+                const __m512 pv = _mm512_set1_ps(p);
+                for (int c = 0; c < 4; c++) o[u][c] = _mm512_mask3_fmadd_ps(pv, v[c], o[u][c], m);
+            }
+        }
+    }
+    for (int u = 0; u < nq; u++)
+        for (int c = 0; c < 4; c++) _mm512_store_ps(acc + (long)u * (D + 16) + d0 + 16 * c, o[u][c]);
+}
+static void pv_group(const float *vn, const void *vc, int kv_half, const int64_t *cs, int ctx, int start, int Hkv, int hk,
+                     int D, int d0, int ntile, const int *gnq, const int *glmax, const int (*glim)[QT], const float *sg,
+                     int LP, const uint16_t *gnzm, int NB, float *gacc, float *vbuf) {
+    int lmax = 0;
+    for (int t = 0; t < ntile; t++) {
+        lmax = glmax[t] > lmax ? glmax[t] : lmax;
+        for (int u = 0; u < gnq[t]; u++)
+            for (int c = 0; c < 64; c += 16) _mm512_store_ps(gacc + ((long)t * QT + u) * (D + 16) + d0 + c, _mm512_setzero_ps());
+    }
+    const long es = kv_half ? 2 : 4, rs = (long)Hkv * D * es; /* a slot's row, bytes */
+    const char *base = (const char *)vc + ((long)hk * D + d0) * es;
+    const int nc = ctx < lmax ? ctx : lmax;
+    for (int j0 = 0; j0 < lmax; j0 += KL) {
+        const int je = j0 + KL < lmax ? j0 + KL : lmax;
+        for (int j = j0; j < je; j++) {
+            if (j + KL < nc) {
+                const char *np = base + cs[j + KL] * rs;
+                for (long c = 0; c < 64 * es; c += 64) _mm_prefetch(np + c, _MM_HINT_T0);
+            }
+            for (int c = 0; c < 4; c++)
+                _mm512_store_ps(vbuf + (j - j0) * 64 + 16 * c, pv_load(base, cs, rs, nc, vn, start, ctx, Hkv, hk, D, d0, kv_half, j, c));
+        }
+        for (int t = 0; t < ntile; t++) {
+            if (j0 >= glmax[t]) continue;
+            const int jt = je < glmax[t] ? je : glmax[t];
+            const float *s = sg + (long)t * QT * LP;
+            const uint16_t *nzm = gnzm + (long)t * QT * NB;
+            float *acc = gacc + (long)t * QT * (D + 16);
+            switch (gnq[t]) {
+            case 1: pv_block(vbuf, j0, jt, glim[t], s, LP, nzm, NB, 1, acc, D, d0); break;
+            case 2: pv_block(vbuf, j0, jt, glim[t], s, LP, nzm, NB, 2, acc, D, d0); break;
+            case 3: pv_block(vbuf, j0, jt, glim[t], s, LP, nzm, NB, 3, acc, D, d0); break;
+            default: pv_block(vbuf, j0, jt, glim[t], s, LP, nzm, NB, QT, acc, D, d0); break;
+            }
+        }
+    }
+}
+#endif
+
+/* Query u < nq (the count returned) of tile tq of a (sequence b, KV head hk) with NQ = G n queries: row
+ * row[u], head head[u] of the group; keys [0, lim[u]) may be visible; *limp: the largest lim rounded up to KL */
+static inline int tile_setup(int tq, int NQ, int n, int hk, int G, int H, int D, int start, int b, int ctx, int L,
+                             int max_ctx, int max_new, const float *q, const float *mask, const float **qr,
+                             const float **mr, int *row, int *head, int *lim, int *limp) {
+    const int nq = NQ - tq * QT < QT ? NQ - tq * QT : QT;
+    *limp = 0;
+    for (int u = 0; u < nq; u++) {
+        const int e = tq * QT + u;
+        row[u] = e % n;
+        head[u] = hk * G + e / n;
+        qr[u] = q + ((long)(start + row[u]) * H + head[u]) * D;
+        mr[u] = mask ? mask + ((long)b * max_new + row[u]) * (max_ctx + max_new) : NULL;
+        lim[u] = mask ? L : ctx + row[u] + 1;
+        const int lp = (lim[u] + KL - 1) / KL * KL;
+        *limp = lp > *limp ? lp : *limp;
+    }
+    return nq;
+}
 
 /* Keys of sequence b, in order: its ctx context rows (cache rows ctx_slots[b][j]), then its n new
  * tokens (packed rows start .. start + n - 1 of kn/vn). seq_meta[b] = (ctx, start, n). Visibility:
@@ -443,9 +574,13 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
 #pragma omp parallel num_threads(threads)
     {
         float *kt = aligned_alloc(64, sizeof(float) * (size_t)D * (LPmax > 0 ? LPmax : 16));
-        float *s = aligned_alloc(64, sizeof(float) * (size_t)QT * (LPmax > 0 ? LPmax : 16));
-        float *acc = aligned_alloc(64, sizeof(float) * (size_t)QT * (D + 16));
+        float *sg = aligned_alloc(64, sizeof(float) * (size_t)TG * QT * (LPmax > 0 ? LPmax : 16)); /* [TG][QT][LP] */
+        float *gacc = aligned_alloc(64, sizeof(float) * (size_t)TG * QT * (D + 16)); /* [TG][QT][D + 16] */
+        float *kw = aligned_alloc(64, sizeof(float) * (size_t)D * KL);                /* a block of keys, widened */
+        float *vbuf = aligned_alloc(64, sizeof(float) * (size_t)KL * 64);             /* a block of values, widened */
         float *pc = aligned_alloc(64, sizeof(float) * (size_t)((LPmax > 0 ? LPmax : 16) + KL)); /* p > 0, compacted */
+        const int NB = (LPmax > 0 ? LPmax : 16) / KL; /* key blocks */
+        uint16_t *gnzm = malloc(sizeof(uint16_t) * (size_t)TG * QT * NB); /* [TG][QT][NB]: see pv64 */
 #pragma omp for schedule(dynamic, 1)
         for (int w = 0; w < nwork; w++) {
             const int b = work[w].b, hk = work[w].hk;
@@ -459,196 +594,253 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
             }
             const int LP = (Lk + KL - 1) / KL * KL;
             transpose_keys(kn, kc, kv_half, ctx_slots, max_ctx, b, hk, ctx, start, Lk, Hkv, D, kt);
-            const float *kb = kt; /* this run's keys, [D][LP] (halves with kh) */
+            const float *kb = kt; /* this run's keys, [LP / KL][D][KL] (halves with kh) */
 #if defined(__AVX512F__)
             const int kh = kv_half && D % 16 == 0; /* transpose_keys kept them halves */
 #endif
-            for (int tq = work[w].t0; tq < work[w].t1; tq++) {
-                const int nq = NQ - tq * QT < QT ? NQ - tq * QT : QT;
-                const float *qr[QT], *mr[QT];
-                int row[QT], head[QT], lim[QT], limp = 0;
-                for (int u = 0; u < nq; u++) { /* query u of the tile: row i, head h of this group */
-                    const int e = tq * QT + u;
-                    row[u] = e % n;
-                    head[u] = hk * G + e / n;
-                    qr[u] = q + ((long)(start + row[u]) * H + head[u]) * D;
-                    mr[u] = mask ? mask + ((long)b * max_new + row[u]) * (max_ctx + max_new) : NULL;
-                    lim[u] = mask ? L : ctx + row[u] + 1; /* keys [0, lim) may be visible */
-                    const int lp = (lim[u] + KL - 1) / KL * KL;
-                    limp = lp > limp ? lp : limp;
+            for (int tg = work[w].t0; tg < work[w].t1; tg += TG) {
+                const int tge = tg + TG < work[w].t1 ? tg + TG : work[w].t1;
+                /* scores of the group's tiles, KL keys at a time for every query: a block of transposed keys
+                 * is read (from L1 after the first tile) by every tile of the group */
+                const float *gqr[TG][QT];
+                int gnq[TG], glimp[TG], gl = 0;
+                for (int tq = tg; tq < tge; tq++) {
+                    const float *mr[QT];
+                    int row[QT], head[QT], lim[QT];
+                    gnq[tq - tg] = tile_setup(tq, NQ, n, hk, G, H, D, start, b, ctx, L, max_ctx, max_new, q, mask, gqr[tq - tg],
+                                              mr, row, head, lim, &glimp[tq - tg]);
+                    gl = glimp[tq - tg] > gl ? glimp[tq - tg] : gl;
                 }
-                /* scores, KL keys at a time for every query of the tile */
-                for (int j0 = 0; j0 < limp; j0 += KL) {
 #if defined(__AVX512F__)
-/* literal query count and key width: the loops over queries unroll, the key loads are fixed */
-#define SCORES16(NQ) (kh ? scores16(kb, 1, LP, j0, D, qr, NQ, scale, s) : scores16(kb, 0, LP, j0, D, qr, NQ, scale, s))
-                    switch (nq) {
-                    case 1: SCORES16(1); break;
-                    case 2: SCORES16(2); break;
-                    case 3: SCORES16(3); break;
-                    default: SCORES16(QT); break;
-                    }
+                const int wide = kh && tge - tg > 1; /* several tiles: a block of half keys widened once, to kw */
+#endif
+                for (int j0 = 0; j0 < gl; j0 += KL) {
+#if defined(__AVX512F__)
+                    if (wide) /* (exact: the same scores; the conversions would share the FMAs' ports in every tile) */
+                        for (int i = 0; i < D * KL; i += 16)
+                            _mm512_store_ps(kw + i, _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)((const uint16_t *)kb + (long)j0 * D + i))));
+#endif
+                    for (int tq = tg; tq < tge; tq++) {
+                        if (j0 >= glimp[tq - tg]) continue;
+                        const int nq = gnq[tq - tg];
+                        const float *const *qr = gqr[tq - tg];
+                        float *s = sg + (long)(tq - tg) * QT * LP;
+#if defined(__AVX512F__)
+    /* literal query count and key width: the loops over queries unroll, the key loads are fixed */
+#define SCORES16(NQ) (kh && !wide ? scores16(kb, 1, j0, LP, j0, D, qr, NQ, scale, s) : scores16(wide ? kw : kb, 0, wide ? 0 : j0, LP, j0, D, qr, NQ, scale, s))
+                        switch (nq) {
+                        case 1: SCORES16(1); break;
+                        case 2: SCORES16(2); break;
+                        case 3: SCORES16(3); break;
+                        default: SCORES16(QT); break;
+                        }
 #undef SCORES16
 #elif defined(ATT_AVX2)
 #define SCORES8(NQ) (scores8(kb, LP, j0, D, qr, NQ, scale, s), scores8(kb, LP, j0 + 8, D, qr, NQ, scale, s))
-                    switch (nq) { /* the keys are fp32 [D][LP] at every D */
-                    case 1: SCORES8(1); break;
-                    case 2: SCORES8(2); break;
-                    case 3: SCORES8(3); break;
-                    default: SCORES8(QT); break;
-                    }
+                        switch (nq) { /* the keys are fp32 at every D */
+                        case 1: SCORES8(1); break;
+                        case 2: SCORES8(2); break;
+                        case 3: SCORES8(3); break;
+                        default: SCORES8(QT); break;
+                        }
 #undef SCORES8
 #else
-                    for (int u = 0; u < nq; u++) {
-                        float a[KL], c[KL];
-                        for (int l = 0; l < KL; l++) a[l] = c[l] = 0.0f;
-                        for (int d = 0; d + 1 < D; d += 2)
-                            for (int l = 0; l < KL; l++) {
-                                a[l] = fmaf(qr[u][d], kb[(long)d * LP + j0 + l], a[l]);
-                                c[l] = fmaf(qr[u][d + 1], kb[(long)(d + 1) * LP + j0 + l], c[l]);
-                            }
-                        if (D % 2)
-                            for (int l = 0; l < KL; l++) a[l] = fmaf(qr[u][D - 1], kb[(long)(D - 1) * LP + j0 + l], a[l]);
-                        for (int l = 0; l < KL; l++) s[(long)u * LP + j0 + l] = (a[l] + c[l]) * scale;
-                    }
-#endif
-                }
-                float inv[QT];
-                for (int u = 0; u < nq; u++) {
-                    float *su = s + (long)u * LP;
-                    const int lp = (lim[u] + KL - 1) / KL * KL;
-                    if (softcap > 0.0f)
-                        for (int j = 0; j < lim[u]; j++) su[j] = tanhf(su[j] / softcap) * softcap;
-                    if (mr[u]) { /* the mask's context columns, then its new-key columns */
-                        for (int j = 0; j < ctx && j < lim[u]; j++) su[j] = su[j] + mr[u][j];
-                        for (int j = ctx; j < lim[u]; j++) su[j] = su[j] + mr[u][max_ctx + j - ctx];
-                    }
-                    for (int j = lim[u]; j < lp; j++) su[j] = -INFINITY;
-                    float m = -INFINITY; /* a max: exact in any order */
-#if defined(__AVX512F__)
-                    __m512 mv = _mm512_set1_ps(-INFINITY);
-                    for (int j0 = 0; j0 < lp; j0 += KL) mv = _mm512_max_ps(mv, _mm512_load_ps(su + j0));
-                    m = _mm512_reduce_max_ps(mv);
-#elif defined(ATT_AVX2)
-                    __m256 mv = _mm256_set1_ps(-INFINITY);
-                    for (int j0 = 0; j0 < lp; j0 += 8) mv = _mm256_max_ps(mv, _mm256_load_ps(su + j0));
-                    float ml[8];
-                    _mm256_storeu_ps(ml, mv);
-                    for (int l = 0; l < 8; l++) m = ml[l] > m ? ml[l] : m;
-#else
-                    for (int j = 0; j < lp; j++) m = su[j] > m ? su[j] : m;
-#endif
-                    /* p_j = exp(s_j - max) in place; the keys with p_j > 0 summed by rank among them
-                     * (rank r in lane r % 16, in key order per lane), then a fixed tree: a key's lane
-                     * does not depend on the invisible keys before it (a tree draft's siblings) */
-                    float lanes[KL];
-                    for (int l = 0; l < KL; l++) lanes[l] = 0.0f;
-                    if (m > -INFINITY) {
-#if defined(__AVX512F__)
-                        int cnt = 0;
-                        for (int j0 = 0; j0 < lp; j0 += KL) {
-                            const __m512 p = exp_neg(_mm512_sub_ps(_mm512_load_ps(su + j0), _mm512_set1_ps(m)));
-                            _mm512_store_ps(su + j0, p);
-                            const __mmask16 nz = _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_NEQ_OQ);
-                            _mm512_storeu_ps(pc + cnt, _mm512_maskz_compress_ps(nz, p)); /* register form: the store form is slow on Zen 4 */
-                            cnt += __builtin_popcount(nz);
-                        }
-                        for (int j = cnt; j < (cnt + KL - 1) / KL * KL; j++) pc[j] = 0.0f;
-                        __m512 sum = _mm512_setzero_ps();
-                        for (int j0 = 0; j0 < cnt; j0 += KL) sum = _mm512_add_ps(sum, _mm512_loadu_ps(pc + j0));
-                        _mm512_storeu_ps(lanes, sum);
-#elif defined(ATT_AVX2)
-                        int cnt = 0; /* compacted 8 at a time where all 8 are > 0, else one by one */
-                        for (int j0 = 0; j0 < lp; j0 += 8) {
-                            const __m256 p = exp_neg8(_mm256_sub_ps(_mm256_load_ps(su + j0), _mm256_set1_ps(m)));
-                            _mm256_store_ps(su + j0, p);
-                            const int nz = _mm256_movemask_ps(_mm256_cmp_ps(p, _mm256_setzero_ps(), _CMP_NEQ_OQ));
-                            if (nz == 0xff) {
-                                _mm256_storeu_ps(pc + cnt, p);
-                                cnt += 8;
-                            } else {
-                                for (int l = 0; l < 8; l++)
-                                    if (nz >> l & 1) pc[cnt++] = su[j0 + l];
-                            }
-                        }
-                        for (int j = cnt; j < (cnt + KL - 1) / KL * KL; j++) pc[j] = 0.0f;
-                        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(); /* lanes 0-7, 8-15 */
-                        for (int j0 = 0; j0 < cnt; j0 += KL) {
-                            s0 = _mm256_add_ps(s0, _mm256_loadu_ps(pc + j0));
-                            s1 = _mm256_add_ps(s1, _mm256_loadu_ps(pc + j0 + 8));
-                        }
-                        _mm256_storeu_ps(lanes, s0);
-                        _mm256_storeu_ps(lanes + 8, s1);
-#else
-                        int cnt = 0;
-                        for (int j = 0; j < lp; j++) {
-                            su[j] = exp_neg1(su[j] - m);
-                            if (su[j] != 0.0f) lanes[cnt++ % KL] += su[j];
-                        }
-#endif
-                    } else {
-                        for (int j = 0; j < lp; j++) su[j] = 0.0f;
-                    }
-                    const float tot = lane_tree_sum(lanes);
-                    inv[u] = tot > 0.0f ? 1.0f / tot : 0.0f;
-                }
-                /* weighted values, keys in increasing order per output; each value row loaded once
-                 * per tile, 64 dims at a time in registers */
-                int lmax = 0;
-                for (int u = 0; u < nq; u++) lmax = lim[u] > lmax ? lim[u] : lmax;
-#if defined(ATT_AVX2) /* pv16 skips p = 0: the keys from lim[u] (p = 0 up to lp, raw scores beyond) made 0 up to lmax */
-                for (int u = 0; u < nq; u++)
-                    for (int j = (lim[u] + KL - 1) / KL * KL; j < lmax; j++) s[(long)u * LP + j] = 0.0f;
-#endif
-                for (int d0 = 0; d0 < D; d0 += 64) {
-                    const int dn = D - d0 < 64 ? D - d0 : 64;
-#if defined(__AVX512F__)
-                    if (dn == 64) { /* literal query count: the accumulators stay in registers */
-#define PV64(NQ) pv64(vn, vc, kv_half, ctx_slots + (long)b * max_ctx, ctx, start, Hkv, hk, D, d0, lmax, lim, s, LP, NQ, acc)
-                        switch (nq) {
-                        case 1: PV64(1); break;
-                        case 2: PV64(2); break;
-                        case 3: PV64(3); break;
-                        default: PV64(QT); break;
-                        }
-#undef PV64
-                        continue;
-                    }
-#elif defined(ATT_AVX2)
-                    if (dn % 16 == 0) { /* 16 dims a pass (literal query count: 2 nq accumulators in registers) */
-#define PV16(NQ) pv16(vn, vc, kv_half, ctx_slots + (long)b * max_ctx, ctx, start, Hkv, hk, D, d0, dn, lmax, lim, s, LP, NQ, acc)
-                        switch (nq) {
-                        case 1: PV16(1); break;
-                        case 2: PV16(2); break;
-                        case 3: PV16(3); break;
-                        default: PV16(QT); break;
-                        }
-#undef PV16
-                        continue;
-                    }
-#endif
-                    for (int u = 0; u < nq; u++)
-                        for (int d = 0; d < dn; d++) acc[(long)u * (D + 16) + d0 + d] = 0.0f;
-                    for (int j = 0; j < lmax; j++) {
-                        const kvrow_t vr = kv_row(vn, vc, kv_half, ctx_slots, max_ctx, b, j, ctx, start, Hkv, hk, D);
+                        const float *kbb = kb + (long)j0 * D; /* this block, [D][KL] */
                         for (int u = 0; u < nq; u++) {
-                            const float p = s[(long)u * LP + j];
-                            if (j >= lim[u] || p == 0.0f) continue;
-                            float *au = acc + (long)u * (D + 16) + d0;
-                            for (int d = 0; d < dn; d++) au[d] = fmaf(p, kv_load1(vr, d0 + d, kv_half), au[d]);
+                            float a[KL], c[KL];
+                            for (int l = 0; l < KL; l++) a[l] = c[l] = 0.0f;
+                            for (int d = 0; d + 1 < D; d += 2)
+                                for (int l = 0; l < KL; l++) {
+                                    a[l] = fmaf(qr[u][d], kbb[d * KL + l], a[l]);
+                                    c[l] = fmaf(qr[u][d + 1], kbb[(d + 1) * KL + l], c[l]);
+                                }
+                            if (D % 2)
+                                for (int l = 0; l < KL; l++) a[l] = fmaf(qr[u][D - 1], kbb[(D - 1) * KL + l], a[l]);
+                            for (int l = 0; l < KL; l++) s[(long)u * LP + j0 + l] = (a[l] + c[l]) * scale;
+                        }
+#endif
+                    }
+                }
+                float ginv[TG][QT];
+                int glmax[TG], glim[TG][QT];
+#if defined(__AVX512F__)
+                const int grouped = D % 64 == 0 && tge - tg > 1; /* values: pv_group after every tile's softmax */
+#else
+                const int grouped = 0;
+#endif
+                for (int tq = tg; tq < tge; tq++) {
+                    float *s = sg + (long)(tq - tg) * QT * LP;
+                    const float *qr[QT], *mr[QT];
+                    int row[QT], head[QT], lim[QT], limp;
+                    const int nq = tile_setup(tq, NQ, n, hk, G, H, D, start, b, ctx, L, max_ctx, max_new, q, mask, qr, mr, row, head,
+                                              lim, &limp);
+                    (void)qr;
+                    float *inv = ginv[tq - tg], *acc = gacc + (long)(tq - tg) * QT * (D + 16);
+                    uint16_t *nzm = gnzm + (long)(tq - tg) * QT * NB;
+                    for (int u = 0; u < nq; u++) {
+                        float *su = s + (long)u * LP;
+                        const int lp = (lim[u] + KL - 1) / KL * KL;
+                        if (softcap > 0.0f)
+                            for (int j = 0; j < lim[u]; j++) su[j] = tanhf(su[j] / softcap) * softcap;
+                        if (mr[u]) { /* the mask's context columns, then its new-key columns */
+                            for (int j = 0; j < ctx && j < lim[u]; j++) su[j] = su[j] + mr[u][j];
+                            for (int j = ctx; j < lim[u]; j++) su[j] = su[j] + mr[u][max_ctx + j - ctx];
+                        }
+                        for (int j = lim[u]; j < lp; j++) su[j] = -INFINITY;
+                        float m = -INFINITY; /* a max: exact in any order */
+#if defined(__AVX512F__)
+                        __m512 mv = _mm512_set1_ps(-INFINITY);
+                        for (int j0 = 0; j0 < lp; j0 += KL) mv = _mm512_max_ps(mv, _mm512_load_ps(su + j0));
+                        m = _mm512_reduce_max_ps(mv);
+#elif defined(ATT_AVX2)
+                        __m256 mv = _mm256_set1_ps(-INFINITY);
+                        for (int j0 = 0; j0 < lp; j0 += 8) mv = _mm256_max_ps(mv, _mm256_load_ps(su + j0));
+                        float ml[8];
+                        _mm256_storeu_ps(ml, mv);
+                        for (int l = 0; l < 8; l++) m = ml[l] > m ? ml[l] : m;
+#else
+                        for (int j = 0; j < lp; j++) m = su[j] > m ? su[j] : m;
+#endif
+                        /* p_j = exp(s_j - max) in place; the keys with p_j > 0 summed by rank among them
+                         * (rank r in lane r % 16, in key order per lane), then a fixed tree: a key's lane
+                         * does not depend on the invisible keys before it (a tree draft's siblings) */
+                        float lanes[KL];
+                        for (int l = 0; l < KL; l++) lanes[l] = 0.0f;
+#if defined(__AVX512F__)
+                        for (int k = m > -INFINITY ? lp / KL : 0; k < LP / KL; k++) nzm[(long)u * NB + k] = 0;
+#endif
+                        if (m > -INFINITY) {
+#if defined(__AVX512F__)
+                            int cnt = 0;
+                            for (int j0 = 0; j0 < lp; j0 += KL) {
+                                const __m512 p = exp_neg(_mm512_sub_ps(_mm512_load_ps(su + j0), _mm512_set1_ps(m)));
+                                _mm512_store_ps(su + j0, p);
+                                const __mmask16 nz = _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+                                _mm512_storeu_ps(pc + cnt, _mm512_maskz_compress_ps(nz, p)); /* register form: the store form is slow on Zen 4 */
+                                cnt += __builtin_popcount(nz);
+                                nzm[(long)u * NB + j0 / KL] = nz;
+                            }
+                            for (int j = cnt; j < (cnt + KL - 1) / KL * KL; j++) pc[j] = 0.0f;
+                            __m512 sum = _mm512_setzero_ps();
+                            for (int j0 = 0; j0 < cnt; j0 += KL) sum = _mm512_add_ps(sum, _mm512_loadu_ps(pc + j0));
+                            _mm512_storeu_ps(lanes, sum);
+#elif defined(ATT_AVX2)
+                            int cnt = 0; /* compacted 8 at a time where all 8 are > 0, else one by one */
+                            for (int j0 = 0; j0 < lp; j0 += 8) {
+                                const __m256 p = exp_neg8(_mm256_sub_ps(_mm256_load_ps(su + j0), _mm256_set1_ps(m)));
+                                _mm256_store_ps(su + j0, p);
+                                const int nz = _mm256_movemask_ps(_mm256_cmp_ps(p, _mm256_setzero_ps(), _CMP_NEQ_OQ));
+                                if (nz == 0xff) {
+                                    _mm256_storeu_ps(pc + cnt, p);
+                                    cnt += 8;
+                                } else {
+                                    for (int l = 0; l < 8; l++)
+                                        if (nz >> l & 1) pc[cnt++] = su[j0 + l];
+                                }
+                            }
+                            for (int j = cnt; j < (cnt + KL - 1) / KL * KL; j++) pc[j] = 0.0f;
+                            __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(); /* lanes 0-7, 8-15 */
+                            for (int j0 = 0; j0 < cnt; j0 += KL) {
+                                s0 = _mm256_add_ps(s0, _mm256_loadu_ps(pc + j0));
+                                s1 = _mm256_add_ps(s1, _mm256_loadu_ps(pc + j0 + 8));
+                            }
+                            _mm256_storeu_ps(lanes, s0);
+                            _mm256_storeu_ps(lanes + 8, s1);
+#else
+                            int cnt = 0;
+                            for (int j = 0; j < lp; j++) {
+                                su[j] = exp_neg1(su[j] - m);
+                                if (su[j] != 0.0f) lanes[cnt++ % KL] += su[j];
+                            }
+#endif
+                        } else {
+                            for (int j = 0; j < lp; j++) su[j] = 0.0f;
+                        }
+                        const float tot = lane_tree_sum(lanes);
+                        inv[u] = tot > 0.0f ? 1.0f / tot : 0.0f;
+                    }
+                    /* weighted values, keys in increasing order per output; each value row loaded once
+                     * per tile, 64 dims at a time in registers */
+                    int lmax = 0;
+                    for (int u = 0; u < nq; u++) lmax = lim[u] > lmax ? lim[u] : lmax;
+                    glmax[tq - tg] = lmax;
+                    for (int u = 0; u < nq; u++) glim[tq - tg][u] = lim[u];
+                    if (grouped) continue;
+#if defined(ATT_AVX2) /* pv16 skips p = 0: the keys from lim[u] (p = 0 up to lp, raw scores beyond) made 0 up to lmax */
+                    for (int u = 0; u < nq; u++)
+                        for (int j = (lim[u] + KL - 1) / KL * KL; j < lmax; j++) s[(long)u * LP + j] = 0.0f;
+#endif
+                    for (int d0 = 0; d0 < D; d0 += 64) {
+                        const int dn = D - d0 < 64 ? D - d0 : 64;
+#if defined(__AVX512F__)
+                        if (dn == 64) { /* literal query count: the accumulators stay in registers */
+#define PV64(NQ) pv64(vn, vc, kv_half, ctx_slots + (long)b * max_ctx, ctx, start, Hkv, hk, D, d0, lmax, lim, s, LP, nzm, NB, NQ, acc)
+                            switch (nq) {
+                            case 1: PV64(1); break;
+                            case 2: PV64(2); break;
+                            case 3: PV64(3); break;
+                            default: PV64(QT); break;
+                            }
+#undef PV64
+                            continue;
+                        }
+#elif defined(ATT_AVX2)
+                        if (dn % 16 == 0) { /* 16 dims a pass (literal query count: 2 nq accumulators in registers) */
+#define PV16(NQ) pv16(vn, vc, kv_half, ctx_slots + (long)b * max_ctx, ctx, start, Hkv, hk, D, d0, dn, lmax, lim, s, LP, NQ, acc)
+                            switch (nq) {
+                            case 1: PV16(1); break;
+                            case 2: PV16(2); break;
+                            case 3: PV16(3); break;
+                            default: PV16(QT); break;
+                            }
+#undef PV16
+                            continue;
+                        }
+#endif
+                        for (int u = 0; u < nq; u++)
+                            for (int d = 0; d < dn; d++) acc[(long)u * (D + 16) + d0 + d] = 0.0f;
+                        for (int j = 0; j < lmax; j++) {
+                            const kvrow_t vr = kv_row(vn, vc, kv_half, ctx_slots, max_ctx, b, j, ctx, start, Hkv, hk, D);
+                            for (int u = 0; u < nq; u++) {
+                                const float p = s[(long)u * LP + j];
+                                if (j >= lim[u] || p == 0.0f) continue;
+                                float *au = acc + (long)u * (D + 16) + d0;
+                                for (int d = 0; d < dn; d++) au[d] = fmaf(p, kv_load1(vr, d0 + d, kv_half), au[d]);
+                            }
+                        }
+                    }
+                    for (int u = 0; u < nq; u++) {
+                        float *o = out + ((long)(start + row[u]) * H + head[u]) * D;
+                        for (int d = 0; d < D; d++) o[d] = acc[(long)u * (D + 16) + d] * inv[u];
+                    }
+                }
+#if defined(__AVX512F__)
+                if (grouped) {
+                    for (int d0 = 0; d0 < D; d0 += 64)
+                        pv_group(vn, vc, kv_half, ctx_slots + (long)b * max_ctx, ctx, start, Hkv, hk, D, d0, tge - tg, gnq,
+                                 glmax, glim, sg, LP, gnzm, NB, gacc, vbuf);
+                    for (int tq = tg; tq < tge; tq++) {
+                        const float *qr[QT], *mr[QT];
+                        int row[QT], head[QT], lim[QT], limp;
+                        const int nq = tile_setup(tq, NQ, n, hk, G, H, D, start, b, ctx, L, max_ctx, max_new, q, mask, qr, mr,
+                                                  row, head, lim, &limp);
+                        const float *acc = gacc + (long)(tq - tg) * QT * (D + 16);
+                        for (int u = 0; u < nq; u++) {
+                            float *o = out + ((long)(start + row[u]) * H + head[u]) * D;
+                            for (int d = 0; d < D; d++) o[d] = acc[(long)u * (D + 16) + d] * ginv[tq - tg][u];
                         }
                     }
                 }
-                for (int u = 0; u < nq; u++) {
-                    float *o = out + ((long)(start + row[u]) * H + head[u]) * D;
-                    for (int d = 0; d < D; d++) o[d] = acc[(long)u * (D + 16) + d] * inv[u];
-                }
+#endif
             }
         }
         free(kt);
-        free(s);
-        free(acc);
+        free(sg);
+        free(gacc);
+        free(kw);
+        free(vbuf);
         free(pc);
+        free(gnzm);
     }
     free(work);
 }

@@ -51,14 +51,14 @@ static inline __m256 kv_load8(kvrow_t r, int d, int kv_half) {
     return _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps((const float *)r.p + d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-/* Scores of keys j0..j0+7 (one per lane of the transposed kb [D][LP], fp32) for nq queries: scores16's
+/* Scores of keys j0..j0+7 (lanes of the transposed kb, fp32: see KTI) for nq queries: scores16's
  * two chains per query (even and odd d), added at the end */
 static inline __attribute__((always_inline)) void scores8(const float *kb, int LP, int j0, int D,
                                                           const float *const *qr, const int nq, float scale, float *s) {
     __m256 a[QT], c[QT];
     for (int u = 0; u < nq; u++) a[u] = c[u] = _mm256_setzero_ps();
     for (int d = 0; d + 1 < D; d += 2) {
-        const __m256 k0 = _mm256_load_ps(kb + (long)d * LP + j0), k1 = _mm256_load_ps(kb + (long)(d + 1) * LP + j0);
+        const __m256 k0 = _mm256_load_ps(kb + KTI(d, j0, D)), k1 = _mm256_load_ps(kb + KTI(d + 1, j0, D));
         for (int u = 0; u < nq; u++) {
             a[u] = _mm256_fmadd_ps(_mm256_set1_ps(qr[u][d]), k0, a[u]);
             c[u] = _mm256_fmadd_ps(_mm256_set1_ps(qr[u][d + 1]), k1, c[u]);
@@ -66,7 +66,7 @@ static inline __attribute__((always_inline)) void scores8(const float *kb, int L
     }
     if (D % 2)
         for (int u = 0; u < nq; u++)
-            a[u] = _mm256_fmadd_ps(_mm256_set1_ps(qr[u][D - 1]), _mm256_load_ps(kb + (long)(D - 1) * LP + j0), a[u]);
+            a[u] = _mm256_fmadd_ps(_mm256_set1_ps(qr[u][D - 1]), _mm256_load_ps(kb + KTI(D - 1, j0, D)), a[u]);
     for (int u = 0; u < nq; u++)
         _mm256_store_ps(s + (long)u * LP + j0, _mm256_mul_ps(_mm256_add_ps(a[u], c[u]), _mm256_set1_ps(scale)));
 }

@@ -107,3 +107,39 @@ def test_a_verify_row_equals_the_decode_row_it_becomes():
         dec = _call(lib, qs[i : i + 1], ks[i : i + 1], vs[i : i + 1], kc2, vc2,
                     row_slots[None, : c + i].contiguous(), one, None, c + i, 1)
         assert torch.equal(dec, verify[i : i + 1]), i
+
+
+@pytest.mark.parametrize("peaked", [False, True])
+def test_a_tree_verify_of_many_rows_over_a_long_context_is_every_builds_and_each_rows_own(peaked, kernel_builds):
+    """Nine verify rows (a tree draft's mask) over 1,000 cached keys: 27 queries a KV head, so the AVX-512
+    build takes its grouped path (a group's tiles share each block of keys and values); its bits are the
+    other builds', and each row's are those of the row computed alone (one tile, the ungrouped path)."""
+    libs = {name: kernel_builds[name] for name in KERNEL_VARIANTS}
+    if None in libs.values():
+        pytest.skip("no C compiler")
+    q, k, v, kc, vc, slots, _ = _case(2, peaked)
+    c, n = CTX[0], 9
+    parent = [-1, 0, 0, 1, 1, 2, 2, 3, 4]
+    mask = torch.full((1, n, c + n), float("-inf"))
+    mask[0, :, :c] = 0.0
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[0, i, c + j] = 0.0
+            j = parent[j]
+    g = torch.Generator().manual_seed(3)
+    qs = q[:1].repeat(n, 1, 1) + torch.randn(n, H, D, generator=g)
+    ks, vs = torch.randn(n, HKV, D, generator=g), torch.randn(n, HKV, D, generator=g)
+    meta = torch.tensor([[c, 0, n]], dtype=torch.int32)
+    own = slots[:1, :c].contiguous()
+    got = {name: _call(lib, qs, ks, vs, kc, vc, own, meta, mask, c, n) for name, lib in libs.items()}
+    for name in libs:
+        assert torch.equal(got[name], got["native"]), name
+    nslots = kc.shape[0]
+    kc2, vc2 = torch.cat([kc, ks.half()]), torch.cat([vc, vs.half()])  # the draft's rows, cached at the end
+    row_slots = torch.cat([own[0], torch.arange(nslots, nslots + n)])
+    for i in range(n):  # row i as a decode row over the context and rows 0..i-1 cached (its ancestors among them)
+        one = _call(libs["native"], qs[i : i + 1], ks[i : i + 1], vs[i : i + 1], kc2, vc2,
+                    row_slots[None, : c + i].contiguous(), torch.tensor([[c + i, 0, 1]], dtype=torch.int32),
+                    mask[:, i : i + 1, : c + i + 1].contiguous(), c + i, 1)
+        assert torch.equal(one, got["native"][i : i + 1]), i
