@@ -44,6 +44,18 @@ void ratchet_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t stride
     for (int64_t r = 0; r < rows; r++) out[r] = row_argmax(x + r * stride, n);
 }
 
+/* Insert (y, idx) into the descending list val/out, its slot p freed first (the list's end, or the
+ * last entry dropped): entries smaller than y move down one; ties keep the earlier index first. */
+static inline void insert_at(float *val, int64_t *out, int p, float y, int64_t idx) {
+    while (p > 0 && val[p - 1] < y) {
+        val[p] = val[p - 1];
+        out[p] = out[p - 1];
+        p--;
+    }
+    val[p] = y;
+    out[p] = idx;
+}
+
 /* Top-k of each row, for Token Recycling's successor table (decoding/speculative/recycling.py): the
  * indices of the k largest entries, best first, ties in index order (the lower index first: the order
  * of a stable descending sort). torch.topk over a 49152-logit row takes ~50-130 us on one core and the
@@ -58,19 +70,11 @@ void ratchet_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t stride
 static int row_topk(const float *x, int64_t n, int k, int64_t *out) {
     float val[64];
     int64_t i = 0;
-    int nan = 0, have = 0;
+    int nan = 0;
     for (; i < k; i++) { /* the first k entries, insertion-sorted */
         const float v = x[i];
         nan |= v != v;
-        int p = have;
-        while (p > 0 && val[p - 1] < v) {
-            val[p] = val[p - 1];
-            out[p] = out[p - 1];
-            p--;
-        }
-        val[p] = v;
-        out[p] = i;
-        have++;
+        insert_at(val, out, (int)i, v, i);
     }
     float thr = val[k - 1];
 #if defined(__AVX512F__)
@@ -84,14 +88,7 @@ static int row_topk(const float *x, int64_t n, int k, int64_t *out) {
             gt &= gt - 1;
             const float y = x[i + j];
             if (!(y > thr)) continue; /* thr rose within this vector */
-            int p = k - 1;
-            while (p > 0 && val[p - 1] < y) {
-                val[p] = val[p - 1];
-                out[p] = out[p - 1];
-                p--;
-            }
-            val[p] = y;
-            out[p] = i + j;
+            insert_at(val, out, k - 1, y, i + j);
             thr = val[k - 1];
         }
     }
@@ -101,14 +98,7 @@ static int row_topk(const float *x, int64_t n, int k, int64_t *out) {
         const float y = x[i];
         nan |= y != y;
         if (!(y > thr)) continue;
-        int p = k - 1;
-        while (p > 0 && val[p - 1] < y) {
-            val[p] = val[p - 1];
-            out[p] = out[p - 1];
-            p--;
-        }
-        val[p] = y;
-        out[p] = i;
+        insert_at(val, out, k - 1, y, i);
         thr = val[k - 1];
     }
     return nan;

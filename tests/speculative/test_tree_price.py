@@ -15,27 +15,12 @@ from ratchetlm.decoding.speculative.config import SpecConfig
 from ratchetlm.decoding.speculative.cost_curve import CostCurve
 from ratchetlm.decoding.speculative.draft_price import Price
 from ratchetlm.decoding.speculative.proposers import create_proposer
-from ratchetlm.decoding.speculative.tree_select import Calibration, CostTable, build
+from ratchetlm.decoding.speculative.tree_select import CostTable, build
 from ratchetlm.sampling_params import SamplingParams
 from ratchetlm.sequence import Sequence
 
 from .conftest import GREEDY, make_engine, run_engine
-
-
-class FixedSource:
-    def __init__(self, kids: dict[int, list[int]]) -> None:
-        self.kids = kids
-
-    def expand(self, state, token):
-        return [(t, ("fixed", r), True) for r, t in enumerate(self.kids.get(token, []))]
-
-
-def calibrated(rates: list[float]) -> Calibration:
-    c = Calibration()
-    for r, p in enumerate(rates):
-        for i in range(1000):
-            c.add(("fixed", r), i < p * 1000)
-    return c
+from .tree_sources import FixedSource, calibrated
 
 
 def test_the_tree_rule_takes_the_price_and_the_margin():

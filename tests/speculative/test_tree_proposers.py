@@ -21,6 +21,7 @@ from ratchetlm.decoding.speculative.tree_select import Calibration, CostTable, b
 from ratchetlm.sampling_params import SamplingParams
 
 from .conftest import GREEDY, make_engine, run_engine
+from .tree_sources import FixedSource, calibrated
 
 # ------------------------------------------------------------------ successor table
 
@@ -150,23 +151,6 @@ def test_history_counts_every_substring_and_evicts_the_oldest():
 
 # ------------------------------------------------------------------ gain-shaped trees
 
-
-class FixedSource:
-    """Children from a dict token -> [child tokens] (rank keys), every child expandable."""
-
-    def __init__(self, kids: dict[int, list[int]]) -> None:
-        self.kids = kids
-
-    def expand(self, state, token):
-        return [(t, ("fixed", r), True) for r, t in enumerate(self.kids.get(token, []))]
-
-
-def calibrated(rates: list[float]) -> Calibration:
-    c = Calibration()
-    for r, p in enumerate(rates):  # 1000 judged tries per rank: the prior no longer matters
-        for i in range(1000):
-            c.add(("fixed", r), i < p * 1000)
-    return c
 
 
 def test_tree_is_built_best_first_and_cut_where_value_peaks():
