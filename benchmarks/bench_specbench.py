@@ -14,7 +14,9 @@ server keeps them, after one warm-up case each.
 Per group and config: **MAL** (mean accepted length: tokens committed per target forward after the first
 token, 1.00 for AR; Spec-Bench's "mean accepted tokens"; vLLM's counter in decoding/speculative/stats.py
 counts only steps that carried a draft, so it reads higher), **speed-up** (total tokens over total
-seconds, request to last token, against AR's on the same cases), **greedy identity** (cases whose tokens
+seconds, request to last token, against AR's on the same cases), **Spec-Bench speed-up** (the benchmark's
+own definition, its evaluation/speed.py: the mean over questions of tokens/s, both MT-bench turns counted
+as one question, over AR's mean), **greedy identity** (cases whose tokens
 equal AR's), **decode speed-up** (the same after the first token: no prefill) and **step cost** (a decode
 step's time in AR decode steps: decode speed-up = MAL / step cost). Per group also AR's time before its
 first token (the prompt's prefill): an end-to-end speed-up can be at most 1 / that share. Overall: the
@@ -444,6 +446,7 @@ def _agg(cases: list[Case], label: str) -> dict[str, float]:
     ar_tok = sum(len(c.runs["AR"].tokens) for c in cases)
     return {"mal": dec / fwd if fwd else 1.0,
             "speedup": (tok / sum(c.runs[label].seconds for c in cases)) / (ar_tok / ar_t),
+            "specbench": specbench_speedup(cases, label),
             "median": statistics.median((len(c.runs[label].tokens) / c.runs[label].seconds)
                                         / (len(c.runs["AR"].tokens) / c.runs["AR"].seconds) for c in cases),
             "same": sum(c.runs[label].tokens == c.runs["AR"].tokens for c in cases), "n": len(cases),
@@ -452,6 +455,20 @@ def _agg(cases: list[Case], label: str) -> dict[str, float]:
             # time in AR steps (the verify forward, its tree and the strategy's Python: what MAL must beat)
             "decode_speedup": (dec / sum(c.runs[label].decode_seconds for c in cases)) / _decode_tps(cases, "AR"),
             "step_cost": _step_seconds(cases, label) / _step_seconds(cases, "AR")}
+
+
+def specbench_speedup(cases: list[Case], label: str) -> float:
+    """Spec-Bench's own speed-up (its evaluation/speed.py): per question, tokens over seconds summed over its
+    turns (MT-bench: both), then the mean of those speeds against AR's mean. Each question weighs the same in
+    tokens/s, where the total-time speed-up weighs each by its seconds (a long prompt's prefill counts more)."""
+    def mean_speed(lab: str) -> float:
+        per_q: dict[tuple[str, int], list[float]] = {}
+        for c in cases:
+            tot = per_q.setdefault((c.group, c.qid), [0.0, 0.0])
+            tot[0] += len(c.runs[lab].tokens)
+            tot[1] += c.runs[lab].seconds
+        return statistics.mean(t / s for t, s in per_q.values())
+    return mean_speed(label) / mean_speed("AR")
 
 
 def _step_seconds(cases: list[Case], label: str) -> float:
@@ -465,9 +482,11 @@ def _decode_tps(cases: list[Case], label: str) -> float:
 def report(cases: list[Case], configs: list[str], groups: list[str], llamacpp: bool) -> dict[tuple[str, str], Any]:
     rows: dict[tuple[str, str], Any] = {}
     for name in configs:
-        print(f"\n{name} vs AR (same numerics; speed-up: total tokens / total time; identical: greedy tokens == AR's)")
-        head = "| group | cases | MAL | speed-up | median per case | identical | decode speed-up | step cost |"
-        sep = "|---|---|---|---|---|---|---|---|"
+        print(f"\n{name} vs AR (same numerics; speed-up: total tokens / total time; Spec-Bench: its own "
+              "speed-up, mean per-question tokens/s over AR's; identical: greedy tokens == AR's)")
+        head = ("| group | cases | MAL | speed-up | Spec-Bench speed-up | median per case | identical "
+                "| decode speed-up | step cost |")
+        sep = "|---|---|---|---|---|---|---|---|---|"
         if llamacpp:
             head += " decode tok/s | vs llama.cpp | vs llama.cpp PLD |"
             sep += "---|---|---|"
@@ -477,8 +496,8 @@ def report(cases: list[Case], configs: list[str], groups: list[str], llamacpp: b
             if not sel:
                 continue
             r = rows[(name, g)] = _agg(sel, name)
-            line = (f"| {g} | {r['n']} | {r['mal']:.2f} | {r['speedup']:.2f}x | {r['median']:.2f}x | "
-                    f"{r['same']}/{r['n']} | {r['decode_speedup']:.2f}x | {r['step_cost']:.2f} |")
+            line = (f"| {g} | {r['n']} | {r['mal']:.2f} | {r['speedup']:.2f}x | {r['specbench']:.2f}x | "
+                    f"{r['median']:.2f}x | {r['same']}/{r['n']} | {r['decode_speedup']:.2f}x | {r['step_cost']:.2f} |")
             if llamacpp:
                 lp, lpld = _decode_tps(sel, "llama.cpp"), _decode_tps(sel, "llama.cpp PLD")
                 r["vs_llamacpp"], r["vs_llamacpp_pld"] = r["decode_tps"] / lp, r["decode_tps"] / lpld

@@ -80,6 +80,13 @@ def test_a_tiny_run_on_the_default_model(bench, capsys):
     overall = rows[(name, "overall")]
     assert overall["same"] == overall["n"] == 3
     assert 1.0 <= overall["mal"] <= 8 and overall["speedup"] > 0
+    # Spec-Bench's own speed-up (evaluation/speed.py): the mean of per-question tokens/s (MT-bench's two
+    # turns one question) over AR's mean, from the same runs
+    def speed(label, turns):
+        return sum(len(c.runs[label].tokens) for c in turns) / sum(c.runs[label].seconds for c in turns)
+    questions = [cases[:2], cases[2:]]
+    expect = (sum(speed(name, q) for q in questions) / 2) / (sum(speed("AR", q) for q in questions) / 2)
+    assert overall["specbench"] == pytest.approx(expect) and "Spec-Bench speed-up" in llm_text
     assert "| overall | 3 |" in llm_text and "MAL" in llm_text
     # the decode phase: its speed-up is MAL over a step's cost in AR steps (forwards after the first token)
     assert overall["decode_speedup"] == pytest.approx(overall["mal"] / overall["step_cost"])
