@@ -71,16 +71,18 @@ class Price:
 
 class _Fit:
     """Decayed sums of one batch size's steps for ``y = α + β·x + γ·z`` (y = t / P, x = E / P, z = n / P):
-    ``vv`` = Σ v·vᵀ and ``vy`` = Σ v·y over v = (1, x, z)."""
+    ``vv`` = Σ v·vᵀ and ``vy`` = Σ v·y over v = (1, x, z). Kept as Python floats (the same float64
+    operations numpy's ``outer`` and adds did): :meth:`add` runs every step, and numpy's per-call cost
+    made it ~50 us a step on one core; the arrays are built only when :meth:`price` solves."""
 
     def __init__(self) -> None:
-        self.vv = np.zeros((3, 3))
-        self.vy = np.zeros(3)
+        self.vv = [[0.0] * 3 for _ in range(3)]
+        self.vy = [0.0] * 3
 
     def add(self, x: float, z: float, y: float) -> None:
-        v = np.array([1.0, x, z])
-        self.vv = FORGET * self.vv + np.outer(v, v)
-        self.vy = FORGET * self.vy + v * y
+        v = (1.0, x, z)
+        self.vv = [[FORGET * row[j] + v[i] * v[j] for j in range(3)] for i, row in enumerate(self.vv)]
+        self.vy = [FORGET * self.vy[i] + v[i] * y for i in range(3)]
 
     def price(self, plain: float | None, prior: float = 1.0) -> Price:
         """Least squares plus ``ρa·(α − plain)² + ρx·(β − prior·α)² + ρz·γ²``: α held near ``plain`` (the
@@ -90,8 +92,8 @@ class _Fit:
         steps' worth)."""
         rx, rz = PRIOR * PRIOR_X**2, PRIOR * PRIOR_Z**2
         f = prior
-        a = self.vv + np.array([[rx * f * f, -rx * f, 0.0], [-rx * f, rx, 0.0], [0.0, 0.0, rz]])
-        b = self.vy.copy()
+        a = np.array(self.vv) + np.array([[rx * f * f, -rx * f, 0.0], [-rx * f, rx, 0.0], [0.0, 0.0, rz]])
+        b = np.array(self.vy)
         if plain is not None:
             a[0, 0] += PRIOR_PLAIN
             b[0] += PRIOR_PLAIN * plain

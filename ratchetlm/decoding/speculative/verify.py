@@ -51,6 +51,28 @@ class DraftTree:
         return len(self.tokens)
 
 
+def prefix_tree(candidates: list[list[int]]) -> DraftTree:
+    """Candidate continuations (no padding) as their deduplicated prefix tree, nodes in the order
+    ``tree_attention.pack`` gives them (first appearance, candidate-major, depth-minor), so the same
+    tree as ``draft_tree.trees_from_beams`` of their padded beam, built in Python: a proposer with a
+    few short candidates (n-gram lookup) then skips the beam tensor's round trip through ``pack``."""
+    tokens: list[int] = []
+    parent: list[int] = []
+    depth: list[int] = []
+    node: dict[tuple[int, int], int] = {}  # (parent node, token) -> node: a prefix is its parent's and its token
+    for cand in candidates:
+        par = -1
+        for d, tok in enumerate(cand):
+            k = node.get((par, tok))
+            if k is None:
+                k = node[(par, tok)] = len(tokens)
+                tokens.append(tok)
+                parent.append(par)
+                depth.append(d)
+            par = k
+    return DraftTree(tokens, parent, depth)
+
+
 def greedy_accept(tree: DraftTree, argmax: list[int]) -> tuple[list[int], int]:
     """``argmax``: [1 + L] target argmax per row. Returns (accepted node path, next token)."""
     path: list[int] = []
