@@ -80,12 +80,15 @@ class Pools:
         t = self.stacked[pool]
         return t.numel() // t.shape[1] * t.element_size() if t.shape[1] else 0
 
-    def write(self, pool: str, layer: Hashable, values: torch.Tensor, slots: torch.Tensor) -> None:
-        """values ``[n, *row_shape]`` into rows ``slots`` ``[n]`` (all >= 0) of one layer."""
+    def write(self, pool: str, layer: Hashable, values: torch.Tensor, slots: torch.Tensor | slice) -> None:
+        """values ``[n, *row_shape]`` into rows ``slots`` ``[n]`` (all >= 0, or a slice of ``n`` rows) of one layer."""
         t = self.stacked[pool]
         m = self._layer[pool]
         dst = t[layer if m is None else m[layer]]  # type: ignore[index]
-        dst.index_copy_(0, slots, values if values.dtype == t.dtype else values.to(t.dtype))
+        if isinstance(slots, slice):
+            dst[slots].copy_(values)
+        else:
+            dst.index_copy_(0, slots, values if values.dtype == t.dtype else values.to(t.dtype))
         self.bytes_written += values.numel() * t.element_size()
 
     def copy_rows(self, pool: str, values: torch.Tensor, slots: torch.Tensor | slice) -> None:
