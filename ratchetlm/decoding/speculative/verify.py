@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -73,8 +74,15 @@ def prefix_tree(candidates: list[list[int]]) -> DraftTree:
     return DraftTree(tokens, parent, depth)
 
 
-def greedy_accept(tree: DraftTree, argmax: list[int]) -> tuple[list[int], int]:
-    """``argmax``: [1 + L] target argmax per row. Returns (accepted node path, next token)."""
+class RowTokens(Protocol):
+    """The target's greedy token of each row, by row index (a list, or rows reduced on demand)."""
+
+    def __getitem__(self, row: int, /) -> int: ...
+
+
+def greedy_accept(tree: DraftTree, argmax: RowTokens) -> tuple[list[int], int]:
+    """``argmax``: [1 + L] target argmax per row (each read once at most, and only on the accepted
+    path and the row after it). Returns (accepted node path, next token)."""
     path: list[int] = []
     row = 0
     while True:
