@@ -57,6 +57,9 @@ def prefix_tree(candidates: list[list[int]]) -> DraftTree:
     ``tree_attention.pack`` gives them (first appearance, candidate-major, depth-minor), so the same
     tree as ``draft_tree.trees_from_beams`` of their padded beam, built in Python: a proposer with a
     few short candidates (n-gram lookup) then skips the beam tensor's round trip through ``pack``."""
+    if len(candidates) == 1:  # a chain
+        n = len(candidates[0])
+        return DraftTree(list(candidates[0]), list(range(-1, n - 1)), list(range(n)))
     tokens: list[int] = []
     parent: list[int] = []
     depth: list[int] = []
