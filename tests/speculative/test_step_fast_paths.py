@@ -5,7 +5,7 @@
 * the n-gram proposer's trees (verify.prefix_tree, built from lists) are ``pack``'s trees;
 * greedy verification reduces only the rows on its walk, with the walk over every row's argmax's result;
 * the gain rule's agreement estimate and the draft price's sums, kept in Python floats, are the numpy
-  formulas they replaced, bit for bit.
+  formulas they replaced, bit for bit, and its 3x3 solve is numpy's to rounding.
 
 (Staging's slice copies and the sink's slice writes: tests/speculative/test_staging.py.)"""
 
@@ -19,7 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ratchetlm.decoding.speculative.draft_price import FORGET, _Fit
+from ratchetlm.decoding.speculative.draft_price import FORGET, _Fit, solve3
 from ratchetlm.decoding.speculative.draft_tree import greedy_verify, trees_from_beams
 from ratchetlm.decoding.speculative.gain import PRIOR_WEIGHT, GainSchedule
 from ratchetlm.decoding.speculative.proposers import PAD, DraftBeam, Proposer, register_proposer
@@ -151,4 +151,13 @@ def test_the_draft_price_sums_are_numpys_outer_products_bit_for_bit():
         v = np.array([1.0, x, z])
         vv, vy = FORGET * vv + np.outer(v, v), FORGET * vy + v * y
         assert fit.vv == vv.tolist() and fit.vy == vy.tolist()
-    assert fit.price(1.0) == fit.price(1.0)  # solved from the same arrays
+
+
+def test_the_price_fits_solve_is_numpys_to_rounding_and_refuses_a_singular_system():
+    rng = np.random.default_rng(1)
+    for _ in range(500):
+        a, b = rng.normal(size=(3, 3)) * rng.choice([1e-3, 1.0, 1e3]), rng.normal(size=3)
+        assert solve3(a.tolist(), b.tolist()) == pytest.approx(np.linalg.solve(a, b).tolist(), rel=1e-9, abs=1e-12)
+    assert solve3([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 2.0]], [1.0, 2.0, 4.0]) == (2.0, 1.0, 2.0)  # pivots
+    assert solve3([[1.0, 2.0, 0.0], [2.0, 4.0, 0.0], [0.0, 0.0, 1.0]], [1.0, 2.0, 3.0]) is None
+    assert solve3([[0.0] * 3] * 3, [0.0] * 3) is None
