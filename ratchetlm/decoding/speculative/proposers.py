@@ -131,32 +131,25 @@ def ngram_candidates(tokens: list[int], min_n: int, max_n: int, m: int, c: int,
     assert len(arr) == t, (len(arr), t)
     ends = np.flatnonzero(arr[: t - 1] == arr[t - 1])[::-1].tolist()  # most recent first; each followed by a token
     found = []  # (end, match length <= top)
-    longest: set[tuple[int, ...]] = set()  # distinct continuations of top-length matches so far
     for e in ends:
         n = 1
         while n < top and e - n >= 0 and tokens[e - n] == tokens[t - 1 - n]:
             n += 1
         found.append((e, n))
-        if n == top:  # m distinct ones of the longest length: no older occurrence can come before them
-            longest.add(tuple(tokens[e + 1 : e + 1 + c]))
-            if len(longest) == m:
-                break
-    # longer matches first, the most recent first within a length (a stable sort keeps recency): each
-    # occurrence's continuation is taken at its own match length unless an earlier one had it already
-    found.sort(key=lambda x: -x[1])
     out: list[tuple[int, list[int]]] = []
     seen: set[tuple[int, ...]] = set()
-    for e, n in found:
-        if n < min_n:
-            break
-        cont = tokens[e + 1 : e + 1 + c]
-        key = tuple(cont)
-        if key in seen:
-            continue
-        seen.add(key)
-        out.append((n, cont))
-        if len(out) == m:
-            return out
+    for n in range(top, min_n - 1, -1):
+        for e, length in found:
+            if length < n:
+                continue
+            cont = tokens[e + 1 : e + 1 + c]
+            key = tuple(cont)
+            if key in seen:
+                continue
+            seen.add(key)
+            out.append((n, cont))
+            if len(out) == m:
+                return out
     return out
 
 
