@@ -18,7 +18,8 @@ Two parts:
 * ``--phases``: Spec-Bench cases (the arguments after ``--`` go to bench_specbench.py) with every
   phase of a step wrapped: per engine (AR, ``ngram``, ``hybrid``) the thread CPU time per step of
   propose, the proposer's tree build, the forward and its LM head, the table's top-k, the strategy's
-  commit and verify, the staging commit, and the step.
+  commit and verify, the staging commit, and the step; what a step costs outside the forward, also by
+  kind of step: prompt rows (prefill), decoding without a draft (AR's every decode step) and with one.
 
     python benchmarks/bench_spec_step.py [--cuts] [--rows 1 4 8 12] [--repeats 400]
     python benchmarks/bench_spec_step.py --attention [--contexts 300 1000] [--peer /path/to/other/checkout]
@@ -229,6 +230,7 @@ def phases(argv: list[str]) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench_specbench
 
+    from ratchetlm.decoding import autoregressive
     from ratchetlm.decoding.speculative import recycling, strategy, tree_proposers
     from ratchetlm.engine import llm_engine, model_runner
     from ratchetlm.kv import staging
@@ -250,18 +252,37 @@ def phases(argv: list[str]) -> None:
         setattr(owner, name, w)
 
     step = llm_engine.LLMEngine.step
+    kind = [""]  # the step being run: "prefill" (a prompt row), "drafted" (a staged proposal) or "no draft"
+
+    def classified(propose: Callable[..., Any]) -> Callable[..., Any]:
+        def w(self: Any, seqs: list[Any], budgets: list[int]) -> Any:
+            out = propose(self, seqs, budgets)
+            kind[0] = "prefill" if any(p.direct_write and len(p.token_ids) > 1 for p in out) else \
+                "drafted" if any(not p.direct_write for p in out) else "no draft"
+            return out
+        return w
 
     def engine_step(self: Any) -> Any:
         p = getattr(self.strategy, "proposer", None)
         current[0] = type(p).__name__ if p is not None else "AR"
         t0 = time.thread_time()
+        fwd = acc[current[0]][" forward"]
         out = step(self)
-        acc[current[0]]["step"] += time.thread_time() - t0
+        t = time.thread_time() - t0
+        acc[current[0]]["step"] += t
         steps[current[0]] += 1
+        # steps by kind: a decode step without a draft against AR's, and one with a draft
+        n = split[current[0]][kind[0]]
+        n[0], n[1], n[2] = n[0] + 1, n[1] + t, n[2] + t - (acc[current[0]][" forward"] - fwd)
         return out
 
+    split: dict[str, dict[str, list[float]]] = collections.defaultdict(
+        lambda: collections.defaultdict(lambda: [0.0, 0.0, 0.0]))  # engine -> kind -> [steps, step s, outside s]
     llm_engine.LLMEngine.step = engine_step  # type: ignore[method-assign]
+    for owner in (strategy.Speculative, autoregressive.Autoregressive):
+        owner.propose = classified(owner.propose)  # type: ignore[method-assign]
     for owner, name, label in [
+            (autoregressive.Autoregressive, "propose", "propose"), (autoregressive.Autoregressive, "commit", "commit"),
             (strategy.Speculative, "propose", "propose"), (tree_proposers.TreeProposer, "propose", " proposer.propose"),
             (tree_proposers, "build", "  tree build"), (strategy.Speculative, "commit", "commit"),
             (recycling.SuccessorTable, "observe", " table top-k"), (strategy.Speculative, "_commit_tree", " verify"),
@@ -274,7 +295,10 @@ def phases(argv: list[str]) -> None:
     for eng, d in acc.items():
         if steps[eng]:
             print(f"  {eng} ({steps[eng]} steps): " + ", ".join(f"{k.strip()} {v / steps[eng] * 1e3:.3f}"
-                                                             for k, v in d.items()))
+                                                             for k, v in d.items())
+                  + f", outside the forward {(d['step'] - d[' forward']) / steps[eng] * 1e3:.3f}")
+            for k, (n, t, out) in sorted(split[eng].items()):
+                print(f"    {k} ({int(n)} steps): step {t / n * 1e3:.3f}, outside the forward {out / n * 1e3:.3f}")
 
 
 def main() -> None:

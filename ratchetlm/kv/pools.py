@@ -78,20 +78,28 @@ class Pools:
     def row_bytes(self, pool: str) -> int:
         """Bytes of one row of ``pool`` over all its layers."""
         t = self.stacked[pool]
-        return t[:, 0].numel() * t.element_size()
+        return t.numel() // t.shape[1] * t.element_size() if t.shape[1] else 0
 
-    def write(self, pool: str, layer: Hashable, values: torch.Tensor, slots: torch.Tensor) -> None:
-        """values ``[n, *row_shape]`` into rows ``slots`` ``[n]`` (all >= 0) of one layer."""
+    def write(self, pool: str, layer: Hashable, values: torch.Tensor, slots: torch.Tensor | slice) -> None:
+        """values ``[n, *row_shape]`` into rows ``slots`` ``[n]`` (all >= 0, or a slice of ``n`` rows) of one layer."""
         t = self.stacked[pool]
         m = self._layer[pool]
         dst = t[layer if m is None else m[layer]]  # type: ignore[index]
-        dst.index_copy_(0, slots, values if values.dtype == t.dtype else values.to(t.dtype))
+        if isinstance(slots, slice):
+            dst[slots].copy_(values)
+        else:
+            dst.index_copy_(0, slots, values if values.dtype == t.dtype else values.to(t.dtype))
         self.bytes_written += values.numel() * t.element_size()
 
-    def copy_rows(self, pool: str, values: torch.Tensor, slots: torch.Tensor) -> None:
-        """values ``[upto, n, *row_shape]`` into rows ``slots`` of layers ``[0, upto)`` at once."""
+    def copy_rows(self, pool: str, values: torch.Tensor, slots: torch.Tensor | slice) -> None:
+        """values ``[upto, n, *row_shape]`` into rows ``slots`` of layers ``[0, upto)`` at once. ``slots``:
+        ``[n]`` int64 (all >= 0), or a slice of ``n`` consecutive rows: one strided copy, converting as
+        it goes (an ``index_copy_`` and its converted source cost ~4x that at a few rows)."""
         t = self.stacked[pool]
-        t[: values.shape[0]].index_copy_(1, slots, values.to(t.dtype))
+        if isinstance(slots, slice):
+            t[: values.shape[0], slots].copy_(values)
+        else:
+            t[: values.shape[0]].index_copy_(1, slots, values.to(t.dtype))
         self.bytes_written += values.numel() * t.element_size()
 
     def nbytes(self) -> int:

@@ -43,14 +43,18 @@ class StepSink:
     ) -> None:
         self.pools = pools
         by_group = {g: slots for g in pools.groups} if isinstance(slots, torch.Tensor) else dict(slots)
-        staged = None if stage_index is None or staging is None else stage_index >= 0
-        self.staging = staging if staged is not None and bool(staged.any()) else None
-        # rows written directly and their slots, per group: fixed for the forward, found once, not per layer
-        self._direct: dict[str, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        stage = None if stage_index is None or staging is None else stage_index.tolist()
+        staged = stage is not None and any(x >= 0 for x in stage)
+        self.staging = staging if staged else None
+        # rows written directly and their slots, per group (None: no row): fixed for the forward, found once,
+        # not per layer, from lists (a decode step's few rows: list reads, not a handful of small tensor ops);
+        # rows (a source's, a pool's) that run consecutively are a slice: a strided copy, no index_copy_
+        self._direct: dict[str, tuple[slice | torch.Tensor | None, slice | torch.Tensor] | None] = {}
         for group, s in by_group.items():
-            ok = s >= 0 if self.staging is None else (s >= 0) & ~staged  # type: ignore[operator]
-            every = bool(ok.all())
-            self._direct[group] = (None, s) if every else (ok.nonzero().squeeze(1), s[ok])
+            sl = s.tolist()
+            rows = [i for i, x in enumerate(sl) if x >= 0 and not (staged and stage[i] >= 0)]  # type: ignore[index]
+            src = None if len(rows) == len(sl) else _selection(rows, s.device) if rows else None
+            self._direct[group] = (src, _selection([sl[i] for i in rows], s.device)) if rows else None
         if self.staging is not None:
             assert stage_index is not None
             self.staging.begin(stage_index, by_group)
@@ -59,9 +63,12 @@ class StepSink:
         """This layer's new rows by pool, ``[num_tokens, *row_shape]`` each (``k=..., v=...``)."""
         group = self.pools.group
         for pool, values in rows.items():
-            idx, slots = self._direct[group[pool]]
-            if slots.numel():
-                self.pools.write(pool, layer, values if idx is None else values.index_select(0, idx), slots)
+            direct = self._direct[group[pool]]
+            if direct is not None:
+                src, slots = direct
+                picked = values if src is None else values[src] if isinstance(src, slice) else \
+                    values.index_select(0, src)
+                self.pools.write(pool, layer, picked, slots)
         if self.staging is not None:
             self.staging.stage(layer, rows)
 
@@ -72,11 +79,21 @@ class StepSink:
         group = self.pools.group
         for pool, values in rows.items():
             assert self.pools.layer_index(pool, values.shape[0] - 1) == values.shape[0] - 1, pool
-            idx, slots = self._direct[group[pool]]
-            if slots.numel():
-                self.pools.copy_rows(pool, values if idx is None else values.index_select(1, idx), slots)
+            direct = self._direct[group[pool]]
+            if direct is not None:
+                src, slots = direct
+                picked = values if src is None else values[:, src] if isinstance(src, slice) else \
+                    values.index_select(1, src)
+                self.pools.copy_rows(pool, picked, slots)
         if self.staging is not None:
             self.staging.stage_layers(rows)
+
+
+def _selection(idx: list[int], device: torch.device) -> slice | torch.Tensor:
+    """Indices ``idx`` (non-empty) as a slice where they run consecutively, else ``[n]`` int64."""
+    if idx[-1] - idx[0] == len(idx) - 1 and idx == list(range(idx[0], idx[-1] + 1)):
+        return slice(idx[0], idx[-1] + 1)
+    return torch.tensor(idx, dtype=torch.long, device=device)
 
 
 class DirectSink(StepSink):

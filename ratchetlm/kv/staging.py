@@ -103,9 +103,30 @@ def has_real_storage(t: torch.Tensor) -> bool:
     return True
 
 
+SLICE_RUNS = 2  # a commit's rows copied as at most this many slices (else one gathered index_copy_)
+
+
+def runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """``(src start, dst start, length)`` of the maximal runs in which both ``src`` and ``dst`` advance
+    by one: a chain's accepted rows, staged at consecutive rows for consecutive positions, are one run
+    (two where the positions cross into a block that does not follow the last)."""
+    out: list[tuple[int, int, int]] = []
+    for a, b in zip(src, dst, strict=True):
+        if out and a == out[-1][0] + out[-1][2] and b == out[-1][1] + out[-1][2]:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((a, b, 1))
+    return out
+
+
 class StagingBuffer:
     """``capacity``: most token rows one forward may stage; the buffer is allocated on demand
-    and grows up to it, never past it (a step needing more falls back for what does not fit)."""
+    and grows up to it, never past it (a step needing more falls back for what does not fit).
+
+    What a forward stages where (its rows, their destination slots, which rows are staged) is kept
+    in Python lists, read once from the forward's tensors: a commit's checks and lookups are then
+    list reads, not a dozen small tensor operations (~5-20 us each on a CPU), and a commit whose rows
+    run consecutively in both the buffer and the pool (a chain's, mostly) copies slices."""
 
     def __init__(self, pools: Pools, capacity: int = 1024) -> None:
         if capacity < 1:
@@ -114,7 +135,7 @@ class StagingBuffer:
         self.capacity = capacity
         self.max_tokens = 0  # rows allocated so far (<= capacity)
         self.buffers: dict[str, torch.Tensor] = {}  # pool -> [num_layers(p), max_tokens, *row_shape]
-        self.dest: dict[str, torch.Tensor] = {}  # group -> [max_tokens] slot of each stage row, -1 = none
+        self.dest: dict[str, list[int]] = {}  # group -> [max_tokens] slot of each stage row, -1 = none
         self.staged_pools: list[str] = []  # pools written this forward, in first-write order
         self.metrics = StagingMetrics()
         self.fault_layer: int | None = None  # test hook: the commit fails in pool fault_pool at this layer
@@ -122,8 +143,8 @@ class StagingBuffer:
         self.fault_stage_layer: Hashable | None = None  # test hook: staging raises at this layer ...
         self.fault_stage_pool: str | None = None  # ... or for this pool
         self.device = next(iter(pools.stacked.values())).device
-        self._staged = torch.zeros(0, dtype=torch.bool, device=self.device)  # [max_tokens]
-        self._marked = False  # this forward's rows are marked in _staged
+        self._staged: range | set[int] = range(0)  # rows staged this forward (once marked)
+        self._marked = False  # this forward's rows are in _staged
         self.usable = False  # this forward's staged rows may be committed
         self._select(torch.empty(0, dtype=torch.long, device=self.device))
 
@@ -133,31 +154,36 @@ class StagingBuffer:
         if n > self.max_tokens:
             self.max_tokens = min(self.capacity, max(n, 2 * self.max_tokens, 64))
             self.buffers.clear()
-            self._staged = torch.zeros(self.max_tokens, dtype=torch.bool, device=self.device)
 
     def begin(self, stage_index: torch.Tensor, slots: Mapping[str, torch.Tensor]) -> None:
         """Start a forward whose token ``t`` stages at row ``stage_index[t]`` (-1 = not staged) and,
         once committed, goes to slot ``slots[group][t]`` of the group's pools (-1 = nowhere)."""
         self._select(stage_index)
-        self.reserve(int(self._idx.max()) + 1 if self._idx.numel() else 0)
-        self._staged.zero_()
+        self.reserve(max(self._rows) + 1 if self._rows else 0)
+        self._staged = range(0)
         self._marked = False
         self.staged_pools = []
         self.usable = True
         for group, s in slots.items():
-            d = torch.full((self.max_tokens,), -1, dtype=torch.long, device=self.device)
-            d[self._idx] = s if self._keep_all else s[self._keep]
+            d = [-1] * self.max_tokens
+            kept = s.tolist() if self._keep_all else [x for x, k in zip(s.tolist(), self._kept, strict=True) if k]
+            for row, slot in zip(self._rows, kept, strict=True):
+                d[row] = slot
             self.dest[group] = d
 
     def _select(self, stage_index: torch.Tensor) -> None:
         """Which rows stage where: fixed for a whole forward, so found once, not per layer."""
-        self._keep = stage_index >= 0
-        self._keep_all = bool(self._keep.all())
-        self._idx = stage_index if self._keep_all else stage_index[self._keep]
+        si = stage_index.tolist()
+        self._kept = [x >= 0 for x in si]
+        self._keep_all = all(self._kept)
+        self._rows: list[int] = si if self._keep_all else [x for x in si if x >= 0]  # stage row of each staged token
         # staged at consecutive rows (a step's proposals are): a slice copy, converting as it goes, in
         # place of a converted copy and an index_copy_ (~0.05 ms a forward of the default model)
-        idx = self._idx.tolist()
-        self._span = idx[0] if idx and idx == list(range(idx[0], idx[0] + len(idx))) else None
+        rows = self._rows
+        self._span = rows[0] if rows and rows == list(range(rows[0], rows[0] + len(rows))) else None
+        # the tensors the general case indexes with, made only for it
+        self._keep = None if self._keep_all else torch.tensor(self._kept, dtype=torch.bool, device=stage_index.device)
+        self._idx = None if self._span is not None else torch.tensor(rows, dtype=torch.long, device=self.device)
 
     def _abandon(self, cause: str) -> None:
         """Give up staging for the rest of this forward (counted once per forward). Rows already
@@ -165,7 +191,7 @@ class StagingBuffer:
         if self.usable:
             setattr(self.metrics, "fallback_" + cause, getattr(self.metrics, "fallback_" + cause) + 1)
             if self._marked:
-                self.metrics.unique_tokens -= int(self._idx.numel())
+                self.metrics.unique_tokens -= len(self._rows)
         self.usable = False
 
     def _buffer(self, pool: str) -> torch.Tensor:
@@ -195,8 +221,8 @@ class StagingBuffer:
         if not all(has_real_storage(v) for v in rows.values()):
             self._abandon("fake_tensor")
             return
-        idx = self._idx
-        if idx.numel() == 0:
+        count = len(self._rows)
+        if count == 0:
             return
         n = 0
         try:
@@ -208,9 +234,10 @@ class StagingBuffer:
                 if not self._keep_all:
                     values = values[:, self._keep]
                 if self._span is not None:
-                    buf[i : i + n, self._span : self._span + len(idx)].copy_(values)
+                    buf[i : i + n, self._span : self._span + count].copy_(values)
                 else:
-                    buf[i : i + n].index_copy_(1, idx, values.to(buf.dtype))
+                    assert self._idx is not None
+                    buf[i : i + n].index_copy_(1, self._idx, values.to(buf.dtype))
                 if pool not in self.staged_pools:
                     self.staged_pools.append(pool)
         except Exception:  # any staging failure: the plain path recomputes these tokens
@@ -220,39 +247,40 @@ class StagingBuffer:
 
     def _mark(self, layers: int) -> None:
         """This forward's rows are staged (``layers`` more layers of them)."""
+        count = len(self._rows)
         if not self._marked:  # counted when staged (not at begin), withdrawn if staging is then abandoned
-            self._staged[self._idx] = True
+            self._staged = range(self._span, self._span + count) if self._span is not None else set(self._rows)
             self._marked = True
-            self.metrics.unique_tokens += int(self._idx.numel())
-        self.metrics.stage_operations += layers * int(self._idx.numel())
+            self.metrics.unique_tokens += count
+        self.metrics.stage_operations += layers * count
 
-    def commit(self, rows: torch.Tensor) -> None:
+    def commit(self, rows: torch.Tensor | list[int]) -> None:
         """Copy staged ``rows`` ([n] buffer indices) to their destination slots in every pool and
         layer, all-or-nothing. Raises :class:`StagingCommitError` with the pools unchanged."""
-        assert rows.dim() == 1
+        if isinstance(rows, torch.Tensor):
+            assert rows.dim() == 1
+            rows = rows.tolist()
         if not self.usable:
             raise StagingCommitError("this forward's staging was abandoned (a fallback was counted)")
-        if rows.numel() == 0:
+        if not rows:
             return
         try:
-            lo, hi = torch.aminmax(rows)
-            if int(lo) < 0 or int(hi) >= self.max_tokens:
+            if min(rows) < 0 or max(rows) >= self.max_tokens:
                 raise StagingCommitError("staging commit with an out-of-range row")
-            if not bool(self._staged[rows].all()):
+            staged = self._staged
+            if not all(r in staged for r in rows):
                 raise StagingCommitError("staging commit of a row that was not staged this forward")
             plan = []
-            found: dict[str, tuple[torch.Tensor, torch.Tensor, int] | None] = {}  # group -> rows, slots, top
+            found: dict[str, tuple[list[int], list[int]] | None] = {}  # group -> rows, their slots
             for pool in self.staged_pools:  # (pools of one group share their rows' slots: looked up once)
                 group = self.pools.group[pool]
                 if group not in found:
-                    dest = self.dest[group][rows]
-                    ok = dest >= 0
-                    n_ok = int(ok.sum())
-                    sel = (rows, dest) if n_ok == len(ok) else (rows[ok], dest[ok]) if n_ok else None
-                    found[group] = None if sel is None else (*sel, int(sel[1].max()))
+                    dest = self.dest[group]
+                    kept = [r for r in rows if dest[r] >= 0]
+                    found[group] = (kept, [dest[r] for r in kept]) if kept else None
                 got = found[group]
                 if got is not None:
-                    if got[2] >= self.pools.stacked[pool].shape[1]:
+                    if max(got[1]) >= self.pools.stacked[pool].shape[1]:
                         raise StagingCommitError(f"staging commit to an out-of-range slot of {pool}")
                     plan.append((pool, got[0], got[1]))
             written = self._write_all(plan)
@@ -261,9 +289,9 @@ class StagingBuffer:
             raise
         self.metrics.bytes_committed += written
         self.metrics.commit_calls += 1
-        self.metrics.tokens_committed += int(rows.numel())
+        self.metrics.tokens_committed += len(rows)
 
-    def try_commit(self, rows: torch.Tensor) -> bool:
+    def try_commit(self, rows: torch.Tensor | list[int]) -> bool:
         """:meth:`commit`; False instead of :class:`StagingCommitError`."""
         try:
             self.commit(rows)
@@ -271,34 +299,52 @@ class StagingBuffer:
             return False
         return True
 
-    def reject(self, rows: torch.Tensor) -> None:
+    def reject(self, rows: torch.Tensor | list[int]) -> None:
         """Stage ``rows`` ([n]) of a successfully committed proposal were discarded."""
-        self.metrics.tokens_rejected += int(rows.numel())
-        if rows.numel():
+        if isinstance(rows, torch.Tensor):
+            rows = rows.tolist()
+        self.metrics.tokens_rejected += len(rows)
+        if rows:
             written: dict[str, int] = {}  # group -> rows with a slot (looked up once per group)
             for p in self.staged_pools:
                 g = self.pools.group[p]
                 if g not in written:
-                    written[g] = int((self.dest[g][rows] >= 0).sum())
+                    dest = self.dest[g]
+                    written[g] = sum(dest[r] >= 0 for r in rows)
                 self.metrics.bytes_avoided += written[g] * self.pools.row_bytes(p)
 
-    def _write_all(self, plan: list[tuple[str, torch.Tensor, torch.Tensor]]) -> int:
-        """Copy every pool's rows (all its layers at once); returns the bytes written."""
+    def _write_all(self, plan: list[tuple[str, list[int], list[int]]]) -> int:
+        """Copy every pool's rows (all its layers at once); returns the bytes written. Rows that run
+        consecutively in the buffer and the pool go as slices (:func:`runs`), others gathered."""
         stacked = self.pools.stacked
-        snapshots = [(pool, slots, stacked[pool][:, slots].clone()) for pool, _, slots in plan]  # for rollback
+        moves: list[tuple[str, list[tuple[slice | torch.Tensor, slice | torch.Tensor]]]] = []  # pool, (src, dst)
+        for pool, src, slots in plan:
+            rs = runs(src, slots)
+            if len(rs) <= SLICE_RUNS:
+                moves.append((pool, [(slice(a, a + n), slice(b, b + n)) for a, b, n in rs]))
+            else:
+                moves.append((pool, [(torch.tensor(src, dtype=torch.long, device=self.device),
+                                      torch.tensor(slots, dtype=torch.long, device=self.device))]))
+        # for rollback: the target rows as they were
+        snapshots = [(pool, dst, stacked[pool][:, dst].clone() if isinstance(dst, slice) else stacked[pool][:, dst])
+                     for pool, parts in moves for _, dst in parts]
         fault = None if self.fault_layer is None else (self.fault_pool or (plan[0][0] if plan else None))
         before = self.pools.bytes_written
         try:
-            for pool, src, slots in plan:
+            for pool, parts in moves:
                 buf = self.buffers[pool]
                 upto = self.fault_layer if pool == fault else buf.shape[0]  # the hook stops after [0, fault_layer)
                 assert upto is not None
-                self.pools.copy_rows(pool, buf[:upto, src], slots)
+                for src_sel, dst_sel in parts:
+                    self.pools.copy_rows(pool, buf[:upto, src_sel], dst_sel)
                 if upto < buf.shape[0]:
                     raise StagingCommitError(f"injected fault while committing {pool} layer {upto}")
         except Exception as e:
-            for pool, slots, old in snapshots:  # restore, bypassing the write counter: not new data
-                stacked[pool].index_copy_(1, slots, old)
+            for pool, dst, old in snapshots:  # restore, bypassing the write counter: not new data
+                if isinstance(dst, slice):
+                    stacked[pool][:, dst].copy_(old)
+                else:
+                    stacked[pool].index_copy_(1, dst, old)
             raise e if isinstance(e, StagingCommitError) else StagingCommitError(str(e)) from e
         return self.pools.bytes_written - before
 
@@ -313,10 +359,10 @@ def commit_proposal(staging: StagingBuffer, stage_base: int, kv_rows: list[int],
     parallelism mirrors it on every rank)."""
     if stage_base < 0 or not staging.usable:
         return False
-    rows = torch.tensor([stage_base + r for r in kv_rows], dtype=torch.long, device=staging.device)
-    if not (commit or staging.try_commit)(rows):
+    rows = [stage_base + r for r in kv_rows]
+    # (the default commit reads a list as is; a given one, e.g. tensor parallelism's, gets the rows' tensor)
+    if not (staging.try_commit(rows) if commit is None else commit(torch.tensor(rows, dtype=torch.long))):
         return False
     kept = set(kv_rows)
-    staging.reject(torch.tensor([stage_base + r for r in range(num_rows) if r not in kept], dtype=torch.long,
-                                device=staging.device))
+    staging.reject([stage_base + r for r in range(num_rows) if r not in kept])
     return True

@@ -24,12 +24,12 @@ def test_continuations_are_judged_once_the_output_has_passed_them():
     g.judge(rec, [1, 2, 3, 4, 5])
     assert [p.start for p in rec.pending] == [3]  # still undecided
     c = rec.counts
-    assert c.tries[2].tolist() == [0, 1, 1, 1] and c.hits[2].tolist() == [0, 1, 1, 0]
-    assert c.tries[4].tolist() == [0, 1, 1, 0] and c.hits[4].tolist() == [0, 1, 1, 0]
-    assert c.tries[1].tolist() == [0, 1, 0, 0] and c.hits[1].tolist() == [0, 0, 0, 0]
-    assert (g.totals.tries == c.tries).all() and (g.totals.hits == c.hits).all()
+    assert c.tries[2] == [0, 1, 1, 1] and c.hits[2] == [0, 1, 1, 0]
+    assert c.tries[4] == [0, 1, 1, 0] and c.hits[4] == [0, 1, 1, 0]
+    assert c.tries[1] == [0, 1, 0, 0] and c.hits[1] == [0, 0, 0, 0]
+    assert g.totals.tries == c.tries and g.totals.hits == c.hits
     g.judge(rec, [1, 2, 3, 4, 5, 6])  # now the m=1 continuation agreed entirely
-    assert rec.pending == [] and c.hits[1].tolist() == [0, 1, 1, 1]
+    assert rec.pending == [] and c.hits[1] == [0, 1, 1, 1]
 
 
 def _record_with(g: GainSchedule, m: int, agreed: int, times: int):
@@ -92,7 +92,7 @@ def test_a_proposal_repeated_from_the_same_state_is_recorded_once(spec_llm):
     assert [(p.start, p.tokens) for p in seq.strategy_state[_GAIN].pending] == [(6, [7, 8, 5, 6])]
     seq.token_ids += [7, 8, 5, 6]
     prop.propose([seq], [4])
-    assert prop.gain.totals.tries[2].tolist() == [0, 1, 1, 1, 1]  # one judged continuation, not two
+    assert prop.gain.totals.tries[2] == [0, 1, 1, 1, 1]  # one judged continuation, not two
 
 
 def test_cost_curve_interpolates_and_the_constant_model_is_a_line():

@@ -205,14 +205,18 @@ def test_gain_schedule_drafts_what_pays(spec_llm, encoded, reference):
             make_engine(spec_llm, "speculative", **opts)
 
 
-@pytest.mark.parametrize("num_candidates", [1, 3])
+@pytest.mark.parametrize("num_candidates,own_tree", [(1, True), (3, True), (3, False)])
 def test_trees_of_a_batch_are_packed_and_verified_in_one_forward(spec_llm, encoded, reference, monkeypatch,
-                                                                  num_candidates):
+                                                                  num_candidates, own_tree):
     """Production runs the seed's tree API with B > 1: every step hands all its drafting sequences'
     beams to exactly one pack() call (a step of chains alone reads its trees off without one) and
-    verifies their trees in one forward; each output equals running it alone."""
-    from ratchetlm.decoding.speculative import draft_tree
+    verifies their trees in one forward; each output equals running it alone. The n-gram proposer
+    builds its trees itself (verify.prefix_tree, pack's tree: no pack call); without them
+    (``own_tree=False``, a proposer that hands beams only: draft_model, eagle, mtp) the strategy packs."""
+    from ratchetlm.decoding.speculative import draft_tree, proposers
 
+    if not own_tree:
+        monkeypatch.setattr(proposers, "prefix_tree", lambda candidates: None)
     packs: list[int] = []  # batch size of each pack() call
     steps = []  # per step: (pack batch sizes during propose, staged proposals)
     real_pack = draft_tree.pack
@@ -232,7 +236,7 @@ def test_trees_of_a_batch_are_packed_and_verified_in_one_forward(spec_llm, encod
     eng.strategy.propose = spy
     together = run_engine(eng, [encoded[i] for i in subset], GREEDY)
     for calls, staged in steps:
-        if num_candidates == 1:
+        if num_candidates == 1 or own_tree:
             assert calls == [], steps
         else:
             assert calls == ([] if not staged else [calls[0]]) and (not staged or calls[0] >= staged), steps

@@ -48,7 +48,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 FORGET = 0.98  # weight of a step against the next one of the same batch size (~50 steps' memory)
@@ -69,18 +68,41 @@ class Price:
     fixed: float = 0.0
 
 
+def solve3(a: list[list[float]], b: list[float]) -> tuple[float, float, float] | None:
+    """``x`` with ``a·x = b`` for a 3x3 ``a`` (Gaussian elimination with partial pivoting, numpy's LU
+    to rounding), None where ``a`` is singular. In Python: :meth:`_Fit.price` runs every step (the
+    tree proposers price at every batch size), and ``np.linalg.solve`` with its arrays cost ~50 us there."""
+    m = [[*row, rhs] for row, rhs in zip(a, b, strict=True)]
+    for k in range(3):
+        p = max(range(k, 3), key=lambda i: abs(m[i][k]))
+        if m[p][k] == 0.0:
+            return None
+        m[k], m[p] = m[p], m[k]
+        inv = 1.0 / m[k][k]
+        for i in range(k + 1, 3):
+            lik = m[i][k] * inv
+            for j in range(k + 1, 4):
+                m[i][j] -= lik * m[k][j]
+    x = [0.0, 0.0, 0.0]
+    for i in (2, 1, 0):
+        x[i] = (m[i][3] - sum(m[i][j] * x[j] for j in range(i + 1, 3))) / m[i][i]
+    return x[0], x[1], x[2]
+
+
 class _Fit:
     """Decayed sums of one batch size's steps for ``y = α + β·x + γ·z`` (y = t / P, x = E / P, z = n / P):
-    ``vv`` = Σ v·vᵀ and ``vy`` = Σ v·y over v = (1, x, z)."""
+    ``vv`` = Σ v·vᵀ and ``vy`` = Σ v·y over v = (1, x, z). Kept as Python floats (the same float64
+    operations numpy's ``outer`` and adds did): :meth:`add` runs every step, and numpy's per-call cost
+    made it ~50 us a step on one core."""
 
     def __init__(self) -> None:
-        self.vv = np.zeros((3, 3))
-        self.vy = np.zeros(3)
+        self.vv = [[0.0] * 3 for _ in range(3)]
+        self.vy = [0.0] * 3
 
     def add(self, x: float, z: float, y: float) -> None:
-        v = np.array([1.0, x, z])
-        self.vv = FORGET * self.vv + np.outer(v, v)
-        self.vy = FORGET * self.vy + v * y
+        v = (1.0, x, z)
+        self.vv = [[FORGET * row[j] + v[i] * v[j] for j in range(3)] for i, row in enumerate(self.vv)]
+        self.vy = [FORGET * self.vy[i] + v[i] * y for i in range(3)]
 
     def price(self, plain: float | None, prior: float = 1.0) -> Price:
         """Least squares plus ``ρa·(α − plain)² + ρx·(β − prior·α)² + ρz·γ²``: α held near ``plain`` (the
@@ -90,15 +112,16 @@ class _Fit:
         steps' worth)."""
         rx, rz = PRIOR * PRIOR_X**2, PRIOR * PRIOR_Z**2
         f = prior
-        a = self.vv + np.array([[rx * f * f, -rx * f, 0.0], [-rx * f, rx, 0.0], [0.0, 0.0, rz]])
-        b = self.vy.copy()
+        ridge = [[rx * f * f, -rx * f, 0.0], [-rx * f, rx, 0.0], [0.0, 0.0, rz]]
+        a = [[v + r for v, r in zip(row, rrow, strict=True)] for row, rrow in zip(self.vv, ridge, strict=True)]
+        b = list(self.vy)
         if plain is not None:
-            a[0, 0] += PRIOR_PLAIN
+            a[0][0] += PRIOR_PLAIN
             b[0] += PRIOR_PLAIN * plain
-        try:
-            alpha, beta, gamma = np.linalg.solve(a, b)
-        except np.linalg.LinAlgError:  # no step yet
+        x = solve3(a, b)
+        if x is None:  # no step yet
             return Price(prior)
+        alpha, beta, gamma = x
         if alpha <= 0.0:
             return Price(HIGH, HIGH_FIXED)
         return Price(float(min(max(beta / alpha, LOW), HIGH)), float(min(max(gamma / alpha, 0.0), HIGH_FIXED)))

@@ -22,7 +22,7 @@ from ratchetlm.decoding.speculative.cost_curve import CostCurve, measured
 from ratchetlm.decoding.speculative.draft_price import DraftLedger, MeasuredDrafts
 from ratchetlm.decoding.speculative.gain import GainSchedule, PendingContinuation
 from ratchetlm.decoding.speculative.idle_gate import IdleGate
-from ratchetlm.decoding.speculative.verify import DraftTree
+from ratchetlm.decoding.speculative.verify import DraftTree, prefix_tree
 from ratchetlm.sequence import Sequence
 
 PAD = -1
@@ -251,11 +251,12 @@ class NgramProposer(Proposer):
             if not cands or d == 0:
                 out.append(None)
                 continue
-            width = max(len(x) for _, x in cands)
-            toks = torch.full((len(cands), width), PAD, dtype=torch.long)
-            for i, (_, x) in enumerate(cands):
-                toks[i, : len(x)] = torch.tensor(x, dtype=torch.long)
-            out.append(DraftBeam(toks, torch.zeros(toks.shape)))
+            conts = [x for _, x in cands]
+            width = max(len(x) for x in conts)
+            toks = torch.tensor([x + [PAD] * (width - len(x)) for x in conts], dtype=torch.long)
+            # the tree too (verify.prefix_tree: pack's tree, built from the lists): the strategy verifies
+            # it as is instead of packing the beam back into it (~20 us a drafting sequence and step)
+            out.append(DraftBeam(toks, torch.zeros(toks.shape), prefix_tree(conts)))
         if self.gain is not None:
             self.gate.observe(len(seqs), drafted > 0)
             if m is not None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -51,8 +52,40 @@ class DraftTree:
         return len(self.tokens)
 
 
-def greedy_accept(tree: DraftTree, argmax: list[int]) -> tuple[list[int], int]:
-    """``argmax``: [1 + L] target argmax per row. Returns (accepted node path, next token)."""
+def prefix_tree(candidates: list[list[int]]) -> DraftTree:
+    """Candidate continuations (no padding) as their deduplicated prefix tree, nodes in the order
+    ``tree_attention.pack`` gives them (first appearance, candidate-major, depth-minor), so the same
+    tree as ``draft_tree.trees_from_beams`` of their padded beam, built in Python: a proposer with a
+    few short candidates (n-gram lookup) then skips the beam tensor's round trip through ``pack``."""
+    if len(candidates) == 1:  # a chain
+        n = len(candidates[0])
+        return DraftTree(list(candidates[0]), list(range(-1, n - 1)), list(range(n)))
+    tokens: list[int] = []
+    parent: list[int] = []
+    depth: list[int] = []
+    node: dict[tuple[int, int], int] = {}  # (parent node, token) -> node: a prefix is its parent's and its token
+    for cand in candidates:
+        par = -1
+        for d, tok in enumerate(cand):
+            k = node.get((par, tok))
+            if k is None:
+                k = node[(par, tok)] = len(tokens)
+                tokens.append(tok)
+                parent.append(par)
+                depth.append(d)
+            par = k
+    return DraftTree(tokens, parent, depth)
+
+
+class RowTokens(Protocol):
+    """The target's greedy token of each row, by row index (a list, or rows reduced on demand)."""
+
+    def __getitem__(self, row: int, /) -> int: ...
+
+
+def greedy_accept(tree: DraftTree, argmax: RowTokens) -> tuple[list[int], int]:
+    """``argmax``: [1 + L] target argmax per row (each read once at most, and only on the accepted
+    path and the row after it). Returns (accepted node path, next token)."""
     path: list[int] = []
     row = 0
     while True:
