@@ -153,23 +153,34 @@ static inline __attribute__((always_inline)) __m512 key16(const float *kb, int k
     if (kh) return _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)((const uint16_t *)kb + KTI(d, j0, D))));
     return _mm512_load_ps(kb + KTI(d, j0, D));
 }
-/* kh: the transposed keys are halves (uint16, widened here: exact, so the same scores) */
+/* kh: the transposed keys are halves (uint16, widened here: exact, so the same scores). nb (a literal, 1
+ * or 2) blocks of KL keys at once: each query's broadcast serves nb blocks and 4 nb accumulator chains
+ * per query keep the FMA ports busy (one block: 10 loads for 8 FMAs, load-bound) */
 static inline __attribute__((always_inline)) void scores16(const float *kb, const int kh, int kj, int LP, int j0, int D,
-                                                           const float *const *qr, const int nq, float scale, float *s) {
-    __m512 a[QT], c[QT];
-    for (int u = 0; u < nq; u++) a[u] = c[u] = _mm512_setzero_ps();
+                                                           const float *const *qr, const int nq, const int nb, float scale,
+                                                           float *s) {
+    __m512 a[QT][2], c[QT][2];
+    for (int u = 0; u < nq; u++)
+        for (int i = 0; i < nb; i++) a[u][i] = c[u][i] = _mm512_setzero_ps();
     for (int d = 0; d + 1 < D; d += 2) {
-        const __m512 k0 = key16(kb, kh, D, d, kj), k1 = key16(kb, kh, D, d + 1, kj);
+        __m512 k0[2], k1[2];
+        for (int i = 0; i < nb; i++) k0[i] = key16(kb, kh, D, d, kj + KL * i), k1[i] = key16(kb, kh, D, d + 1, kj + KL * i);
         for (int u = 0; u < nq; u++) {
-            a[u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][d]), k0, a[u]);
-            c[u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][d + 1]), k1, c[u]);
+            const __m512 q0 = _mm512_set1_ps(qr[u][d]), q1 = _mm512_set1_ps(qr[u][d + 1]);
+            for (int i = 0; i < nb; i++) {
+                a[u][i] = _mm512_fmadd_ps(q0, k0[i], a[u][i]);
+                c[u][i] = _mm512_fmadd_ps(q1, k1[i], c[u][i]);
+            }
         }
     }
     if (D % 2)
-        for (int u = 0; u < nq; u++)
-            a[u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][D - 1]), key16(kb, kh, D, D - 1, kj), a[u]);
+        for (int i = 0; i < nb; i++) {
+            const __m512 k = key16(kb, kh, D, D - 1, kj + KL * i);
+            for (int u = 0; u < nq; u++) a[u][i] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][D - 1]), k, a[u][i]);
+        }
     for (int u = 0; u < nq; u++)
-        _mm512_store_ps(s + (long)u * LP + j0, _mm512_mul_ps(_mm512_add_ps(a[u], c[u]), _mm512_set1_ps(scale)));
+        for (int i = 0; i < nb; i++)
+            _mm512_store_ps(s + (long)u * LP + j0 + KL * i, _mm512_mul_ps(_mm512_add_ps(a[u][i], c[u][i]), _mm512_set1_ps(scale)));
 }
 #endif
 
@@ -576,7 +587,7 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
         float *kt = aligned_alloc(64, sizeof(float) * (size_t)D * (LPmax > 0 ? LPmax : 16));
         float *sg = aligned_alloc(64, sizeof(float) * (size_t)TG * QT * (LPmax > 0 ? LPmax : 16)); /* [TG][QT][LP] */
         float *gacc = aligned_alloc(64, sizeof(float) * (size_t)TG * QT * (D + 16)); /* [TG][QT][D + 16] */
-        float *kw = aligned_alloc(64, sizeof(float) * (size_t)D * KL);                /* a block of keys, widened */
+        float *kw = aligned_alloc(64, sizeof(float) * (size_t)D * 2 * KL);            /* two blocks of keys, widened */
         float *vbuf = aligned_alloc(64, sizeof(float) * (size_t)KL * 64);             /* a block of values, widened */
         float *pc = aligned_alloc(64, sizeof(float) * (size_t)((LPmax > 0 ? LPmax : 16) + KL)); /* p > 0, compacted */
         const int NB = (LPmax > 0 ? LPmax : 16) / KL; /* key blocks */
@@ -614,28 +625,44 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
 #if defined(__AVX512F__)
                 const int wide = kh && tge - tg > 1; /* several tiles: a block of half keys widened once, to kw */
 #endif
-                for (int j0 = 0; j0 < gl; j0 += KL) {
 #if defined(__AVX512F__)
+                for (int j0 = 0; j0 < gl; j0 += 2 * KL) { /* two blocks at a time where a tile sees both */
+                    const int nbw = j0 + KL < gl ? 2 : 1;
                     if (wide) /* (exact: the same scores; the conversions would share the FMAs' ports in every tile) */
-                        for (int i = 0; i < D * KL; i += 16)
+                        for (int i = 0; i < nbw * D * KL; i += 16)
                             _mm512_store_ps(kw + i, _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)((const uint16_t *)kb + (long)j0 * D + i))));
-#endif
                     for (int tq = tg; tq < tge; tq++) {
                         if (j0 >= glimp[tq - tg]) continue;
                         const int nq = gnq[tq - tg];
                         const float *const *qr = gqr[tq - tg];
                         float *s = sg + (long)(tq - tg) * QT * LP;
-#if defined(__AVX512F__)
-    /* literal query count and key width: the loops over queries unroll, the key loads are fixed */
-#define SCORES16(NQ) (kh && !wide ? scores16(kb, 1, j0, LP, j0, D, qr, NQ, scale, s) : scores16(wide ? kw : kb, 0, wide ? 0 : j0, LP, j0, D, qr, NQ, scale, s))
-                        switch (nq) {
-                        case 1: SCORES16(1); break;
-                        case 2: SCORES16(2); break;
-                        case 3: SCORES16(3); break;
-                        default: SCORES16(QT); break;
-                        }
+    /* literal query and block counts: the loops unroll, the key loads are fixed */
+#define SCORES16(NQ, NB2) (kh && !wide ? scores16(kb, 1, j0, LP, j0, D, qr, NQ, NB2, scale, s) : scores16(wide ? kw : kb, 0, wide ? 0 : j0, LP, j0, D, qr, NQ, NB2, scale, s))
+                        if (j0 + KL < glimp[tq - tg])
+                            switch (nq) {
+                            case 1: SCORES16(1, 2); break;
+                            case 2: SCORES16(2, 2); break;
+                            case 3: SCORES16(3, 2); break;
+                            default: SCORES16(QT, 2); break;
+                            }
+                        else
+                            switch (nq) {
+                            case 1: SCORES16(1, 1); break;
+                            case 2: SCORES16(2, 1); break;
+                            case 3: SCORES16(3, 1); break;
+                            default: SCORES16(QT, 1); break;
+                            }
 #undef SCORES16
-#elif defined(ATT_AVX2)
+                    }
+                }
+#else
+                for (int j0 = 0; j0 < gl; j0 += KL) {
+                    for (int tq = tg; tq < tge; tq++) {
+                        if (j0 >= glimp[tq - tg]) continue;
+                        const int nq = gnq[tq - tg];
+                        const float *const *qr = gqr[tq - tg];
+                        float *s = sg + (long)(tq - tg) * QT * LP;
+#if defined(ATT_AVX2)
 #define SCORES8(NQ) (scores8(kb, LP, j0, D, qr, NQ, scale, s), scores8(kb, LP, j0 + 8, D, qr, NQ, scale, s))
                         switch (nq) { /* the keys are fp32 at every D */
                         case 1: SCORES8(1); break;
@@ -661,6 +688,7 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
 #endif
                     }
                 }
+#endif
                 float ginv[TG][QT];
                 int glmax[TG], glim[TG][QT];
 #if defined(__AVX512F__)
