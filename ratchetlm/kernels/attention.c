@@ -71,6 +71,9 @@
 #ifndef V_AHEAD
 #define V_AHEAD 8
 #endif
+#ifndef VSPAN
+#define VSPAN 64 /* keys whose values pv_group widens at once (a multiple of KL) */
+#endif
 
 #if defined(__AVX512F__)
 /* exp(x) for x <= 0 (and -inf): x = n ln2 + r, |r| <= ln2 / 2, 2^n * a degree-6 polynomial in r
@@ -457,35 +460,39 @@ static inline __attribute__((always_inline)) void pv64(const float *vn, const vo
 
 #if defined(__AVX512F__)
 /* pv64 for the ntile tiles of a group (query u of tile t: row t * QT + u of s [.][LP], acc [.][D + 16] and
- * nzm [.][NB]), key block by key block: a block's values are read and widened once into vbuf [KL][64]
- * for every tile (pv64 converts them again in each), the accumulators kept in acc between blocks. Per
- * output the same FMAs in the same key order as pv64: the same bits. */
-static inline __attribute__((always_inline)) void pv_block(const float *vbuf, int j0, int je, const int *lim,
+ * nzm [.][NB]), VSPAN keys at a time: their values are read and widened once into vbuf [VSPAN][64] for
+ * every tile (pv64 converts them again in each), the accumulators kept in acc between spans. Within a
+ * span, block by block of KL keys as pv64 (plain FMAs where every query keeps the block). Per output the
+ * same FMAs in the same key order as pv64: the same bits. */
+static inline __attribute__((always_inline)) void pv_block(const float *vbuf, int jb, int je, const int *lim,
                                                           const float *s, int LP, const uint16_t *nzm, int NB,
                                                           const int nq, float *acc, int D, int d0) {
     __m512 o[QT][4];
     for (int u = 0; u < nq; u++)
         for (int c = 0; c < 4; c++) o[u][c] = _mm512_load_ps(acc + (long)u * (D + 16) + d0 + 16 * c);
-    unsigned all = 0xffffu;
-    for (int u = 0; u < nq; u++) all &= nzm[(long)u * NB + j0 / KL];
-    if (all == 0xffffu) {
-        for (int j = j0; j < je; j++) {
-            __m512 v[4];
-            for (int c = 0; c < 4; c++) v[c] = _mm512_load_ps(vbuf + (j - j0) * 64 + 16 * c);
-            for (int u = 0; u < nq; u++) {
-                const __m512 pv = _mm512_set1_ps(s[(long)u * LP + j]);
-                for (int c = 0; c < 4; c++) o[u][c] = _mm512_fmadd_ps(pv, v[c], o[u][c]);
+    for (int j0 = jb; j0 < je; j0 += KL) {
+        const int jn = j0 + KL < je ? j0 + KL : je;
+        unsigned all = 0xffffu;
+        for (int u = 0; u < nq; u++) all &= nzm[(long)u * NB + j0 / KL];
+        if (all == 0xffffu) {
+            for (int j = j0; j < jn; j++) {
+                __m512 v[4];
+                for (int c = 0; c < 4; c++) v[c] = _mm512_load_ps(vbuf + (j - jb) * 64 + 16 * c);
+                for (int u = 0; u < nq; u++) {
+                    const __m512 pv = _mm512_set1_ps(s[(long)u * LP + j]);
+                    for (int c = 0; c < 4; c++) o[u][c] = _mm512_fmadd_ps(pv, v[c], o[u][c]);
+                }
             }
-        }
-    } else {
-        for (int j = j0; j < je; j++) {
-            __m512 v[4];
-            for (int c = 0; c < 4; c++) v[c] = _mm512_load_ps(vbuf + (j - j0) * 64 + 16 * c);
-            for (int u = 0; u < nq; u++) {
-                const float p = s[(long)u * LP + j];
-                const __mmask16 m = (__mmask16)-(int)(j < lim[u] && p != 0.0f);
-                const __m512 pv = _mm512_set1_ps(p);
-                for (int c = 0; c < 4; c++) o[u][c] = _mm512_mask3_fmadd_ps(pv, v[c], o[u][c], m);
+        } else {
+            for (int j = j0; j < jn; j++) {
+                __m512 v[4];
+                for (int c = 0; c < 4; c++) v[c] = _mm512_load_ps(vbuf + (j - jb) * 64 + 16 * c);
+                for (int u = 0; u < nq; u++) {
+                    const float p = s[(long)u * LP + j];
+                    const __mmask16 m = (__mmask16)-(int)(j < lim[u] && p != 0.0f);
+                    const __m512 pv = _mm512_set1_ps(p);
+                    for (int c = 0; c < 4; c++) o[u][c] = _mm512_mask3_fmadd_ps(pv, v[c], o[u][c], m);
+                }
             }
         }
     }
@@ -504,8 +511,8 @@ static void pv_group(const float *vn, const void *vc, int kv_half, const int64_t
     const long es = kv_half ? 2 : 4, rs = (long)Hkv * D * es; /* a slot's row, bytes */
     const char *base = (const char *)vc + ((long)hk * D + d0) * es;
     const int nc = ctx < lmax ? ctx : lmax;
-    for (int j0 = 0; j0 < lmax; j0 += KL) {
-        const int je = j0 + KL < lmax ? j0 + KL : lmax;
+    for (int j0 = 0; j0 < lmax; j0 += VSPAN) {
+        const int je = j0 + VSPAN < lmax ? j0 + VSPAN : lmax;
         for (int j = j0; j < je; j++) {
             if (j + KL < nc) {
                 const char *np = base + cs[j + KL] * rs;
@@ -588,7 +595,7 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
         float *sg = aligned_alloc(64, sizeof(float) * (size_t)TG * QT * (LPmax > 0 ? LPmax : 16)); /* [TG][QT][LP] */
         float *gacc = aligned_alloc(64, sizeof(float) * (size_t)TG * QT * (D + 16)); /* [TG][QT][D + 16] */
         float *kw = aligned_alloc(64, sizeof(float) * (size_t)D * 2 * KL);            /* two blocks of keys, widened */
-        float *vbuf = aligned_alloc(64, sizeof(float) * (size_t)KL * 64);             /* a block of values, widened */
+        float *vbuf = aligned_alloc(64, sizeof(float) * (size_t)VSPAN * 64);          /* a span of values, widened */
         float *pc = aligned_alloc(64, sizeof(float) * (size_t)((LPmax > 0 ? LPmax : 16) + KL)); /* p > 0, compacted */
         const int NB = (LPmax > 0 ? LPmax : 16) / KL; /* key blocks */
         uint16_t *gnzm = malloc(sizeof(uint16_t) * (size_t)TG * QT * NB); /* [TG][QT][NB]: see pv64 */
