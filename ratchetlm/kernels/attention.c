@@ -156,12 +156,28 @@ static inline __attribute__((always_inline)) __m512 key16(const float *kb, int k
     if (kh) return _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)((const uint16_t *)kb + KTI(d, j0, D))));
     return _mm512_load_ps(kb + KTI(d, j0, D));
 }
+/* A block of scores s_j (j = jb .. jb + 15) of one query, without a softcap, as the softmax pass takes
+ * them: + the mask's column (context key j: column j, new key j: column max_ctx + j - ctx; a masked
+ * load, so nothing past the row is read), then -inf from the query's limit on. The caller's running
+ * max takes the blocks below the limit in increasing order, as that pass's max does (NaN included). */
+static inline __m512 score_block(__m512 sv, const float *mr, int jb, int lim, int ctx, int max_ctx) {
+    const int nl = lim - jb, nc = ctx - jb; /* lanes below the limit; context lanes */
+    const __mmask16 in = nl >= KL ? 0xffff : nl <= 0 ? 0 : (__mmask16)((1u << nl) - 1);
+    if (mr) {
+        const __mmask16 cm = nc >= KL ? 0xffff : nc <= 0 ? 0 : (__mmask16)((1u << nc) - 1);
+        __m512 x = _mm512_maskz_loadu_ps(cm & in, mr + jb);
+        x = _mm512_mask_loadu_ps(x, (__mmask16)~cm & in, mr + max_ctx - ctx + jb);
+        sv = _mm512_add_ps(sv, x);
+    }
+    return _mm512_mask_mov_ps(sv, (__mmask16)~in, _mm512_set1_ps(-INFINITY));
+}
 /* kh: the transposed keys are halves (uint16, widened here: exact, so the same scores). nb (a literal, 1
  * or 2) blocks of KL keys at once: each query's broadcast serves nb blocks and 4 nb accumulator chains
  * per query keep the FMA ports busy (one block: 10 loads for 8 FMAs, load-bound) */
 static inline __attribute__((always_inline)) void scores16(const float *kb, const int kh, int kj, int LP, int j0, int D,
                                                            const float *const *qr, const int nq, const int nb, float scale,
-                                                           float *s) {
+                                                           float *s, int fuse, const float *const *mr, const int *lim,
+                                                           int ctx, int max_ctx, __m512 *mv) {
     __m512 a[QT][2], c[QT][2];
     for (int u = 0; u < nq; u++)
         for (int i = 0; i < nb; i++) a[u][i] = c[u][i] = _mm512_setzero_ps();
@@ -182,8 +198,15 @@ static inline __attribute__((always_inline)) void scores16(const float *kb, cons
             for (int u = 0; u < nq; u++) a[u][i] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][D - 1]), k, a[u][i]);
         }
     for (int u = 0; u < nq; u++)
-        for (int i = 0; i < nb; i++)
-            _mm512_store_ps(s + (long)u * LP + j0 + KL * i, _mm512_mul_ps(_mm512_add_ps(a[u][i], c[u][i]), _mm512_set1_ps(scale)));
+        for (int i = 0; i < nb; i++) {
+            __m512 sv = _mm512_mul_ps(_mm512_add_ps(a[u][i], c[u][i]), _mm512_set1_ps(scale));
+            const int jb = j0 + KL * i;
+            if (fuse) { /* the softmax's first steps on this block, in its order (see score_block) */
+                sv = score_block(sv, mr[u], jb, lim[u], ctx, max_ctx);
+                if (jb < lim[u]) mv[u] = _mm512_max_ps(mv[u], sv);
+            }
+            _mm512_store_ps(s + (long)u * LP + jb, sv);
+        }
 }
 #endif
 
@@ -620,15 +643,22 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
                 const int tge = tg + TG < work[w].t1 ? tg + TG : work[w].t1;
                 /* scores of the group's tiles, KL keys at a time for every query: a block of transposed keys
                  * is read (from L1 after the first tile) by every tile of the group */
-                const float *gqr[TG][QT];
-                int gnq[TG], glimp[TG], gl = 0;
+                const float *gqr[TG][QT], *gmr[TG][QT];
+                int gnq[TG], glimp[TG], glq[TG][QT], gl = 0;
                 for (int tq = tg; tq < tge; tq++) {
-                    const float *mr[QT];
-                    int row[QT], head[QT], lim[QT];
+                    int row[QT], head[QT];
                     gnq[tq - tg] = tile_setup(tq, NQ, n, hk, G, H, D, start, b, ctx, L, max_ctx, max_new, q, mask, gqr[tq - tg],
-                                              mr, row, head, lim, &glimp[tq - tg]);
+                                              gmr[tq - tg], row, head, glq[tq - tg], &glimp[tq - tg]);
                     gl = glimp[tq - tg] > gl ? glimp[tq - tg] : gl;
                 }
+#if defined(__AVX512F__)
+                /* no softcap: each score block leaves scores16 masked and limited, and each query's running
+                 * max is kept there (no separate passes for them) */
+                const int fuse = softcap == 0.0f;
+                __m512 gmv[TG][QT];
+                for (int t = 0; t < TG; t++)
+                    for (int u = 0; u < QT; u++) gmv[t][u] = _mm512_set1_ps(-INFINITY);
+#endif
 #if defined(__AVX512F__)
                 const int wide = kh && tge - tg > 1; /* several tiles: a block of half keys widened once, to kw */
 #endif
@@ -644,7 +674,8 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
                         const float *const *qr = gqr[tq - tg];
                         float *s = sg + (long)(tq - tg) * QT * LP;
     /* literal query and block counts: the loops unroll, the key loads are fixed */
-#define SCORES16(NQ, NB2) (kh && !wide ? scores16(kb, 1, j0, LP, j0, D, qr, NQ, NB2, scale, s) : scores16(wide ? kw : kb, 0, wide ? 0 : j0, LP, j0, D, qr, NQ, NB2, scale, s))
+#define SCORES16(NQ, NB2) (kh && !wide ? scores16(kb, 1, j0, LP, j0, D, qr, NQ, NB2, scale, s, fuse, gmr[tq - tg], glq[tq - tg], ctx, max_ctx, gmv[tq - tg]) \
+                                       : scores16(wide ? kw : kb, 0, wide ? 0 : j0, LP, j0, D, qr, NQ, NB2, scale, s, fuse, gmr[tq - tg], glq[tq - tg], ctx, max_ctx, gmv[tq - tg]))
                         if (j0 + KL < glimp[tq - tg])
                             switch (nq) {
                             case 1: SCORES16(1, 2); break;
@@ -715,6 +746,13 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
                     for (int u = 0; u < nq; u++) {
                         float *su = s + (long)u * LP;
                         const int lp = (lim[u] + KL - 1) / KL * KL;
+                        float m = -INFINITY; /* a max: exact in any order */
+#if defined(__AVX512F__)
+                        if (fuse) {
+                            m = _mm512_reduce_max_ps(gmv[tq - tg][u]);
+                            goto have_max;
+                        }
+#endif
                         if (softcap > 0.0f)
                             for (int j = 0; j < lim[u]; j++) su[j] = tanhf(su[j] / softcap) * softcap;
                         if (mr[u]) { /* the mask's context columns, then its new-key columns */
@@ -722,11 +760,11 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
                             for (int j = ctx; j < lim[u]; j++) su[j] = su[j] + mr[u][max_ctx + j - ctx];
                         }
                         for (int j = lim[u]; j < lp; j++) su[j] = -INFINITY;
-                        float m = -INFINITY; /* a max: exact in any order */
 #if defined(__AVX512F__)
                         __m512 mv = _mm512_set1_ps(-INFINITY);
                         for (int j0 = 0; j0 < lp; j0 += KL) mv = _mm512_max_ps(mv, _mm512_load_ps(su + j0));
                         m = _mm512_reduce_max_ps(mv);
+                    have_max:
 #elif defined(ATT_AVX2)
                         __m256 mv = _mm256_set1_ps(-INFINITY);
                         for (int j0 = 0; j0 < lp; j0 += 8) mv = _mm256_max_ps(mv, _mm256_load_ps(su + j0));
@@ -746,18 +784,31 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
 #endif
                         if (m > -INFINITY) {
 #if defined(__AVX512F__)
+                            /* the compacted p > 0 summed 16 at a time as they complete: a block of 16 p > 0
+                             * while none wait is such a vector itself; the others wait in pc (< 16 of them) */
                             int cnt = 0;
+                            __m512 sum = _mm512_setzero_ps();
                             for (int j0 = 0; j0 < lp; j0 += KL) {
                                 const __m512 p = exp_neg(_mm512_sub_ps(_mm512_load_ps(su + j0), _mm512_set1_ps(m)));
                                 _mm512_store_ps(su + j0, p);
                                 const __mmask16 nz = _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+                                nzm[(long)u * NB + j0 / KL] = nz;
+                                if (nz == 0xffff && cnt == 0) {
+                                    sum = _mm512_add_ps(sum, p);
+                                    continue;
+                                }
                                 _mm512_storeu_ps(pc + cnt, _mm512_maskz_compress_ps(nz, p)); /* register form: the store form is slow on Zen 4 */
                                 cnt += __builtin_popcount(nz);
-                                nzm[(long)u * NB + j0 / KL] = nz;
+                                if (cnt >= KL) {
+                                    sum = _mm512_add_ps(sum, _mm512_loadu_ps(pc));
+                                    _mm512_storeu_ps(pc, _mm512_loadu_ps(pc + KL));
+                                    cnt -= KL;
+                                }
                             }
-                            for (int j = cnt; j < (cnt + KL - 1) / KL * KL; j++) pc[j] = 0.0f;
-                            __m512 sum = _mm512_setzero_ps();
-                            for (int j0 = 0; j0 < cnt; j0 += KL) sum = _mm512_add_ps(sum, _mm512_loadu_ps(pc + j0));
+                            if (cnt > 0) { /* the last, partial vector, zero-padded */
+                                for (int j = cnt; j < KL; j++) pc[j] = 0.0f;
+                                sum = _mm512_add_ps(sum, _mm512_loadu_ps(pc));
+                            }
                             _mm512_storeu_ps(lanes, sum);
 #elif defined(ATT_AVX2)
                             int cnt = 0; /* compacted 8 at a time where all 8 are > 0, else one by one */
