@@ -160,8 +160,10 @@ static inline __attribute__((always_inline)) __m512 key16(const float *kb, int k
  * them: + the mask's column (context key j: column j, new key j: column max_ctx + j - ctx; a masked
  * load, so nothing past the row is read), then -inf from the query's limit on. The caller's running
  * max takes the blocks below the limit in increasing order, as that pass's max does (NaN included). */
-static inline __m512 score_block(__m512 sv, const float *mr, int jb, int lim, int ctx, int max_ctx) {
+static inline __attribute__((always_inline)) __m512 score_block(__m512 sv, const float *mr, int jb, int lim, int ctx,
+                                                                int max_ctx) {
     const int nl = lim - jb, nc = ctx - jb; /* lanes below the limit; context lanes */
+    if (nl >= KL && nc >= KL) return mr ? _mm512_add_ps(sv, _mm512_loadu_ps(mr + jb)) : sv; /* (most blocks) */
     const __mmask16 in = nl >= KL ? 0xffff : nl <= 0 ? 0 : (__mmask16)((1u << nl) - 1);
     if (mr) {
         const __mmask16 cm = nc >= KL ? 0xffff : nc <= 0 ? 0 : (__mmask16)((1u << nc) - 1);
