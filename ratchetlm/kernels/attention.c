@@ -64,6 +64,9 @@
 /* Transposed keys: blocks of KL keys, each [D][KL] (one key per lane) and contiguous, so that a block's
  * scores read D * KL consecutive items (the prefetchers follow one stream, not D rows LP apart) */
 #define KTI(d, j, D) ((long)((unsigned)(j) / KL) * KL * (D) + (long)(d) * KL + (unsigned)(j) % KL)
+/* AVX-512, a half cache's keys (D a multiple of 16): blocks of KL keys, each [D / 2][KL][2] (dims d, d + 1
+ * of a key side by side: transposed as 32-bit items, half the shuffles; see scores_pk) */
+#define PKI(d, j, D) ((long)((unsigned)(j) / KL) * KL * (D) + (long)((d) / 2) * 2 * KL + (long)((unsigned)(j) % KL) * 2 + (d) % 2)
 /* Software prefetch of context rows: a (sequence, KV head)'s keys and values are 64-256 byte pieces
  * of cache rows spread over the slots, too short and too scattered for the hardware prefetcher, and
  * a layer's K/V of a batch are usually out of cache (every other layer and the weights ran since).
@@ -125,35 +128,9 @@ static inline void transpose16(__m512 r[16]) {
         r[12 + k] = _mm512_shuffle_f32x4(w, w2, 0xdd);
     }
 }
-/* r[j][d] -> r[d'][j] for 16 x 16 halves (16-bit items; 64 shuffles of 256 bits, a quarter of the
- * work of transpose16 on the same keys widened): unpacks of 16-, 32- and 64-bit items, then the
- * 128-bit halves. Vector i ends up holding column HALF_COL[i]. */
-static const int HALF_COL[16] = {0, 4, 2, 6, 1, 5, 3, 7, 8, 12, 10, 14, 9, 13, 11, 15};
-static inline void transpose16_h(__m256i r[16]) {
-    __m256i a[16], b[16], c[16];
-    for (int i = 0; i < 8; i++) {
-        a[2 * i] = _mm256_unpacklo_epi16(r[2 * i], r[2 * i + 1]);
-        a[2 * i + 1] = _mm256_unpackhi_epi16(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++)
-        for (int k = 0; k < 2; k++) {
-            b[4 * i + k] = _mm256_unpacklo_epi32(a[4 * i + k], a[4 * i + 2 + k]);
-            b[4 * i + 2 + k] = _mm256_unpackhi_epi32(a[4 * i + k], a[4 * i + 2 + k]);
-        }
-    for (int i = 0; i < 2; i++)
-        for (int k = 0; k < 4; k++) {
-            c[8 * i + k] = _mm256_unpacklo_epi64(b[8 * i + k], b[8 * i + 4 + k]);
-            c[8 * i + 4 + k] = _mm256_unpackhi_epi64(b[8 * i + k], b[8 * i + 4 + k]);
-        }
-    for (int k = 0; k < 8; k++) {
-        r[k] = _mm256_permute2x128_si256(c[k], c[8 + k], 0x20);
-        r[8 + k] = _mm256_permute2x128_si256(c[k], c[8 + k], 0x31);
-    }
-}
 /* Scores of keys j0..j0+15 (one per lane, from the transposed block of kb at item kj: see KTI) for nq queries: two
  * chains per query (even and odd d), added at the end: a fixed order */
-static inline __attribute__((always_inline)) __m512 key16(const float *kb, int kh, int D, int d, int j0) {
-    if (kh) return _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)((const uint16_t *)kb + KTI(d, j0, D))));
+static inline __attribute__((always_inline)) __m512 key16(const float *kb, int D, int d, int j0) {
     return _mm512_load_ps(kb + KTI(d, j0, D));
 }
 /* A block of scores s_j (j = jb .. jb + 15) of one query, without a softcap, as the softmax pass takes
@@ -173,10 +150,19 @@ static inline __attribute__((always_inline)) __m512 score_block(__m512 sv, const
     }
     return _mm512_mask_mov_ps(sv, (__mmask16)~in, _mm512_set1_ps(-INFINITY));
 }
-/* kh: the transposed keys are halves (uint16, widened here: exact, so the same scores). nb (a literal, 1
- * or 2) blocks of KL keys at once: each query's broadcast serves nb blocks and 4 nb accumulator chains
- * per query keep the FMA ports busy (one block: 10 loads for 8 FMAs, load-bound) */
-static inline __attribute__((always_inline)) void scores16(const float *kb, const int kh, int kj, int LP, int j0, int D,
+/* The end of a score vector (keys jb .. jb + 15 of query u): the softmax's first steps if fuse, stored */
+static inline __attribute__((always_inline)) void score_out(__m512 sv, int fuse, const float *mr, int jb, int lim, int ctx,
+                                                            int max_ctx, __m512 *mv, float *su) {
+    if (fuse) { /* the softmax's first steps on this block, in its order (see score_block) */
+        sv = score_block(sv, mr, jb, lim, ctx, max_ctx);
+        if (jb < lim) *mv = _mm512_max_ps(*mv, sv);
+    }
+    _mm512_store_ps(su + jb, sv);
+}
+/* fp32 keys in KTI blocks. nb (a literal, 1 or 2) blocks of KL keys at once: each query's broadcast serves
+ * nb blocks and 4 nb accumulator chains per query keep the FMA ports busy (one block: 10 loads for 8 FMAs,
+ * load-bound) */
+static inline __attribute__((always_inline)) void scores16(const float *kb, int kj, int LP, int j0, int D,
                                                            const float *const *qr, const int nq, const int nb, float scale,
                                                            float *s, int fuse, const float *const *mr, const int *lim,
                                                            int ctx, int max_ctx, __m512 *mv) {
@@ -185,7 +171,7 @@ static inline __attribute__((always_inline)) void scores16(const float *kb, cons
         for (int i = 0; i < nb; i++) a[u][i] = c[u][i] = _mm512_setzero_ps();
     for (int d = 0; d + 1 < D; d += 2) {
         __m512 k0[2], k1[2];
-        for (int i = 0; i < nb; i++) k0[i] = key16(kb, kh, D, d, kj + KL * i), k1[i] = key16(kb, kh, D, d + 1, kj + KL * i);
+        for (int i = 0; i < nb; i++) k0[i] = key16(kb, D, d, kj + KL * i), k1[i] = key16(kb, D, d + 1, kj + KL * i);
         for (int u = 0; u < nq; u++) {
             const __m512 q0 = _mm512_set1_ps(qr[u][d]), q1 = _mm512_set1_ps(qr[u][d + 1]);
             for (int i = 0; i < nb; i++) {
@@ -196,18 +182,49 @@ static inline __attribute__((always_inline)) void scores16(const float *kb, cons
     }
     if (D % 2)
         for (int i = 0; i < nb; i++) {
-            const __m512 k = key16(kb, kh, D, D - 1, kj + KL * i);
+            const __m512 k = key16(kb, D, D - 1, kj + KL * i);
             for (int u = 0; u < nq; u++) a[u][i] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][D - 1]), k, a[u][i]);
         }
     for (int u = 0; u < nq; u++)
+        for (int i = 0; i < nb; i++)
+            score_out(_mm512_mul_ps(_mm512_add_ps(a[u][i], c[u][i]), _mm512_set1_ps(scale)), fuse, mr[u], j0 + KL * i, lim[u],
+                      ctx, max_ctx, mv + u, s + (long)u * LP);
+}
+/* Keys in PKI blocks (halves with kh, widened here: exact; else fp32, a widened copy): a vector of 8 keys'
+ * dims (d, d + 1) side by side times the query's pair (q[d], q[d + 1]) broadcast as one 64-bit item, so
+ * lane 2l carries key l's even-d chain and lane 2l + 1 its odd-d chain: scores16's two chains, the same
+ * FMAs in the same order, with half the broadcasts (8 loads for 16 FMAs); at the end the even and odd
+ * lanes are gathered apart and added as scores16 adds its chains. */
+static inline __attribute__((always_inline)) __m512 keypk(const float *kb, int kh, int D, int p, int j0, int hi) {
+    const long it = (long)((unsigned)j0 / KL) * KL * D + (long)p * 2 * KL + hi * KL; /* PKI(2p, j0 + 8 hi) */
+    if (kh) return _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)((const uint16_t *)kb + it)));
+    return _mm512_load_ps(kb + it);
+}
+static inline __attribute__((always_inline)) void scores_pk(const float *kb, const int kh, int kj, int LP, int j0, int D,
+                                                            const float *const *qr, const int nq, const int nb, float scale,
+                                                            float *s, int fuse, const float *const *mr, const int *lim,
+                                                            int ctx, int max_ctx, __m512 *mv) {
+    __m512 a[QT][4];
+    for (int u = 0; u < nq; u++)
+        for (int i = 0; i < 2 * nb; i++) a[u][i] = _mm512_setzero_ps();
+    for (int p = 0; p < D / 2; p++) {
+        __m512 k[4];
+        for (int i = 0; i < nb; i++) k[2 * i] = keypk(kb, kh, D, p, kj + KL * i, 0), k[2 * i + 1] = keypk(kb, kh, D, p, kj + KL * i, 1);
+        for (int u = 0; u < nq; u++) {
+            double qq; /* (q[2p], q[2p + 1]) */
+            memcpy(&qq, qr[u] + 2 * p, sizeof qq);
+            const __m512 q2 = _mm512_castpd_ps(_mm512_set1_pd(qq));
+            for (int i = 0; i < 2 * nb; i++) a[u][i] = _mm512_fmadd_ps(q2, k[i], a[u][i]);
+        }
+    }
+    const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    for (int u = 0; u < nq; u++)
         for (int i = 0; i < nb; i++) {
-            __m512 sv = _mm512_mul_ps(_mm512_add_ps(a[u][i], c[u][i]), _mm512_set1_ps(scale));
-            const int jb = j0 + KL * i;
-            if (fuse) { /* the softmax's first steps on this block, in its order (see score_block) */
-                sv = score_block(sv, mr[u], jb, lim[u], ctx, max_ctx);
-                if (jb < lim[u]) mv[u] = _mm512_max_ps(mv[u], sv);
-            }
-            _mm512_store_ps(s + (long)u * LP + jb, sv);
+            const __m512 e = _mm512_permutex2var_ps(a[u][2 * i], ev, a[u][2 * i + 1]);
+            const __m512 o = _mm512_permutex2var_ps(a[u][2 * i], od, a[u][2 * i + 1]);
+            score_out(_mm512_mul_ps(_mm512_add_ps(e, o), _mm512_set1_ps(scale)), fuse, mr[u], j0 + KL * i, lim[u], ctx,
+                      max_ctx, mv + u, s + (long)u * LP);
         }
 }
 #endif
@@ -357,11 +374,12 @@ static void transpose_keys(const float *kn, const void *kc, int kv_half, const i
                     const char *np = (const char *)(kh + cs[jf + KL + j] * rs);
                     for (int d = 0; d < 2 * D; d += 64) _mm_prefetch(np + d, _MM_HINT_T0);
                 }
-            for (int d0 = 0; d0 < D; d0 += 16) {
-                __m256i r[KL];
-                for (int j = 0; j < KL; j++) r[j] = _mm256_loadu_si256((const __m256i *)(rp[j] + d0));
-                transpose16_h(r);
-                for (int i = 0; i < 16; i++) _mm256_store_si256((__m256i *)(dh + KTI(d0 + HALF_COL[i], jf, D)), r[i]);
+            for (int d0 = 0; d0 < D; d0 += 32) { /* 32 dims (16 pairs) a transposition; 16 at the end of D = 16 mod 32 */
+                const int w = D - d0 >= 32 ? 16 : 8;
+                __m512 r[KL];
+                for (int j = 0; j < KL; j++) r[j] = _mm512_maskz_loadu_ps(w == 16 ? 0xffff : 0xff, rp[j] + d0);
+                transpose16(r);
+                for (int i = 0; i < w; i++) _mm512_store_ps((float *)(dh + PKI(d0 + 2 * i, jf, D)), r[i]);
             }
         }
     }
@@ -382,17 +400,26 @@ static void transpose_keys(const float *kn, const void *kc, int kv_half, const i
 #endif
 #if defined(__AVX512F__)
         if (D % VT_DIMS == 0) { /* 16 x 16 blocks, transposed in registers */
-            if (kv_half) { /* halves stay halves: dst is uint16 (scores16 widens them) */
+            if (kv_half) { /* halves stay halves, in pairs: dst is uint16 in PKI blocks (scores_pk widens them) */
                 uint16_t *dh = (uint16_t *)dst;
-                for (int d0 = 0; d0 < D; d0 += 16) {
-                    __m256i r[KL];
-                    for (int j = 0; j < KL; j++)
-                        r[j] = !kr[j].p     ? _mm256_setzero_si256()
-                               : kr[j].cached ? _mm256_loadu_si256((const __m256i *)((const uint16_t *)kr[j].p + d0))
-                                              : _mm512_cvtps_ph(_mm512_loadu_ps((const float *)kr[j].p + d0),
-                                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                    transpose16_h(r);
-                    for (int i = 0; i < 16; i++) _mm256_store_si256((__m256i *)(dh + KTI(d0 + HALF_COL[i], j0, D)), r[i]);
+                for (int d0 = 0; d0 < D; d0 += 32) {
+                    const int w = D - d0 >= 32 ? 16 : 8; /* pairs */
+                    __m512 r[KL];
+                    for (int j = 0; j < KL; j++) {
+                        if (!kr[j].p) {
+                            r[j] = _mm512_setzero_ps();
+                        } else if (kr[j].cached) {
+                            r[j] = _mm512_maskz_loadu_ps(w == 16 ? 0xffff : 0xff, (const uint16_t *)kr[j].p + d0);
+                        } else { /* this forward's row, rounded to half as the cache will hold it */
+                            const float *f = (const float *)kr[j].p + d0;
+                            const __m256i lo = _mm512_cvtps_ph(_mm512_loadu_ps(f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                            const __m256i hi = w == 16 ? _mm512_cvtps_ph(_mm512_loadu_ps(f + 16), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                                                       : _mm256_setzero_si256();
+                            r[j] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+                        }
+                    }
+                    transpose16(r); /* (32-bit items: pure data movement, any bits) */
+                    for (int i = 0; i < w; i++) _mm512_store_ps((float *)(dh + PKI(d0 + 2 * i, j0, D)), r[i]);
                 }
                 continue;
             }
@@ -684,8 +711,8 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
                         const float *const *qr = gqr[tq - tg];
                         float *s = sg + (long)(tq - tg) * QT * LP;
     /* literal query and block counts: the loops unroll, the key loads are fixed */
-#define SCORES16(NQ, NB2) (kh && !wide ? scores16(kb, 1, j0, LP, j0, D, qr, NQ, NB2, scale, s, fuse, gmr[tq - tg], glq[tq - tg], ctx, max_ctx, gmv[tq - tg]) \
-                                       : scores16(wide ? kw : kb, 0, wide ? 0 : j0, LP, j0, D, qr, NQ, NB2, scale, s, fuse, gmr[tq - tg], glq[tq - tg], ctx, max_ctx, gmv[tq - tg]))
+#define SCORES16(NQ, NB2) (kh ? scores_pk(wide ? kw : kb, !wide, wide ? 0 : j0, LP, j0, D, qr, NQ, NB2, scale, s, fuse, gmr[tq - tg], glq[tq - tg], ctx, max_ctx, gmv[tq - tg]) \
+                                : scores16(kb, j0, LP, j0, D, qr, NQ, NB2, scale, s, fuse, gmr[tq - tg], glq[tq - tg], ctx, max_ctx, gmv[tq - tg]))
                         if (j0 + KL < glimp[tq - tg])
                             switch (nq) {
                             case 1: SCORES16(1, 2); break;
