@@ -15,8 +15,9 @@
  * Work: the queries that share a KV head (the G heads of a group, every new row of the sequence)
  * are taken QT at a time, so each key vector loaded is used for QT queries; the keys are transposed
  * (one key per lane) by the thread that reads them, right before, into its own buffer (a half cache's
- * keys as halves: a quarter of the shuffles, widened exactly as the scores load them; cold K/V, 2
- * threads, 8 sequences: 0.80-0.96x the time at 70-300 keys, one thread 2000 keys 0.80x); exp is a
+ * keys as halves, widened exactly as the scores load them; AVX-512: as pairs of dims, 32-bit items, see
+ * PKI and scores_pk; cold K/V, 2 threads, 8 sequences: 0.80-0.96x the time at 70-300 keys, one thread
+ * 2000 keys 0.80x); exp is a
  * polynomial (exp_neg). AVX2 builds run the same operations 8 lanes a vector (attention_avx2.h; a half
  * cache's keys widened before the transposition) and portable C one lane at a time, so every build
  * gives the AVX-512 build's bits. (AVX2 vs its former portable loop, 2 threads: a 512-token prefill's
@@ -28,11 +29,16 @@
  * cached keys, 30 layers, one thread (cold K/V, a shared 2-core box): 22.1 -> 18-19 ms (AVX-512).
  * Verify steps (several tiles a KV head): the tiles are taken TG at a time, scores key block by key block
  * for every tile of the group (a half block widened once, not per tile: its conversions share the FMAs'
- * ports), then every tile's softmax, then (AVX-512) the values block by block for every tile (pv_group:
- * each value row read and widened once for the group, the accumulators kept in memory between blocks);
- * a block that every query of a tile keeps (all p > 0, all visible) takes plain FMAs instead of the
- * masked ones. Per output the same operations in the same order: no bit changes. 9 verify rows (a tree)
- * over 1,000 half keys, 30 layers, one thread, warm: 0.76x the former time (docs/benchmarks.md, issue 37).
+ * ports; AVX-512: two blocks a tile at once, 8 keys' dims (d, d + 1) side by side times the query's pair
+ * broadcast as one item, and without softcap the mask, limit and running max taken as each block's
+ * scores leave the registers), then every tile's softmax (the sum adding each vector of compacted p as
+ * it completes), then (AVX-512) the values VSPAN keys at a time for the group's rows in sets of up to
+ * QS (pv_group: each value row read and widened once for the group, the accumulators kept in memory
+ * between spans); a block that every query of a set keeps (all p > 0, all visible) takes plain FMAs
+ * instead of the masked ones. Per output the same operations in the same order: no bit changes. 9
+ * verify rows (a tree) over 1,000 half keys, 30 layers, one thread, warm: 0.76x the former time (attn2);
+ * then 0.84-0.87x again over 150-1,500 keys, chains of 4-5 rows 0.87-0.93x (attn3; docs/benchmarks.md,
+ * issue 37).
  *
  * Layouts: q, out [T, H, D] and this forward's kn, vn [T, Hkv, D] packed over the sequences; context
  * keys read in place from the cache layer kc, vc [slots, Hkv, D] (fp32, or IEEE half with kv_half: a
@@ -351,7 +357,8 @@ static inline __m512 kv_load16(kvrow_t r, int d, int kv_half) {
 }
 #endif
 
-/* Keys [0, Lk) of sequence b, KV head hk, transposed: dst[KTI(d, j)] (LP = Lk rounded up to KL; zero
+/* Keys [0, Lk) of sequence b, KV head hk, transposed: dst[KTI(d, j)] (AVX-512 with a half cache and D a
+ * multiple of 16: halves at PKI(d, j)) (LP = Lk rounded up to KL; zero
  * padding), one key per lane. Context key j is cache row ctx_slots[b][j], new key j >= ctx packed row
  * start + j - ctx. */
 static void transpose_keys(const float *kn, const void *kc, int kv_half, const int64_t *ctx_slots, int max_ctx, int b,
@@ -515,9 +522,9 @@ static inline __attribute__((always_inline)) void pv64(const float *vn, const vo
  * [.][D + 16], nzm [.][NB] and lim [.] by row), VSPAN keys at a time: their values are read and widened
  * once into vbuf [VSPAN][64] for every row (pv64 converts them again in each tile), the accumulators
  * kept in acc between spans. The rows are taken in sets of up to QS (not tiles: 6 queries' 24
- * accumulators per value row loaded, ~10% faster than 4); within a span, block by block of KL keys as
- * pv64 (plain FMAs where every query of the set keeps the block). Per output the same FMAs in the same
- * key order as pv64: the same bits. */
+ * accumulators per value row loaded, fewer loads and accumulator round trips per FMA than 4); within a
+ * span, block by block of KL keys as pv64 (plain FMAs where every query of the set keeps the block). Per
+ * output the same FMAs in the same key order as pv64: the same bits. */
 #define QS 6
 static inline __attribute__((always_inline)) void pv_block(const float *vbuf, int jb, int je, const int *lim,
                                                           const float *s, int LP, const uint16_t *nzm, int NB,
@@ -672,9 +679,9 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
             }
             const int LP = (Lk + KL - 1) / KL * KL;
             transpose_keys(kn, kc, kv_half, ctx_slots, max_ctx, b, hk, ctx, start, Lk, Hkv, D, kt);
-            const float *kb = kt; /* this run's keys, [LP / KL][D][KL] (halves with kh) */
+            const float *kb = kt; /* this run's keys, [LP / KL][D][KL] (kh: halves, [LP / KL][D / 2][KL][2]) */
 #if defined(__AVX512F__)
-            const int kh = kv_half && D % 16 == 0; /* transpose_keys kept them halves */
+            const int kh = kv_half && D % 16 == 0; /* transpose_keys kept them halves, in PKI blocks */
 #endif
             for (int tg = work[w].t0; tg < work[w].t1; tg += TG) {
                 const int tge = tg + TG < work[w].t1 ? tg + TG : work[w].t1;
