@@ -15,8 +15,9 @@
  * Work: the queries that share a KV head (the G heads of a group, every new row of the sequence)
  * are taken QT at a time, so each key vector loaded is used for QT queries; the keys are transposed
  * (one key per lane) by the thread that reads them, right before, into its own buffer (a half cache's
- * keys as halves: a quarter of the shuffles, widened exactly as the scores load them; cold K/V, 2
- * threads, 8 sequences: 0.80-0.96x the time at 70-300 keys, one thread 2000 keys 0.80x); exp is a
+ * keys as halves, widened exactly as the scores load them; AVX-512: as pairs of dims, 32-bit items, see
+ * PKI and scores_pk; cold K/V, 2 threads, 8 sequences: 0.80-0.96x the time at 70-300 keys, one thread
+ * 2000 keys 0.80x); exp is a
  * polynomial (exp_neg). AVX2 builds run the same operations 8 lanes a vector (attention_avx2.h; a half
  * cache's keys widened before the transposition) and portable C one lane at a time, so every build
  * gives the AVX-512 build's bits. (AVX2 vs its former portable loop, 2 threads: a 512-token prefill's
@@ -28,11 +29,16 @@
  * cached keys, 30 layers, one thread (cold K/V, a shared 2-core box): 22.1 -> 18-19 ms (AVX-512).
  * Verify steps (several tiles a KV head): the tiles are taken TG at a time, scores key block by key block
  * for every tile of the group (a half block widened once, not per tile: its conversions share the FMAs'
- * ports), then every tile's softmax, then (AVX-512) the values block by block for every tile (pv_group:
- * each value row read and widened once for the group, the accumulators kept in memory between blocks);
- * a block that every query of a tile keeps (all p > 0, all visible) takes plain FMAs instead of the
- * masked ones. Per output the same operations in the same order: no bit changes. 9 verify rows (a tree)
- * over 1,000 half keys, 30 layers, one thread, warm: 0.76x the former time (docs/benchmarks.md, issue 37).
+ * ports; AVX-512: two blocks a tile at once, 8 keys' dims (d, d + 1) side by side times the query's pair
+ * broadcast as one item, and without softcap the mask, limit and running max taken as each block's
+ * scores leave the registers), then every tile's softmax (the sum adding each vector of compacted p as
+ * it completes), then (AVX-512) the values VSPAN keys at a time for the group's rows in sets of up to
+ * QS (pv_group: each value row read and widened once for the group, the accumulators kept in memory
+ * between spans); a block that every query of a set keeps (all p > 0, all visible) takes plain FMAs
+ * instead of the masked ones. Per output the same operations in the same order: no bit changes. 9
+ * verify rows (a tree) over 1,000 half keys, 30 layers, one thread, warm: 0.76x the former time (attn2);
+ * then 0.84-0.87x again over 150-1,500 keys, chains of 4-5 rows 0.87-0.93x (attn3; docs/benchmarks.md,
+ * issue 37).
  *
  * Layouts: q, out [T, H, D] and this forward's kn, vn [T, Hkv, D] packed over the sequences; context
  * keys read in place from the cache layer kc, vc [slots, Hkv, D] (fp32, or IEEE half with kv_half: a
@@ -64,12 +70,18 @@
 /* Transposed keys: blocks of KL keys, each [D][KL] (one key per lane) and contiguous, so that a block's
  * scores read D * KL consecutive items (the prefetchers follow one stream, not D rows LP apart) */
 #define KTI(d, j, D) ((long)((unsigned)(j) / KL) * KL * (D) + (long)(d) * KL + (unsigned)(j) % KL)
+/* AVX-512, a half cache's keys (D a multiple of 16): blocks of KL keys, each [D / 2][KL][2] (dims d, d + 1
+ * of a key side by side: transposed as 32-bit items, half the shuffles; see scores_pk) */
+#define PKI(d, j, D) ((long)((unsigned)(j) / KL) * KL * (D) + (long)((d) / 2) * 2 * KL + (long)((unsigned)(j) % KL) * 2 + (d) % 2)
 /* Software prefetch of context rows: a (sequence, KV head)'s keys and values are 64-256 byte pieces
  * of cache rows spread over the slots, too short and too scattered for the hardware prefetcher, and
  * a layer's K/V of a batch are usually out of cache (every other layer and the weights ran since).
  * Keys: the next block of KL rows while one is transposed; values: V_AHEAD rows ahead. */
 #ifndef V_AHEAD
 #define V_AHEAD 8
+#endif
+#ifndef VSPAN
+#define VSPAN 64 /* keys whose values pv_group widens at once (a multiple of KL) */
 #endif
 
 #if defined(__AVX512F__)
@@ -122,54 +134,104 @@ static inline void transpose16(__m512 r[16]) {
         r[12 + k] = _mm512_shuffle_f32x4(w, w2, 0xdd);
     }
 }
-/* r[j][d] -> r[d'][j] for 16 x 16 halves (16-bit items; 64 shuffles of 256 bits, a quarter of the
- * work of transpose16 on the same keys widened): unpacks of 16-, 32- and 64-bit items, then the
- * 128-bit halves. Vector i ends up holding column HALF_COL[i]. */
-static const int HALF_COL[16] = {0, 4, 2, 6, 1, 5, 3, 7, 8, 12, 10, 14, 9, 13, 11, 15};
-static inline void transpose16_h(__m256i r[16]) {
-    __m256i a[16], b[16], c[16];
-    for (int i = 0; i < 8; i++) {
-        a[2 * i] = _mm256_unpacklo_epi16(r[2 * i], r[2 * i + 1]);
-        a[2 * i + 1] = _mm256_unpackhi_epi16(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++)
-        for (int k = 0; k < 2; k++) {
-            b[4 * i + k] = _mm256_unpacklo_epi32(a[4 * i + k], a[4 * i + 2 + k]);
-            b[4 * i + 2 + k] = _mm256_unpackhi_epi32(a[4 * i + k], a[4 * i + 2 + k]);
-        }
-    for (int i = 0; i < 2; i++)
-        for (int k = 0; k < 4; k++) {
-            c[8 * i + k] = _mm256_unpacklo_epi64(b[8 * i + k], b[8 * i + 4 + k]);
-            c[8 * i + 4 + k] = _mm256_unpackhi_epi64(b[8 * i + k], b[8 * i + 4 + k]);
-        }
-    for (int k = 0; k < 8; k++) {
-        r[k] = _mm256_permute2x128_si256(c[k], c[8 + k], 0x20);
-        r[8 + k] = _mm256_permute2x128_si256(c[k], c[8 + k], 0x31);
-    }
-}
 /* Scores of keys j0..j0+15 (one per lane, from the transposed block of kb at item kj: see KTI) for nq queries: two
  * chains per query (even and odd d), added at the end: a fixed order */
-static inline __attribute__((always_inline)) __m512 key16(const float *kb, int kh, int D, int d, int j0) {
-    if (kh) return _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)((const uint16_t *)kb + KTI(d, j0, D))));
+static inline __attribute__((always_inline)) __m512 key16(const float *kb, int D, int d, int j0) {
     return _mm512_load_ps(kb + KTI(d, j0, D));
 }
-/* kh: the transposed keys are halves (uint16, widened here: exact, so the same scores) */
-static inline __attribute__((always_inline)) void scores16(const float *kb, const int kh, int kj, int LP, int j0, int D,
-                                                           const float *const *qr, const int nq, float scale, float *s) {
-    __m512 a[QT], c[QT];
-    for (int u = 0; u < nq; u++) a[u] = c[u] = _mm512_setzero_ps();
+/* A block of scores s_j (j = jb .. jb + 15) of one query, without a softcap, as the softmax pass takes
+ * them: + the mask's column (context key j: column j, new key j: column max_ctx + j - ctx; a masked
+ * load, so nothing past the row is read), then -inf from the query's limit on. The caller's running
+ * max takes the blocks below the limit in increasing order, as that pass's max does (NaN included). */
+static inline __attribute__((always_inline)) __m512 score_block(__m512 sv, const float *mr, int jb, int lim, int ctx,
+                                                                int max_ctx) {
+    const int nl = lim - jb, nc = ctx - jb; /* lanes below the limit; context lanes */
+    if (nl >= KL && nc >= KL) return mr ? _mm512_add_ps(sv, _mm512_loadu_ps(mr + jb)) : sv; /* (most blocks) */
+    const __mmask16 in = nl >= KL ? 0xffff : nl <= 0 ? 0 : (__mmask16)((1u << nl) - 1);
+    if (mr) {
+        const __mmask16 cm = nc >= KL ? 0xffff : nc <= 0 ? 0 : (__mmask16)((1u << nc) - 1);
+        __m512 x = _mm512_maskz_loadu_ps(cm & in, mr + jb);
+        x = _mm512_mask_loadu_ps(x, (__mmask16)~cm & in, mr + max_ctx - ctx + jb);
+        sv = _mm512_add_ps(sv, x);
+    }
+    return _mm512_mask_mov_ps(sv, (__mmask16)~in, _mm512_set1_ps(-INFINITY));
+}
+/* The end of a score vector (keys jb .. jb + 15 of query u): the softmax's first steps if fuse, stored */
+static inline __attribute__((always_inline)) void score_out(__m512 sv, int fuse, const float *mr, int jb, int lim, int ctx,
+                                                            int max_ctx, __m512 *mv, float *su) {
+    if (fuse) { /* the softmax's first steps on this block, in its order (see score_block) */
+        sv = score_block(sv, mr, jb, lim, ctx, max_ctx);
+        if (jb < lim) *mv = _mm512_max_ps(*mv, sv);
+    }
+    _mm512_store_ps(su + jb, sv);
+}
+/* fp32 keys in KTI blocks. nb (a literal, 1 or 2) blocks of KL keys at once: each query's broadcast serves
+ * nb blocks and 4 nb accumulator chains per query keep the FMA ports busy (one block: 10 loads for 8 FMAs,
+ * load-bound) */
+static inline __attribute__((always_inline)) void scores16(const float *kb, int kj, int LP, int j0, int D,
+                                                           const float *const *qr, const int nq, const int nb, float scale,
+                                                           float *s, int fuse, const float *const *mr, const int *lim,
+                                                           int ctx, int max_ctx, __m512 *mv) {
+    __m512 a[QT][2], c[QT][2];
+    for (int u = 0; u < nq; u++)
+        for (int i = 0; i < nb; i++) a[u][i] = c[u][i] = _mm512_setzero_ps();
     for (int d = 0; d + 1 < D; d += 2) {
-        const __m512 k0 = key16(kb, kh, D, d, kj), k1 = key16(kb, kh, D, d + 1, kj);
+        __m512 k0[2], k1[2];
+        for (int i = 0; i < nb; i++) k0[i] = key16(kb, D, d, kj + KL * i), k1[i] = key16(kb, D, d + 1, kj + KL * i);
         for (int u = 0; u < nq; u++) {
-            a[u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][d]), k0, a[u]);
-            c[u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][d + 1]), k1, c[u]);
+            const __m512 q0 = _mm512_set1_ps(qr[u][d]), q1 = _mm512_set1_ps(qr[u][d + 1]);
+            for (int i = 0; i < nb; i++) {
+                a[u][i] = _mm512_fmadd_ps(q0, k0[i], a[u][i]);
+                c[u][i] = _mm512_fmadd_ps(q1, k1[i], c[u][i]);
+            }
         }
     }
     if (D % 2)
-        for (int u = 0; u < nq; u++)
-            a[u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][D - 1]), key16(kb, kh, D, D - 1, kj), a[u]);
+        for (int i = 0; i < nb; i++) {
+            const __m512 k = key16(kb, D, D - 1, kj + KL * i);
+            for (int u = 0; u < nq; u++) a[u][i] = _mm512_fmadd_ps(_mm512_set1_ps(qr[u][D - 1]), k, a[u][i]);
+        }
     for (int u = 0; u < nq; u++)
-        _mm512_store_ps(s + (long)u * LP + j0, _mm512_mul_ps(_mm512_add_ps(a[u], c[u]), _mm512_set1_ps(scale)));
+        for (int i = 0; i < nb; i++)
+            score_out(_mm512_mul_ps(_mm512_add_ps(a[u][i], c[u][i]), _mm512_set1_ps(scale)), fuse, mr[u], j0 + KL * i, lim[u],
+                      ctx, max_ctx, mv + u, s + (long)u * LP);
+}
+/* Keys in PKI blocks (halves with kh, widened here: exact; else fp32, a widened copy): a vector of 8 keys'
+ * dims (d, d + 1) side by side times the query's pair (q[d], q[d + 1]) broadcast as one 64-bit item, so
+ * lane 2l carries key l's even-d chain and lane 2l + 1 its odd-d chain: scores16's two chains, the same
+ * FMAs in the same order, with half the broadcasts (8 loads for 16 FMAs); at the end the even and odd
+ * lanes are gathered apart and added as scores16 adds its chains. */
+static inline __attribute__((always_inline)) __m512 keypk(const float *kb, int kh, int D, int p, int j0, int hi) {
+    const long it = (long)((unsigned)j0 / KL) * KL * D + (long)p * 2 * KL + hi * KL; /* PKI(2p, j0 + 8 hi) */
+    if (kh) return _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)((const uint16_t *)kb + it)));
+    return _mm512_load_ps(kb + it);
+}
+static inline __attribute__((always_inline)) void scores_pk(const float *kb, const int kh, int kj, int LP, int j0, int D,
+                                                            const float *const *qr, const int nq, const int nb, float scale,
+                                                            float *s, int fuse, const float *const *mr, const int *lim,
+                                                            int ctx, int max_ctx, __m512 *mv) {
+    __m512 a[QT][4];
+    for (int u = 0; u < nq; u++)
+        for (int i = 0; i < 2 * nb; i++) a[u][i] = _mm512_setzero_ps();
+    for (int p = 0; p < D / 2; p++) {
+        __m512 k[4];
+        for (int i = 0; i < nb; i++) k[2 * i] = keypk(kb, kh, D, p, kj + KL * i, 0), k[2 * i + 1] = keypk(kb, kh, D, p, kj + KL * i, 1);
+        for (int u = 0; u < nq; u++) {
+            double qq; /* (q[2p], q[2p + 1]) */
+            memcpy(&qq, qr[u] + 2 * p, sizeof qq);
+            const __m512 q2 = _mm512_castpd_ps(_mm512_set1_pd(qq));
+            for (int i = 0; i < 2 * nb; i++) a[u][i] = _mm512_fmadd_ps(q2, k[i], a[u][i]);
+        }
+    }
+    const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    for (int u = 0; u < nq; u++)
+        for (int i = 0; i < nb; i++) {
+            const __m512 e = _mm512_permutex2var_ps(a[u][2 * i], ev, a[u][2 * i + 1]);
+            const __m512 o = _mm512_permutex2var_ps(a[u][2 * i], od, a[u][2 * i + 1]);
+            score_out(_mm512_mul_ps(_mm512_add_ps(e, o), _mm512_set1_ps(scale)), fuse, mr[u], j0 + KL * i, lim[u], ctx,
+                      max_ctx, mv + u, s + (long)u * LP);
+        }
 }
 #endif
 
@@ -295,7 +357,8 @@ static inline __m512 kv_load16(kvrow_t r, int d, int kv_half) {
 }
 #endif
 
-/* Keys [0, Lk) of sequence b, KV head hk, transposed: dst[KTI(d, j)] (LP = Lk rounded up to KL; zero
+/* Keys [0, Lk) of sequence b, KV head hk, transposed: dst[KTI(d, j)] (AVX-512 with a half cache and D a
+ * multiple of 16: halves at PKI(d, j)) (LP = Lk rounded up to KL; zero
  * padding), one key per lane. Context key j is cache row ctx_slots[b][j], new key j >= ctx packed row
  * start + j - ctx. */
 static void transpose_keys(const float *kn, const void *kc, int kv_half, const int64_t *ctx_slots, int max_ctx, int b,
@@ -318,11 +381,12 @@ static void transpose_keys(const float *kn, const void *kc, int kv_half, const i
                     const char *np = (const char *)(kh + cs[jf + KL + j] * rs);
                     for (int d = 0; d < 2 * D; d += 64) _mm_prefetch(np + d, _MM_HINT_T0);
                 }
-            for (int d0 = 0; d0 < D; d0 += 16) {
-                __m256i r[KL];
-                for (int j = 0; j < KL; j++) r[j] = _mm256_loadu_si256((const __m256i *)(rp[j] + d0));
-                transpose16_h(r);
-                for (int i = 0; i < 16; i++) _mm256_store_si256((__m256i *)(dh + KTI(d0 + HALF_COL[i], jf, D)), r[i]);
+            for (int d0 = 0; d0 < D; d0 += 32) { /* 32 dims (16 pairs) a transposition; 16 at the end of D = 16 mod 32 */
+                const int w = D - d0 >= 32 ? 16 : 8;
+                __m512 r[KL];
+                for (int j = 0; j < KL; j++) r[j] = _mm512_maskz_loadu_ps(w == 16 ? 0xffff : 0xff, rp[j] + d0);
+                transpose16(r);
+                for (int i = 0; i < w; i++) _mm512_store_ps((float *)(dh + PKI(d0 + 2 * i, jf, D)), r[i]);
             }
         }
     }
@@ -343,17 +407,26 @@ static void transpose_keys(const float *kn, const void *kc, int kv_half, const i
 #endif
 #if defined(__AVX512F__)
         if (D % VT_DIMS == 0) { /* 16 x 16 blocks, transposed in registers */
-            if (kv_half) { /* halves stay halves: dst is uint16 (scores16 widens them) */
+            if (kv_half) { /* halves stay halves, in pairs: dst is uint16 in PKI blocks (scores_pk widens them) */
                 uint16_t *dh = (uint16_t *)dst;
-                for (int d0 = 0; d0 < D; d0 += 16) {
-                    __m256i r[KL];
-                    for (int j = 0; j < KL; j++)
-                        r[j] = !kr[j].p     ? _mm256_setzero_si256()
-                               : kr[j].cached ? _mm256_loadu_si256((const __m256i *)((const uint16_t *)kr[j].p + d0))
-                                              : _mm512_cvtps_ph(_mm512_loadu_ps((const float *)kr[j].p + d0),
-                                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                    transpose16_h(r);
-                    for (int i = 0; i < 16; i++) _mm256_store_si256((__m256i *)(dh + KTI(d0 + HALF_COL[i], j0, D)), r[i]);
+                for (int d0 = 0; d0 < D; d0 += 32) {
+                    const int w = D - d0 >= 32 ? 16 : 8; /* pairs */
+                    __m512 r[KL];
+                    for (int j = 0; j < KL; j++) {
+                        if (!kr[j].p) {
+                            r[j] = _mm512_setzero_ps();
+                        } else if (kr[j].cached) {
+                            r[j] = _mm512_maskz_loadu_ps(w == 16 ? 0xffff : 0xff, (const uint16_t *)kr[j].p + d0);
+                        } else { /* this forward's row, rounded to half as the cache will hold it */
+                            const float *f = (const float *)kr[j].p + d0;
+                            const __m256i lo = _mm512_cvtps_ph(_mm512_loadu_ps(f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                            const __m256i hi = w == 16 ? _mm512_cvtps_ph(_mm512_loadu_ps(f + 16), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                                                       : _mm256_setzero_si256();
+                            r[j] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+                        }
+                    }
+                    transpose16(r); /* (32-bit items: pure data movement, any bits) */
+                    for (int i = 0; i < w; i++) _mm512_store_ps((float *)(dh + PKI(d0 + 2 * i, j0, D)), r[i]);
                 }
                 continue;
             }
@@ -445,36 +518,43 @@ static inline __attribute__((always_inline)) void pv64(const float *vn, const vo
 #endif
 
 #if defined(__AVX512F__)
-/* pv64 for the ntile tiles of a group (query u of tile t: row t * QT + u of s [.][LP], acc [.][D + 16] and
- * nzm [.][NB]), key block by key block: a block's values are read and widened once into vbuf [KL][64]
- * for every tile (pv64 converts them again in each), the accumulators kept in acc between blocks. Per
+/* pv64 for the nrows query rows of a group (row r: query r % QT of its tile r / QT; s [.][LP], acc
+ * [.][D + 16], nzm [.][NB] and lim [.] by row), VSPAN keys at a time: their values are read and widened
+ * once into vbuf [VSPAN][64] for every row (pv64 converts them again in each tile), the accumulators
+ * kept in acc between spans. The rows are taken in sets of up to QS (not tiles: 6 queries' 24
+ * accumulators per value row loaded, fewer loads and accumulator round trips per FMA than 4); within a
+ * span, block by block of KL keys as pv64 (plain FMAs where every query of the set keeps the block). Per
  * output the same FMAs in the same key order as pv64: the same bits. */
-static inline __attribute__((always_inline)) void pv_block(const float *vbuf, int j0, int je, const int *lim,
+#define QS 6
+static inline __attribute__((always_inline)) void pv_block(const float *vbuf, int jb, int je, const int *lim,
                                                           const float *s, int LP, const uint16_t *nzm, int NB,
                                                           const int nq, float *acc, int D, int d0) {
-    __m512 o[QT][4];
+    __m512 o[QS][4];
     for (int u = 0; u < nq; u++)
         for (int c = 0; c < 4; c++) o[u][c] = _mm512_load_ps(acc + (long)u * (D + 16) + d0 + 16 * c);
-    unsigned all = 0xffffu;
-    for (int u = 0; u < nq; u++) all &= nzm[(long)u * NB + j0 / KL];
-    if (all == 0xffffu) {
-        for (int j = j0; j < je; j++) {
-            __m512 v[4];
-            for (int c = 0; c < 4; c++) v[c] = _mm512_load_ps(vbuf + (j - j0) * 64 + 16 * c);
-            for (int u = 0; u < nq; u++) {
-                const __m512 pv = _mm512_set1_ps(s[(long)u * LP + j]);
-                for (int c = 0; c < 4; c++) o[u][c] = _mm512_fmadd_ps(pv, v[c], o[u][c]);
+    for (int j0 = jb; j0 < je; j0 += KL) {
+        const int jn = j0 + KL < je ? j0 + KL : je;
+        unsigned all = 0xffffu;
+        for (int u = 0; u < nq; u++) all &= nzm[(long)u * NB + j0 / KL];
+        if (all == 0xffffu) {
+            for (int j = j0; j < jn; j++) {
+                __m512 v[4];
+                for (int c = 0; c < 4; c++) v[c] = _mm512_load_ps(vbuf + (j - jb) * 64 + 16 * c);
+                for (int u = 0; u < nq; u++) {
+                    const __m512 pv = _mm512_set1_ps(s[(long)u * LP + j]);
+                    for (int c = 0; c < 4; c++) o[u][c] = _mm512_fmadd_ps(pv, v[c], o[u][c]);
+                }
             }
-        }
-    } else {
-        for (int j = j0; j < je; j++) {
-            __m512 v[4];
-            for (int c = 0; c < 4; c++) v[c] = _mm512_load_ps(vbuf + (j - j0) * 64 + 16 * c);
-            for (int u = 0; u < nq; u++) {
-                const float p = s[(long)u * LP + j];
-                const __mmask16 m = (__mmask16)-(int)(j < lim[u] && p != 0.0f);
-                const __m512 pv = _mm512_set1_ps(p);
-                for (int c = 0; c < 4; c++) o[u][c] = _mm512_mask3_fmadd_ps(pv, v[c], o[u][c], m);
+        } else {
+            for (int j = j0; j < jn; j++) {
+                __m512 v[4];
+                for (int c = 0; c < 4; c++) v[c] = _mm512_load_ps(vbuf + (j - jb) * 64 + 16 * c);
+                for (int u = 0; u < nq; u++) {
+                    const float p = s[(long)u * LP + j];
+                    const __mmask16 m = (__mmask16)-(int)(j < lim[u] && p != 0.0f);
+                    const __m512 pv = _mm512_set1_ps(p);
+                    for (int c = 0; c < 4; c++) o[u][c] = _mm512_mask3_fmadd_ps(pv, v[c], o[u][c], m);
+                }
             }
         }
     }
@@ -482,19 +562,23 @@ static inline __attribute__((always_inline)) void pv_block(const float *vbuf, in
         for (int c = 0; c < 4; c++) _mm512_store_ps(acc + (long)u * (D + 16) + d0 + 16 * c, o[u][c]);
 }
 static void pv_group(const float *vn, const void *vc, int kv_half, const int64_t *cs, int ctx, int start, int Hkv, int hk,
-                     int D, int d0, int ntile, const int *gnq, const int *glmax, const int (*glim)[QT], const float *sg,
-                     int LP, const uint16_t *gnzm, int NB, float *gacc, float *vbuf) {
-    int lmax = 0;
-    for (int t = 0; t < ntile; t++) {
-        lmax = glmax[t] > lmax ? glmax[t] : lmax;
-        for (int u = 0; u < gnq[t]; u++)
-            for (int c = 0; c < 64; c += 16) _mm512_store_ps(gacc + ((long)t * QT + u) * (D + 16) + d0 + c, _mm512_setzero_ps());
+                     int D, int d0, int nrows, const int *rlim, const float *sg, int LP, const uint16_t *gnzm, int NB,
+                     float *gacc, float *vbuf) {
+    const int nset = (nrows + QS - 1) / QS; /* sets of nearly equal sizes (<= QS) */
+    int r0[TG * QT / 2 + 2], smax[TG * QT / 2 + 1], lmax = 0;
+    for (int k = 0; k <= nset; k++) r0[k] = nrows * k / nset;
+    for (int k = 0; k < nset; k++) {
+        smax[k] = 0;
+        for (int r = r0[k]; r < r0[k + 1]; r++) smax[k] = rlim[r] > smax[k] ? rlim[r] : smax[k];
+        lmax = smax[k] > lmax ? smax[k] : lmax;
     }
+    for (int r = 0; r < nrows; r++)
+        for (int c = 0; c < 64; c += 16) _mm512_store_ps(gacc + (long)r * (D + 16) + d0 + c, _mm512_setzero_ps());
     const long es = kv_half ? 2 : 4, rs = (long)Hkv * D * es; /* a slot's row, bytes */
     const char *base = (const char *)vc + ((long)hk * D + d0) * es;
     const int nc = ctx < lmax ? ctx : lmax;
-    for (int j0 = 0; j0 < lmax; j0 += KL) {
-        const int je = j0 + KL < lmax ? j0 + KL : lmax;
+    for (int j0 = 0; j0 < lmax; j0 += VSPAN) {
+        const int je = j0 + VSPAN < lmax ? j0 + VSPAN : lmax;
         for (int j = j0; j < je; j++) {
             if (j + KL < nc) {
                 const char *np = base + cs[j + KL] * rs;
@@ -503,18 +587,19 @@ static void pv_group(const float *vn, const void *vc, int kv_half, const int64_t
             for (int c = 0; c < 4; c++)
                 _mm512_store_ps(vbuf + (j - j0) * 64 + 16 * c, pv_load(base, cs, rs, nc, vn, start, ctx, Hkv, hk, D, d0, kv_half, j, c));
         }
-        for (int t = 0; t < ntile; t++) {
-            if (j0 >= glmax[t]) continue;
-            const int jt = je < glmax[t] ? je : glmax[t];
-            const float *s = sg + (long)t * QT * LP;
-            const uint16_t *nzm = gnzm + (long)t * QT * NB;
-            float *acc = gacc + (long)t * QT * (D + 16);
-            switch (gnq[t]) {
-            case 1: pv_block(vbuf, j0, jt, glim[t], s, LP, nzm, NB, 1, acc, D, d0); break;
-            case 2: pv_block(vbuf, j0, jt, glim[t], s, LP, nzm, NB, 2, acc, D, d0); break;
-            case 3: pv_block(vbuf, j0, jt, glim[t], s, LP, nzm, NB, 3, acc, D, d0); break;
-            default: pv_block(vbuf, j0, jt, glim[t], s, LP, nzm, NB, QT, acc, D, d0); break;
+        for (int k = 0; k < nset; k++) {
+            if (j0 >= smax[k]) continue;
+            const int jt = je < smax[k] ? je : smax[k], r = r0[k];
+#define PVB(NQ) pv_block(vbuf, j0, jt, rlim + r, sg + (long)r * LP, LP, gnzm + (long)r * NB, NB, NQ, gacc + (long)r * (D + 16), D, d0)
+            switch (r0[k + 1] - r) { /* literal query counts: the accumulators stay in registers */
+            case 1: PVB(1); break;
+            case 2: PVB(2); break;
+            case 3: PVB(3); break;
+            case 4: PVB(4); break;
+            case 5: PVB(5); break;
+            default: PVB(QS); break;
             }
+#undef PVB
         }
     }
 }
@@ -576,8 +661,8 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
         float *kt = aligned_alloc(64, sizeof(float) * (size_t)D * (LPmax > 0 ? LPmax : 16));
         float *sg = aligned_alloc(64, sizeof(float) * (size_t)TG * QT * (LPmax > 0 ? LPmax : 16)); /* [TG][QT][LP] */
         float *gacc = aligned_alloc(64, sizeof(float) * (size_t)TG * QT * (D + 16)); /* [TG][QT][D + 16] */
-        float *kw = aligned_alloc(64, sizeof(float) * (size_t)D * KL);                /* a block of keys, widened */
-        float *vbuf = aligned_alloc(64, sizeof(float) * (size_t)KL * 64);             /* a block of values, widened */
+        float *kw = aligned_alloc(64, sizeof(float) * (size_t)D * 2 * KL);            /* two blocks of keys, widened */
+        float *vbuf = aligned_alloc(64, sizeof(float) * (size_t)VSPAN * 64);          /* a span of values, widened */
         float *pc = aligned_alloc(64, sizeof(float) * (size_t)((LPmax > 0 ? LPmax : 16) + KL)); /* p > 0, compacted */
         const int NB = (LPmax > 0 ? LPmax : 16) / KL; /* key blocks */
         uint16_t *gnzm = malloc(sizeof(uint16_t) * (size_t)TG * QT * NB); /* [TG][QT][NB]: see pv64 */
@@ -594,48 +679,72 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
             }
             const int LP = (Lk + KL - 1) / KL * KL;
             transpose_keys(kn, kc, kv_half, ctx_slots, max_ctx, b, hk, ctx, start, Lk, Hkv, D, kt);
-            const float *kb = kt; /* this run's keys, [LP / KL][D][KL] (halves with kh) */
+            const float *kb = kt; /* this run's keys, [LP / KL][D][KL] (kh: halves, [LP / KL][D / 2][KL][2]) */
 #if defined(__AVX512F__)
-            const int kh = kv_half && D % 16 == 0; /* transpose_keys kept them halves */
+            const int kh = kv_half && D % 16 == 0; /* transpose_keys kept them halves, in PKI blocks */
 #endif
             for (int tg = work[w].t0; tg < work[w].t1; tg += TG) {
                 const int tge = tg + TG < work[w].t1 ? tg + TG : work[w].t1;
                 /* scores of the group's tiles, KL keys at a time for every query: a block of transposed keys
                  * is read (from L1 after the first tile) by every tile of the group */
-                const float *gqr[TG][QT];
-                int gnq[TG], glimp[TG], gl = 0;
+                const float *gqr[TG][QT], *gmr[TG][QT];
+                int gnq[TG], glimp[TG], glq[TG][QT], gl = 0;
                 for (int tq = tg; tq < tge; tq++) {
-                    const float *mr[QT];
-                    int row[QT], head[QT], lim[QT];
+                    int row[QT], head[QT];
                     gnq[tq - tg] = tile_setup(tq, NQ, n, hk, G, H, D, start, b, ctx, L, max_ctx, max_new, q, mask, gqr[tq - tg],
-                                              mr, row, head, lim, &glimp[tq - tg]);
+                                              gmr[tq - tg], row, head, glq[tq - tg], &glimp[tq - tg]);
                     gl = glimp[tq - tg] > gl ? glimp[tq - tg] : gl;
                 }
 #if defined(__AVX512F__)
+                /* no softcap: each score block leaves scores16 masked and limited, and each query's running
+                 * max is kept there (no separate passes for them) */
+                const int fuse = softcap == 0.0f;
+                __m512 gmv[TG][QT];
+                for (int t = 0; t < TG; t++)
+                    for (int u = 0; u < QT; u++) gmv[t][u] = _mm512_set1_ps(-INFINITY);
+#endif
+#if defined(__AVX512F__)
                 const int wide = kh && tge - tg > 1; /* several tiles: a block of half keys widened once, to kw */
 #endif
-                for (int j0 = 0; j0 < gl; j0 += KL) {
 #if defined(__AVX512F__)
+                for (int j0 = 0; j0 < gl; j0 += 2 * KL) { /* two blocks at a time where a tile sees both */
+                    const int nbw = j0 + KL < gl ? 2 : 1;
                     if (wide) /* (exact: the same scores; the conversions would share the FMAs' ports in every tile) */
-                        for (int i = 0; i < D * KL; i += 16)
+                        for (int i = 0; i < nbw * D * KL; i += 16)
                             _mm512_store_ps(kw + i, _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)((const uint16_t *)kb + (long)j0 * D + i))));
-#endif
                     for (int tq = tg; tq < tge; tq++) {
                         if (j0 >= glimp[tq - tg]) continue;
                         const int nq = gnq[tq - tg];
                         const float *const *qr = gqr[tq - tg];
                         float *s = sg + (long)(tq - tg) * QT * LP;
-#if defined(__AVX512F__)
-    /* literal query count and key width: the loops over queries unroll, the key loads are fixed */
-#define SCORES16(NQ) (kh && !wide ? scores16(kb, 1, j0, LP, j0, D, qr, NQ, scale, s) : scores16(wide ? kw : kb, 0, wide ? 0 : j0, LP, j0, D, qr, NQ, scale, s))
-                        switch (nq) {
-                        case 1: SCORES16(1); break;
-                        case 2: SCORES16(2); break;
-                        case 3: SCORES16(3); break;
-                        default: SCORES16(QT); break;
-                        }
+    /* literal query and block counts: the loops unroll, the key loads are fixed */
+#define SCORES16(NQ, NB2) (kh ? scores_pk(wide ? kw : kb, !wide, wide ? 0 : j0, LP, j0, D, qr, NQ, NB2, scale, s, fuse, gmr[tq - tg], glq[tq - tg], ctx, max_ctx, gmv[tq - tg]) \
+                                : scores16(kb, j0, LP, j0, D, qr, NQ, NB2, scale, s, fuse, gmr[tq - tg], glq[tq - tg], ctx, max_ctx, gmv[tq - tg]))
+                        if (j0 + KL < glimp[tq - tg])
+                            switch (nq) {
+                            case 1: SCORES16(1, 2); break;
+                            case 2: SCORES16(2, 2); break;
+                            case 3: SCORES16(3, 2); break;
+                            default: SCORES16(QT, 2); break;
+                            }
+                        else
+                            switch (nq) {
+                            case 1: SCORES16(1, 1); break;
+                            case 2: SCORES16(2, 1); break;
+                            case 3: SCORES16(3, 1); break;
+                            default: SCORES16(QT, 1); break;
+                            }
 #undef SCORES16
-#elif defined(ATT_AVX2)
+                    }
+                }
+#else
+                for (int j0 = 0; j0 < gl; j0 += KL) {
+                    for (int tq = tg; tq < tge; tq++) {
+                        if (j0 >= glimp[tq - tg]) continue;
+                        const int nq = gnq[tq - tg];
+                        const float *const *qr = gqr[tq - tg];
+                        float *s = sg + (long)(tq - tg) * QT * LP;
+#if defined(ATT_AVX2)
 #define SCORES8(NQ) (scores8(kb, LP, j0, D, qr, NQ, scale, s), scores8(kb, LP, j0 + 8, D, qr, NQ, scale, s))
                         switch (nq) { /* the keys are fp32 at every D */
                         case 1: SCORES8(1); break;
@@ -661,8 +770,9 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
 #endif
                     }
                 }
+#endif
                 float ginv[TG][QT];
-                int glmax[TG], glim[TG][QT];
+                int glim[TG][QT];
 #if defined(__AVX512F__)
                 const int grouped = D % 64 == 0 && tge - tg > 1; /* values: pv_group after every tile's softmax */
 #else
@@ -680,6 +790,13 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
                     for (int u = 0; u < nq; u++) {
                         float *su = s + (long)u * LP;
                         const int lp = (lim[u] + KL - 1) / KL * KL;
+                        float m = -INFINITY; /* a max: exact in any order */
+#if defined(__AVX512F__)
+                        if (fuse) {
+                            m = _mm512_reduce_max_ps(gmv[tq - tg][u]);
+                            goto have_max;
+                        }
+#endif
                         if (softcap > 0.0f)
                             for (int j = 0; j < lim[u]; j++) su[j] = tanhf(su[j] / softcap) * softcap;
                         if (mr[u]) { /* the mask's context columns, then its new-key columns */
@@ -687,11 +804,11 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
                             for (int j = ctx; j < lim[u]; j++) su[j] = su[j] + mr[u][max_ctx + j - ctx];
                         }
                         for (int j = lim[u]; j < lp; j++) su[j] = -INFINITY;
-                        float m = -INFINITY; /* a max: exact in any order */
 #if defined(__AVX512F__)
                         __m512 mv = _mm512_set1_ps(-INFINITY);
                         for (int j0 = 0; j0 < lp; j0 += KL) mv = _mm512_max_ps(mv, _mm512_load_ps(su + j0));
                         m = _mm512_reduce_max_ps(mv);
+                    have_max:
 #elif defined(ATT_AVX2)
                         __m256 mv = _mm256_set1_ps(-INFINITY);
                         for (int j0 = 0; j0 < lp; j0 += 8) mv = _mm256_max_ps(mv, _mm256_load_ps(su + j0));
@@ -711,18 +828,31 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
 #endif
                         if (m > -INFINITY) {
 #if defined(__AVX512F__)
+                            /* the compacted p > 0 summed 16 at a time as they complete: a block of 16 p > 0
+                             * while none wait is such a vector itself; the others wait in pc (< 16 of them) */
                             int cnt = 0;
+                            __m512 sum = _mm512_setzero_ps();
                             for (int j0 = 0; j0 < lp; j0 += KL) {
                                 const __m512 p = exp_neg(_mm512_sub_ps(_mm512_load_ps(su + j0), _mm512_set1_ps(m)));
                                 _mm512_store_ps(su + j0, p);
                                 const __mmask16 nz = _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+                                nzm[(long)u * NB + j0 / KL] = nz;
+                                if (nz == 0xffff && cnt == 0) {
+                                    sum = _mm512_add_ps(sum, p);
+                                    continue;
+                                }
                                 _mm512_storeu_ps(pc + cnt, _mm512_maskz_compress_ps(nz, p)); /* register form: the store form is slow on Zen 4 */
                                 cnt += __builtin_popcount(nz);
-                                nzm[(long)u * NB + j0 / KL] = nz;
+                                if (cnt >= KL) {
+                                    sum = _mm512_add_ps(sum, _mm512_loadu_ps(pc));
+                                    _mm512_storeu_ps(pc, _mm512_loadu_ps(pc + KL));
+                                    cnt -= KL;
+                                }
                             }
-                            for (int j = cnt; j < (cnt + KL - 1) / KL * KL; j++) pc[j] = 0.0f;
-                            __m512 sum = _mm512_setzero_ps();
-                            for (int j0 = 0; j0 < cnt; j0 += KL) sum = _mm512_add_ps(sum, _mm512_loadu_ps(pc + j0));
+                            if (cnt > 0) { /* the last, partial vector, zero-padded */
+                                for (int j = cnt; j < KL; j++) pc[j] = 0.0f;
+                                sum = _mm512_add_ps(sum, _mm512_loadu_ps(pc));
+                            }
                             _mm512_storeu_ps(lanes, sum);
 #elif defined(ATT_AVX2)
                             int cnt = 0; /* compacted 8 at a time where all 8 are > 0, else one by one */
@@ -763,7 +893,6 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
                      * per tile, 64 dims at a time in registers */
                     int lmax = 0;
                     for (int u = 0; u < nq; u++) lmax = lim[u] > lmax ? lim[u] : lmax;
-                    glmax[tq - tg] = lmax;
                     for (int u = 0; u < nq; u++) glim[tq - tg][u] = lim[u];
                     if (grouped) continue;
 #if defined(ATT_AVX2) /* pv16 skips p = 0: the keys from lim[u] (p = 0 up to lp, raw scores beyond) made 0 up to lmax */
@@ -816,9 +945,13 @@ void ratchet_attention(const float *q, const float *kn, const float *vn, const v
                 }
 #if defined(__AVX512F__)
                 if (grouped) {
+                    /* the group's query rows t * QT + u: contiguous (only a head's last tile has fewer than QT) */
+                    int rlim[TG * QT], nrows = 0;
+                    for (int t = 0; t < tge - tg; t++)
+                        for (int u = 0; u < gnq[t]; u++) rlim[nrows++] = glim[t][u];
                     for (int d0 = 0; d0 < D; d0 += 64)
-                        pv_group(vn, vc, kv_half, ctx_slots + (long)b * max_ctx, ctx, start, Hkv, hk, D, d0, tge - tg, gnq,
-                                 glmax, glim, sg, LP, gnzm, NB, gacc, vbuf);
+                        pv_group(vn, vc, kv_half, ctx_slots + (long)b * max_ctx, ctx, start, Hkv, hk, D, d0, nrows, rlim, sg,
+                                 LP, gnzm, NB, gacc, vbuf);
                     for (int tq = tg; tq < tge; tq++) {
                         const float *qr[QT], *mr[QT];
                         int row[QT], head[QT], lim[QT], limp;

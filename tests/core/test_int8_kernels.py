@@ -497,6 +497,49 @@ def test_fixed_order_attention_gives_the_native_builds_bits_in_every_build(varia
     assert all(same_bits(a, b) for a, b in zip(got[variant], got["native"], strict=True))
 
 
+@pytest.mark.parametrize("variant", ["avx2", "portable"])
+def test_fixed_order_verify_steps_over_a_half_cache_give_the_native_builds_bits(variant, kernel_builds, monkeypatch):
+    """A speculative verify against a half cache (the default model's 9 query / 3 KV heads): a tree of 9
+    rows (mask, no softcap) over 150 context keys and a chain of 5 over 37, at scattered slots, head sizes
+    64 and 48 (48: the AVX-512 build's pair-transposed keys end on 8 pairs). The AVX-512 build takes its
+    grouped verify path here (scores of two key blocks per tile from keys transposed as pairs of dims,
+    the mask, limit and max in the scores' epilogue, values in sets of rows); the AVX2 and portable builds
+    take none of it, so equal bits pin those paths to the plain per-lane order."""
+    from ratchetlm.kv.cache import KVCache
+    from ratchetlm.kv.sink import NullSink
+    from ratchetlm.layers.attention import build_attention_batch, paged_attention
+
+    builds = {name: kernel_builds[name] for name in ("native", variant)}
+    if None in builds.values():
+        pytest.skip("no C compiler")
+    h, hkv = 9, 3
+    parent = [-1, 0, 0, 1, 1, 2, 2, 3, 4]  # row 0 the root; rows 1-8 a tree of 8 nodes
+    tree = torch.zeros(9, 9, dtype=torch.bool)
+    for i in range(9):
+        j = i
+        while j >= 0:
+            tree[i, j] = True
+            j = parent[j]
+
+    def run(d: int) -> torch.Tensor:
+        cache = KVCache(1, 16, 16, hkv, d, torch.float16, "cpu")
+        cache.k.normal_()
+        cache.k.mul_(3)
+        cache.v.normal_()
+        ctx = [torch.randperm(256)[:150], torch.randperm(256)[:37]]
+        q, k, v = torch.randn(14, h, d) * 2, torch.randn(14, hkv, d) * 3, torch.randn(14, hkv, d)
+        positions = torch.cat([torch.arange(150, 159), torch.arange(37, 42)])
+        batch = build_attention_batch(positions, [9, 5], ctx, [tree, None], NullSink(), cache)
+        return paged_attention(0, q, k, v, batch, 0.125, fixed_order=True)
+
+    got = {}
+    for name, lib in builds.items():
+        monkeypatch.setattr(kernels, "load", lambda lib=lib: lib)
+        torch.manual_seed(6)
+        got[name] = [run(d) for d in (64, 48)]
+    assert all(same_bits(a, b) for a, b in zip(got[variant], got["native"], strict=True))
+
+
 def test_linear_integer_fast_path_is_block_matmul_and_follows_numerics():
     """Linear keeps a one-pointer handle to its packed weight after the first integer-mode call; the
     calls through it give block_matmul's bits, and a change of numerics (set_numerics) is obeyed."""
