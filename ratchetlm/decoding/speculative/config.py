@@ -18,9 +18,10 @@ class SpecConfig:
     """``method``: proposer name ("ngram", the default: prompt lookup, its draft length chosen by
     expected gain on the measured cost curve; "hybrid": one tree per step merging Token Recycling's
     successor table and suffix-trie matches over the request and the engine's recent outputs, cut
-    by expected gain; "recycling" and "suffix" each alone; the default is the one measured fastest
-    on Spec-Bench at batch 1 on a CPU, docs/benchmarks.md: ngram 1.17x AR, suffix 1.16x, hybrid 1.11x
-    though its MAL was the highest — its bigger trees and per-row top-k cost more than they added;
+    by expected gain; "recycling" and "suffix" each alone; the default is the one measured best on
+    Spec-Bench on a CPU, docs/benchmarks.md: on the default model ngram 1.54x AR at batch 1 and 1.02x at
+    batch 8, hybrid 1.55x and 0.99x though its MAL is higher (2.19 against 1.88) — its trees and per-row
+    top-k cost about as much as they add at batch 1 and more in a batch;
     "draft" layer-skip self-draft,
     "draft_model" a separate local draft model, "eagle" a trained EAGLE head, "mtp" DeepSeek-V4's own
     multi-token-prediction module).
