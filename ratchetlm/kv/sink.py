@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from ratchetlm.kv.pools import Pools
-from ratchetlm.kv.staging import StagingBuffer
+from ratchetlm.kv.staging import StagingBuffer, run_start
 
 
 class KVSink(Protocol):
@@ -91,9 +91,8 @@ class StepSink:
 
 def _selection(idx: list[int], device: torch.device) -> slice | torch.Tensor:
     """Indices ``idx`` (non-empty) as a slice where they run consecutively, else ``[n]`` int64."""
-    if idx[-1] - idx[0] == len(idx) - 1 and idx == list(range(idx[0], idx[-1] + 1)):
-        return slice(idx[0], idx[-1] + 1)
-    return torch.tensor(idx, dtype=torch.long, device=device)
+    start = run_start(idx)
+    return slice(start, start + len(idx)) if start is not None else torch.tensor(idx, dtype=torch.long, device=device)
 
 
 class DirectSink(StepSink):

@@ -103,6 +103,13 @@ def has_real_storage(t: torch.Tensor) -> bool:
     return True
 
 
+def run_start(idx: list[int]) -> int | None:
+    """``idx[0]`` where ``idx`` counts up by one from it (the rows are a slice), else None (or empty)."""
+    if idx and idx[-1] - idx[0] == len(idx) - 1 and idx == list(range(idx[0], idx[-1] + 1)):
+        return idx[0]
+    return None
+
+
 SLICE_RUNS = 2  # a commit's rows copied as at most this many slices (else one gathered index_copy_)
 
 
@@ -179,11 +186,10 @@ class StagingBuffer:
         self._rows: list[int] = si if self._keep_all else [x for x in si if x >= 0]  # stage row of each staged token
         # staged at consecutive rows (a step's proposals are): a slice copy, converting as it goes, in
         # place of a converted copy and an index_copy_ (~0.05 ms a forward of the default model)
-        rows = self._rows
-        self._span = rows[0] if rows and rows == list(range(rows[0], rows[0] + len(rows))) else None
+        self._span = run_start(self._rows)
         # the tensors the general case indexes with, made only for it
         self._keep = None if self._keep_all else torch.tensor(self._kept, dtype=torch.bool, device=stage_index.device)
-        self._idx = None if self._span is not None else torch.tensor(rows, dtype=torch.long, device=self.device)
+        self._idx = None if self._span is not None else torch.tensor(self._rows, dtype=torch.long, device=self.device)
 
     def _abandon(self, cause: str) -> None:
         """Give up staging for the rest of this forward (counted once per forward). Rows already
