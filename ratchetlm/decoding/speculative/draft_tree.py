@@ -13,7 +13,14 @@ import torch
 
 from ratchetlm.decoding.speculative.proposers import PAD
 from ratchetlm.decoding.speculative.tree_attention import pack, parent_rows
-from ratchetlm.decoding.speculative.verify import DraftTree, NodeRule, greedy_accept, match_rule, residual_rule
+from ratchetlm.decoding.speculative.verify import (
+    DraftTree,
+    NodeRule,
+    greedy_accept,
+    match_rule,
+    prefix_tree,
+    residual_rule,
+)
 from ratchetlm.layers.sampler import argmax
 from ratchetlm.layers.seeded_draw import inverse_cdf
 
@@ -25,8 +32,7 @@ def trees_from_beams(beams: list[torch.Tensor]) -> list[DraftTree]:  # beams[i]:
     of a single candidate is its tokens in order, each the child of the one before."""
     m, c = max(bm.shape[0] for bm in beams), max(bm.shape[1] for bm in beams)
     if m == 1:
-        chains = [[t for t in bm[0].tolist() if t != PAD] for bm in beams]
-        return [DraftTree(ch, list(range(-1, len(ch) - 1)), list(range(len(ch)))) for ch in chains]
+        return [prefix_tree([[t for t in bm[0].tolist() if t != PAD]]) for bm in beams]
     batch = torch.stack([torch.nn.functional.pad(bm, (0, c - bm.shape[1], 0, m - bm.shape[0]), value=PAD)
                          for bm in beams])  # [B, M, C]
     packed = pack(batch)
