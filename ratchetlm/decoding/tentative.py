@@ -15,7 +15,7 @@ import torch
 
 from ratchetlm.decoding.base import Commit, Proposal
 from ratchetlm.decoding.speculative.draft_tree import greedy_verify, sample_verify
-from ratchetlm.decoding.speculative.verify import DraftTree
+from ratchetlm.decoding.speculative.verify import DraftTree, greedy_accept
 from ratchetlm.layers.sampler import filtered_probs, target_logits, top_logprobs
 from ratchetlm.layers.seeded_draw import position_uniforms
 from ratchetlm.sequence import Sequence
@@ -58,14 +58,18 @@ def chain_limit(runner: Any) -> int:
     return getattr(runner, "max_chain_tokens", None) or 1 << 30
 
 
-def verify_tree(seq: Sequence, tree: DraftTree, logits: torch.Tensor, room: int) -> tuple[Commit, list[int]]:
+def verify_tree(seq: Sequence, tree: DraftTree, logits: torch.Tensor, room: int,
+                greedy: list[int] | None = None) -> tuple[Commit, list[int]]:
     """``logits``: ``[1 + L, V]`` raw rows (root, then one per node). Returns the commit (accepted
     path + correction/bonus token, cut at a stop token and at ``room``) and the accepted node path.
     Both rules are draft_tree.py's: greedy walks the tree by the target's greedy tokens (what the
-    seed's verified beam gives), sampling judges each candidate entry on its parent row's distribution."""
+    seed's verified beam gives), sampling judges each candidate entry on its parent row's distribution.
+    ``greedy``: the raw rows' argmax where already known (read only without logits controls, which
+    change the rows)."""
     x = target_logits(logits, seq.controls, row_paths(tree) if seq.controls is not None else None)
     if seq.params.greedy:
-        path, nxt = greedy_verify(tree, x)
+        path, nxt = greedy_verify(tree, x) if greedy is None or seq.controls is not None else \
+            greedy_accept(tree, greedy)
     else:
         # a seeded request: one uniform per level, keyed by the position it fills (layers/seeded_draw.py)
         seed, levels = seq.params.seed, max(tree.depth, default=-1) + 2  # node levels + the bonus token

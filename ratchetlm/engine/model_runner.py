@@ -219,7 +219,11 @@ class ModelRunner:
         sequence's next ones, ``num_cached + i`` — all layers at once. False when the proposal was
         not staged (overflow, abandoned staging) or the all-or-nothing commit failed (the cache is
         then untouched): the caller then commits no K/V and the next step recomputes it."""
-        return commit_proposal(self.staging, stage_base, kv_rows, num_rows, commit=self.commit_rows)
+        # a runner that mirrors commits elsewhere (tensor parallelism) gets the rows' tensor through commit_rows;
+        # this one commits the list as it is (a tensor and back cost ~0.05 ms after a forward)
+        mirrored = type(self).commit_rows is not ModelRunner.commit_rows
+        return commit_proposal(self.staging, stage_base, kv_rows, num_rows,
+                               commit=self.commit_rows if mirrored else None)
 
     def commit_rows(self, rows: torch.Tensor) -> bool:
         """Copy staging ``rows`` ([n] int64) to the slots their forward gave them, all layers; False

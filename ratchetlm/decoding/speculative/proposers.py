@@ -65,9 +65,11 @@ class Proposer(ABC):
         last norm) of positions ``start .. start + n - 1``, whose K/V this step commits."""
         return None
 
-    def observe_logits(self, tokens: list[int], logits: torch.Tensor) -> None:
+    def observe_logits(self, tokens: list[int], logits: torch.Tensor) -> list[int] | None:
         """Only if ``wants_logits``: ``tokens`` (``R``) the input token of every row of the step's
-        forward whose logits were computed, ``logits`` ``[R, vocab]`` (CPU fp32) those rows' logits."""
+        forward whose logits were computed, ``logits`` ``[R, vocab]`` (CPU fp32) those rows' logits.
+        May return every row's ``layers.sampler.argmax`` (computed on the way, e.g. a top-k's first
+        entry), which the greedy verify then reads instead of reducing the rows again."""
         return None
 
     def finish(self, seq: Sequence) -> None:

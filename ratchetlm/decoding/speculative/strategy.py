@@ -238,17 +238,23 @@ class Speculative(DecodeStrategy):
     # ------------------------------------------------------------------ commit
 
     def commit(self, seqs: list[Sequence], proposals: list[Proposal], logits: list[torch.Tensor]) -> list[Commit]:
+        greedy: list[int] | None = None  # every logit row's argmax, where the proposer's top-k gave it
+        if self.proposer.wants_logits and logits:  # every computed row's top-k (recycling), one call a step
+            rows = [p.token_ids[r] for p in proposals for r in p.logit_rows]
+            # one proposal's rows are already one tensor: no copy of [R, vocab] (~0.1 ms at a dozen rows)
+            greedy = self.proposer.observe_logits(rows, logits[0] if len(logits) == 1 else torch.cat(logits))
         out = []
+        first = 0  # the proposal's first row in ``greedy``
         for i, (s, p, lg) in enumerate(zip(seqs, proposals, logits, strict=True)):
-            c = self._commit_tree(s, p, lg) if isinstance(p.state, TreeState) else catch_up_commit(s, p, lg)
+            if isinstance(p.state, TreeState):
+                c = self._commit_tree(s, p, lg, None if greedy is None else greedy[first : first + len(p.logit_rows)])
+            else:
+                c = catch_up_commit(s, p, lg)
+            first += len(p.logit_rows)
             if self.proposer.wants_features and c.kv_rows:
                 hidden = self.ctx.runner.last_hidden[i]  # [len(p.token_ids), hidden]
                 self.proposer.observe(s, s.num_cached, hidden[torch.tensor(c.kv_rows, device=hidden.device)])
             out.append(c)
-        if self.proposer.wants_logits and logits:  # every computed row's top-k (recycling), one call a step
-            rows = [p.token_ids[r] for p in proposals for r in p.logit_rows]
-            # one proposal's rows are already one tensor: no copy of [R, vocab] (~0.1 ms at a dozen rows)
-            self.proposer.observe_logits(rows, logits[0] if len(logits) == 1 else torch.cat(logits))
         timed, self._timed = self._timed, None
         # a step the strategy proposed for (not an SCV continuation), whole (fault isolation re-runs halves)
         if timed is not None and timed[0] == len(seqs) and all(isinstance(p.state, TreeState) and p.state.first
@@ -257,10 +263,12 @@ class Speculative(DecodeStrategy):
                 self.proposer.observe_step(timed[0], sum(len(c.token_ids) for c in out), self._clock() - timed[1])
         return out
 
-    def _commit_tree(self, seq: Sequence, prop: Proposal, logits: torch.Tensor) -> Commit:
+    def _commit_tree(self, seq: Sequence, prop: Proposal, logits: torch.Tensor,
+                     greedy: list[int] | None = None) -> Commit:
+        """``greedy``: the argmax of each of ``logits``' rows, when already known (the raw rows')."""
         st: TreeState = prop.state
         tree = st.tree
-        commit, path = verify_tree(seq, tree, logits, self._room(seq))
+        commit, path = verify_tree(seq, tree, logits, self._room(seq), greedy)
         if st.forced:
             observe_forced(seq, len(tree), len(path))
             return commit

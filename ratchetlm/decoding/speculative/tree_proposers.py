@@ -186,9 +186,8 @@ class TreeProposer(Proposer):
                 roots[i + 1] = hist
         return roots
 
-    def observe_logits(self, tokens: list[int], logits: torch.Tensor) -> None:
-        if self.table is not None:
-            self.table.observe(tokens, logits)
+    def observe_logits(self, tokens: list[int], logits: torch.Tensor) -> list[int] | None:
+        return self.table.observe(tokens, logits) if self.table is not None else None
 
     def finish(self, seq: Sequence) -> None:
         if self.history is not None:
