@@ -96,6 +96,25 @@ def test_sequence_index_longest_match_equals_a_naive_scan(seed):
                 assert trie_substrings(node) == naive_below(tokens[:n], m, depth)  # every level below it
 
 
+def test_sequence_index_resyncs_a_text_that_is_not_an_extension():
+    """The per-token positions (the match's starting point) are rebuilt when the tokens given are
+    shorter than the indexed ones or end differently where those end (a request's tokens only grow,
+    so that is all the index checks): it then matches as a fresh index of the text does."""
+    rng = random.Random(7)
+    tokens = [rng.randrange(4) for _ in range(80)]
+    other = tokens[:50] + [rng.randrange(4) for _ in range(20)]
+    idx = SequenceIndex(6)
+    for text in (tokens, tokens[:40], tokens, other, other[:69] + [9]):
+        idx.sync(text)
+        fresh = SequenceIndex(6)
+        fresh.sync(text)
+        got, want = idx.match(5), fresh.match(5)
+        assert (got is None) == (want is None)
+        if got is not None and want is not None:
+            assert got[1] == want[1] and got[0].starts.tolist() == want[0].starts.tolist()
+            assert got[1] == naive_match(text, 5)[0]
+
+
 def naive_below(tokens: list[int], m: int, depth: int) -> Counter:
     """Continuations of the last ``m`` tokens' earlier occurrences, as a depth-``depth`` trie counts
     them: every prefix (up to ``depth - m`` tokens) of what followed each occurrence."""
