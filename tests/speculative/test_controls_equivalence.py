@@ -127,6 +127,8 @@ def test_constrained_output_validates(exact_llm, extraction):
     ("default", "speculative", SPECS["ngram_chain"], False),
     ("default", "speculative", SPECS["ngram_chain"], True),
     ("default", "speculative", SPECS["ngram_tree"], True),
+    # a tree proposer hands over its tree alone: the grammar cuts the tree's candidates (draft_tree.candidates)
+    ("default", "speculative", dict(method="hybrid"), False),
     ("default", "speculative", dict(SPECS["ngram_chain"], depth_schedule="gain"), True),  # forced tokens whatever
     ("default", "speculative", dict(SPECS["ngram_chain"], disable_by_batch_size=2), True),  # the depth; drafting off
     ("exact", "speculative", SPECS["self_draft"], False),
@@ -139,7 +141,7 @@ def test_constrained_output_validates(exact_llm, extraction):
     ("exact", "speculative", SPECS["draft_model"], True),
     # SCV: a draft's later chunks are verified on the grammar state its earlier chunks committed
     ("default", "speculative", dict(method="ngram", depth=6, chunk_size=2, depth_schedule="constant"), True),
-], ids=["plain+jf", "ngram", "ngram+jf", "ngram_tree+jf", "gain+jf", "drafting_off+jf", "self_draft", "eagle",
+], ids=["plain+jf", "ngram", "ngram+jf", "ngram_tree+jf", "hybrid", "gain+jf", "drafting_off+jf", "self_draft", "eagle",
         "eagle+jf", "draft_model+jf", "scv+jf"])
 def test_constrained_is_identical_across_strategies(request, mode, decoding, opts, jf):
     llm = request.getfixturevalue("exact_llm" if mode == "exact" else "spec_llm")

@@ -238,10 +238,10 @@ def test_a_step_prices_each_draft_after_the_rows_drafted_before_it():
         prop.gain.totals.add(4, 4, 4)
     seqs = [Sequence(i, [5, 6, 7, 8, 9, 5, 6, 7, 8], 9, SamplingParams(max_tokens=8)) for i in range(2)]
     first, second = prop.propose(seqs, [4, 4])
-    assert first is not None and first.tokens.tolist() == [[9, 5]]
+    assert first is not None and first.tree is not None and first.tree.tokens == [9, 5]
     assert second is None and prop.gain_skipped == 1
     alone, = prop.propose(seqs[1:], [4])  # alone at batch 1 it fits 1 + 3 + 1 rows
-    assert alone is not None and alone.tokens.tolist() == [[9, 5, 6]]
+    assert alone is not None and alone.tree is not None and alone.tree.tokens == [9, 5, 6]
 
 
 def test_measured_curve_is_taken_once_per_model_and_thread_count(spec_llm):

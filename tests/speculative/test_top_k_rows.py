@@ -65,3 +65,23 @@ def test_top_k_rows_falls_back_to_torch_order():
     assert top_k_rows(x, 4)[1, 0] == 17
     assert torch.equal(top_k_rows(x, 100), top_k_indices(x, 100))  # past the kernel's largest k
     assert torch.equal(top_k_rows(x.double(), 4), top_k_indices(x.double(), 4))
+
+
+@needs_kernels
+def test_the_table_hands_back_each_rows_argmax():
+    """SuccessorTable.observe's returned top-1 per row (what the greedy tree verify reads in place of
+    reducing the rows again) is layers.sampler.argmax's index on every case above, +inf included
+    (ties: the lower index); a row holding a NaN hands back nothing (argmax's NaN rule is its own)."""
+    from ratchetlm.decoding.speculative.recycling import SuccessorTable
+    from ratchetlm.layers.sampler import argmax
+
+    for x, k in cases() + [(torch.tensor([[1.0, float("inf"), 3.0, float("inf")]]), 2)]:
+        table = SuccessorTable(min(k, x.shape[1]))
+        got = table.observe(list(range(x.shape[0])), x)
+        assert got == argmax(x).tolist()
+        assert [table.successors(t)[0] for t in range(x.shape[0])] == got
+    table = SuccessorTable(4)
+    x = torch.randn(3, 50)
+    x[1, 7] = float("nan")
+    assert table.observe([5, 6, 5], x) is None
+    assert table.successors(5) == top_k_rows(x, 4)[2].tolist()  # a token's last row is the one kept

@@ -47,7 +47,7 @@ from ratchetlm.decoding.speculative import (  # noqa: F401  (register the propos
 )
 from ratchetlm.decoding.speculative.config import SpecConfig
 from ratchetlm.decoding.speculative.draft_price import step_clock
-from ratchetlm.decoding.speculative.draft_tree import continuation, cut, restrict, trees_from_beams
+from ratchetlm.decoding.speculative.draft_tree import candidates, continuation, cut, restrict, trees_from_beams
 from ratchetlm.decoding.speculative.proposers import PAD, create_proposer
 from ratchetlm.decoding.speculative.stats import ChunkCounters, SpecCounters
 from ratchetlm.decoding.speculative.tree_attention import with_root
@@ -179,8 +179,9 @@ class Speculative(DecodeStrategy):
             if beam is not None and beam.tree is not None and (seqs[i].controls is None
                                                                or seqs[i].controls.grammar is None):
                 built[i] = beam.tree
-            elif beam is not None:
-                drafted.append((i, self._grammar_cut(seqs[i], beam.tokens)))
+            elif beam is not None:  # (a tree proposer's tree: its candidates, to cut at the grammar)
+                tokens = beam.tokens if beam.tokens is not None else candidates(beam.tree)[0]  # type: ignore[arg-type]
+                drafted.append((i, self._grammar_cut(seqs[i], tokens)))
         drafted += [(i, torch.tensor([tokens])) for i, tokens in forced.items()]
         # every other tentative tree of the step (drafts and forced chains) through one pack() call
         trees = trees_from_beams([tokens for _, tokens in drafted]) if drafted else []

@@ -31,7 +31,6 @@ from ratchetlm.decoding.speculative.tree_select import (
     Plan,
     build,
     judge,
-    to_beam,
     to_tree,
 )
 from ratchetlm.sequence import Sequence
@@ -51,6 +50,9 @@ _PLAN = "spec_tree_plan"  # strategy_state keys: the last tree (judged once comm
 _INDEX = "spec_suffix_index"  # this sequence's SequenceIndex
 
 
+_RANKS = [("recycling", r) for r in range(64)]  # the table's calibration keys, made once
+
+
 class RecyclingSource:
     """Children of a node: its token's row of the successor table, keyed by rank."""
 
@@ -58,7 +60,8 @@ class RecyclingSource:
         self.table = table
 
     def expand(self, state: Any, token: int) -> list[tuple[int, Hashable, Any]]:
-        return [(t, ("recycling", r), True) for r, t in enumerate(self.table.successors(token))]
+        return [(t, _RANKS[r] if r < len(_RANKS) else ("recycling", r), True)
+                for r, t in enumerate(self.table.successors(token))]
 
 
 class SuffixSource:
@@ -157,8 +160,8 @@ class TreeProposer(Proposer):
             drafted += len(plan.nodes) + 1
             extra += plan.extra
             drafting += 1
-            beam = to_beam(plan.nodes)
-            out.append(DraftBeam(beam, torch.zeros(beam.shape), to_tree(plan.nodes)))
+            # the tree alone: the strategy verifies it as is (a beam, two tensors, only for a grammar's cut)
+            out.append(DraftBeam(None, None, to_tree(plan.nodes)))
         if self.gain:
             self.gate.observe(b, drafted > 0)
             if m is not None:

@@ -100,9 +100,11 @@ class Plan:
     extra: float = 0.0  # the curve's price of ``nodes`` (E(n), unscaled; 0 for no tree)
 
 
-def _children(sources: list[DraftSource], states: dict[int, Any], token: int, calib: Calibration
-              ) -> list[tuple[int, float, list[tuple], dict[int, Any]]]:
-    """Merged candidate children: (token, edge probability = the most confident source's, keys, states)."""
+def _children(sources: list[DraftSource], states: dict[int, Any], token: int, calib: Calibration,
+              memo: dict[Hashable, float] | None = None) -> list[tuple[int, float, list[tuple], dict[int, Any]]]:
+    """Merged candidate children: (token, edge probability = the most confident source's, keys, states).
+    ``memo``: ``calib.p`` of the keys already read while the calibration stays unchanged (one tree's
+    build: the table's ranks recur at every node it expands)."""
     merged: dict[int, tuple[float, list[tuple], dict[int, Any]]] = {}
     for i, st in states.items():
         for tok, key, child in sources[i].expand(st, token):
@@ -110,7 +112,12 @@ def _children(sources: list[DraftSource], states: dict[int, Any], token: int, ca
             keys.append(key)  # type: ignore[arg-type]
             if child is not None:
                 sts[i] = child
-            merged[tok] = (max(p, calib.p(key)), keys, sts)  # type: ignore[arg-type]
+            q = None if memo is None else memo.get(key)
+            if q is None:
+                q = calib.p(key)  # type: ignore[arg-type]
+                if memo is not None:
+                    memo[key] = q
+            merged[tok] = (max(p, q), keys, sts)  # type: ignore[arg-type]
     return [(t, p, k, s) for t, (p, k, s) in merged.items()]
 
 
@@ -135,7 +142,8 @@ def build(sources: list[DraftSource], roots: dict[int, Any], root_token: int, ca
     ``price``: a tree's real cost against the curve's price ``E(n)``, ``factor·E(n) + fixed``;
     ``margin``: what a tree must beat a plain step's value by. The plan's ``extra`` is ``E(n)`` of
     the tree kept (the curve's price, unscaled: what the measured price is fitted against)."""
-    root_kids = _children(sources, roots, root_token, calib)
+    memo: dict[Hashable, float] = {}  # nothing judges the calibration during a build
+    root_kids = _children(sources, roots, root_token, calib, memo)
     heap: list[tuple[float, int, int, int, list[tuple], dict[int, Any]]] = []  # (-p, order, token, parent, ...)
     order = 0
     for tok, p, keys, sts in root_kids:
@@ -165,7 +173,7 @@ def build(sources: list[DraftSource], roots: dict[int, Any], root_token: int, ca
         if gain and not _may_improve(expected, node.p, len(nodes), max_nodes, cost, base, share, best):
             break  # no later node (none is likelier than this one) can lift the value above the best
         if depth + 1 < max_depth and sts:
-            kids = _children(sources, sts, tok, calib)
+            kids = _children(sources, sts, tok, calib, memo)
             node.kids = [(t, k) for t, _, k, _ in kids]
             for t, p, k, s in kids:
                 heapq.heappush(heap, (-node.p * p, order, t, len(nodes) - 1, k, s))
