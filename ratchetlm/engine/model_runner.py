@@ -173,11 +173,15 @@ class ModelRunner:
             self.staging.metrics.fallback_overflow += 1
         plan = ForwardPlan(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
                            [len(p.token_ids) for p in proposals], [self.context_slots(s) for s in seqs],
-                           self.context_starts(seqs), [p.mask for p in proposals], torch.cat(slot_parts, dim=-1),
+                           self.context_starts(seqs), [p.mask for p in proposals],
+                           slot_parts[0] if len(slot_parts) == 1 else torch.cat(slot_parts, dim=-1),
                            torch.tensor(stage_index, dtype=torch.long) if n_staged or overflow else None, rows,
                            num_layers)
         hidden, all_logits = self.forward(plan)
         self.num_forwards += 1
+        if len(proposals) == 1:  # (one sequence: the tensors as they are, no split)
+            self.last_hidden = [hidden]
+            return StepResult(logits=[all_logits], stage_base=stage_base)
         self.last_hidden = list(hidden.split(plan.new_lens))
         return StepResult(logits=list(all_logits.split([len(p.logit_rows) for p in proposals])), stage_base=stage_base)
 
@@ -208,8 +212,12 @@ class ModelRunner:
         batch = build_attention_batch(positions, plan.new_lens, plan.context_slots, plan.masks, sink, self.cache,
                                       dtype=self.dtype, ctx_starts=plan.ctx_starts)
         hidden = self.model(plan.ids.to(dev), batch, num_layers=plan.num_layers)
-        rows = torch.tensor(plan.logit_rows, dtype=torch.long, device=dev)
-        logits = self.model.logits(hidden[rows]).cpu()
+        r = plan.logit_rows
+        if r and r[-1] - r[0] == len(r) - 1 and r == list(range(r[0], r[-1] + 1)):  # consecutive rows: a view
+            wanted = hidden[r[0] : r[-1] + 1]
+        else:
+            wanted = hidden[torch.tensor(r, dtype=torch.long, device=dev)]
+        logits = self.model.logits(wanted).cpu()
         if len(plan.ids) >= TRIM_ROWS and dev.type == "cpu":
             trim_heap()  # its freed activations back to the OS, not kept in the heap (layers/mapped_pages.py)
         return hidden, logits

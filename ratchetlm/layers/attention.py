@@ -143,15 +143,20 @@ def build_attention_batch(
     starts = [0]
     for n in new_lens[:-1]:
         starts.append(starts[-1] + n)
-    pad_index = torch.zeros(b, max_new, dtype=torch.long)
-    unpad = []
-    for i, (s, n) in enumerate(zip(starts, new_lens, strict=True)):
-        pad_index[i, :n] = torch.arange(s, s + n)
-        unpad.append(torch.arange(i * max_new, i * max_new + n))
+    if b == 1:  # packed == padded: both indices are 0 .. n - 1 (one tensor: a decode step's every op costs)
+        pad_index = unpad_index = torch.arange(max_new, device=device)
+        pad_index = pad_index.view(1, max_new)
+    else:
+        pad_index = torch.zeros(b, max_new, dtype=torch.long)
+        unpad = []
+        for i, (s, n) in enumerate(zip(starts, new_lens, strict=True)):
+            pad_index[i, :n] = torch.arange(s, s + n)
+            unpad.append(torch.arange(i * max_new, i * max_new + n))
+        pad_index, unpad_index = pad_index.to(device), torch.cat(unpad).to(device)
     groups = 1 if cache is None else len(cache.slot_groups)
     context_slots = [cs.reshape(groups, -1) for cs in context_slots]
     keys = _KeyInputs(new_lens, starts, positions, context_slots, ctx_starts or [0] * b, new_masks, dtype)
-    batch = _build(keys, None, positions, sink, cache, pad_index.to(device), torch.cat(unpad).to(device))
+    batch = _build(keys, None, positions, sink, cache, pad_index, unpad_index)
     batch._keys = keys
     return batch
 
@@ -202,7 +207,9 @@ def _build(
     for nm, n in zip(keys.new_masks, new_lens, strict=True):  # checked now, whoever builds the mask
         assert nm is None or nm.shape == (n, n), f"new-token mask must be [{n}, {n}], got {tuple(nm.shape)}"
     ctx = None
-    if max_ctx > 0:
+    if max_ctx > 0 and b == 1 and window is None and ctx_slots[0].device == device and ctx_slots[0].is_contiguous():
+        ctx = ctx_slots[0][:, None]  # [G, 1, ctx]: the slots as given (read only), not a padded copy
+    elif max_ctx > 0:
         ctx = torch.zeros(ctx_slots[0].shape[0], b, max_ctx, dtype=torch.long)
         for i, cs in enumerate(ctx_slots):
             ctx[:, i, : cs.shape[1]] = cs.cpu()
@@ -222,7 +229,7 @@ def _build(
         num_seqs=b,
         max_new=max_new,
         max_ctx=max_ctx,
-        seq_meta=torch.tensor([ctx_lens, keys.starts, new_lens], dtype=torch.int32).T.contiguous(),
+        seq_meta=torch.tensor(list(zip(ctx_lens, keys.starts, new_lens, strict=True)), dtype=torch.int32),
         plain_causal=window is None and all(nm is None for nm in keys.new_masks),
     )
 

@@ -78,3 +78,35 @@ def test_slots_short_and_long_ranges_follow_one_rule():
         assert bm.slots(s, start, end, released=True).tolist() == [want(p) for p in range(start, end)]
     for positions in [[0, 5, 9, 200], list(range(3, 70)), list(range(60, 140, 3))]:
         assert bm.position_slots(s, positions).tolist() == [want(p) for p in positions]
+
+
+def test_long_slot_ranges_stay_right_while_the_table_changes():
+    """Long ranges read a slot tensor kept per sequence (BlockManager._all_slots): after the table
+    grows, loses a block to a window, is replaced in place or freed and its id reused, the slots are
+    still ``table[p // bs] * bs + p % bs`` (-1 in released blocks), and what a caller got stays as it was."""
+    bs = 4
+    bm = BlockManager(num_blocks=64, block_size=bs)
+    s = Sequence(3, [1], 1, SamplingParams())
+
+    def want(p: int) -> int:
+        b = s.block_table[p // bs]
+        return -1 if b < 0 else b * bs + p % bs
+
+    bm.grow(s, 80)
+    first = bm.slots(s, 0, 80, released=True)
+    kept = first.tolist()
+    assert kept == [want(p) for p in range(80)]
+    bm.grow(s, 100)  # a new block
+    assert bm.slots(s, 0, 100, released=True).tolist() == [want(p) for p in range(100)]
+    s.block_table[1] = -1  # released out of a window (in place: the same list)
+    assert bm.slots(s, 0, 100, released=True).tolist() == [want(p) for p in range(100)]
+    held = s.block_table[2]
+    s.block_table[2] = 63  # the same list, another block
+    assert bm.slots(s, 8, 100).tolist() == [want(p) for p in range(8, 100)]
+    assert first.tolist() == kept  # the first answer was not written over
+    s.block_table[2] = held
+    bm.free(s)
+    t = Sequence(3, [1], 1, SamplingParams())  # the same id, a new table
+    bm.grow(t, 90)
+    s = t
+    assert bm.slots(t, 0, 90, released=True).tolist() == [want(p) for p in range(90)]

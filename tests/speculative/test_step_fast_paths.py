@@ -161,3 +161,56 @@ def test_the_price_fits_solve_is_numpys_to_rounding_and_refuses_a_singular_syste
     assert solve3([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 2.0]], [1.0, 2.0, 4.0]) == (2.0, 1.0, 2.0)  # pivots
     assert solve3([[1.0, 2.0, 0.0], [2.0, 4.0, 0.0], [0.0, 0.0, 1.0]], [1.0, 2.0, 3.0]) is None
     assert solve3([[0.0] * 3] * 3, [0.0] * 3) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=6), min_size=1, max_size=5))
+def test_the_kept_verify_mask_is_the_tree_mask_with_its_root(cands):
+    """strategy.rooted_mask (made once per tree shape, from lists) is ``with_root(tree_mask(tree))``,
+    and a second tree of the same shape gets the same tensor, unchanged by the first one's use."""
+    from ratchetlm.decoding.speculative.strategy import rooted_mask, tree_mask
+    from ratchetlm.decoding.speculative.tree_attention import with_root
+
+    tree = prefix_tree(cands)
+    want = with_root(tree_mask(tree))
+    got = rooted_mask(tree.parent)
+    assert got.dtype == torch.bool and torch.equal(got, want)
+    assert rooted_mask(list(tree.parent)) is got and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("ctx, n, masked", [(0, 1, False), (37, 1, False), (37, 5, False), (37, 6, True),
+                                            (300, 9, True)])
+def test_a_single_sequences_attention_batch_is_the_general_ones(ctx, n, masked):
+    """layers/attention.build_attention_batch at batch 1 (its indices one arange, the context slots as
+    given, the per-sequence metadata from one list) against the general construction of the same batch
+    (the sequence padded to a second, empty-context one and cut back): the same indices, slots, metadata
+    and mask, and the fixed-order kernel's inputs equal."""
+    from ratchetlm.kv.sink import NullSink
+    from ratchetlm.layers.attention import build_attention_batch
+
+    g = torch.Generator().manual_seed(ctx + n)
+    slots = torch.randperm(4 * ctx + 8, generator=g)[:ctx]
+    mask = None
+    if masked:
+        from ratchetlm.decoding.speculative.strategy import rooted_mask
+        tree = prefix_tree([[1, 2, 3], [1, 4], [5, 6, 7, 8]] if n == 9 else [[1, 2, 3], [1, 4], [5]])
+        assert len(tree) == n - 1  # the root and the tree's nodes
+        mask = rooted_mask(tree.parent)
+    pos = torch.arange(ctx, ctx + n)
+    one = build_attention_batch(pos, [n], [slots], [mask], NullSink(), None)
+    two = build_attention_batch(torch.cat([pos, torch.arange(1)]), [n, 1], [slots, slots[:0]], [mask, None],
+                                NullSink(), None)
+    assert torch.equal(one.pad_index, two.pad_index[:1]) and torch.equal(one.unpad_index, two.unpad_index[:n])
+    assert torch.equal(one.seq_meta, two.seq_meta[:1])
+    assert one.seq_meta.is_contiguous() and one.seq_meta.dtype == torch.int32
+    if ctx:
+        assert one.ctx_slots is not None and two.ctx_slots is not None
+        assert torch.equal(one.ctx_slots, two.ctx_slots[:, :1])
+        assert one.slot_rows_ptr(0) == one.ctx_slots[0].contiguous().data_ptr()
+    else:
+        assert one.ctx_slots is None
+    if one.mask is not None:
+        assert two.mask is not None and torch.equal(one.mask, two.mask[:1, :, :n, : ctx + n])
+        fixed = one.fixed_order_mask()  # (None where the kernel's causal rule is the mask)
+        assert (fixed is None) == (not masked)
+        assert fixed is None or fixed.is_contiguous() and torch.equal(fixed, one.mask.reshape(1, n, -1))

@@ -88,6 +88,29 @@ def tree_mask(tree: DraftTree) -> torch.Tensor:  # [L, L] bool ancestor-or-self
     return torch.tensor(rows, dtype=torch.bool).reshape(len(tree), len(tree))
 
 
+MASKS = 512  # tree shapes whose verify mask is kept (a proposer's trees take a few dozen shapes)
+_masks: dict[tuple[int, ...], torch.Tensor] = {}
+
+
+def rooted_mask(parent: list[int]) -> torch.Tensor:  # [1 + L, 1 + L] bool, read only
+    """``with_root(tree_mask(tree))`` of a tree with these parents, made once per shape: the step
+    then hands the forward a kept tensor (building it cost four tensor operations, ~0.1 ms after a
+    forward). Callers must not write into it."""
+    key = tuple(parent)
+    mask = _masks.get(key)
+    if mask is None:
+        n = len(parent)
+        rows = [[True] + [False] * n]  # the root sees itself
+        for i, p in enumerate(parent):
+            row = rows[p + 1].copy() if p >= 0 else [True] + [False] * n  # every node sees the root
+            row[i + 1] = True
+            rows.append(row)
+        if len(_masks) >= MASKS:
+            _masks.clear()
+        mask = _masks[key] = torch.tensor(rows, dtype=torch.bool).reshape(n + 1, n + 1)
+    return mask
+
+
 @register("speculative")
 class Speculative(DecodeStrategy):
     stages = True
@@ -231,7 +254,7 @@ class Speculative(DecodeStrategy):
             token_ids=[seq.token_ids[-1]] + tree.tokens,
             positions=[base] + [base + 1 + d for d in tree.depth],
             logit_rows=list(range(1 + len(tree))),
-            mask=None if chain else with_root(tree_mask(tree)),
+            mask=None if chain else rooted_mask(tree.parent),
             direct_write=False,
             state=TreeState(tree, draft, nodes, first, depth, accepted, forced),
         )
