@@ -41,9 +41,12 @@ def catch_up_proposal(seq: Sequence, budget: int) -> Proposal:
     )
 
 
-def catch_up_commit(seq: Sequence, prop: Proposal, logits: torch.Tensor, sample_next: bool = True) -> Commit:
+def catch_up_commit(seq: Sequence, prop: Proposal, logits: torch.Tensor, sample_next: bool = True,
+                    greedy: int | None = None) -> Commit:
     """Commit every fed row; sample the next token if the proposal reached the end (and
-    ``sample_next``: WeDLM's prefill produces no token, its first window forward does)."""
+    ``sample_next``: WeDLM's prefill produces no token, its first window forward does). ``greedy``:
+    the last row's ``argmax`` where already known (a greedy request without logits controls or
+    logprobs then takes it as its token, without reducing the row again)."""
     n = len(prop.token_ids)
     start = prop.positions[0]
     reached_end = sample_next and start + n == len(seq.token_ids)
@@ -57,7 +60,10 @@ def catch_up_commit(seq: Sequence, prop: Proposal, logits: torch.Tensor, sample_
         prompt_lp = ([None] if start == 0 else []) + list(top_logprobs(logits[: len(nxt)], targets, k_prompt))
     tokens: list[int] = []
     lps = None
-    if reached_end:
+    if reached_end and greedy is not None and seq.params.greedy and seq.controls is None \
+            and seq.params.logprobs is None:
+        tokens = [greedy]
+    elif reached_end:
         last = logits[-1:]
         x = target_logits(last, seq.controls)
         if seq.params.seed is not None and not seq.params.greedy:  # keyed by position: layers/seeded_draw.py

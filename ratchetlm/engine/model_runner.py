@@ -23,6 +23,11 @@ from ratchetlm.sequence import Sequence
 TRIM_ROWS = 256  # a forward over this many new rows hands its freed activations back to the OS after it
 
 
+def _on(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """``t.to(dev)`` without the call where it is there already (a step's every small op costs)."""
+    return t if t.device == dev else t.to(dev)
+
+
 @dataclass
 class ForwardPlan:
     """One forward's inputs as decided from the block tables and proposals (CPU tensors): all that
@@ -206,18 +211,18 @@ class ModelRunner:
         dev = self.device
         sink: KVSink = NullSink()
         if plan.write:
-            stage = None if plan.stage_index is None else plan.stage_index.to(dev)
-            sink = StepSink(self.cache, self.cache.by_group(plan.slot_mapping.to(dev)), self.staging, stage)
-        positions = plan.positions.to(dev)
+            stage = None if plan.stage_index is None else _on(plan.stage_index, dev)
+            sink = StepSink(self.cache, self.cache.by_group(_on(plan.slot_mapping, dev)), self.staging, stage)
+        positions = _on(plan.positions, dev)
         batch = build_attention_batch(positions, plan.new_lens, plan.context_slots, plan.masks, sink, self.cache,
                                       dtype=self.dtype, ctx_starts=plan.ctx_starts)
-        hidden = self.model(plan.ids.to(dev), batch, num_layers=plan.num_layers)
+        hidden = self.model(_on(plan.ids, dev), batch, num_layers=plan.num_layers)
         r = plan.logit_rows
         if r and r[-1] - r[0] == len(r) - 1 and r == list(range(r[0], r[-1] + 1)):  # consecutive rows: a view
             wanted = hidden[r[0] : r[-1] + 1]
         else:
             wanted = hidden[torch.tensor(r, dtype=torch.long, device=dev)]
-        logits = self.model.logits(wanted).cpu()
+        logits = _on(self.model.logits(wanted), torch.device("cpu"))
         if len(plan.ids) >= TRIM_ROWS and dev.type == "cpu":
             trim_heap()  # its freed activations back to the OS, not kept in the heap (layers/mapped_pages.py)
         return hidden, logits

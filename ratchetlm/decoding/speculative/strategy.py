@@ -272,8 +272,9 @@ class Speculative(DecodeStrategy):
         for i, (s, p, lg) in enumerate(zip(seqs, proposals, logits, strict=True)):
             if isinstance(p.state, TreeState):
                 c = self._commit_tree(s, p, lg, None if greedy is None else greedy[first : first + len(p.logit_rows)])
-            else:
-                c = catch_up_commit(s, p, lg)
+            else:  # (its last row's argmax, where known)
+                c = catch_up_commit(s, p, lg, greedy=None if greedy is None or not p.logit_rows
+                                    else greedy[first + len(p.logit_rows) - 1])
             first += len(p.logit_rows)
             if self.proposer.wants_features and c.kv_rows:
                 hidden = self.ctx.runner.last_hidden[i]  # [len(p.token_ids), hidden]
