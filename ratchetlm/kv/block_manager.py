@@ -42,6 +42,9 @@ from ratchetlm.kv.prefix_stats import PrefixCacheStats
 from ratchetlm.sequence import Sequence
 
 
+SLOT_CACHE = 4096  # sequences whose slot tensor is kept (a step's batch is far smaller)
+
+
 class BlockManager:
     """Owns the blocks of one paged cache. ``enable_caching=False`` (draft caches, models whose
     cache layout cannot share blocks): every released block goes straight back to the free list."""
@@ -59,9 +62,10 @@ class BlockManager:
         self._root = root_hash(self.cache_key)
         self.free_blocks: deque[int] = deque(range(num_blocks))
         self.ref_count = [0] * num_blocks
-        # seq_id -> (the block table it was made from, slots of every position it covers, -1 in released
+        # id(seq) -> (the block table it was made from, slots of every position it covers, -1 in released
         # blocks): a decode step's context slots are a view of it while the table stays the same (a new
-        # block every block_size tokens), not five tensor ops each step (~0.15 ms after a forward)
+        # block every block_size tokens), not five tensor ops each step (~0.15 ms after a forward). The
+        # slots are a function of the table alone, so a reused id finds a table that differs, or is equal
         self._slot_cache: dict[int, tuple[list[int], torch.Tensor]] = {}
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
         self.cached: dict[BlockHash, int] = {}  # name -> the one block holding it (referenced or not)
@@ -138,7 +142,7 @@ class BlockManager:
             if b >= 0:  # -1: already released out of the window
                 self._unref(b)
         setattr(seq, self.table, [])
-        self._slot_cache.pop(seq.seq_id, None)
+        self._slot_cache.pop(id(seq), None)
 
     def _unref(self, b: int) -> None:
         assert self.ref_count[b] > 0, f"block {b} released more often than referenced"
@@ -299,11 +303,13 @@ class BlockManager:
     def _all_slots(self, seq: Sequence, table: list[int]) -> torch.Tensor:  # [len(table) * bs] int64, read-only
         """Slot of every position ``table`` covers (-1 in released blocks), cached per sequence until
         its table changes. A view of it is handed out: callers copy, never write into it."""
-        hit = self._slot_cache.get(seq.seq_id)
+        hit = self._slot_cache.get(id(seq))
         if hit is not None and hit[0] == table:
             return hit[1]
         bs = self.block_size
         blocks = torch.tensor(table, dtype=torch.long)  # [nb]
         out = (blocks[:, None] * bs + torch.arange(bs)).masked_fill_((blocks < 0)[:, None], -1).view(-1)
-        self._slot_cache[seq.seq_id] = (list(table), out)
+        if len(self._slot_cache) >= SLOT_CACHE:  # holders never freed (tests, abandoned drafts): bounded
+            self._slot_cache.clear()
+        self._slot_cache[id(seq)] = (list(table), out)
         return out

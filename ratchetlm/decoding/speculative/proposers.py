@@ -261,11 +261,11 @@ class NgramProposer(Proposer):
             # the tree (verify.prefix_tree: pack's tree, built from the lists): the strategy verifies it as is
             # instead of packing the beam back into it (~20 us a drafting sequence and step); the beam's
             # tensors only where a grammar cuts the candidates first (two tensors, ~0.05 ms after a forward)
-            toks = None
-            if seq.controls is not None and seq.controls.grammar is not None:
+            tree, toks = prefix_tree(conts), None
+            if tree is None or seq.controls is not None and seq.controls.grammar is not None:
                 width = max(len(x) for x in conts)
                 toks = torch.tensor([x + [PAD] * (width - len(x)) for x in conts], dtype=torch.long)
-            out.append(DraftBeam(toks, None if toks is None else torch.zeros(toks.shape), prefix_tree(conts)))
+            out.append(DraftBeam(toks, None if toks is None else torch.zeros(toks.shape), tree))
         if self.gain is not None:
             self.gate.observe(len(seqs), drafted > 0)
             if m is not None:
