@@ -214,3 +214,20 @@ def test_a_single_sequences_attention_batch_is_the_general_ones(ctx, n, masked):
         fixed = one.fixed_order_mask()  # (None where the kernel's causal rule is the mask)
         assert (fixed is None) == (not masked)
         assert fixed is None or fixed.is_contiguous() and torch.equal(fixed, one.mask.reshape(1, n, -1))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 9), st.integers(0, 9), st.booleans(), st.integers(0, 4)), max_size=12))
+def test_a_verify_steps_counters_update_in_place_as_the_round_trip_did(steps):
+    """stats.observe_into (the request's stats dictionary updated in place) leaves the same keys, in the
+    same order, with the same values as SpecCounters.from_stats, observe and as_dict."""
+    from ratchetlm.decoding.speculative.stats import SpecCounters, observe_into
+
+    got: dict = {"other": 1}
+    want: dict = {"other": 1}
+    for drafted, accepted, new, offset in steps:
+        observe_into(got, "spec_", drafted, accepted, new_draft=new, offset=offset)
+        c = SpecCounters.from_stats(want, "spec_")
+        c.observe(drafted, accepted, new_draft=new, offset=offset)
+        want.update(c.as_dict("spec_"))
+        assert list(got.items()) == list(want.items())

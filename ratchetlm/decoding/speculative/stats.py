@@ -55,6 +55,32 @@ class SpecCounters:
                    stats.get(f"{prefix}num_accepted_tokens", 0), list(stats.get(f"{prefix}accepted_per_pos", [])))
 
 
+_KEYS: dict[str, tuple[str, ...]] = {}  # prefix -> as_dict's keys, in its order
+
+
+def observe_into(stats: dict[str, Any], prefix: str, draft_tokens: int, accepted: int, new_draft: bool = True,
+                 offset: int = 0) -> None:
+    """``stats.update(c.as_dict(prefix))`` of ``c = SpecCounters.from_stats(stats, prefix)`` after
+    ``c.observe(...)``, the dictionary updated in place: a request's every verify step did that
+    round trip (two objects, a dozen formatted keys, ~0.05 ms on one core)."""
+    keys = _KEYS.get(prefix)
+    if keys is None:
+        keys = _KEYS[prefix] = tuple(SpecCounters().as_dict(prefix))
+    k_drafts, k_tokens, k_accepted, k_pos, k_mal, k_rate = keys
+    drafts = stats.get(k_drafts, 0) + new_draft
+    tokens = stats.get(k_tokens, 0) + draft_tokens
+    acc = stats.get(k_accepted, 0) + accepted
+    pos = list(stats.get(k_pos, []))
+    end = offset + accepted
+    if len(pos) < end:
+        pos += [0] * (end - len(pos))
+    for i in range(offset, end):
+        pos[i] += 1
+    stats[k_drafts], stats[k_tokens], stats[k_accepted], stats[k_pos] = drafts, tokens, acc, pos
+    stats[k_mal] = 1.0 + acc / drafts if drafts else 0.0
+    stats[k_rate] = acc / tokens if tokens else 0.0
+
+
 @dataclass
 class ChunkCounters:
     """Speculative chunk verify: one entry per chunk verification. ``accepted`` is the chunk's

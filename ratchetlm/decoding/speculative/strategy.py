@@ -49,7 +49,7 @@ from ratchetlm.decoding.speculative.config import SpecConfig
 from ratchetlm.decoding.speculative.draft_price import step_clock
 from ratchetlm.decoding.speculative.draft_tree import candidates, continuation, cut, restrict, trees_from_beams
 from ratchetlm.decoding.speculative.proposers import PAD, create_proposer
-from ratchetlm.decoding.speculative.stats import ChunkCounters, SpecCounters
+from ratchetlm.decoding.speculative.stats import ChunkCounters, SpecCounters, observe_into
 from ratchetlm.decoding.speculative.tree_attention import with_root
 from ratchetlm.decoding.speculative.verify import DraftTree
 from ratchetlm.decoding.tentative import chain_limit, forced_chain, observe_forced, verify_tree
@@ -316,9 +316,7 @@ class Speculative(DecodeStrategy):
 
     def _observe(self, seq: Sequence, st: TreeState, drafted: int, accepted: int, committed: int) -> None:
         """vLLM's counters count a step's draft once (its chunks add tokens to it); SCV's count chunks."""
-        c = SpecCounters.from_stats(seq.stats, _PREFIX)
-        c.observe(drafted, accepted, new_draft=st.first, offset=st.accepted)
-        seq.stats.update(c.as_dict(_PREFIX))
+        observe_into(seq.stats, _PREFIX, drafted, accepted, new_draft=st.first, offset=st.accepted)
         self.totals.observe(drafted, accepted, new_draft=st.first, offset=st.accepted)
         if self.cfg.chunk_size:
             ch = ChunkCounters.from_stats(seq.stats, _PREFIX)
