@@ -105,6 +105,32 @@ def test_token_array_follows_a_growing_sequence_and_starts_over_otherwise():
         tokens, 1, 4, 2, 3)
 
 
+def test_token_arrays_earlier_copies_are_the_comparisons():
+    """TokenArray.earlier (positions kept per token) gives the last token's earlier copies, most recent
+    first, as comparing the whole text does, while the text grows, shrinks or is replaced; the lookup
+    reading them finds the same candidates."""
+    import random
+
+    import numpy as np
+
+    rng = random.Random(3)
+    held = TokenArray()
+    tokens: list[int] = []
+    texts = []
+    for _ in range(60):
+        tokens = tokens + [rng.randrange(6) for _ in range(rng.randrange(1, 5))]
+        texts.append(tokens)
+    texts += [tokens[:30], tokens[:10] + [9], [5] * 7, tokens]  # shorter, changed at its end, another's
+    for text in texts:
+        arr = np.asarray(text)
+        want = np.flatnonzero(arr[:-1] == arr[-1])[::-1].tolist()
+        assert held.earlier(text) == want
+        for m, c in ((1, 3), (3, 2)):
+            assert proposers.ngram_candidates(text, 1, 4, m, c, earlier=held.earlier(text)) == \
+                proposers.ngram_candidates(text, 1, 4, m, c)
+    assert TokenArray().earlier([]) == []
+
+
 def test_a_batch_size_where_proposing_lost_looks_nothing_up_and_decodes_plain_greedy(
         spec_llm, encoded, reference, monkeypatch):
     """The default (measured curve, so the ledger is on) with batch 8 judged a loss: at batch 8 only the

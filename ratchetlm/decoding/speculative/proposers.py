@@ -118,7 +118,7 @@ def create_proposer(name: str, cfg: Any, ctx: Any) -> Proposer:
 
 
 def ngram_candidates(tokens: list[int], min_n: int, max_n: int, m: int, c: int,
-                     arr: np.ndarray | None = None) -> list[tuple[int, list[int]]]:
+                     arr: np.ndarray | None = None, earlier: list[int] | None = None) -> list[tuple[int, list[int]]]:
     """Up to ``m`` distinct continuations (each up to ``c`` tokens) following earlier occurrences
     of the sequence's longest suffix n-gram, ``min_n <= n <= max_n``, each with its match length
     ``n``. Longer matches come first; within one length, the most recent occurrence first (recent
@@ -128,14 +128,19 @@ def ngram_candidates(tokens: list[int], min_n: int, max_n: int, m: int, c: int,
     Every occurrence ends on a copy of the last token: one vector comparison finds those, and each
     is extended backwards (at most ``max_n`` tokens) in Python — a few tens of microseconds per
     step, where a window comparison per n took ~130 us on a 400-token sequence with no match.
-    ``arr``: ``tokens`` as an int64 array when the caller keeps one (:class:`TokenArray`)."""
+    ``arr``: ``tokens`` as an int64 array when the caller keeps one; ``earlier``: the positions of
+    the last token's earlier copies, most recent first, when the caller keeps them
+    (:meth:`TokenArray.earlier`: a dictionary read where the comparison reads the whole text)."""
     t = len(tokens)
     top = min(max_n, t - 1)
     if top < min_n:
         return []
-    arr = np.asarray(tokens, dtype=np.int64) if arr is None else arr
-    assert len(arr) == t, (len(arr), t)
-    ends = np.flatnonzero(arr[: t - 1] == arr[t - 1])[::-1].tolist()  # most recent first; each followed by a token
+    if earlier is not None:
+        ends = earlier
+    else:
+        arr = np.asarray(tokens, dtype=np.int64) if arr is None else arr
+        assert len(arr) == t, (len(arr), t)
+        ends = np.flatnonzero(arr[: t - 1] == arr[t - 1])[::-1].tolist()  # most recent first; each followed by one
     found = []  # (end, match length <= top)
     for e in ends:
         n = 1
@@ -171,6 +176,24 @@ class TokenArray:
     def __init__(self) -> None:
         self.buf = np.empty(256, dtype=np.int64)
         self.n = 0
+        self.where: dict[int, list[int]] = {}  # token -> its positions, ascending (of the first ``indexed``)
+        self.indexed = 0
+        self.tail = -1  # the token at ``indexed - 1``
+
+    def earlier(self, tokens: list[int]) -> list[int]:
+        """Positions of the last token's earlier copies in ``tokens``, most recent first (what the
+        lookup extends backwards), from positions kept per token and appended as tokens are."""
+        t = len(tokens)
+        if t < self.indexed or (self.indexed and tokens[self.indexed - 1] != self.tail):
+            self.where, self.indexed = {}, 0  # not an extension of what is held: start over
+        where = self.where
+        for i in range(self.indexed, t):
+            where.setdefault(tokens[i], []).append(i)
+        self.indexed = t
+        if not t:
+            return []
+        self.tail = tokens[t - 1]
+        return where[self.tail][-2::-1]
 
     def of(self, tokens: list[int]) -> np.ndarray:  # [len(tokens)] int64, a view valid until the next call
         t = len(tokens)
@@ -245,7 +268,7 @@ class NgramProposer(Proposer):
             if held is None:
                 held = seq.strategy_state[_TOKENS] = TokenArray()
             cands = ngram_candidates(seq.token_ids, self.cfg.min_n, self.cfg.max_n, self.cfg.num_candidates,
-                                     d if self.gain is None else self.cfg.depth, held.of(seq.token_ids))
+                                     d if self.gain is None else self.cfg.depth, earlier=held.earlier(seq.token_ids))
             if self.gain is not None:
                 d = self._gain_length(seq, cands, d, len(seqs), drafted)
                 self.gain_skipped += bool(cands) and d == 0
