@@ -41,7 +41,6 @@ from ratchetlm.kv.block_hash import BlockHash, chain_hash, root_hash
 from ratchetlm.kv.prefix_stats import PrefixCacheStats
 from ratchetlm.sequence import Sequence
 
-
 SLOT_CACHE = 4096  # sequences whose slot tensor is kept (a step's batch is far smaller)
 
 
@@ -295,7 +294,6 @@ class BlockManager:
         table = self._t(seq)
         assert end <= len(table) * self.block_size, "positions beyond the block table"
         assert released or start >= end or table[start // self.block_size] >= 0, "positions in released blocks"
-        bs = self.block_size
         if end - start <= 64:  # a decode step's or a verify's few rows: position_slots' list arithmetic
             return self.position_slots(seq, list(range(start, end))).to(device)
         return self._all_slots(seq, table)[start:end].to(device)

@@ -50,7 +50,6 @@ from ratchetlm.decoding.speculative.draft_price import step_clock
 from ratchetlm.decoding.speculative.draft_tree import candidates, continuation, cut, restrict, trees_from_beams
 from ratchetlm.decoding.speculative.proposers import PAD, create_proposer
 from ratchetlm.decoding.speculative.stats import ChunkCounters, SpecCounters, observe_into
-from ratchetlm.decoding.speculative.tree_attention import with_root
 from ratchetlm.decoding.speculative.verify import DraftTree
 from ratchetlm.decoding.tentative import chain_limit, forced_chain, observe_forced, verify_tree
 from ratchetlm.sequence import Sequence

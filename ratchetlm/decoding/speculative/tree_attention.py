@@ -33,7 +33,8 @@ tests/speculative/test_tree_attention.py, but only partly on the engine's path):
 every step's draft trees (draft_tree.trees_from_beams reads tokens, depths and parents off
 ``tokens`` / ``position_offsets`` / ``unpack_map``), ``parent_rows`` gives sampled verification
 the row each entry is judged on, and ``with_root`` adds the root row to a tree's mask. The verify
-forward's mask is ``verify.tree_mask(tree)``; ``pack().mask`` is used only by the draft model's
+forward's mask is ``strategy.rooted_mask(tree.parent)`` (``with_root(strategy.tree_mask(tree))``,
+made once per tree shape from lists); ``pack().mask`` is used only by the draft model's
 own beam-search forwards (beam_search.py). Greedy verification walks the tree with
 ``verify.greedy_accept`` on the target's argmax per row (draft_tree.greedy_verify): the same result
 as ``unpack_verified`` without building the verified beam. ``unpack`` and ``unpack_verified`` are

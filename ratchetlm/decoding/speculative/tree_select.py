@@ -117,7 +117,7 @@ def _children(sources: list[DraftSource], states: dict[int, Any], token: int, ca
                 q = calib.p(key)  # type: ignore[arg-type]
                 if memo is not None:
                     memo[key] = q
-            merged[tok] = (max(p, q), keys, sts)  # type: ignore[arg-type]
+            merged[tok] = (max(p, q), keys, sts)
     return [(t, p, k, s) for t, (p, k, s) in merged.items()]
 
 
