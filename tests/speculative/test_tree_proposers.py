@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ratchetlm.decoding.speculative import suffix_index
 from ratchetlm.decoding.speculative.cost_curve import CostCurve
@@ -111,7 +113,7 @@ def test_sequence_index_resyncs_a_text_that_is_not_an_extension():
         got, want = idx.match(5), fresh.match(5)
         assert (got is None) == (want is None)
         if got is not None and want is not None:
-            assert got[1] == want[1] and got[0].starts.tolist() == want[0].starts.tolist()
+            assert got[1] == want[1] and list(got[0].starts) == list(want[0].starts)
             assert got[1] == naive_match(text, 5)[0]
 
 
@@ -348,7 +350,7 @@ def _span_walk(node: Any, depth: int) -> list[tuple[int, list[int], int, int]]:
     out: list[tuple[int, list[int], int, int]] = []
     if depth:
         for t, k in node.kids.items():
-            out += [(t, k.starts.tolist(), k.count, k.left), *_span_walk(k, depth - 1)]
+            out += [(t, [int(s) for s in k.starts], k.count, k.left), *_span_walk(k, depth - 1)]
     return out
 
 
@@ -370,3 +372,35 @@ def test_span_node_kids_grouped_in_python_equal_the_array_grouping(seed, monkeyp
             node = found[0]
             walks.append(_span_walk(suffix_index.SpanNode(node.arr, node.starts, node.left), 4))
         assert walks[0] == walks[1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3), st.booleans()), max_size=6), min_size=1,
+                max_size=3))
+def test_merged_children_are_the_simple_merge(proposals):
+    """tree_select._children (one list per child, each key's probability read once per build) against the
+    merge written out: per token the most confident source's probability, every source's key in source
+    order, the states of the sources that can expand it."""
+    from ratchetlm.decoding.speculative import tree_select
+
+    class Given:
+        def __init__(self, kids):
+            self.kids = kids
+
+        def expand(self, state, token):
+            return [(t, ("fixed", r), state if more else None) for t, r, more in self.kids]
+
+    sources = [Given(k) for k in proposals]
+    states = {i: f"s{i}" for i in range(len(sources))}
+    calib = calibrated([0.9, 0.5, 0.2, 0.05])
+    want: dict = {}
+    for i, st_ in states.items():
+        for tok, key, child in sources[i].expand(st_, 0):
+            p, keys, sts = want.get(tok, (0.0, [], {}))
+            if child is not None:
+                sts[i] = child
+            want[tok] = (max(p, calib.p(key)), keys + [key], sts)
+    memo: dict = {}
+    for _ in range(2):  # the second time every probability comes from the memo
+        got = tree_select._children(sources, states, 0, calib, memo)
+        assert got == [(t, p, k, s) for t, (p, k, s) in want.items()]

@@ -92,9 +92,11 @@ class SpanNode:
 
     __slots__ = ("_kids", "arr", "count", "left", "starts")
 
-    def __init__(self, arr: np.ndarray, starts: np.ndarray, left: int) -> None:
+    def __init__(self, arr: np.ndarray, starts: np.ndarray | list[int], left: int) -> None:
         self.arr = arr  # [t] int64, the tokens the node was found in
-        self.starts = starts  # [count] int64 positions < t of the token after each occurrence
+        # [count] positions < t of the token after each occurrence, ascending: an int64 array, or a list
+        # where they are few (a node a draft expands mostly occurs once or twice: no array made for it)
+        self.starts = starts
         self.count = len(starts)
         self.left = left  # levels below this node the truncated trie holds
         self._kids: dict[int, SpanNode] | None = None
@@ -106,13 +108,14 @@ class SpanNode:
             if self.left > 0 and self.count <= FEW:  # grouped in Python: the same kids, ~5x quicker
                 n = len(self.arr)
                 groups: dict[int, list[int]] = {}  # token -> the positions after its occurrences, in order
-                for s in self.starts.tolist():
+                for s in (self.starts if isinstance(self.starts, list) else self.starts.tolist()):
                     if s < n:
                         groups.setdefault(int(self.arr[s]), []).append(s + 1)
                 for tok in sorted(groups):
-                    self._kids[tok] = SpanNode(self.arr, np.array(groups[tok], dtype=np.int64), self.left - 1)
+                    self._kids[tok] = SpanNode(self.arr, groups[tok], self.left - 1)
             elif self.left > 0:
-                starts = self.starts[self.starts < len(self.arr)]  # occurrences the text goes on after
+                all_starts = np.asarray(self.starts, dtype=np.int64)
+                starts = all_starts[all_starts < len(self.arr)]  # occurrences the text goes on after
                 toks = self.arr[starts]
                 for tok in np.unique(toks).tolist():
                     self._kids[tok] = SpanNode(self.arr, starts[toks == tok] + 1, self.left - 1)
@@ -171,7 +174,7 @@ class SequenceIndex:
             if not ok:
                 break
             ends, m = ok, m + 1
-        return SpanNode(self.buf[:t], np.array(ends[-self.MAX_OCCURRENCES :], dtype=np.int64) + 1, self.depth - m), m
+        return SpanNode(self.buf[:t], [e + 1 for e in ends[-self.MAX_OCCURRENCES :]], self.depth - m), m
 
 
 class History:
