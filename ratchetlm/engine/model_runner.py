@@ -20,6 +20,7 @@ from ratchetlm.layers.mapped_pages import trim_heap
 from ratchetlm.runners import StepResult, layout_of
 from ratchetlm.sequence import Sequence
 
+FEW_ROWS = 64  # a step of at most this many rows packs its inputs into one tensor (execute)
 TRIM_ROWS = 256  # a forward over this many new rows hands its freed activations back to the OS after it
 
 
@@ -105,6 +106,8 @@ class ModelRunner:
         self.device = device
         self.max_model_len = max_model_len or model.config.max_position_embeddings
         self.staging = StagingBuffer(cache, staging_capacity)
+        # one slot group and a plain BlockManager: a step's few rows get their slots as a list (execute)
+        self._one_group = len(cache.slot_groups) == 1 and isinstance(blocks, BlockManager)
         self.num_forwards = 0
         # Final hidden states (after the last norm) of the last forward, per sequence
         # [len(proposal.token_ids), hidden]: the features a trained draft head (EAGLE) reads.
@@ -149,6 +152,10 @@ class ModelRunner:
         does not fit the buffer's capacity is computed without writing anything (``stage_base``
         -1, one ``fallback_overflow`` for the forward): its commit falls back to recompute."""
         assert len(seqs) == len(proposals) and seqs
+        # a step of few rows in one slot group (decode, verify): every row's slot as a list, and ids, positions,
+        # slots and staging rows one tensor (four tensors cost ~0.1 ms after a forward); else slot tensors
+        few = self._one_group and sum(len(p.token_ids) for p in proposals) <= FEW_ROWS
+        slot_list: list[int] = []
         ids: list[int] = []
         pos: list[int] = []
         slot_parts: list[torch.Tensor] = []
@@ -163,24 +170,37 @@ class ModelRunner:
             ids += p.token_ids
             pos += p.positions
             if p.direct_write:
-                slot_parts.append(self.blocks.slots(seq, seq.num_cached, seq.num_cached + n))
+                if few:  # (check_room asserted the rows are inside the table)
+                    slot_list += self.blocks.slot_list(seq, range(seq.num_cached, seq.num_cached + n))
+                else:
+                    slot_parts.append(self.blocks.slots(seq, seq.num_cached, seq.num_cached + n))
                 stage_index += [-1] * n
                 stage_base.append(-1)
             else:
                 fits = n_staged + n <= self.staging.capacity
                 overflow |= not fits
                 # a staged row's slot is its position's: where it goes if a commit names it
-                slot_parts.append(self.blocks.position_slots(seq, p.positions) if fits else self._no_slots(n))
+                if few:
+                    slot_list += self.blocks.slot_list(seq, p.positions) if fits else [-1] * n
+                else:
+                    slot_parts.append(self.blocks.position_slots(seq, p.positions) if fits else self._no_slots(n))
                 stage_index += range(n_staged, n_staged + n) if fits else [-1] * n
                 stage_base.append(n_staged if fits else -1)
                 n_staged += n if fits else 0
         if overflow:
             self.staging.metrics.fallback_overflow += 1
-        plan = ForwardPlan(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
-                           [len(p.token_ids) for p in proposals], [self.context_slots(s) for s in seqs],
-                           self.context_starts(seqs), [p.mask for p in proposals],
-                           slot_parts[0] if len(slot_parts) == 1 else torch.cat(slot_parts, dim=-1),
-                           torch.tensor(stage_index, dtype=torch.long) if n_staged or overflow else None, rows,
+        staged = n_staged or overflow
+        if few:  # [4 or 3, T]: ids, positions, slots (and staging rows), each a row of one tensor
+            packed = torch.tensor([ids, pos, slot_list, stage_index] if staged else [ids, pos, slot_list],
+                                  dtype=torch.long)
+            tok, where, slot_mapping = packed[0], packed[1], packed[2]
+            stage = packed[3] if staged else None
+        else:
+            tok, where = torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long)
+            slot_mapping = slot_parts[0] if len(slot_parts) == 1 else torch.cat(slot_parts, dim=-1)
+            stage = torch.tensor(stage_index, dtype=torch.long) if staged else None
+        plan = ForwardPlan(tok, where, [len(p.token_ids) for p in proposals], [self.context_slots(s) for s in seqs],
+                           self.context_starts(seqs), [p.mask for p in proposals], slot_mapping, stage, rows,
                            num_layers)
         hidden, all_logits = self.forward(plan)
         self.num_forwards += 1

@@ -278,14 +278,19 @@ class BlockManager:
         table = self._t(seq)
         bs = self.block_size
         if len(positions) <= 64:  # a verify's few rows: list arithmetic beats the tensor ops below
-            lim = len(table) * bs
-            return torch.tensor([table[p // bs] * bs + p % bs if p < lim and table[p // bs] >= 0 else -1
-                                 for p in positions], dtype=torch.long)
+            return torch.tensor(self.slot_list(seq, positions), dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
         tab = torch.tensor(table, dtype=torch.long)
         block = tab[(pos // bs).clamp(max=max(len(table) - 1, 0))]
         held = (pos < len(table) * bs) & (block >= 0)
         return torch.where(held, block * bs + pos % bs, torch.full_like(pos, -1))
+
+    def slot_list(self, seq: Sequence, positions: list[int] | range) -> list[int]:
+        """:meth:`position_slots` as a list (a step's few rows: the runner makes one tensor of them all)."""
+        table = self._t(seq)
+        bs = self.block_size
+        lim = len(table) * bs
+        return [table[p // bs] * bs + p % bs if p < lim and table[p // bs] >= 0 else -1 for p in positions]
 
     def slots(self, seq: Sequence, start: int, end: int, device: torch.device | str = "cpu",
               released: bool = False) -> torch.Tensor:

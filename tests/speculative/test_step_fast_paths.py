@@ -231,3 +231,32 @@ def test_a_verify_steps_counters_update_in_place_as_the_round_trip_did(steps):
         c.observe(drafted, accepted, new_draft=new, offset=offset)
         want.update(c.as_dict("spec_"))
         assert list(got.items()) == list(want.items())
+
+
+def test_a_few_rows_inputs_packed_in_one_tensor_are_the_separate_tensors(spec_llm, encoded, monkeypatch):
+    """ModelRunner.execute packs a step of few rows (ids, positions, slots from lists, staging rows) into one
+    tensor: every forward's plan equals the one built from separate tensors (FEW_ROWS 0), on drafted trees
+    (staged rows, the price pinned so both runs draft the same) and plain steps, and the output too."""
+    from ratchetlm.engine import model_runner
+
+    def plans(few_rows: int) -> tuple[list, list]:
+        monkeypatch.setattr(model_runner, "FEW_ROWS", few_rows)
+        seen = []
+        real = model_runner.ModelRunner.forward
+
+        def spy(self, plan):
+            seen.append((plan.ids.tolist(), plan.positions.tolist(), plan.slot_mapping.tolist(),
+                         None if plan.stage_index is None else plan.stage_index.tolist(), plan.new_lens,
+                         plan.logit_rows, [None if m is None else m.tolist() for m in plan.masks]))
+            return real(self, plan)
+
+        monkeypatch.setattr(model_runner.ModelRunner, "forward", spy)
+        eng = make_engine(spec_llm, "speculative", method="hybrid", verify_token_cost=0.02)
+        out = run_engine(eng, [encoded[0], encoded[2]], GREEDY)
+        monkeypatch.setattr(model_runner.ModelRunner, "forward", real)
+        return seen, out
+
+    packed, out = plans(model_runner.FEW_ROWS)
+    separate, ref = plans(0)
+    assert out == ref and packed == separate
+    assert any(p[3] is not None and max(p[3]) >= 0 for p in packed), "no step staged a tree"
