@@ -106,8 +106,8 @@ class ModelRunner:
         self.device = device
         self.max_model_len = max_model_len or model.config.max_position_embeddings
         self.staging = StagingBuffer(cache, staging_capacity)
-        # one slot group and a plain BlockManager: a step's few rows get their slots as a list (execute)
-        self._one_group = len(cache.slot_groups) == 1 and isinstance(blocks, BlockManager)
+        # one slot group (and a plain BlockManager): a step's few rows get their slots as a list (execute)
+        self._one_group = len(cache.slot_groups) == 1
         self.num_forwards = 0
         # Final hidden states (after the last norm) of the last forward, per sequence
         # [len(proposal.token_ids), hidden]: the features a trained draft head (EAGLE) reads.
@@ -154,7 +154,9 @@ class ModelRunner:
         assert len(seqs) == len(proposals) and seqs
         # a step of few rows in one slot group (decode, verify): every row's slot as a list, and ids, positions,
         # slots and staging rows one tensor (four tensors cost ~0.1 ms after a forward); else slot tensors
-        few = self._one_group and sum(len(p.token_ids) for p in proposals) <= FEW_ROWS
+        blocks = self.blocks
+        one = blocks if isinstance(blocks, BlockManager) and self._one_group \
+            and sum(len(p.token_ids) for p in proposals) <= FEW_ROWS else None
         slot_list: list[int] = []
         ids: list[int] = []
         pos: list[int] = []
@@ -170,8 +172,8 @@ class ModelRunner:
             ids += p.token_ids
             pos += p.positions
             if p.direct_write:
-                if few:  # (check_room asserted the rows are inside the table)
-                    slot_list += self.blocks.slot_list(seq, range(seq.num_cached, seq.num_cached + n))
+                if one is not None:  # (check_room asserted the rows are inside the table)
+                    slot_list += one.slot_list(seq, range(seq.num_cached, seq.num_cached + n))
                 else:
                     slot_parts.append(self.blocks.slots(seq, seq.num_cached, seq.num_cached + n))
                 stage_index += [-1] * n
@@ -180,8 +182,8 @@ class ModelRunner:
                 fits = n_staged + n <= self.staging.capacity
                 overflow |= not fits
                 # a staged row's slot is its position's: where it goes if a commit names it
-                if few:
-                    slot_list += self.blocks.slot_list(seq, p.positions) if fits else [-1] * n
+                if one is not None:
+                    slot_list += one.slot_list(seq, p.positions) if fits else [-1] * n
                 else:
                     slot_parts.append(self.blocks.position_slots(seq, p.positions) if fits else self._no_slots(n))
                 stage_index += range(n_staged, n_staged + n) if fits else [-1] * n
@@ -190,7 +192,7 @@ class ModelRunner:
         if overflow:
             self.staging.metrics.fallback_overflow += 1
         staged = n_staged or overflow
-        if few:  # [4 or 3, T]: ids, positions, slots (and staging rows), each a row of one tensor
+        if one is not None:  # [4 or 3, T]: ids, positions, slots (and staging rows), each a row of one tensor
             packed = torch.tensor([ids, pos, slot_list, stage_index] if staged else [ids, pos, slot_list],
                                   dtype=torch.long)
             tok, where, slot_mapping = packed[0], packed[1], packed[2]
