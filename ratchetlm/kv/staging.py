@@ -324,13 +324,17 @@ class StagingBuffer:
         consecutively in the buffer and the pool go as slices (:func:`runs`), others gathered."""
         stacked = self.pools.stacked
         moves: list[tuple[str, list[tuple[slice | torch.Tensor, slice | torch.Tensor]]]] = []  # pool, (src, dst)
+        # the pools of a group get the same two lists (commit's plan): their selections are made once
+        made: dict[tuple[int, int], list[tuple[slice | torch.Tensor, slice | torch.Tensor]]] = {}
         for pool, src, slots in plan:
-            rs = runs(src, slots)
-            if len(rs) <= SLICE_RUNS:
-                moves.append((pool, [(slice(a, a + n), slice(b, b + n)) for a, b, n in rs]))
-            else:
-                moves.append((pool, [(torch.tensor(src, dtype=torch.long, device=self.device),
-                                      torch.tensor(slots, dtype=torch.long, device=self.device))]))
+            key = (id(src), id(slots))
+            parts = made.get(key)
+            if parts is None:
+                rs = runs(src, slots)
+                parts = made[key] = [(slice(a, a + n), slice(b, b + n)) for a, b, n in rs] \
+                    if len(rs) <= SLICE_RUNS else [(torch.tensor(src, dtype=torch.long, device=self.device),
+                                                    torch.tensor(slots, dtype=torch.long, device=self.device))]
+            moves.append((pool, parts))
         fault = None if self.fault_layer is None else (self.fault_pool or (plan[0][0] if plan else None))
         # for rollback: the target rows as they were, of every pool but the last one copied: a later pool's
         # failure must undo the earlier ones, while the last one's own copies, checked above (slots in range,
