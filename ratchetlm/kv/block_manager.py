@@ -41,7 +41,7 @@ from ratchetlm.kv.block_hash import BlockHash, chain_hash, root_hash
 from ratchetlm.kv.prefix_stats import PrefixCacheStats
 from ratchetlm.sequence import Sequence
 
-SLOT_CACHE = 4096  # sequences whose slot tensor is kept (a step's batch is far smaller)
+SLOT_CACHE = 1024  # holders whose slot tensor is kept (a step holds max_num_seqs and their draft caches)
 
 
 class BlockManager:
