@@ -18,7 +18,7 @@ Two parts:
 * ``--phases``: Spec-Bench cases (the arguments after ``--`` go to bench_specbench.py) with every
   phase of a step wrapped: per engine (AR, ``ngram``, ``hybrid``) the thread CPU time per step of
   propose, the proposer's tree build, the forward and its LM head, the table's top-k, the strategy's
-  commit and verify, the staging commit, and the step; what a step costs outside the forward, also by
+  commit and verify, the staging commit, the garbage collector (by generation) and the step; what a step costs outside the forward, also by
   kind of step: prompt rows (prefill), decoding without a draft (AR's every decode step) and with one.
 
     python benchmarks/bench_spec_step.py [--cuts] [--rows 1 4 8 12] [--repeats 400]
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import os
 import statistics
 import sys
@@ -251,6 +252,15 @@ def phases(argv: list[str]) -> None:
                 acc[current[0]][label] += time.thread_time() - t0
         setattr(owner, name, w)
 
+    gc_start = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:  # the cyclic collector's time, by generation
+        if phase == "start":
+            gc_start[0] = time.thread_time()
+        else:
+            acc[current[0]][f"  gc gen {info['generation']}"] += time.thread_time() - gc_start[0]
+    gc.callbacks.append(on_gc)
+
     step = llm_engine.LLMEngine.step
     kind = [""]  # the step being run: "prefill" (a prompt row), "drafted" (a staged proposal) or "no draft"
 
@@ -259,6 +269,8 @@ def phases(argv: list[str]) -> None:
             out = propose(self, seqs, budgets)
             kind[0] = "prefill" if any(p.direct_write and len(p.token_ids) > 1 for p in out) else \
                 "drafted" if any(not p.direct_write for p in out) else "no draft"
+            if kind[0] != "prefill":  # decode steps also by batch size (a batch's sizes shrink as requests end)
+                kind[0] += f", batch {len(seqs)}"
             return out
         return w
 
@@ -267,6 +279,8 @@ def phases(argv: list[str]) -> None:
         current[0] = type(p).__name__ if p is not None else "AR"
         t0 = time.thread_time()
         fwd = acc[current[0]][" forward"]
+        topk = acc[current[0]][" table top-k"]
+        kind[0] = "idle"  # a step that proposes nothing (every request waiting or done)
         out = step(self)
         t = time.thread_time() - t0
         acc[current[0]]["step"] += t
@@ -274,10 +288,11 @@ def phases(argv: list[str]) -> None:
         # steps by kind: a decode step without a draft against AR's, and one with a draft
         n = split[current[0]][kind[0]]
         n[0], n[1], n[2] = n[0] + 1, n[1] + t, n[2] + t - (acc[current[0]][" forward"] - fwd)
+        n[3] += acc[current[0]][" table top-k"] - topk
         return out
 
-    split: dict[str, dict[str, list[float]]] = collections.defaultdict(
-        lambda: collections.defaultdict(lambda: [0.0, 0.0, 0.0]))  # engine -> kind -> [steps, step s, outside s]
+    split: dict[str, dict[str, list[float]]] = collections.defaultdict(  # engine -> kind ->
+        lambda: collections.defaultdict(lambda: [0.0, 0.0, 0.0, 0.0]))  # [steps, step s, outside s, top-k s]
     llm_engine.LLMEngine.step = engine_step  # type: ignore[method-assign]
     for owner in (strategy.Speculative, autoregressive.Autoregressive):
         owner.propose = classified(owner.propose)  # type: ignore[method-assign]
@@ -297,8 +312,9 @@ def phases(argv: list[str]) -> None:
             print(f"  {eng} ({steps[eng]} steps): " + ", ".join(f"{k.strip()} {v / steps[eng] * 1e3:.3f}"
                                                              for k, v in d.items())
                   + f", outside the forward {(d['step'] - d[' forward']) / steps[eng] * 1e3:.3f}")
-            for k, (n, t, out) in sorted(split[eng].items()):
-                print(f"    {k} ({int(n)} steps): step {t / n * 1e3:.3f}, outside the forward {out / n * 1e3:.3f}")
+            for k, (n, t, out, topk) in sorted(split[eng].items()):
+                print(f"    {k} ({int(n)} steps): step {t / n * 1e3:.3f}, outside the forward {out / n * 1e3:.3f}"
+                      + (f" (table top-k {topk / n * 1e3:.3f})" if topk else ""))
 
 
 def main() -> None:

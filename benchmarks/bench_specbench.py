@@ -380,7 +380,8 @@ def print_prices(engines: dict[str, LLMEngine]) -> None:
             cells = ", ".join(f"{b}: {m[f'spec_decode_draft_price_factor_batch_{b}']:.2f}"
                               f" + {m[f'spec_decode_draft_price_fixed_batch_{b}']:.2f}" for b in sizes)
             print(f"  {label} draft price per batch size (factor + fixed): {cells}; "
-                  f"ledger plain steps {m.get('spec_decode_ledger_plain_steps', 0):.0f}")
+                  f"ledger plain steps {m.get('spec_decode_ledger_plain_steps', 0):.0f}, idle-gate plain steps "
+                  f"{m.get('spec_decode_idle_plain_steps', 0):.0f}")
 
 
 def run_batches(engines: dict[str, LLMEngine], batches: list[list[list[int]]], params: SamplingParams,
