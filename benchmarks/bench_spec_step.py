@@ -19,7 +19,9 @@ Two parts:
   phase of a step wrapped: per engine (AR, ``ngram``, ``hybrid``) the thread CPU time per step of
   propose, the proposer's tree build, the forward and its LM head, the table's top-k, the strategy's
   commit and verify, the staging commit, the garbage collector (by generation) and the step; what a step costs outside the forward, also by
-  kind of step: prompt rows (prefill), decoding without a draft (AR's every decode step) and with one.
+  kind of step: prompt rows (prefill), decoding without a draft (AR's every decode step) and with one, and
+  by the batch's decoding sequences (``--batch N`` after ``--``: a batch's sizes shrink as requests end), with
+  tokens per step and decode tok/s per batch size.
 
     python benchmarks/bench_spec_step.py [--cuts] [--rows 1 4 8 12] [--repeats 400]
     python benchmarks/bench_spec_step.py --attention [--contexts 300 1000] [--peer /path/to/other/checkout]
@@ -289,10 +291,12 @@ def phases(argv: list[str]) -> None:
         n = split[current[0]][kind[0]]
         n[0], n[1], n[2] = n[0] + 1, n[1] + t, n[2] + t - (acc[current[0]][" forward"] - fwd)
         n[3] += acc[current[0]][" table top-k"] - topk
+        n[4] += sum(len(o.new_token_ids) for o in out)
         return out
 
     split: dict[str, dict[str, list[float]]] = collections.defaultdict(  # engine -> kind ->
-        lambda: collections.defaultdict(lambda: [0.0, 0.0, 0.0, 0.0]))  # [steps, step s, outside s, top-k s]
+        lambda: collections.defaultdict(lambda: [0.0, 0.0, 0.0, 0.0, 0.0]))  # [steps, step s, outside s, top-k s,
+    # tokens]
     llm_engine.LLMEngine.step = engine_step  # type: ignore[method-assign]
     for owner in (strategy.Speculative, autoregressive.Autoregressive):
         owner.propose = classified(owner.propose)  # type: ignore[method-assign]
@@ -312,9 +316,18 @@ def phases(argv: list[str]) -> None:
             print(f"  {eng} ({steps[eng]} steps): " + ", ".join(f"{k.strip()} {v / steps[eng] * 1e3:.3f}"
                                                              for k, v in d.items())
                   + f", outside the forward {(d['step'] - d[' forward']) / steps[eng] * 1e3:.3f}")
-            for k, (n, t, out, topk) in sorted(split[eng].items()):
+            for k, (n, t, out, topk, toks) in sorted(split[eng].items()):
                 print(f"    {k} ({int(n)} steps): step {t / n * 1e3:.3f}, outside the forward {out / n * 1e3:.3f}"
-                      + (f" (table top-k {topk / n * 1e3:.3f})" if topk else ""))
+                      + (f" (table top-k {topk / n * 1e3:.3f})" if topk else "") + f", {toks / n:.2f} tokens, "
+                      f"{toks / t:.1f} tok/s")
+            by_batch: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])  # batch -> [s, tokens]
+            for k, (_, t, _, _, toks) in split[eng].items():
+                if ", batch " in k:
+                    by_batch[k.split(", batch ")[1]][0] += t
+                    by_batch[k.split(", batch ")[1]][1] += toks
+            if by_batch:  # decode tok/s per batch size, drafting or not (contexts differ between engines)
+                print("    decode tok/s by batch size: " + ", ".join(
+                    f"{b}: {toks / t:.1f}" for b, (t, toks) in sorted(by_batch.items())))
 
 
 def main() -> None:
