@@ -18,10 +18,11 @@ Two parts:
 * ``--phases``: Spec-Bench cases (the arguments after ``--`` go to bench_specbench.py) with every
   phase of a step wrapped: per engine (AR, ``ngram``, ``hybrid``) the thread CPU time per step of
   propose, the proposer's tree build, the forward and its LM head, the table's top-k, the strategy's
-  commit and verify, the staging commit, the garbage collector (by generation) and the step; what a step costs outside the forward, also by
-  kind of step: prompt rows (prefill), decoding without a draft (AR's every decode step) and with one, and
-  by the batch's decoding sequences (``--batch N`` after ``--``: a batch's sizes shrink as requests end), with
-  tokens per step and decode tok/s per batch size.
+  commit and verify, the staging commit, the garbage collector (by generation) and the step; what a
+  step costs outside the forward, also by kind of step: prompt rows (prefill), decoding without a
+  draft (AR's every decode step) and with one, and by the batch's decoding sequences (``--batch N``
+  after ``--``: a batch's sizes shrink as requests end), with tokens per step and decode tok/s per
+  batch size.
 
     python benchmarks/bench_spec_step.py [--cuts] [--rows 1 4 8 12] [--repeats 400]
     python benchmarks/bench_spec_step.py --attention [--contexts 300 1000] [--peer /path/to/other/checkout]
