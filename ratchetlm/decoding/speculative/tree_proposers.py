@@ -1,7 +1,7 @@
 """Training-free tree proposers: ``recycling`` (Token Recycling's successor table), ``suffix``
 (SuffixDecoding-style tries over the request and the engine's recent outputs) and ``hybrid``
-(both merged into one tree; the default ``speculative`` method is ``ngram``, measured faster on
-Spec-Bench, docs/benchmarks.md).
+(both merged into one tree; the default ``speculative`` method is ``ngram``: on Spec-Bench the
+hybrid measured level with it, not ahead, docs/benchmarks.md).
 
 Every source proposes scored children for the nodes of one tree and tree_select.py keeps the
 nodes, best first, while the expected accepted tokens per unit of verify cost (the measured cost
