@@ -59,12 +59,12 @@ SUFFIX_WIDTH = 4  # most frequent continuations kept per suffix node
 # measured curve this is where each batch size's learnt price starts (draft_price.DraftPrice's prior).
 TREE_PRICE = 1.6
 # From this many decoding sequences a step the hybrid drafts n-gram chains (proposers.NgramProposer, with its
-# own measured price, ledger and idle gate) instead of trees. At batch 8 (Spec-Bench, default model, int8,
-# one core, 2026-11-29, docs/benchmarks.md) its trees measured 0.91-0.93x plain decoding in the decode
-# phase where chains measured 0.99-1.03x: in a batch a draft row costs about what a sequence's row does,
-# so the trees' extra rows of low-probability branches do not pay, and building them (lookups in three
-# sources, a tree per sequence, the successor table's top-k of every row) costs ~3-4 ms a step at batch 8
-# where the n-gram lookup costs ~0.4. At batch 1 trees and chains measured level or trees ahead.
+# own measured price, ledger and idle gate) instead of trees. On Spec-Bench (default model, int8, one core,
+# 2026-11-29, docs/benchmarks.md) at batch 8 its trees measured 0.89-0.98x plain decoding in the decode phase
+# (5 runs) where chains measured 0.97-1.03x, at batch 2 1.20x against 1.26x: in a batch a draft row costs
+# about what a sequence's row does, so a tree's low-probability branches do not pay, and proposing trees
+# (lookups in three sources, a tree per sequence, the successor table's top-k of every row) cost ~3-4 ms a
+# step at batch 8 where the n-gram lookup costs ~0.4. At batch 1 trees and chains measured level.
 CHAINS_FROM = 2
 _PLAN = "spec_tree_plan"  # strategy_state keys: the last tree (judged once committed tokens pass it)
 _INDEX = "spec_suffix_index"  # this sequence's SequenceIndex
@@ -221,7 +221,7 @@ class TreeProposer(Proposer):
             self.history.add(seq.output_ids)
 
     def observe_step(self, batch: int, tokens: int, seconds: float) -> None:
-        # (each ignores a step it did not propose for: MeasuredDrafts keeps only its own last step's record)
+        # (each takes only a step it recorded, of that batch size: trees and chains never share a batch size)
         if self.measured is not None:
             self.measured.observe_step(batch, tokens, seconds)
         if self.chains is not None:
