@@ -18,8 +18,11 @@ Two parts:
 * ``--phases``: Spec-Bench cases (the arguments after ``--`` go to bench_specbench.py) with every
   phase of a step wrapped: per engine (AR, ``ngram``, ``hybrid``) the thread CPU time per step of
   propose, the proposer's tree build, the forward and its LM head, the table's top-k, the strategy's
-  commit and verify, the staging commit, and the step; what a step costs outside the forward, also by
-  kind of step: prompt rows (prefill), decoding without a draft (AR's every decode step) and with one.
+  commit and verify, the staging commit, the garbage collector (by generation) and the step; what a
+  step costs outside the forward, also by kind of step: prompt rows (prefill), decoding without a
+  draft (AR's every decode step) and with one, and by the batch's decoding sequences (``--batch N``
+  after ``--``: a batch's sizes shrink as requests end), with tokens per step and decode tok/s per
+  batch size.
 
     python benchmarks/bench_spec_step.py [--cuts] [--rows 1 4 8 12] [--repeats 400]
     python benchmarks/bench_spec_step.py --attention [--contexts 300 1000] [--peer /path/to/other/checkout]
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import os
 import statistics
 import sys
@@ -251,6 +255,15 @@ def phases(argv: list[str]) -> None:
                 acc[current[0]][label] += time.thread_time() - t0
         setattr(owner, name, w)
 
+    gc_start = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:  # the cyclic collector's time, by generation
+        if phase == "start":
+            gc_start[0] = time.thread_time()
+        else:
+            acc[current[0]][f"  gc gen {info['generation']}"] += time.thread_time() - gc_start[0]
+    gc.callbacks.append(on_gc)
+
     step = llm_engine.LLMEngine.step
     kind = [""]  # the step being run: "prefill" (a prompt row), "drafted" (a staged proposal) or "no draft"
 
@@ -259,6 +272,8 @@ def phases(argv: list[str]) -> None:
             out = propose(self, seqs, budgets)
             kind[0] = "prefill" if any(p.direct_write and len(p.token_ids) > 1 for p in out) else \
                 "drafted" if any(not p.direct_write for p in out) else "no draft"
+            if kind[0] != "prefill":  # decode steps also by batch size (a batch's sizes shrink as requests end)
+                kind[0] += f", batch {len(seqs)}"
             return out
         return w
 
@@ -267,6 +282,8 @@ def phases(argv: list[str]) -> None:
         current[0] = type(p).__name__ if p is not None else "AR"
         t0 = time.thread_time()
         fwd = acc[current[0]][" forward"]
+        topk = acc[current[0]][" table top-k"]
+        kind[0] = "idle"  # a step that proposes nothing (every request waiting or done)
         out = step(self)
         t = time.thread_time() - t0
         acc[current[0]]["step"] += t
@@ -274,10 +291,13 @@ def phases(argv: list[str]) -> None:
         # steps by kind: a decode step without a draft against AR's, and one with a draft
         n = split[current[0]][kind[0]]
         n[0], n[1], n[2] = n[0] + 1, n[1] + t, n[2] + t - (acc[current[0]][" forward"] - fwd)
+        n[3] += acc[current[0]][" table top-k"] - topk
+        n[4] += sum(len(o.new_token_ids) for o in out)
         return out
 
-    split: dict[str, dict[str, list[float]]] = collections.defaultdict(
-        lambda: collections.defaultdict(lambda: [0.0, 0.0, 0.0]))  # engine -> kind -> [steps, step s, outside s]
+    split: dict[str, dict[str, list[float]]] = collections.defaultdict(  # engine -> kind ->
+        lambda: collections.defaultdict(lambda: [0.0, 0.0, 0.0, 0.0, 0.0]))  # [steps, step s, outside s, top-k s,
+    # tokens]
     llm_engine.LLMEngine.step = engine_step  # type: ignore[method-assign]
     for owner in (strategy.Speculative, autoregressive.Autoregressive):
         owner.propose = classified(owner.propose)  # type: ignore[method-assign]
@@ -297,8 +317,18 @@ def phases(argv: list[str]) -> None:
             print(f"  {eng} ({steps[eng]} steps): " + ", ".join(f"{k.strip()} {v / steps[eng] * 1e3:.3f}"
                                                              for k, v in d.items())
                   + f", outside the forward {(d['step'] - d[' forward']) / steps[eng] * 1e3:.3f}")
-            for k, (n, t, out) in sorted(split[eng].items()):
-                print(f"    {k} ({int(n)} steps): step {t / n * 1e3:.3f}, outside the forward {out / n * 1e3:.3f}")
+            for k, (n, t, out, topk, toks) in sorted(split[eng].items()):
+                print(f"    {k} ({int(n)} steps): step {t / n * 1e3:.3f}, outside the forward {out / n * 1e3:.3f}"
+                      + (f" (table top-k {topk / n * 1e3:.3f})" if topk else "") + f", {toks / n:.2f} tokens, "
+                      f"{toks / t:.1f} tok/s")
+            by_batch: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])  # batch -> [s, tokens]
+            for k, (_, t, _, _, toks) in split[eng].items():
+                if ", batch " in k:
+                    by_batch[k.split(", batch ")[1]][0] += t
+                    by_batch[k.split(", batch ")[1]][1] += toks
+            if by_batch:  # decode tok/s per batch size, drafting or not (contexts differ between engines)
+                print("    decode tok/s by batch size: " + ", ".join(
+                    f"{b}: {toks / t:.1f}" for b, (t, toks) in sorted(by_batch.items())))
 
 
 def main() -> None:

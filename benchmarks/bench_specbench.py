@@ -308,7 +308,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cfg = EngineConfig(dtype="float32", decoding="speculative" if opts is not None else "autoregressive",
                            decoding_options=opts or {}, kv_cache_blocks=1024, progress=False,
                            numerics=llm.config.numerics)
-        return LLMEngine(cfg, llm.engine.model, llm.model_config, tokenizer=llm.tokenizer)
+        eng = LLMEngine(cfg, llm.engine.model, llm.model_config, tokenizer=llm.tokenizer)
+        # the KV pools are backed page by page on first write (memory/huge_pages.py): touched here, a new 2 MB
+        # region's first write (30 layers' worth of huge pages, 20-400 ms of one core on a busy VM) is not
+        # timed against whichever engine's block reservations reach it first (as in a server that has run)
+        for t in getattr(eng.runner.cache, "stacked", {}).values():
+            t.zero_()
+        return eng
 
     engines: dict[str, Any] = {"AR": engine(None), **{name: engine(opts) for name, opts in configs.items()}}
     questions = load_questions()
@@ -380,7 +386,8 @@ def print_prices(engines: dict[str, LLMEngine]) -> None:
             cells = ", ".join(f"{b}: {m[f'spec_decode_draft_price_factor_batch_{b}']:.2f}"
                               f" + {m[f'spec_decode_draft_price_fixed_batch_{b}']:.2f}" for b in sizes)
             print(f"  {label} draft price per batch size (factor + fixed): {cells}; "
-                  f"ledger plain steps {m.get('spec_decode_ledger_plain_steps', 0):.0f}")
+                  f"ledger plain steps {m.get('spec_decode_ledger_plain_steps', 0):.0f}, idle-gate plain steps "
+                  f"{m.get('spec_decode_idle_plain_steps', 0):.0f}")
 
 
 def run_batches(engines: dict[str, LLMEngine], batches: list[list[list[int]]], params: SamplingParams,

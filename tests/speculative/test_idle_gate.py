@@ -39,29 +39,33 @@ def test_a_draft_reopens_the_gate_and_batch_sizes_are_separate():
 
 
 def test_hybrid_at_batch_8_with_no_draft_that_pays_is_plain(spec_llm, encoded, reference, monkeypatch):
-    """Every verified row priced at a whole forward: no tree can pay, so after the gate's patience
-    the hybrid neither builds trees nor takes the successor table's top-k, and decodes the same
-    tokens as plain greedy."""
+    """Every verified row priced at a whole forward: no draft can pay. In a batch the hybrid drafts the
+    n-gram method's chains (tree_proposers.CHAINS_FROM), so at batch 8 it builds no tree and takes no
+    successor-table top-k at all, and after the chains' gate's patience it stops looking up matches too;
+    the same tokens as plain greedy."""
     builds: list[int] = []  # the batch size of every tree built
     real = tree_proposers.build
     monkeypatch.setattr(tree_proposers, "build", lambda *a, **k: builds.append(a[7]) or real(*a, **k))
+    lookups: list[int] = []
+    real_lookup = proposers.ngram_candidates
+    monkeypatch.setattr(proposers, "ngram_candidates", lambda *a, **k: lookups.append(1) or real_lookup(*a, **k))
     eng = make_engine(spec_llm, "speculative", method="hybrid", depth_schedule="gain", verify_token_cost=1.0)
     proposer = eng.strategy.proposer
-    gate = proposer.gate
-    events: list[str] = []  # per step, in order: the gate's answer ("open" / "gated"), then "top-k" if taken
-    real_open, real_observe = gate.open, proposer.observe_logits
-    monkeypatch.setattr(gate, "open",
-                        lambda b: events.append("open" if real_open(b) else "gated") or events[-1] == "open")
+    assert proposer.chains is not None
+    events: list[int | str] = []  # per step, in order: the batch proposed for, then "top-k" if taken
+    real_propose, real_observe = proposer.propose, proposer.observe_logits
+    monkeypatch.setattr(proposer, "propose", lambda seqs, d: events.append(len(seqs)) or real_propose(seqs, d))
     monkeypatch.setattr(proposer, "observe_logits", lambda t, lg: events.append("top-k") or real_observe(t, lg))
     assert run_engine(eng, encoded[:8], GREEDY) == reference[:8]
     m = eng.strategy.metrics()
-    assert m["spec_decode_num_drafts"] == 0
-    assert m["spec_decode_idle_plain_steps"] == gate.skipped == events.count("gated") > 0
-    proposed_at_8 = gate.idle[8] - gate.skipped  # steps at batch 8 that proposed: patience, then probes
-    assert proposed_at_8 == events.count("open") == gate.patience + (gate.skipped >= gate.probe - 1)
-    assert builds.count(8) == 8 * proposed_at_8  # no tree built on a gated step
-    assert all(b != "top-k" for a, b in zip(events, events[1:], strict=False) if a == "gated")  # nor a top-k taken
-    assert events.count("top-k") >= 1 + proposed_at_8  # (prefill's step, every proposing step)
+    gate = proposer.chains.gate
+    assert m["spec_decode_num_drafts"] == 0 and 8 in events
+    assert not [b for b in builds if b >= tree_proposers.CHAINS_FROM]  # no tree in a batch
+    assert all(b != "top-k" for a, b in zip(events, events[1:], strict=False)
+               if isinstance(a, int) and a >= tree_proposers.CHAINS_FROM)  # nor a top-k taken
+    assert m["spec_decode_chain_steps"] == sum(isinstance(e, int) and e >= tree_proposers.CHAINS_FROM for e in events)
+    assert m["spec_decode_idle_plain_steps"] == gate.skipped + proposer.gate.skipped and gate.skipped > 0
+    assert len(lookups) == 8 * (gate.idle[8] - gate.skipped)  # lookups only in the steps at 8 that proposed
 
 
 def test_default_at_batch_8_with_no_draft_that_pays_is_plain(spec_llm, encoded, reference, monkeypatch):

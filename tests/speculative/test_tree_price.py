@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ratchetlm.decoding.speculative import draft_price, tree_proposers
+from ratchetlm.decoding.speculative import draft_price, proposers, tree_proposers
 from ratchetlm.decoding.speculative.config import SpecConfig
 from ratchetlm.decoding.speculative.cost_curve import CostCurve
 from ratchetlm.decoding.speculative.draft_price import Price
@@ -128,12 +128,15 @@ def test_a_batch_size_judged_a_loss_builds_no_tree_and_a_pinned_cost_measures_no
 
 
 def test_a_measured_hybrid_engine_decodes_plain_greedy_and_learns_its_price(spec_llm, encoded, reference):
+    """Its trees' price at batch 1, its chains' (tree_proposers.CHAINS_FROM) in a batch."""
     eng = make_engine(spec_llm, "speculative", method="hybrid", depth_schedule="gain", verify_token_cost=None)
     proposer = eng.strategy.proposer
-    assert proposer.measured is not None
+    assert proposer.measured is not None and proposer.chains is not None and proposer.chains.measured is not None
     assert run_engine(eng, encoded[:6], GREEDY) == reference[:6]
+    assert run_engine(eng, encoded[6:7], GREEDY) == reference[6:7]
     m = eng.strategy.metrics()
-    assert proposer.measured.price.fits and any(k.startswith("spec_decode_draft_price_factor_batch_") for k in m)
+    assert set(proposer.measured.price.fits) == {1} and min(proposer.chains.measured.price.fits) >= 2
+    assert {f"spec_decode_draft_price_factor_batch_{b}" for b in (1, 6)} <= set(m)
 
 
 def test_a_tree_in_a_batch_must_beat_a_plain_step_by_the_margin(monkeypatch):
@@ -148,3 +151,32 @@ def test_a_tree_in_a_batch_must_beat_a_plain_step_by_the_margin(monkeypatch):
     suffix_proposer().propose([repeating(0)], [8])
     suffix_proposer(verify_token_cost=0.09).propose([repeating(0), repeating(1)], [8, 8])
     assert margins == [MARGIN, MARGIN, 0.0, 0.0, 0.0] and MARGIN > 0
+
+
+def test_the_hybrid_drafts_trees_alone_and_chains_in_a_batch(monkeypatch):
+    """Below ``CHAINS_FROM`` decoding sequences the hybrid builds trees and takes the successor table's
+    top-k; from it on it drafts through its n-gram proposer (chains, their own price and ledger), builds
+    no tree and asks for no logits. ``suffix`` and ``recycling`` draft trees at every batch size, and so
+    does the hybrid with a schedule other than gain."""
+    built: list[int] = []  # the batch size of every tree built
+    real = tree_proposers.build
+    monkeypatch.setattr(tree_proposers, "build", lambda *a, **k: built.append(a[7]) or real(*a, **k))
+    hybrid = create_proposer("hybrid", SpecConfig(method="hybrid"), SimpleNamespace(runner=None))
+    assert tree_proposers.CHAINS_FROM == 2 and hybrid.chains is not None
+    one = hybrid.propose([repeating(0)], [8])
+    assert built == [1] and hybrid.wants_logits and one[0] is not None and len(one[0].tree) > 1
+    lookups: list[int] = []  # the n-gram lookups of the hybrid's chains
+    real_lookup = proposers.ngram_candidates
+    monkeypatch.setattr(proposers, "ngram_candidates", lambda *a, **k: lookups.append(1) or real_lookup(*a, **k))
+    hybrid.propose([repeating(i) for i in range(4)], [8] * 4)
+    assert built == [1] and not hybrid.wants_logits and len(lookups) == 4  # chains: no tree, no top-k
+    assert hybrid.chains.measured._last is not None and hybrid.chains.measured._last[0] == 4  # its ledger's step
+    hybrid.propose([repeating(0)], [8])
+    assert built == [1, 1] and hybrid.wants_logits  # alone again: trees
+    assert hybrid.metrics()["spec_decode_chain_steps"] == 1
+    suffix = suffix_proposer()
+    nodes_drafted(suffix, batch=4)
+    assert suffix.chains is None and built[-4:] == [4] * 4  # (trees at 4 even where none pays)
+    constant = create_proposer("hybrid", SpecConfig(method="hybrid", depth_schedule="constant"),
+                               SimpleNamespace(runner=None))
+    assert constant.chains is None

@@ -5,6 +5,7 @@ and the engine's top-k hook (every computed row reaches the table, once per step
 
 from __future__ import annotations
 
+import gc
 import random
 from collections import Counter
 from typing import Any
@@ -168,6 +169,21 @@ def test_history_counts_every_substring_and_evicts_the_oldest():
             break
     assert got is not None and want is not None and got[1] == want[0]
     assert {t: c.count for t, c in got[0].kids.items()} == dict(want[1])
+
+
+def test_history_nodes_add_nothing_for_the_garbage_collector():
+    """A history's trie holds ~depth nodes per token; none may be an object the cyclic collector tracks
+    (as objects they set off full collections of the whole heap, 0.1-0.2 s each, suffix_index.SuffixTrie).
+    Only each kept text's token list is tracked."""
+    rng = random.Random(3)
+    hist = History(20, max_tokens=4000)
+    gc.collect()
+    before = len(gc.get_objects())
+    for _ in range(40):
+        hist.add([rng.randrange(300) for _ in range(100)])
+    grown = len(gc.get_objects()) - before
+    assert len(trie_substrings(hist.trie)) > 40 * 100  # thousands of nodes...
+    assert grown <= len(hist.texts) + 20, grown  # ... and about one tracked object per text
 
 
 # ------------------------------------------------------------------ gain-shaped trees

@@ -18,10 +18,12 @@ class SpecConfig:
     """``method``: proposer name ("ngram", the default: prompt lookup, its draft length chosen by
     expected gain on the measured cost curve; "hybrid": one tree per step merging Token Recycling's
     successor table and suffix-trie matches over the request and the engine's recent outputs, cut
-    by expected gain; "recycling" and "suffix" each alone; the default is the one measured best on
-    Spec-Bench on a CPU, docs/benchmarks.md: on the default model ngram 1.54x AR at batch 1 and 1.02x at
-    batch 8, hybrid 1.55x and 0.99x though its MAL is higher (2.19 against 1.88) — its trees and per-row
-    top-k cost about as much as they add at batch 1 and more in a batch;
+    by expected gain, and with the gain schedule in a batch of two or more decoding sequences ngram's
+    chains instead (tree_proposers.CHAINS_FROM); "recycling" and "suffix" each alone; the default is the
+    one measured best on Spec-Bench on a CPU, docs/benchmarks.md: on the default model, int8, one core,
+    pools touched before timing, ngram 1.56-1.58x AR at batch 1 (Spec-Bench's measure, MAL 1.92) and
+    0.97-1.01x at batch 8, hybrid level with it at both (1.55-1.57x at MAL 2.14-2.16; 0.98-1.01x, its
+    chains there), not ahead: its trees' extra accepted tokens cost about as much as they add;
     "draft" layer-skip self-draft,
     "draft_model" a separate local draft model, "eagle" a trained EAGLE head, "mtp" DeepSeek-V4's own
     multi-token-prediction module).

@@ -26,55 +26,102 @@ import numpy as np
 
 
 class TrieNode:
-    __slots__ = ("count", "kids")
+    """A node of a :class:`SuffixTrie` as a draft reads it (made where the draft looks): how often its
+    substring occurred and the tokens that followed it."""
 
-    def __init__(self) -> None:
-        self.count = 0
-        self.kids: dict[int, TrieNode] = {}
+    __slots__ = ("_kids", "node", "trie")
+
+    def __init__(self, trie: SuffixTrie, node: int) -> None:
+        self.trie = trie
+        self.node = node  # its id in ``trie``
+        self._kids: dict[int, TrieNode] | None = None
+
+    @property
+    def count(self) -> int:
+        return self.trie.counts[self.node]
+
+    @property
+    def kids(self) -> dict[int, TrieNode]:
+        if self._kids is None:
+            k = self.trie.kids[self.node]
+            self._kids = {t: TrieNode(self.trie, c) for t, c in k.items()} if k else {}
+        return self._kids
 
 
 class SuffixTrie:
+    """Nodes are ids into two lists — ``kids[i]`` the node's children (token -> child id; None: none
+    yet) and ``counts[i]`` — not an object each: dicts and lists of ints hold nothing the cyclic
+    garbage collector tracks, so a history's trie (up to ``depth`` nodes per token of
+    ``history_tokens``) adds nothing to a collection's work. As an object and a dict per node it
+    did: every dozen finished requests its new nodes set off a full collection of the process's heap,
+    ~0.1-0.2 s of one core each at batch 8 on the default model (docs/benchmarks.md), and a full
+    history is over a million nodes. Removed nodes' ids are reused."""
+
     def __init__(self, depth: int) -> None:
         assert depth >= 2
         self.depth = depth
-        self.root = TrieNode()
+        self.kids: list[dict[int, int] | None] = [None]  # node 0: the root (the empty substring)
+        self.counts: list[int] = [0]
+        self.free: list[int] = []  # ids of removed nodes
 
-    def append(self, active: list[TrieNode], token: int) -> list[TrieNode]:
+    @property
+    def root(self) -> TrieNode:
+        return TrieNode(self, 0)
+
+    def append(self, active: list[int], token: int) -> list[int]:
         """``active[j]``: the node of the text's suffix of length ``j + 1``. Returns the active list
         after appending ``token`` (every suffix that ends with it, counted once more)."""
+        kids, counts, free = self.kids, self.counts, self.free
         out = []
-        for node in [self.root, *active[: self.depth - 1]]:
-            child = node.kids.get(token)
+        for node in [0, *active[: self.depth - 1]]:
+            k = kids[node]
+            if k is None:
+                k = kids[node] = {}
+            child = k.get(token)
             if child is None:
-                child = node.kids[token] = TrieNode()
-            child.count += 1
+                if free:
+                    child = free.pop()
+                    kids[child], counts[child] = None, 0
+                else:
+                    child = len(counts)
+                    kids.append(None)
+                    counts.append(0)
+                k[token] = child
+            counts[child] += 1
             out.append(child)
         return out
 
     def remove(self, tokens: list[int]) -> None:
-        """Take a text added with :meth:`append` back out (nodes whose count drops to 0 go)."""
-        active: list[TrieNode] = []
+        """Take a text added with :meth:`append` back out (nodes whose count drops to 0 go; their
+        subtrees held only this text's substrings, whose counts drop to 0 as the loop reaches them)."""
+        kids, counts = self.kids, self.counts
+        active: list[int] = []
         for token in tokens:
             out = []
-            for node in [self.root, *active[: self.depth - 1]]:
-                child = node.kids[token]
-                child.count -= 1
-                if child.count == 0:
-                    del node.kids[token]  # its subtree held only this text's substrings
+            for node in [0, *active[: self.depth - 1]]:
+                k = kids[node]
+                assert k is not None
+                child = k[token]
+                counts[child] -= 1
+                if counts[child] == 0:
+                    del k[token]
+                    self.free.append(child)  # (not reused before this call returns: it only removes)
                 out.append(child)
             active = out
 
     def find(self, context: list[int], max_len: int) -> tuple[TrieNode, int] | None:
         """The longest suffix of ``context`` (at most ``max_len`` tokens) that is a node with
         children: (node, its length), or None."""
+        kids = self.kids
         for m in range(min(max_len, len(context), self.depth - 1), 0, -1):
-            node: TrieNode | None = self.root
+            node: int | None = 0
             for t in context[len(context) - m:]:
-                node = node.kids.get(t)  # type: ignore[union-attr]
+                k = kids[node]  # type: ignore[index]
+                node = k.get(t) if k else None
                 if node is None:
                     break
-            if node is not None and node.kids:
-                return node, m
+            if node is not None and kids[node]:
+                return TrieNode(self, node), m
         return None
 
 
@@ -190,7 +237,7 @@ class History:
         tokens = list(tokens[-self.max_tokens:]) if self.max_tokens else []
         if len(tokens) < 2:
             return
-        active: list[TrieNode] = []
+        active: list[int] = []
         for t in tokens:
             active = self.trie.append(active, t)
         self.texts.append(tokens)

@@ -1,7 +1,7 @@
 """Training-free tree proposers: ``recycling`` (Token Recycling's successor table), ``suffix``
 (SuffixDecoding-style tries over the request and the engine's recent outputs) and ``hybrid``
-(both merged into one tree; the default ``speculative`` method is ``ngram``, measured faster on
-Spec-Bench, docs/benchmarks.md).
+(both merged into one tree; the default ``speculative`` method is ``ngram``: on Spec-Bench the
+hybrid measured level with it, not ahead, docs/benchmarks.md).
 
 Every source proposes scored children for the nodes of one tree and tree_select.py keeps the
 nodes, best first, while the expected accepted tokens per unit of verify cost (the measured cost
@@ -9,6 +9,11 @@ curve at this step's batch) still grow; a sequence whose best tree is empty take
 Where the sources agree on a token they share the node, and the hybrid's tree is the best of both
 per node: a suffix match where the request repeats itself (summaries, RAG, code), the successors
 the target itself ranked last time where it does not (chat, translation, math).
+
+In a batch (``CHAINS_FROM`` decoding sequences or more, gain schedule) the hybrid drafts the ``ngram``
+method's chains instead, with that method's own measured price, ledger and idle gate: there a draft
+row costs about what a sequence's row does, and trees measured slower than plain decoding where chains
+did not (see ``CHAINS_FROM``).
 """
 
 from __future__ import annotations
@@ -21,7 +26,13 @@ import torch
 from ratchetlm.decoding.speculative.draft_price import DraftPrice, MeasuredDrafts, Price
 from ratchetlm.decoding.speculative.gain import MARGIN
 from ratchetlm.decoding.speculative.idle_gate import IdleGate
-from ratchetlm.decoding.speculative.proposers import DraftBeam, Proposer, register_proposer, verify_cost
+from ratchetlm.decoding.speculative.proposers import (
+    DraftBeam,
+    NgramProposer,
+    Proposer,
+    register_proposer,
+    verify_cost,
+)
 from ratchetlm.decoding.speculative.recycling import SuccessorTable
 from ratchetlm.decoding.speculative.suffix_index import History, SequenceIndex, SpanNode, TrieNode
 from ratchetlm.decoding.speculative.tree_select import (
@@ -46,6 +57,14 @@ SUFFIX_WIDTH = 4  # most frequent continuations kept per suffix node
 # Priced at the curve, trees of 1-4 nodes looked worth it at MAL 1.4 (QA, math) and lost there. With the
 # measured curve this is where each batch size's learnt price starts (draft_price.DraftPrice's prior).
 TREE_PRICE = 1.6
+# From this many decoding sequences a step the hybrid drafts n-gram chains (proposers.NgramProposer, with its
+# own measured price, ledger and idle gate) instead of trees. On Spec-Bench (default model, int8, one core,
+# 2026-11-29, docs/benchmarks.md) at batch 8 its trees measured 0.89-0.98x plain decoding in the decode phase
+# (5 runs) where chains measured 0.97-1.03x, at batch 2 1.20x against 1.26x: in a batch a draft row costs
+# about what a sequence's row does, so a tree's low-probability branches do not pay, and proposing trees
+# (lookups in three sources, a tree per sequence, the successor table's top-k of every row) cost ~3-4 ms a
+# step at batch 8 where the n-gram lookup costs ~0.4. At batch 1 trees and chains measured level.
+CHAINS_FROM = 2
 _PLAN = "spec_tree_plan"  # strategy_state keys: the last tree (judged once committed tokens pass it)
 _INDEX = "spec_suffix_index"  # this sequence's SequenceIndex
 
@@ -102,6 +121,7 @@ class TreeProposer(Proposer):
 
     recycling = False
     suffix = False
+    chains_in_batch = False  # the hybrid: n-gram chains from CHAINS_FROM decoding sequences (gain schedule)
 
     def __init__(self, cfg: Any, ctx: Any) -> None:
         super().__init__(cfg, ctx)
@@ -122,14 +142,20 @@ class TreeProposer(Proposer):
         self.measured = MeasuredDrafts(DraftPrice(TREE_PRICE)) \
             if self.gain and cfg.verify_token_cost is None else None
         self.gate = IdleGate()  # batch sizes at which the gain rule drafts nothing: plain steps, no proposing
-        self.counts = {"trees": 0, "nodes": 0, "skipped": 0}
+        self.counts = {"trees": 0, "nodes": 0, "skipped": 0, "chain_steps": 0}
+        # in a batch: chains by prompt lookup, sized, priced and gated as the ngram method's (CHAINS_FROM)
+        self.chains = NgramProposer(cfg, ctx) if self.chains_in_batch and self.gain else None
 
     def max_draft_tokens(self, depth: int) -> int:
         return self.cfg.tree_nodes
 
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[DraftBeam | None]:
-        # a gated step is a plain one: nothing proposed, and the strategy hands over no logits (no top-k)
         b, m = len(seqs), self.measured
+        if self.chains is not None and b >= CHAINS_FROM:  # a batch: n-gram chains, no tree and no top-k
+            self.wants_logits = False
+            self.counts["chain_steps"] += 1
+            return self.chains.propose(seqs, depths)
+        # a gated step is a plain one: nothing proposed, and the strategy hands over no logits (no top-k)
         gated = self.gain and ((m is not None and not m.allows(b)) or not self.gate.open(b))
         self.wants_logits = self.recycling and not gated
         plain = self.costs(b)[b] + self.costs.cost.first_token * sum(s.num_cached for s in seqs) \
@@ -197,8 +223,11 @@ class TreeProposer(Proposer):
             self.history.add(seq.output_ids)
 
     def observe_step(self, batch: int, tokens: int, seconds: float) -> None:
+        # (each takes only a step it recorded, of that batch size: trees and chains never share a batch size)
         if self.measured is not None:
             self.measured.observe_step(batch, tokens, seconds)
+        if self.chains is not None:
+            self.chains.observe_step(batch, tokens, seconds)
 
     def metrics(self) -> dict[str, float]:
         c = self.counts
@@ -207,6 +236,10 @@ class TreeProposer(Proposer):
             "spec_decode_gain_skipped_drafts": c["skipped"], "spec_decode_idle_plain_steps": self.gate.skipped}
         if self.measured is not None:  # the ledger's plain steps and the measured price (draft_price.py)
             out.update(self.measured.metrics())
+        if self.chains is not None:  # the chains' counts added (their prices are of batch sizes trees never see)
+            out["spec_decode_chain_steps"] = self.counts["chain_steps"]
+            for k, v in self.chains.metrics().items():
+                out[k] = out.get(k, 0.0) + v
         return out
 
 
@@ -224,3 +257,4 @@ class SuffixProposer(TreeProposer):
 class HybridProposer(TreeProposer):
     recycling = True
     suffix = True
+    chains_in_batch = True
