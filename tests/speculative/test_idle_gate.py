@@ -38,6 +38,26 @@ def test_a_draft_reopens_the_gate_and_batch_sizes_are_separate():
     assert gate.open(8) is False and gate.open(3) is True
 
 
+def test_batches_below_from_batch_always_propose():
+    gate = IdleGate(patience=2, probe=3, from_batch=2)
+    assert decisions(gate, 1, 8) == "PPPPPPPP" and gate.skipped == 0  # alone: never gated
+    assert decisions(gate, 2, 5) == "PP..P"  # from two sequences on: as before
+
+
+def test_the_default_alone_looks_up_every_step(spec_llm, encoded, reference, monkeypatch):
+    """At batch 1 no draft can pay here either, but a lookup costs ~0.1 ms: the n-gram gate never closes
+    alone (from_batch 2), so every decode step looks up a match; the same tokens as plain greedy."""
+    lookups: list[int] = []
+    real = proposers.ngram_candidates
+    monkeypatch.setattr(proposers, "ngram_candidates", lambda *a, **k: lookups.append(1) or real(*a, **k))
+    eng = make_engine(spec_llm, "speculative", depth_schedule="gain", verify_token_cost=1.0)
+    assert run_engine(eng, encoded[:1], GREEDY) == reference[:1]
+    m = eng.strategy.metrics()
+    assert m["spec_decode_num_drafts"] == 0 and m["spec_decode_idle_plain_steps"] == 0
+    # every decode step looked up but the last (one token of room left: nothing to draft)
+    assert len(lookups) == len(reference[0]) - 2
+
+
 def test_hybrid_at_batch_8_with_no_draft_that_pays_is_plain(spec_llm, encoded, reference, monkeypatch):
     """Every verified row priced at a whole forward: no draft can pay. In a batch the hybrid drafts the
     n-gram method's chains (tree_proposers.CHAINS_FROM), so at batch 8 it builds no tree and takes no

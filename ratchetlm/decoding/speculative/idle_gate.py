@@ -25,17 +25,21 @@ from dataclasses import dataclass, field
 @dataclass
 class IdleGate:
     patience: int = 4  # idle steps at a batch size before its steps skip the proposer
+    # smaller batches always propose: where a proposal is cheap (an n-gram lookup alone, ~0.1 ms) a
+    # match the gate skips costs more than the lookups it saves (see NgramProposer)
+    from_batch: int = 1
     probe: int = 8  # of the skipped batch size's steps, every probe-th proposes anyway
     idle: dict[int, int] = field(default_factory=dict)  # batch size -> consecutive idle steps
     skipped: int = 0  # steps the gate took the plain path for (a metric)
 
     def __post_init__(self) -> None:
-        assert self.patience >= 1 and self.probe >= 1, (self.patience, self.probe)
+        assert self.patience >= 1 and self.probe >= 1 and self.from_batch >= 1, (self.patience, self.probe,
+                                                                                  self.from_batch)
 
     def open(self, batch: int) -> bool:
         """Whether a step of ``batch`` decoding sequences should propose."""
         n = self.idle.get(batch, 0)
-        if n < self.patience or (n - self.patience) % self.probe == self.probe - 1:
+        if batch < self.from_batch or n < self.patience or (n - self.patience) % self.probe == self.probe - 1:
             return True
         self.idle[batch] = n + 1  # a skipped step counts as idle (its position in the probe cycle)
         self.skipped += 1
