@@ -14,8 +14,8 @@ a batch size in which the rule drafted nothing for any sequence, steps at that b
 proposer (and the successor-table update; the strategy takes the plain path for every sequence),
 except every ``probe``-th step, which proposes as usual; a step that drafts resets its batch size's
 count; batch sizes below ``from_batch`` are never gated (the n-gram proposer alone: a lookup costs
-~0.1 ms, less than the drafts a closed gate would miss). The decision depends only on earlier steps, so the output is unchanged (verification is
-lossless for any draft policy, greedy or sampled).
+~0.1 ms, less than the drafts a closed gate would miss). The decision depends only on earlier steps,
+so the output is unchanged (verification is lossless for any draft policy, greedy or sampled).
 """
 
 from __future__ import annotations
