@@ -254,13 +254,10 @@ class ModelRunner:
         sequence's next ones, ``num_cached + i`` — all layers at once. False when the proposal was
         not staged (overflow, abandoned staging) or the all-or-nothing commit failed (the cache is
         then untouched): the caller then commits no K/V and the next step recomputes it."""
-        # a runner that mirrors commits elsewhere (tensor parallelism) gets the rows' tensor through commit_rows;
-        # this one commits the list as it is (a tensor and back cost ~0.05 ms after a forward)
-        mirrored = type(self).commit_rows is not ModelRunner.commit_rows
-        return commit_proposal(self.staging, stage_base, kv_rows, num_rows,
-                               commit=self.commit_rows if mirrored else None)
+        return commit_proposal(self.staging, stage_base, kv_rows, num_rows, commit=self.commit_rows)
 
-    def commit_rows(self, rows: torch.Tensor) -> bool:
-        """Copy staging ``rows`` ([n] int64) to the slots their forward gave them, all layers; False
-        if it failed (the cache is then untouched)."""
-        return self.staging.try_commit(rows.to(self.device))
+    def commit_rows(self, rows: torch.Tensor | list[int]) -> bool:
+        """Copy staging ``rows`` ([n] int64, or a list: taken as is, a tensor and back cost ~0.05 ms after a
+        forward) to the slots their forward gave them, all layers; False if it failed (the cache is then
+        untouched)."""
+        return self.staging.try_commit(rows if isinstance(rows, list) else rows.to(self.device))

@@ -365,7 +365,7 @@ class StagingBuffer:
 
 
 def commit_proposal(staging: StagingBuffer, stage_base: int, kv_rows: list[int], num_rows: int,
-                    commit: Callable[[torch.Tensor], bool] | None = None) -> bool:
+                    commit: Callable[[list[int]], bool] | None = None) -> bool:
     """The engine's commit of one staged proposal of ``num_rows`` rows (row ``r`` staged at
     ``stage_base + r``): its accepted ``kv_rows`` go to their slots, the rest are rejected. False
     when the proposal was not staged (overflow, abandoned staging) or the all-or-nothing commit
@@ -375,8 +375,7 @@ def commit_proposal(staging: StagingBuffer, stage_base: int, kv_rows: list[int],
     if stage_base < 0 or not staging.usable:
         return False
     rows = [stage_base + r for r in kv_rows]
-    # (the default commit reads a list as is; a given one, e.g. tensor parallelism's, gets the rows' tensor)
-    if not (staging.try_commit(rows) if commit is None else commit(torch.tensor(rows, dtype=torch.long))):
+    if not (staging.try_commit(rows) if commit is None else commit(rows)):
         return False
     kept = set(kv_rows)
     staging.reject([stage_base + r for r in range(num_rows) if r not in kept])

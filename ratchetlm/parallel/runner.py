@@ -34,12 +34,13 @@ class TPModelRunner(ModelRunner):
     def forward(self, plan: ForwardPlan) -> tuple[torch.Tensor, torch.Tensor]:
         return self.group.run("forward", (self.rid, plan), lambda: ModelRunner.forward(self, plan))
 
-    def commit_rows(self, rows: torch.Tensor) -> bool:
+    def commit_rows(self, rows: torch.Tensor | list[int]) -> bool:
         if self.group.broken is not None:  # no worker would follow: refuse before changing anything
             return False
         ok = super().commit_rows(rows)
         if ok:  # every rank staged the same rows with the same slots (the plan's): rows say it all
-            self.group.post("commit", (self.rid, rows.cpu()))
+            self.group.post("commit", (self.rid, torch.tensor(rows, dtype=torch.long) if isinstance(rows, list)
+                                       else rows.cpu()))
         return ok
 
     def close(self) -> None:
