@@ -8,6 +8,7 @@ verifier kept (the correction/bonus token is not counted). Mean acceptance lengt
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,7 +56,9 @@ class SpecCounters:
                    stats.get(f"{prefix}num_accepted_tokens", 0), list(stats.get(f"{prefix}accepted_per_pos", [])))
 
 
-_KEYS: dict[str, tuple[str, ...]] = {}  # prefix -> as_dict's keys, in its order
+@functools.lru_cache(maxsize=8)
+def _keys(prefix: str) -> tuple[str, ...]:  # as_dict's keys, in its order
+    return tuple(SpecCounters().as_dict(prefix))
 
 
 def observe_into(stats: dict[str, Any], prefix: str, draft_tokens: int, accepted: int, new_draft: bool = True,
@@ -63,10 +66,7 @@ def observe_into(stats: dict[str, Any], prefix: str, draft_tokens: int, accepted
     """``stats.update(c.as_dict(prefix))`` of ``c = SpecCounters.from_stats(stats, prefix)`` after
     ``c.observe(...)``, the dictionary updated in place: a request's every verify step did that
     round trip (two objects, a dozen formatted keys, ~0.05 ms on one core)."""
-    keys = _KEYS.get(prefix)
-    if keys is None:
-        keys = _KEYS[prefix] = tuple(SpecCounters().as_dict(prefix))
-    k_drafts, k_tokens, k_accepted, k_pos, k_mal, k_rate = keys
+    k_drafts, k_tokens, k_accepted, k_pos, k_mal, k_rate = _keys(prefix)
     drafts = stats.get(k_drafts, 0) + new_draft
     tokens = stats.get(k_tokens, 0) + draft_tokens
     acc = stats.get(k_accepted, 0) + accepted

@@ -30,6 +30,7 @@ allow, and ``tokens_wanted`` reports the largest step so the scheduler reserves 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,7 @@ from ratchetlm.decoding.speculative.draft_price import step_clock
 from ratchetlm.decoding.speculative.draft_tree import candidates, continuation, cut, restrict, trees_from_beams
 from ratchetlm.decoding.speculative.proposers import PAD, create_proposer
 from ratchetlm.decoding.speculative.stats import ChunkCounters, SpecCounters, observe_into
+from ratchetlm.decoding.speculative.tree_attention import with_root
 from ratchetlm.decoding.speculative.verify import DraftTree
 from ratchetlm.decoding.tentative import chain_limit, forced_chain, observe_forced, verify_tree
 from ratchetlm.sequence import Sequence
@@ -79,35 +81,28 @@ class _Continue:
 
 
 def tree_mask(tree: DraftTree) -> torch.Tensor:  # [L, L] bool ancestor-or-self
-    rows: list[list[bool]] = []  # (built in Python: a row op per node cost ~3 us each)
-    for i, p in enumerate(tree.parent):
-        row = rows[p].copy() if p >= 0 else [False] * len(tree)
-        row[i] = True
-        rows.append(row)
-    return torch.tensor(rows, dtype=torch.bool).reshape(len(tree), len(tree))
-
-
-MASKS = 512  # tree shapes whose verify mask is kept (a proposer's trees take a few dozen shapes)
-_masks: dict[tuple[int, ...], torch.Tensor] = {}
+    return _ancestors(tuple(tree.parent))
 
 
 def rooted_mask(parent: list[int]) -> torch.Tensor:  # [1 + L, 1 + L] bool, read only
     """``with_root(tree_mask(tree))`` of a tree with these parents, made once per shape: the step
     then hands the forward a kept tensor (building it cost four tensor operations, ~0.1 ms after a
     forward). Callers must not write into it."""
-    key = tuple(parent)
-    mask = _masks.get(key)
-    if mask is None:
-        n = len(parent)
-        rows = [[True] + [False] * n]  # the root sees itself
-        for i, p in enumerate(parent):
-            row = rows[p + 1].copy() if p >= 0 else [True] + [False] * n  # every node sees the root
-            row[i + 1] = True
-            rows.append(row)
-        if len(_masks) >= MASKS:
-            _masks.clear()
-        mask = _masks[key] = torch.tensor(rows, dtype=torch.bool).reshape(n + 1, n + 1)
-    return mask
+    return _rooted(tuple(parent))
+
+
+@functools.lru_cache(maxsize=512)  # tree shapes kept (a proposer's trees take a few dozen)
+def _rooted(parent: tuple[int, ...]) -> torch.Tensor:
+    return with_root(_ancestors(parent))
+
+
+def _ancestors(parent: tuple[int, ...]) -> torch.Tensor:  # [L, L] bool ancestor-or-self
+    rows: list[list[bool]] = []  # (built in Python: a row op per node cost ~3 us each)
+    for i, p in enumerate(parent):
+        row = rows[p].copy() if p >= 0 else [False] * len(parent)
+        row[i] = True
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.bool).reshape(len(parent), len(parent))
 
 
 @register("speculative")
