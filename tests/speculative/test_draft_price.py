@@ -11,7 +11,7 @@ import pytest
 
 from ratchetlm.decoding.speculative import draft_price, proposers
 from ratchetlm.decoding.speculative.draft_price import DraftLedger, DraftPrice, Price
-from ratchetlm.decoding.speculative.proposers import TokenArray
+from ratchetlm.decoding.speculative.suffix_index import TokenPositions
 
 from .conftest import GREEDY, make_engine, run_engine
 
@@ -94,19 +94,8 @@ def test_where_proposing_won_plain_steps_are_rare_and_batch_1_is_never_judged():
     assert one.loses(1) is True and decisions(one, 1, 20) == "P" * 20  # batch 1: the gain rule alone
 
 
-def test_token_array_follows_a_growing_sequence_and_starts_over_otherwise():
-    held, tokens = TokenArray(), list(range(300))
-    assert held.of(tokens).tolist() == tokens
-    tokens += [7, 8, 9] * 100  # past the first buffer
-    assert held.of(tokens).tolist() == tokens
-    other = [5] * 10  # not an extension (a different sequence's tokens)
-    assert held.of(other).tolist() == other
-    assert proposers.ngram_candidates(tokens, 1, 4, 2, 3, held.of(tokens)) == proposers.ngram_candidates(
-        tokens, 1, 4, 2, 3)
-
-
-def test_token_arrays_earlier_copies_are_the_comparisons():
-    """TokenArray.earlier (positions kept per token) gives the last token's earlier copies, most recent
+def test_token_positions_earlier_copies_are_the_comparisons():
+    """TokenPositions.earlier (positions kept per token) gives the last token's earlier copies, most recent
     first, as comparing the whole text does, while the text grows, shrinks or is replaced; the lookup
     reading them finds the same candidates."""
     import random
@@ -114,7 +103,7 @@ def test_token_arrays_earlier_copies_are_the_comparisons():
     import numpy as np
 
     rng = random.Random(3)
-    held = TokenArray()
+    held = TokenPositions()
     tokens: list[int] = []
     texts = []
     for _ in range(60):
@@ -124,11 +113,12 @@ def test_token_arrays_earlier_copies_are_the_comparisons():
     for text in texts:
         arr = np.asarray(text)
         want = np.flatnonzero(arr[:-1] == arr[-1])[::-1].tolist()
-        assert held.earlier(text) == want
+        held.sync(text)
+        assert held.tokens == text and held.earlier() == want
         for m, c in ((1, 3), (3, 2)):
-            assert proposers.ngram_candidates(text, 1, 4, m, c, earlier=held.earlier(text)) == \
+            assert proposers.ngram_candidates(text, 1, 4, m, c, earlier=held.earlier()) == \
                 proposers.ngram_candidates(text, 1, 4, m, c)
-    assert TokenArray().earlier([]) == []
+    assert TokenPositions().earlier() == []
 
 
 def test_a_batch_size_where_proposing_lost_looks_nothing_up_and_decodes_plain_greedy(

@@ -22,6 +22,7 @@ from ratchetlm.decoding.speculative.cost_curve import CostCurve, measured
 from ratchetlm.decoding.speculative.draft_price import DraftLedger, MeasuredDrafts
 from ratchetlm.decoding.speculative.gain import GainSchedule, PendingContinuation
 from ratchetlm.decoding.speculative.idle_gate import IdleGate
+from ratchetlm.decoding.speculative.suffix_index import TokenPositions
 from ratchetlm.decoding.speculative.verify import DraftTree, prefix_tree
 from ratchetlm.sequence import Sequence
 
@@ -118,7 +119,7 @@ def create_proposer(name: str, cfg: Any, ctx: Any) -> Proposer:
 
 
 def ngram_candidates(tokens: list[int], min_n: int, max_n: int, m: int, c: int,
-                     arr: np.ndarray | None = None, earlier: list[int] | None = None) -> list[tuple[int, list[int]]]:
+                     earlier: list[int] | None = None) -> list[tuple[int, list[int]]]:
     """Up to ``m`` distinct continuations (each up to ``c`` tokens) following earlier occurrences
     of the sequence's longest suffix n-gram, ``min_n <= n <= max_n``, each with its match length
     ``n``. Longer matches come first; within one length, the most recent occurrence first (recent
@@ -128,9 +129,8 @@ def ngram_candidates(tokens: list[int], min_n: int, max_n: int, m: int, c: int,
     Every occurrence ends on a copy of the last token: one vector comparison finds those, and each
     is extended backwards (at most ``max_n`` tokens) in Python — a few tens of microseconds per
     step, where a window comparison per n took ~130 us on a 400-token sequence with no match.
-    ``arr``: ``tokens`` as an int64 array when the caller keeps one; ``earlier``: the positions of
-    the last token's earlier copies, most recent first, when the caller keeps them
-    (:meth:`TokenArray.earlier`: a dictionary read where the comparison reads the whole text)."""
+    ``earlier``: the positions of the last token's earlier copies, most recent first, when the caller
+    keeps them (suffix_index.TokenPositions: a dictionary read where the comparison reads the whole text)."""
     t = len(tokens)
     top = min(max_n, t - 1)
     if top < min_n:
@@ -138,8 +138,7 @@ def ngram_candidates(tokens: list[int], min_n: int, max_n: int, m: int, c: int,
     if earlier is not None:
         ends = earlier
     else:
-        arr = np.asarray(tokens, dtype=np.int64) if arr is None else arr
-        assert len(arr) == t, (len(arr), t)
+        arr = np.asarray(tokens, dtype=np.int64)
         ends = np.flatnonzero(arr[: t - 1] == arr[t - 1])[::-1].tolist()  # most recent first; each followed by one
     found = []  # (end, match length <= top)
     for e in ends:
@@ -165,48 +164,7 @@ def ngram_candidates(tokens: list[int], min_n: int, max_n: int, m: int, c: int,
 
 
 _GAIN = "spec_gain"  # strategy_state key: the gain schedule's record of this sequence
-_TOKENS = "spec_ngram_tokens"  # strategy_state key: the sequence's TokenArray
-
-
-class TokenArray:
-    """A sequence's tokens as a growing int64 array: committed tokens are only ever appended, so each
-    step copies just the new ones (converting the whole list took ~0.1 ms a sequence and step at
-    1,200 tokens, several percent of a decode step at batch 8 on one core)."""
-
-    def __init__(self) -> None:
-        self.buf = np.empty(256, dtype=np.int64)
-        self.n = 0
-        self.where: dict[int, list[int]] = {}  # token -> its positions, ascending (of the first ``indexed``)
-        self.indexed = 0
-        self.tail = -1  # the token at ``indexed - 1``
-
-    def earlier(self, tokens: list[int]) -> list[int]:
-        """Positions of the last token's earlier copies in ``tokens``, most recent first (what the
-        lookup extends backwards), from positions kept per token and appended as tokens are."""
-        t = len(tokens)
-        if t < self.indexed or (self.indexed and tokens[self.indexed - 1] != self.tail):
-            self.where, self.indexed = {}, 0  # not an extension of what is held: start over
-        where = self.where
-        for i in range(self.indexed, t):
-            where.setdefault(tokens[i], []).append(i)
-        self.indexed = t
-        if not t:
-            return []
-        self.tail = tokens[t - 1]
-        return where[self.tail][-2::-1]
-
-    def of(self, tokens: list[int]) -> np.ndarray:  # [len(tokens)] int64, a view valid until the next call
-        t = len(tokens)
-        if t < self.n or (self.n and int(self.buf[self.n - 1]) != tokens[self.n - 1]):
-            self.n = 0  # not an extension of what is held: start over
-        if t > len(self.buf):
-            grown = np.empty(max(2 * len(self.buf), t), dtype=np.int64)
-            grown[: self.n] = self.buf[: self.n]
-            self.buf = grown
-        if t > self.n:
-            self.buf[self.n : t] = tokens[self.n : t]
-        self.n = t
-        return self.buf[:t]
+_TOKENS = "spec_ngram_tokens"  # strategy_state key: the sequence's TokenPositions
 
 
 def verify_cost(cfg: Any, ctx: Any) -> CostCurve:
@@ -269,9 +227,10 @@ class NgramProposer(Proposer):
         for seq, d in zip(seqs, depths, strict=True):
             held = seq.strategy_state.get(_TOKENS)
             if held is None:
-                held = seq.strategy_state[_TOKENS] = TokenArray()
+                held = seq.strategy_state[_TOKENS] = TokenPositions()
+            held.sync(seq.token_ids)
             cands = ngram_candidates(seq.token_ids, self.cfg.min_n, self.cfg.max_n, self.cfg.num_candidates,
-                                     d if self.gain is None else self.cfg.depth, earlier=held.earlier(seq.token_ids))
+                                     d if self.gain is None else self.cfg.depth, earlier=held.earlier())
             if self.gain is not None:
                 d = self._gain_length(seq, cands, d, len(seqs), drafted)
                 self.gain_skipped += bool(cands) and d == 0

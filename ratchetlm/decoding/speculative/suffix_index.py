@@ -169,6 +169,33 @@ class SpanNode:
         return self._kids
 
 
+class TokenPositions:
+    """A growing text's tokens and every token's positions in it, ascending, appended as the text grows:
+    a lookup starts from the last token's earlier copies, a dictionary read where scanning the whole
+    text with numpy cost a dozen array operations (~0.1 ms a step on one core). Held anew when the
+    text given is not the held one plus more (checked where the held one ends: a request's tokens
+    only grow)."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.where: dict[int, list[int]] = {}  # token -> its positions, ascending
+
+    def sync(self, tokens: list[int]) -> list[int]:
+        """Hold ``tokens``; returns the ones appended (all of them where it started over)."""
+        n = len(self.tokens)
+        if len(tokens) < n or tokens[n - 1 : n] != self.tokens[n - 1 :]:
+            self.tokens, self.where, n = [], {}, 0
+        new = tokens[n:]
+        for i, tok in enumerate(new, n):
+            self.where.setdefault(tok, []).append(i)
+        self.tokens += new
+        return new
+
+    def earlier(self) -> list[int]:
+        """Positions of the last token's earlier copies, most recent first."""
+        return self.where[self.tokens[-1]][-2::-1] if self.tokens else []
+
+
 class SequenceIndex:
     """One request's tokens (its prompt and committed output), matched on demand: the same nodes
     and counts as a :class:`SuffixTrie` of ``depth`` over them, for the nodes a draft visits.
@@ -181,27 +208,17 @@ class SequenceIndex:
         self.depth = depth
         self.buf = np.zeros(256, dtype=np.int64)
         self.length = 0  # tokens indexed
-        self.tokens: list[int] = []  # the same tokens as a list
-        # token -> its positions, ascending: a match starts from the last token's earlier copies, a
-        # dictionary read and a few list filters (the occurrences are few) where scanning the whole
-        # text with numpy cost a dozen array operations, ~0.1 ms a step on one core
-        self.where: dict[int, list[int]] = {}
+        self.pos = TokenPositions()  # the same tokens as a list, and each one's positions
 
     def sync(self, tokens: list[int]) -> None:
         n = len(tokens)
-        if n < self.length or tokens[self.length - 1 : self.length] != self.tokens[self.length - 1 :]:
-            # not the indexed text plus more (a request's tokens only grow: checked where they end): anew
-            self.length, self.tokens, self.where = 0, [], {}
+        new = self.pos.sync(tokens)
+        start = n - len(new)  # the tokens kept (0: held anew)
         if n > len(self.buf):
             grown = np.zeros(max(n, 2 * len(self.buf)), dtype=np.int64)
-            grown[: self.length] = self.buf[: self.length]
+            grown[:start] = self.buf[:start]
             self.buf = grown
-        if n > self.length:
-            new = tokens[self.length :]
-            self.buf[self.length : n] = new
-            for i, tok in enumerate(new, self.length):
-                self.where.setdefault(tok, []).append(i)
-            self.tokens += new
+        self.buf[start:n] = new
         self.length = n
 
     def match(self, max_len: int) -> tuple[SpanNode, int] | None:
@@ -210,8 +227,8 @@ class SequenceIndex:
         t = self.length
         if t < 2:
             return None
-        toks = self.tokens
-        ends = self.where[toks[t - 1]][:-1]  # earlier copies of the last token (each followed by a token)
+        toks = self.pos.tokens
+        ends = self.pos.where[toks[t - 1]][:-1]  # earlier copies of the last token, ascending (each followed by one)
         if not ends:
             return None
         m, top = 1, min(max_len, self.depth - 1, t - 1)
