@@ -4,15 +4,16 @@ replayed offline on plain decoding's own greedy outputs (issue 37).
 Greedy speculative decoding commits exactly plain decoding's tokens, so once AR's outputs are known, any
 draft that copies text (the prompt, the output so far, earlier requests) can be judged without a model: a
 step drafts ``d`` tokens, accepts their agreed prefix with AR's continuation, commits that plus one. What
-it costs comes from a cost model in one-row forwards: the engine's own measured curve (cost_curve.py,
-the same probe the gain schedule prices by, with its per-cached-token terms) for a forward of ``1 + d``
-rows after ``L`` cached tokens, plus ``--overhead`` for a drafted step's work outside the forward, plus
-the prompt's prefill (fitted to AR's measured times to first token). So policies and costs that cannot be
-built in an afternoon (an oracle that knows which candidate and length will be accepted; rows whose
-attention is free) are measured against the one the engine runs, on the same cases, with no timing
-noise. ``--check`` also runs the engine's default config on the same cases and prints its measured MAL
-and decode speed-up beside the replay's (the replayed ``engine`` policy is the n-gram proposer's own
-decision: ngram_candidates and GainSchedule, so the two MALs should agree closely).
+it costs comes from a cost model in one-row forwards: the forward cost curve measured as the engine's
+start-up probe measures it (cost_curve.py: rows, and per-cached-token terms), but over every layer and
+``--repeats`` timed forwards per point, for a forward of ``1 + d`` rows after ``L`` cached tokens, plus
+``--overhead`` for a drafted step's work outside the forward, plus the prompt's prefill (fitted to AR's
+measured times to first token). So policies and costs that cannot be built in an afternoon (an oracle
+that knows which candidate and length will be accepted; rows whose attention is free) are measured
+against the one the engine runs, on the same cases, with no timing noise. ``--check`` also runs the
+engine's default config on the same cases and prints its measured MAL and decode speed-up beside the
+replay's (the replayed ``engine`` policy is the n-gram proposer's own decision: ngram_candidates and
+GainSchedule, so the two MALs should agree closely).
 
 Policies: ``engine`` (the default config's: longest suffix match of up to 4 tokens, most recent
 occurrence, length by expected gain per match length), ``vote`` (the same, keyed by match length and
@@ -24,7 +25,7 @@ ceiling of any copy-based draft). Cost models: ``measured``, ``no-overhead``, ``
 extra verified row does not read the context again), ``flat-rows`` (``--flat`` forwards of 8 rows cost
 that many one-row forwards), ``all`` (the three together), ``free`` (a verify costs a plain step, GPU-like).
 
-    python benchmarks/sim_drafts.py [--per-group 8] [--seed 0] [--overhead 0.04] [--check]
+    python benchmarks/sim_drafts.py [--per-group 8] [--seed 0] [--overhead 0.04] [--threads 1] [--check]
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_specbench as sb  # noqa: E402
 
 from ratchetlm import LLM  # noqa: E402
-from ratchetlm.decoding.speculative.cost_curve import CostCurve, measured  # noqa: E402
+from ratchetlm.decoding.speculative.cost_curve import CostCurve, context_terms, curve  # noqa: E402
 from ratchetlm.decoding.speculative.gain import GainSchedule, PendingContinuation, agreed_prefix  # noqa: E402
 from ratchetlm.decoding.speculative.proposers import ngram_candidates  # noqa: E402
 from ratchetlm.decoding.speculative.suffix_index import TokenPositions  # noqa: E402
@@ -54,6 +55,7 @@ from ratchetlm.engine.llm_engine import LLMEngine  # noqa: E402
 from ratchetlm.sampling_params import SamplingParams  # noqa: E402
 
 DEPTH, MAX_N = 8, 4  # the default config's (SpecConfig: depth 8, max_n 4)
+ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 17, 32)  # the cost curve's points (a verify of depth 8: 9 rows)
 
 
 @dataclass
@@ -195,11 +197,16 @@ def main() -> None:
                     help="a drafted step's time outside the forward beyond a plain step's, in one-row forwards "
                          "(bench_spec_step.py --phases, 2026-11-29: 0.82 - 0.46 ms of a 9.6 ms step)")
     ap.add_argument("--flat", type=float, default=1.2, help="the flat-rows model's 8-row forward")
+    ap.add_argument("--repeats", type=int, default=15,
+                    help="timed forwards per point of the cost curve (every layer, the fastest kept; the engine's "
+                         "own probe takes 3 over 4 layers, and moved by up to ~0.2 at 8 rows between runs here)")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads; 1 times by CPU clock (the Spec-Bench runs' setting), more by wall clock")
     ap.add_argument("--check", action="store_true", help="also run the engine's default config on the cases")
     a = ap.parse_args()
-    torch.set_num_threads(1)  # one thread, CPU clock: the bench's setting on this 2-core machine
-    sb.CLOCK = time.process_time
+    torch.set_num_threads(a.threads)  # one thread, CPU clock: the Spec-Bench runs' setting on this 2-core machine
+    sb.CLOCK = time.process_time if a.threads == 1 else time.perf_counter
     llm = LLM(None, progress=False, dtype="float32", numerics="int8")
     prompts = sb.Prompts(llm, True, None)
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens)
@@ -231,17 +238,21 @@ def main() -> None:
                     for i, v in enumerate((s.decode_tokens, s.decode_forwards, r.decode_seconds, s.decode_seconds)):
                         acc[i] += v
                 answers.append(llm.tokenizer.decode(r.tokens, skip_special_tokens=True))
-    curve = measured(ar.runner.model, cache=ar.runner.cache)
+    clock = time.process_time if a.threads == 1 else time.perf_counter
+    model, cpu = ar.runner.model, torch.device("cpu")
+    bare = curve(model, cpu, ROWS, a.repeats, None, clock=clock)
+    c = context_terms(model, cpu, ar.runner.cache, bare, repeats=a.repeats, probe_layers=None, clock=clock)
     one = sb.run_case(ar, cases[0].prompt[:8], SamplingParams(temperature=0.0, max_tokens=33))
     one_row = one.decode_seconds / max(one.decode_forwards, 1)  # a one-row forward after 8 tokens
     prefill = fit_prefill(cases, one_row)
-    costs = {"measured": Cost(curve, a.overhead), "no-overhead": Cost(curve, 0.0),
-             "no-row-attention": Cost(replace(curve, row_token=0.0), a.overhead),
-             "flat-rows": Cost(curve, a.overhead, a.flat),
-             "all": Cost(replace(curve, row_token=0.0), 0.0, a.flat),
-             "free": Cost(CostCurve((1, 2), (1.0, 1.0), curve.first_token, 0.0), 0.0)}
-    print(f"{len(cases)} Spec-Bench cases ({a.per_group} per group, seed {a.seed}), default model, int8, one thread; "
-          f"cost curve {curve}; one-row forward {one_row * 1e3:.2f} ms; drafted-step overhead {a.overhead}")
+    costs = {"measured": Cost(c, a.overhead), "no-overhead": Cost(c, 0.0),
+             "no-row-attention": Cost(replace(c, row_token=0.0), a.overhead),
+             "flat-rows": Cost(c, a.overhead, a.flat),
+             "all": Cost(replace(c, row_token=0.0), 0.0, a.flat),
+             "free": Cost(CostCurve((1, 2), (1.0, 1.0), c.first_token, 0.0), 0.0)}
+    print(f"{len(cases)} Spec-Bench cases ({a.per_group} per group, seed {a.seed}), default model, int8, "
+          f"{a.threads} thread(s); cost curve {c}; one-row forward {one_row * 1e3:.2f} ms; drafted-step overhead "
+          f"{a.overhead}")
     print("\n| policy | cost model | MAL | decode speed-up | Spec-Bench speed-up | per group (MAL / decode) |")
     print("|---|---|---|---|---|---|")
     for p in a.policies:
