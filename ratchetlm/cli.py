@@ -39,6 +39,8 @@ _ENGINE_HELP = {
     "max_waiting": "max queued requests before new ones are refused",
     "staging_capacity": "max tentative K/V rows staged per forward (speculative, wedlm); more fall back to recompute",
     "enable_prefix_caching": "reuse cached KV blocks of shared prompt prefixes (true/false)",
+    "kv_prefault": "CPU: back the KV cache's pages ahead of the blocks in use in a background thread, so no step "
+                   "waits for first-write page faults (true/false)",
     "decoding": "decoding strategy: autoregressive | speculative | wedlm",
     "decoding_options": "JSON object of strategy options",
     "gguf_kernels": "CPU fp32: GGUF (and 16-bit HF) weights stay in stored form, matmuls read them (true/false)",

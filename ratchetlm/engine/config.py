@@ -47,6 +47,10 @@ class EngineConfig:
     staging_capacity: int = 1024
     # reuse committed full KV blocks of earlier requests with the same prefix (kv/block_manager.py)
     enable_prefix_caching: bool = True
+    # CPU: a thread backs the KV pools' pages just ahead of the blocks in use (kv/prefault.py), so that no
+    # step waits for a new region's first-write faults; False: pages are backed by the step that first
+    # writes them
+    kv_prefault: bool = True
     decoding: str = "autoregressive"
     decoding_options: dict[str, Any] = field(default_factory=dict)
     # CPU fp32: GGUF weights (every format) and 16-bit HF weights stay in their stored form and every
@@ -123,6 +127,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be a positive integer, got {self.kv_cache_bytes!r}")
         if self.kv_cache_blocks is not None and self.kv_cache_bytes is not None:
             raise ValueError("give kv_cache_blocks or kv_cache_bytes, not both")
+        if not isinstance(self.kv_prefault, bool):
+            raise ValueError(f"kv_prefault must be true or false, got {self.kv_prefault!r}")
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
         if isinstance(self.pooling_type, str) and self.pooling_type.lower() in POOLING_TYPES:

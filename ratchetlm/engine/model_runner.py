@@ -13,6 +13,7 @@ from ratchetlm.engine.config import KV_CACHE_DTYPES, EngineConfig
 from ratchetlm.engine.layer_groups import GroupedBlocks, grouped_cache
 from ratchetlm.kv.block_manager import BlockManager
 from ratchetlm.kv.cache import KVCache
+from ratchetlm.kv.prefault import Prefault
 from ratchetlm.kv.sink import KVSink, NullSink, StepSink
 from ratchetlm.kv.staging import StagingBuffer, commit_proposal
 from ratchetlm.layers.attention import build_attention_batch
@@ -88,7 +89,7 @@ def build_runner(cfg: EngineConfig, model: Any, model_config: Any, dtype: torch.
     args = (model, cache, blocks, device, cfg.staging_capacity, max_model_len)
     if parallel is not None:
         return parallel.make_runner(*args, step_tokens=cfg.max_num_batched_tokens, dtype=run_dtype)
-    return ModelRunner(*args, step_tokens=cfg.max_num_batched_tokens, dtype=run_dtype)
+    return ModelRunner(*args, step_tokens=cfg.max_num_batched_tokens, dtype=run_dtype, prefault=cfg.kv_prefault)
 
 
 class ModelRunner:
@@ -97,7 +98,7 @@ class ModelRunner:
     # model: models/llama.py's LlamaModel (not named here: the engine imports no model package)
     def __init__(self, model: Any, cache: KVCache, blocks: BlockManager | GroupedBlocks, device: torch.device,
                  staging_capacity: int = 1024, max_model_len: int | None = None, step_tokens: int = 2048,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, prefault: bool = False) -> None:
         self.model = model
         self.dtype = dtype or cache.dtype  # the run's activations (the cache may hold K/V narrower)
         self.step_tokens = step_tokens  # most tokens one step feeds a sequence (max_num_batched_tokens)
@@ -108,6 +109,12 @@ class ModelRunner:
         self.staging = StagingBuffer(cache, staging_capacity)
         # one slot group (and a plain BlockManager): a step's few rows get their slots as a list (execute)
         self._one_group = len(cache.slot_groups) == 1
+        # CPU pools: each slot group's pages backed ahead of its blocks in use (kv/prefault.py), with the block
+        # manager that hands those blocks out
+        managers = blocks.groups if isinstance(blocks, GroupedBlocks) else [blocks]
+        self.prefault = [(Prefault([cache.stacked[p] for p in cache.stacked if cache.group[p] == g]), m)
+                         for g, m in zip(cache.slot_groups, managers, strict=True)] \
+            if prefault and cache.device.type == "cpu" else []
         self.num_forwards = 0
         # Final hidden states (after the last norm) of the last forward, per sequence
         # [len(proposal.token_ids), hidden]: the features a trained draft head (EAGLE) reads.
@@ -152,6 +159,8 @@ class ModelRunner:
         does not fit the buffer's capacity is computed without writing anything (``stage_base``
         -1, one ``fallback_overflow`` for the forward): its commit falls back to recompute."""
         assert len(seqs) == len(proposals) and seqs
+        for pf, m in self.prefault:  # (two int comparisons a step once caught up)
+            pf.ahead(m.high_water * m.block_size)
         # a step of few rows in one slot group (decode, verify): every row's slot as a list, and ids, positions,
         # slots and staging rows one tensor (four tensors cost ~0.1 ms after a forward); else slot tensors
         blocks = self.blocks

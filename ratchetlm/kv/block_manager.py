@@ -60,6 +60,7 @@ class BlockManager:
         self.cache_key = dict(cache_key or {})  # engine-wide inputs that change K/V (block_hash.root_hash)
         self._root = root_hash(self.cache_key)
         self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.high_water = 0  # 1 + the highest block ever handed out (they go in increasing order at first)
         self.ref_count = [0] * num_blocks
         # id(seq) -> (the block table it was made from, slots of every position it covers, -1 in released
         # blocks): a decode step's context slots are a view of it while the table stays the same (a new
@@ -131,6 +132,7 @@ class BlockManager:
             self.stats.evictions += 1
         assert self.ref_count[b] == 0
         self.ref_count[b] = 1
+        self.high_water = max(self.high_water, b + 1)
         return b
 
     def free(self, seq: Sequence) -> None:

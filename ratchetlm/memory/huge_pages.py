@@ -21,9 +21,12 @@ in ordinary pages.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import math
 import mmap
 import threading
+from typing import Any
 
 import numpy as np
 import torch
@@ -80,3 +83,33 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         m, start = _mapping(nbytes)
         return torch.frombuffer(np.frombuffer(m, np.uint8, count=nbytes, offset=start), dtype=dtype).view(shape)
     return torch.frombuffer(empty(nbytes), dtype=dtype).view(shape).zero_()
+
+
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14: back a range's pages writable, as a write would, without writing
+PAGE = mmap.PAGESIZE
+_madvise: Any = None  # libc's madvise (ctypes releases the GIL for the call); False: none here
+
+
+def populate(t: torch.Tensor) -> bool:
+    """Back every page of CPU tensor ``t`` now (``MADV_POPULATE_WRITE``), leaving its contents as they are:
+    what the first write into each page would cost (a huge page zeroed, maybe compacted for), paid by the
+    calling thread instead. Safe beside threads writing ``t``: nothing is written. False where the system has
+    no such advice (not Linux, a kernel before 5.14): nothing was done."""
+    global _madvise
+    if _madvise is None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            _madvise = libc.madvise
+            _madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+            _madvise.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            _madvise = False
+    if _madvise is False or not t.numel():
+        return False
+    start = t.data_ptr() // PAGE * PAGE  # madvise takes whole pages
+    end = t.data_ptr() + t.numel() * t.element_size()
+    if _madvise(start, end - start, MADV_POPULATE_WRITE) != 0:
+        if ctypes.get_errno() == errno.EINVAL:  # the kernel does not know the advice: do not ask again
+            _madvise = False
+        return False
+    return True
