@@ -8,7 +8,8 @@ step every ~5,000 tokens of new blocks on the default model (30 layers x K and V
 in the same step), and every stream in the batch waits for it. llama.cpp and vLLM clear their whole
 cache at start-up instead (~1-4 s a GiB on this project's 2-core VMs).
 
-Here a worker thread backs the rows just ahead of the highest block ever handed out
+Here a worker thread backs the rows just ahead of the highest block ever handed out, once that is past
+the first huge page of rows,
 (``BlockManager.high_water``; blocks are handed out in increasing order until every one has been used
 once), a huge page of each layer's pool ahead (the regions the next blocks reach; 120 MB in all on the
 default model: 30 layers x K and V), with ``MADV_POPULATE_WRITE``: the pages get backed
@@ -48,8 +49,9 @@ class Prefault:
         """Rows ``[0, rows_in_use)`` may be written from now on: back them and the look-ahead (returns at
         once; a no-op while nothing new is wanted)."""
         want = min(self.rows, rows_in_use + self.ahead_rows)
-        if want <= self.wanted or not self.supported:
-            return
+        if want <= self.wanted or not self.supported or rows_in_use < self.ahead_rows:
+            return  # (below a huge page of rows in use the first writes fault what a look-ahead would: an
+            # engine that stays that small, as most in tests do, never starts the thread)
         with self._lock:
             self.wanted = max(self.wanted, want)
             if self._worker is None:

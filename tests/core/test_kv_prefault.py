@@ -53,18 +53,27 @@ def test_prefault_backs_the_rows_ahead_of_those_in_use_and_no_further() -> None:
     pf = Prefault([t, pool()])
     populate_or_skip(t[0, :1])
     assert pf.ahead_rows == huge_pages.HUGE // (2 * 64 * 2)  # a huge page of one layer's rows
-    pf.ahead(500)
+    pf.ahead(pf.ahead_rows - 1)  # less than a huge page of rows in use: the first writes fault what it would
+    assert pf._worker is None and pf.wanted == 0
+    pf.ahead(pf.ahead_rows + 500)
     pf.wait()
-    assert pf.done == pf.wanted == 500 + pf.ahead_rows
+    assert pf.done == pf.wanted == 2 * pf.ahead_rows + 500
     for layer in range(3):
         backed, beyond = t[layer, : pf.done], t[layer, pf.done + PAGE :]
         assert resident_pages(backed) * PAGE >= backed.numel() * 2  # every row asked for
         assert resident_pages(beyond) * PAGE <= 2 * huge_pages.HUGE  # not the rest (at most a huge page it shares)
-    pf.ahead(400)  # nothing new wanted: no worker
-    assert pf._worker is None and pf.wanted == 500 + pf.ahead_rows
+    pf.ahead(pf.ahead_rows + 400)  # nothing new wanted: no worker
+    assert pf._worker is None and pf.wanted == 2 * pf.ahead_rows + 500
     pf.ahead(10**9)  # capped at the pool
     pf.wait()
     assert pf.done == t.shape[1] and pf._worker is None
+
+
+def generate(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    seqs = [eng.seqs[eng.add_request(p, params)] for p in prompts]
+    while eng.has_unfinished():
+        eng.step()
+    return [list(s.output_ids) for s in seqs]
 
 
 def test_an_engine_backs_its_pool_ahead_of_its_blocks_and_decodes_the_same_tokens(llm_default) -> None:
@@ -74,20 +83,20 @@ def test_an_engine_backs_its_pool_ahead_of_its_blocks_and_decodes_the_same_token
     for on in (True, False):
         cfg = EngineConfig(kv_prefault=on, kv_cache_blocks=4096, progress=False, numerics=llm_default.config.numerics)
         eng = LLMEngine(cfg, llm_default.engine.model, llm_default.model_config, tokenizer=llm_default.tokenizer)
-        seqs = [eng.seqs[eng.add_request(p, params)] for p in prompts]
-        while eng.has_unfinished():
-            eng.step()
-        outs[on] = [list(s.output_ids) for s in seqs]
+        outs[on] = generate(eng, prompts, params)
         runner = eng.runner
         if not on:
             assert runner.prefault == []
             continue
         (pf, blocks), = runner.prefault
+        assert pf.done == 0 and pf._worker is None  # a few blocks in use: no thread, the writes back them
+        blocks.high_water = 2 * pf.ahead_rows // blocks.block_size  # as if earlier requests had reached there
+        assert generate(eng, prompts, params) == outs[on]
         pf.wait()
         in_use = blocks.high_water * blocks.block_size
-        assert 0 < in_use and pf.done == min(pf.rows, in_use + pf.ahead_rows)
+        assert pf.done == min(pf.rows, in_use + pf.ahead_rows) and pf.supported
         k = runner.cache.stacked["k"]
-        assert resident_pages(k[5, : pf.done]) * PAGE >= k[5, : pf.done].numel() * k.element_size() or not pf.supported
+        assert resident_pages(k[5, in_use : pf.done]) * PAGE >= k[5, in_use : pf.done].numel() * k.element_size()
     assert outs[True] == outs[False]
 
 
