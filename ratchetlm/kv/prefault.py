@@ -2,20 +2,21 @@
 
 A CPU pool is a mapping the kernel backs page by page on first write (memory/huge_pages.py), so that an
 engine costs no memory for cache it never uses. But the first write into a new 2 MB huge page is a fault
-that zeroes it, and compacts memory for it when none is free (``defrag=madvise`` asks for that on
-mappings advised huge): measured here 20-420 ms for the step that first reaches a new region, one such
-step every ~5,000 tokens of new blocks on the default model (30 layers x K and V reach their next region
-in the same step), and every stream in the batch waits for it. llama.cpp and vLLM clear their whole
-cache at start-up instead (~1-4 s a GiB on this project's 2-core VMs).
+that zeroes it, and may compact memory for it (``defrag=madvise`` asks for that on mappings advised
+huge): ~2.5 ms a page with memory fresh from the system, ~0.3 ms once the process has freed some
+(docs/benchmarks.md, *KV pages backed ahead of use*). Each layer's K and V cross into a new page every
+~5,460 slots on the default model, at different slots per layer, so a fresh server's steps pay a page
+every ~90 slots of new blocks, in lumps of up to hundreds of ms when several land in one step (20-420
+ms steps were seen), and every stream in the batch waits. llama.cpp and vLLM clear their whole cache at
+start-up instead (~1-4 s a GiB on this project's 2-core VMs).
 
-Here a worker thread backs the rows just ahead of the highest block ever handed out, once that is past
-the first huge page of rows,
-(``BlockManager.high_water``; blocks are handed out in increasing order until every one has been used
-once), a huge page of each layer's pool ahead (the regions the next blocks reach; 120 MB in all on the
-default model: 30 layers x K and V), with ``MADV_POPULATE_WRITE``: the pages get backed
-without being written, so the worker may run beside a forward writing the same pools. The thread is
-started when there is work and ends when it has caught up (no thread outlives its work, none holds a
-dropped engine's pools). The memory backed is what the engine is about to use, plus the look-ahead.
+Here a thread backs a huge page of every layer's pool ahead of the highest block ever handed out
+(``BlockManager.high_water``: blocks go out in increasing order until every one has been used once;
+120 MB of look-ahead on the default model), with ``MADV_POPULATE_WRITE``: the pages are backed without
+being written, so the thread may run beside a forward writing the same pools. It starts only once the
+blocks in use pass the first huge page of rows (below that the first writes fault what it would, and a
+small engine, as in tests, never starts it), when there is work, and ends when it has caught up: no
+thread outlives its work or holds a dropped engine's pools.
 """
 
 from __future__ import annotations
