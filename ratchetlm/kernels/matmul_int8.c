@@ -690,12 +690,12 @@ static void unpack_panel(const uint8_t *Q, int K, int G, int vb, int off, uint8_
         unpack_groups(Q, K, 32, 5, 0, dst);
 }
 
-/* Calls of UNPACK_TILES+ tiles (prefill, long verifies) go over each thread's panels in blocks of about
+/* Calls of UNPACK_ROWS+ rows (prefill, long verifies) go over each thread's panels in blocks of about
  * PANEL_BLOCK bytes of unpacked weights (half of this CPU's 1 MB L2) (5- and 6-bit panels unpacked once per block for the vb 13 / 14 kernels: the same
  * integer sums and float steps, so the same bits at any tile count): every tile's activations are then
  * read once per block of panels instead of once per panel (a 512-token prefill's tiles of K = 8192 are
  * 4.5 MB, more than the L2, re-read for every 16 rows of output), and the block's weights stay in L2. */
-#define UNPACK_TILES 4 /* (2 tiles of 8: 1.17x the time, one thread, 2048 x 8192 Q5_K, Q6_K) */
+#define UNPACK_ROWS 25 /* 4+ tiles of 8 (2 tiles of 8: 1.17x the time, one thread, 2048 x 8192 Q5_K, Q6_K) */
 #define PANEL_BLOCK (512 * 1024) /* 128 KB: 1.08-1.16x the time, 1 MB 1.02-1.26x (AVX-512, 512 rows, one thread) */
 
 /* A tile's activation items, token-interleaved (word [i][t] is token t's i-th item; the xtile_t fields
@@ -782,6 +782,18 @@ static void prep_tile_blocks(const float *x, long xs, int gated, int K, int bits
     }
 }
 
+/* Tokens per tile: TT (AVX-512: 16, the tokens beyond TR streamed through a group's weights, panel_stream) while
+ * a tile's activations stay small beside the panel in L1, else TR (8, registers only). panel_stream's 16-token
+ * tile of K = 1536 (~33 KB of activation items) measured 1.03-1.08x the time of two tiles of 8, of 9-12 tokens
+ * 0.90-0.94x, and at K = 576 (SmolLM2-135M's body and head) 0.85-0.95x at every 9-16 (one thread, 2026-11-29):
+ * TILE_KT bounds tokens x K. The 5- and 6-bit panels unpacked once per block (prefill) keep tiles of TR. Which
+ * tile a token lands in changes no value. */
+#define TILE_KT (12 * 1536)
+static int tile_tokens(int K, int blocked) {
+    const int t = K > 0 ? TILE_KT / K : TT;
+    return blocked || t <= TR ? TR : t >= TT ? TT : t;
+}
+
 /* Tokens from which one tile's preparation is split over the threads (by blocks, one more barrier):
  * at one token its ~0.5 us (K = 576) costs less than the barrier and the other thread's wake-up */
 #define PREP_SPLIT_MIN 2
@@ -794,14 +806,21 @@ static void prep_tile_blocks(const float *x, long xs, int gated, int K, int bits
 static void mm_q8(const float *x, long xs, int gated, int M, int K, int bits, int zw, const q8panel_t *panels,
                   const uint8_t *Q, const uint8_t *SM, float *y, int N, int threads) {
     if (M <= 0 || N <= 0) return;
-    const int NPAN = (N + PN - 1) / PN, NB = K / 32, NT = (M + TT - 1) / TT;
+    const int NPAN = (N + PN - 1) / PN, NB = K / 32;
+    int blocked = 0; /* the 5- and 6-bit weights only (the other widths measured no gain) */
+    for (int p = 0; p < NPAN && M >= UNPACK_ROWS; p++) blocked |= panels[p].vb == 5 || panels[p].vb == 6;
+    /* NT tiles of at most T tokens; tile ti holds tokens t0[ti] .. t0[ti + 1] - 1. Tiles of TR: full ones and the
+     * rest (the unpacked kernels have full tiles' literal forms only, PANEL_KIND_FULL). Streamed tiles (T > TR):
+     * balanced, sizes differing by at most one (17 rows at K = 576 are 9 + 8, not 16 + 1, whose lone token would
+     * pay a tile's per-group work; 14 at K = 1536 are 7 + 7 in registers, not 12 + 2) */
+    const int T = tile_tokens(K, blocked), NT = (M + T - 1) / T;
     const long per = tile_words(K, bits); /* words per token */
     int32_t *til = malloc(sizeof(int32_t) * (size_t)M * per);
     xtile_t *tiles = malloc(sizeof(xtile_t) * (size_t)NT);
-    for (int ti = 0; ti < NT; ti++) tiles[ti] = tile_view(til + (long)ti * TT * per, K, bits, MIN(TT, M - ti * TT));
+    int *t0 = malloc(sizeof(int) * (size_t)(NT + 1));
+    for (int ti = 0; ti <= NT; ti++) t0[ti] = T > TR ? ti * (M / NT) + MIN(ti, M % NT) : MIN(ti * T, M);
+    for (int ti = 0; ti < NT; ti++) tiles[ti] = tile_view(til + (long)t0[ti] * per, K, bits, t0[ti + 1] - t0[ti]);
     const int split = NT == 1 && M >= PREP_SPLIT_MIN && threads > 1;
-    int blocked = 0; /* the 5- and 6-bit weights only (the other widths measured no gain) */
-    for (int p = 0; p < NPAN && NT >= UNPACK_TILES; p++) blocked |= panels[p].vb == 5 || panels[p].vb == 6;
     if (NT == 1 && !split) prep_tile_blocks(x, xs, gated, K, bits, zw, til, M, 0, NB);
 #pragma omp parallel num_threads(threads)
     {
@@ -813,8 +832,8 @@ static void mm_q8(const float *x, long xs, int gated, int M, int K, int bits, in
         } else if (NT > 1) {
 #pragma omp for schedule(static)
             for (int ti = 0; ti < NT; ti++) /* each token quantized on its own: nothing depends on M */
-                prep_tile_blocks(x + ti * TT * xs, xs, gated, K, bits, zw, til + (long)ti * TT * per,
-                                 MIN(TT, M - ti * TT), 0, NB);
+                prep_tile_blocks(x + t0[ti] * xs, xs, gated, K, bits, zw, til + (long)t0[ti] * per,
+                                 t0[ti + 1] - t0[ti], 0, NB);
         }
         if (!blocked) {
 #pragma omp for schedule(static)
@@ -822,8 +841,8 @@ static void mm_q8(const float *x, long xs, int gated, int M, int K, int bits, in
                 const q8panel_t *pn = &panels[p];
                 for (int ti = 0; ti < NT; ti++)
                     panel_any(Q + pn->qoff, SM + pn->soff, pn->z, &tiles[ti], K, pn->G, pn->vb, bits == 16, pn->has_m,
-                              pn->unit, pn->SB, y + (long)ti * TT * N + p * PN, N, MIN(PN, N - p * PN),
-                              MIN(TT, M - ti * TT));
+                              pn->unit, pn->SB, y + (long)t0[ti] * N + p * PN, N, MIN(PN, N - p * PN),
+                              t0[ti + 1] - t0[ti]);
             }
         } else { /* this thread's panels (the static schedule's share) in blocks of PB, the tiles inside */
             const int nth = omp_get_num_threads(), id = omp_get_thread_num();
@@ -853,7 +872,7 @@ static void mm_q8(const float *x, long xs, int gated, int M, int K, int bits, in
                         const int unp = pn->vb == 5 || pn->vb == 6;
                         panel_any(unp ? ub + (long)(p - b0) * UPS : Q + pn->qoff, SM + pn->soff, pn->z, &tiles[ti],
                                   K, pn->G, unp ? pn->vb + 8 : pn->vb, bits == 16, pn->has_m, pn->unit, pn->SB,
-                                  y + (long)ti * TT * N + p * PN, N, MIN(PN, N - p * PN), MIN(TT, M - ti * TT));
+                                  y + (long)t0[ti] * N + p * PN, N, MIN(PN, N - p * PN), t0[ti + 1] - t0[ti]);
                     }
             }
             free(ub);
@@ -861,6 +880,7 @@ static void mm_q8(const float *x, long xs, int gated, int M, int K, int bits, in
     }
     free(til);
     free(tiles);
+    free(t0);
 }
 
 /* the entry point: the weight's arguments in one struct (kernels/__init__.py Q8Weight, built once per
