@@ -789,9 +789,11 @@ static void prep_tile_blocks(const float *x, long xs, int gated, int K, int bits
  * TILE_KT bounds tokens x K. The 5- and 6-bit panels unpacked once per block (prefill) keep tiles of TR. Which
  * tile a token lands in changes no value. */
 #define TILE_KT (12 * 1536)
-static int tile_tokens(int K, int blocked) {
+#define STREAM_ROWS (2 * TT) /* calls of more rows (prefill): tiles of TR, as streamed tiles measured 1.02-1.06x their time
+                                (64 and 512 rows, 3072 x 576 and 576 x 1536 Q4_1, one thread, 2026-11-29) */
+static int tile_tokens(int M, int K, int blocked) {
     const int t = K > 0 ? TILE_KT / K : TT;
-    return blocked || t <= TR ? TR : t >= TT ? TT : t;
+    return blocked || M > STREAM_ROWS || t <= TR ? TR : t >= TT ? TT : t;
 }
 
 /* Tokens from which one tile's preparation is split over the threads (by blocks, one more barrier):
@@ -813,7 +815,7 @@ static void mm_q8(const float *x, long xs, int gated, int M, int K, int bits, in
      * rest (the unpacked kernels have full tiles' literal forms only, PANEL_KIND_FULL). Streamed tiles (T > TR):
      * balanced, sizes differing by at most one (17 rows at K = 576 are 9 + 8, not 16 + 1, whose lone token would
      * pay a tile's per-group work; 14 at K = 1536 are 7 + 7 in registers, not 12 + 2) */
-    const int T = tile_tokens(K, blocked), NT = (M + T - 1) / T;
+    const int T = tile_tokens(M, K, blocked), NT = (M + T - 1) / T;
     const long per = tile_words(K, bits); /* words per token */
     int32_t *til = malloc(sizeof(int32_t) * (size_t)M * per);
     xtile_t *tiles = malloc(sizeof(xtile_t) * (size_t)NT);
