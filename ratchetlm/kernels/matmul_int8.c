@@ -33,10 +33,12 @@
  * groups of an activation block are summed in integers first, J = c[g0] I[g0] + c[g1] I[g1], then
  * as = fma(float(J), dx, as) and per super-group acc = fma(as, D, acc): PAIRED in matmul_int8_panel.h),
  * one scalar sequence per output (16 outputs are the 16 lanes of a vector;
- * nothing is reduced across lanes). Register tiles: a group's weight vectors are loaded (and
- * unpacked) once and used for up to TT tokens, each with its own accumulator. The sequence per
- * output does not depend on how many tokens share the call, the tiling or the thread count, so a
- * row's result is bit-identical alone or among any number of rows (batch-invariant), per build.
+ * nothing is reduced across lanes). Tiles: a group's weight vectors are loaded (and unpacked) once
+ * and used for every token of a tile, each token with its own accumulator: up to TR (8) tokens with
+ * the accumulators in registers (panel_tile), on AVX-512 up to TT (16) with the tokens streamed through
+ * the weights (panel_stream; tile_tokens below says when). The sequence per output does not depend on
+ * how many tokens share the call, the tiling or the thread count, so a row's result is bit-identical
+ * alone or among any number of rows (batch-invariant), and every build gives the AVX-512 build's bits.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -782,15 +784,16 @@ static void prep_tile_blocks(const float *x, long xs, int gated, int K, int bits
     }
 }
 
-/* Tokens per tile: TT (AVX-512: 16, the tokens beyond TR streamed through a group's weights, panel_stream) while
- * a tile's activations stay small beside the panel in L1, else TR (8, registers only). panel_stream's 16-token
- * tile of K = 1536 (~33 KB of activation items) measured 1.03-1.08x the time of two tiles of 8, of 9-12 tokens
- * 0.90-0.94x, and at K = 576 (SmolLM2-135M's body and head) 0.85-0.95x at every 9-16 (one thread, 2026-11-29):
- * TILE_KT bounds tokens x K. The 5- and 6-bit panels unpacked once per block (prefill) keep tiles of TR. Which
- * tile a token lands in changes no value. */
+/* Tokens per tile (at most; mm_q8 balances streamed tiles). AVX-512 (TT 16 > TR 8): calls of up to STREAM_ROWS
+ * rows (verifies, decode steps at a batch) take tiles of up to TT tokens, those of more than TR streamed
+ * (panel_stream), while tokens x K stays within TILE_KT: a 16-token tile's activation items at K = 1536 (~33 KB)
+ * no longer stay in L1 beside the panel, and measured 1.03-1.08x the time of two tiles of 8 there, 9-12 tokens
+ * 0.90-0.94x; at K = 576 (SmolLM2-135M) 9-16 tokens 0.85-0.95x (kernel, one thread, weights in cache,
+ * 2026-11-29). Larger calls (prefill) keep tiles of TR: streamed tiles of 64 and 512 rows measured 1.02-1.06x
+ * (3072 x 576 and 576 x 1536 Q4_1), as do calls that unpack 5- and 6-bit panels (UNPACK_ROWS). Other builds:
+ * TR. Which tile a token lands in changes no value. */
 #define TILE_KT (12 * 1536)
-#define STREAM_ROWS (2 * TT) /* calls of more rows (prefill): tiles of TR, as streamed tiles measured 1.02-1.06x their time
-                                (64 and 512 rows, 3072 x 576 and 576 x 1536 Q4_1, one thread, 2026-11-29) */
+#define STREAM_ROWS (2 * TT)
 static int tile_tokens(int M, int K, int blocked) {
     const int t = K > 0 ? TILE_KT / K : TT;
     return blocked || M > STREAM_ROWS || t <= TR ? TR : t >= TT ? TT : t;
@@ -801,7 +804,7 @@ static int tile_tokens(int M, int K, int blocked) {
 #define PREP_SPLIT_MIN 2
 
 /* y [M, N] = x [M, K] @ w.T, activations of `bits` (8 or 16), w packed by ratchet_pack_q8 with zero
- * point zw (ratchet_q8_plan's sizes[2]). Each tile of TT tokens is prepared (quantized, interleaved)
+ * point zw (ratchet_q8_plan's sizes[2]). Each tile (tile_tokens) is prepared (quantized, interleaved)
  * by one thread, or, when the call is one tile of PREP_SPLIT_MIN+ tokens (decode at a batch, short
  * verifies), by every thread, a range of blocks each; a one-token call is prepared by the calling
  * thread before the team starts. Who prepares a token changes no value. */

@@ -2,7 +2,8 @@
  * rows times one tile of up to TT tokens, for each stored-value width in a unit of its own
  * (matmul_int8_vb4.c, _vb5.c, _vb6.c, _vb8.c), so that the build compiles them in parallel. Each unit
  * instantiates panel_tile for its widths' group sizes, both activation widths, with and without offsets
- * and every tile size 1..TT as literals (the accumulators then live in registers). */
+ * and every tile size 1..TR as literals (the accumulators then live in registers), and on AVX-512
+ * panel_stream for the tile sizes TR + 1 .. TT (a group's weights in registers, the tokens streamed). */
 #ifndef RATCHET_MATMUL_INT8_PANEL_H
 #define RATCHET_MATMUL_INT8_PANEL_H
 #include <math.h>
@@ -95,15 +96,15 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
                                                              float *y, int N,
                                                              int nvalid, const int tt) {
     const int P = PAIRED(G, b16, has_m);
-    __m512 acc[TT]; /* paired panels: the super-group's accumulator as, the total in accm */
-    __m512i J[TT];
+    __m512 acc[TR]; /* paired panels: the super-group's accumulator as, the total in accm */
+    __m512i J[TR];
     /* Paired panels: J's steps are exact in float where |J| < 2^24: |u - z| <= 32 (4-bit values; 6-bit ones
      * with z = 32, Q6_K: 2 * 128 * 16 * 32 * 127 = 16646144), then formed by vcvtdq2ps and vmulps / vfmadd (which
      * the second 512-bit port takes) rather than vpmulld (2 uops on the port of vpdpbusd: 1.17x the time
      * at one row, 2048 x 2048 Q6_K, one thread); the same J, so the same bits */
     const int fexact = P && (vb == 4 || ((vb == 6 || vb == 14) && z == 32));
-    __m512 Jf[TT];
-    float accm[P ? TT : 1][PN] __attribute__((aligned(64)));
+    __m512 Jf[TR];
+    float accm[P ? TR : 1][PN] __attribute__((aligned(64)));
     #pragma GCC unroll 8
     for (int t = 0; t < tt; t++) {
         acc[t] = _mm512_setzero_ps();
@@ -168,7 +169,7 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
         }
         /* one integer chain per token, the tokens interleaved (tt independent chains in flight),
          * starting from -z * sum xq (16 bits: added after the high bytes' products are scaled) */
-        __m512i I[TT];
+        __m512i I[TR];
 #pragma GCC unroll 8
         for (int t = 0; t < tt; t++)
             I[t] = z && !b16 ? _mm512_set1_epi32(G == 32 ? xs->zq32[g * tt + t] : xs->zq16[g * tt + t])
@@ -298,23 +299,27 @@ static inline __attribute__((always_inline)) void stream_tokens(const __m512i W[
     }
 }
 
-/* Tiles of TR + 1 .. TT tokens (verifies of 9-16 rows, decode at a batch of 9-16, prefill): the register tile
- * above holds at most TR tokens' accumulators beside a group's 8 weight vectors (32 zmm), and a call of 9 rows
- * as tiles of 8 and 1 paid the whole per-group work again (weight loads, nibble and plane unpacking, scales)
- * for the ninth token (perf, SmolLM2-135M, one thread: ~2x a token's marginal cost). Here a group's (a paired
- * panel's block's two groups') weight vectors are loaded and unpacked once into registers and the tokens are
- * streamed through them one at a time, each token's accumulator in memory (L1: a load and a store per group
- * and token, on the load/store ports, while the products keep the multiply port busy). Each token's sequence
- * is panel_tile's: the same integer chain (zero point first, products in increasing c; 16 bits: hi, shift,
- * zero point, lo), the same float steps in the same order (paired panels: the same J, fexact or not, one step
- * per block, D per super-group): the same bits at any tile size. tt is read at run time (one function a kind). */
+/* Tiles of TR + 1 .. TT tokens (verifies and batched decode steps of 9-32 rows: matmul_int8.c, tile_tokens).
+ * The register tile above holds at most TR tokens' accumulators beside a group's 8 weight vectors (32 zmm), and
+ * a call of 9 rows as tiles of 8 and 1 paid the per-group work again (weight loads, nibble and plane unpacking,
+ * scales) for the ninth token: ~2x a token's marginal time in the kernel (SmolLM2-135M's shapes, one thread,
+ * weights in cache), 1.3 of the 1.6 ms the ninth row added to its forward (perf, 2026-11-29). Here a group's (a
+ * paired panel's block's two groups') weight vectors are loaded and unpacked once into registers and the tokens
+ * go through them in two halves (stream_tokens: each half's integer chains interleaved, as panel_tile's), each
+ * token's accumulator in memory (L1: a load and a store per group and token, on the load and store ports, while
+ * the products keep the multiply port busy; the first half's accumulators held in registers instead measured no
+ * faster: gcc spilled). Each token's sequence is panel_tile's: the same integer chain (zero point first, products
+ * in increasing c; 16 bits: hi, shift, zero point, lo), the same float steps in the same order (paired panels:
+ * the same J, fexact or not, one step per block, D per super-group): the same bits at any tile size. tt is a
+ * literal (PANEL_STREAM_TT: with tt read at run time the activations' addresses took an add each and the
+ * kernel 1.15-1.3x the time) except in the rare kinds (PANEL_KIND_RARE: 8, 4, 2, 1 tokens at a time). */
 static inline __attribute__((always_inline)) void panel_stream(const uint8_t *Q, const uint8_t *SM, int z,
                                                                const xtile_t *xs, int K, const int G, const int vb,
                                                                const int b16, const int has_m, const int unit, int SB,
                                                                float *y, int N, int nvalid, int tt) {
     const int P = PAIRED(G, b16, has_m);
     const int fexact = P && (vb == 4 || ((vb == 6 || vb == 14) && z == 32)); /* as panel_tile */
-    float acc[TT][PN] __attribute__((aligned(64))); /* paired panels: the super-group's accumulator as */
+    float acc[TT][PN] __attribute__((aligned(64))); /* [tt][PN]; paired panels: the super-group's accumulator as */
     float accm[P ? TT : 1][PN] __attribute__((aligned(64)));
     for (int t = 0; t < tt; t++) {
         _mm512_store_ps(acc[t], _mm512_setzero_ps());
@@ -815,7 +820,8 @@ static inline void panel_tile(const uint8_t *Q, const uint8_t *SM, int z, const 
                                                int SB, float *y, int N, int nvalid) {                                  \
         panel_tile(Q, SM, z, xs, K, G, VB, B16, HM, U, SB, y, N, nvalid, T);                                          \
     }
-#if TT > TR /* AVX-512: tiles of TR + 1 .. TT tokens go through panel_stream (tt read at run time), one function a kind */
+#if TT > TR /* AVX-512: tiles of TR + 1 .. TT tokens go through panel_stream: tt a literal (PANEL_STREAM_TT, the
+               * table's entries 9..16), or read at run time (PANEL_STREAM: one function for a rare kind) */
 #define PANEL_STREAM(NAME, G, VB, B16, HM, U)                                                                          \
     static __attribute__((noinline)) void NAME##_s(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs,      \
                                                    int K, int SB, float *y, int N, int nvalid, int tt) {               \
@@ -857,7 +863,8 @@ static inline void panel_tile(const uint8_t *Q, const uint8_t *SM, int z, const 
         f[tt](Q, SM, z, xs, K, SB, y, N, nvalid);                                                                      \
     }
 /* a kind no single format's panels take (PANEL_KINDS' FAST flags): one function with tt read at run time (the
- * same bits: each token's chain is its own; the accumulators live in memory, not registers) */
+ * same bits: each token's chain is its own; the accumulators live in memory, not registers), and on AVX-512 one
+ * panel_stream with tt read at run time for tiles of more than TR */
 #define PANEL_KIND_RARE(NAME, G, VB, B16, HM, U)                                                                       \
     static __attribute__((noinline)) void NAME##_t(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs,      \
                                                    int K, int SB, float *y, int N, int nvalid, int tt) {               \
@@ -869,8 +876,8 @@ static inline void panel_tile(const uint8_t *Q, const uint8_t *SM, int z, const 
         PANEL_STREAMED(NAME)                                                                                           \
         NAME##_t(Q, SM, z, xs, K, SB, y, N, nvalid, tt);                                                               \
     }
-/* a kind only calls of several full tiles take (see the AVX2 form): TR a literal, smaller tiles at run time,
- * larger ones (AVX-512) streamed */
+/* a kind only calls of several full tiles take (see the AVX2 form): TR a literal, smaller tiles at run time
+ * (mm_q8 keeps tiles of TR where it unpacks panels: the streamed form is compiled but not reached) */
 #define PANEL_KIND_FULL(NAME, G, VB, B16, HM, U)                                                                       \
     PANEL_TT(NAME##_8, G, VB, B16, HM, U, TR) PANEL_KIND_RARE(NAME##_r, G, VB, B16, HM, U)                           \
     static void NAME(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, int SB, float *y, int N,    \

@@ -1,0 +1,96 @@
+"""One model forward (body and head, no cached context) over R new rows through this tree's kernel build and
+another build (``--against OTHER.so``, e.g. the cached library of another checkout), interleaved in one process:
+a kernel change's effect at the model level, with the same Python code, weights and machine load on both sides.
+
+Each round times every row count with each build in turn (the order alternating per round), ``--reps`` forwards a
+cell; printed: the fastest forward per build and row count (``--clock cpu``: the process's CPU time, one thread)
+and this build's time over the other's. Both builds must give the same logits (asserted): a numerics change
+cannot pass as a speed change. Swapping a build resets every ``Linear``'s packed handle and rebuilds the decode
+chain (models/decode_chain.py binds its library), so neither build runs a layer through the other.
+
+    PYTHONPATH=. python benchmarks/bench_forward_pairs.py --against ~/.cache/ratchetlm/kernels/OTHER.so \\
+        [--model FILE.gguf] [--numerics int8] [--rows 1 8 9 16 17] [--rounds 8] [--reps 4] [--threads 1]
+
+The other tree's library: ``PYTHONPATH=OTHER python -c "from ratchetlm import kernels; print(kernels.load()._name)"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import time
+
+import torch
+
+from ratchetlm import LLM, kernels
+from ratchetlm.kv.sink import NullSink
+from ratchetlm.layers.attention import build_attention_batch
+from ratchetlm.layers.block_quant import Linear
+from ratchetlm.models.decode_chain import DecodeChain
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--against", required=True, help="the other kernel library (.so)")
+    ap.add_argument("--model", default=None, help="GGUF file (default: the bundled SmolLM2-135M-Instruct)")
+    ap.add_argument("--numerics", default="int8")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 7, 8, 9, 10, 12, 13, 16, 17, 24, 32])
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=4, help="forwards per build, row count and round")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="cpu")
+    args = ap.parse_args()
+    if args.clock == "cpu" and args.threads != 1:
+        raise SystemExit("--clock cpu needs --threads 1 (CPU time adds up every thread's work)")
+    if not os.path.isfile(args.against):
+        raise SystemExit(f"--against: no such file {args.against!r}")
+    torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    other = ctypes.CDLL(os.path.abspath(args.against))
+    kernels._declare(other)
+    this = kernels.load()
+    if this is None:
+        raise SystemExit("this tree's kernels did not build")
+    llm = LLM(args.model, progress=False, numerics=args.numerics, kv_cache_blocks=16 + max(args.rows) // 8)
+    model = llm.engine.model
+    builds = {"this": this, "other": other}
+
+    def use(lib: ctypes.CDLL) -> None:
+        kernels.load = lambda: lib  # every kernels.load() call site reads the module attribute
+        for m in model.modules():
+            if isinstance(m, Linear):
+                m._q8_call = None  # repacked for (and bound to) lib at its next call
+        if model._chain is not None:
+            model._chain = DecodeChain.build(model)
+            assert model._chain is not None and model._chain.lib is lib
+
+    best = {(b, r): float("inf") for b in builds for r in args.rows}
+    first: dict[tuple[str, int], torch.Tensor] = {}
+    print(f"{args.model or 'default model'}, {args.numerics}, {args.threads} thread(s), {args.clock} clock; "
+          f"load {os.getloadavg()[0]:.2f}", flush=True)
+    with torch.inference_mode():
+        for rd in range(args.rounds):
+            for name in (("this", "other") if rd % 2 == 0 else ("other", "this")):
+                use(builds[name])
+                for rows in args.rows:
+                    ids = (torch.arange(rows) * 7919 + 100) % int(model.config.vocab_size)  # [rows]
+                    batch = build_attention_batch(torch.arange(rows), [rows], [torch.arange(0, dtype=torch.long)],
+                                                  [None], NullSink(), None)
+                    logits = model.logits(model(ids, batch))  # warm-up (and the packed handles, the chain)
+                    first.setdefault((name, rows), logits)
+                    for _ in range(args.reps):
+                        t = clock()
+                        model.logits(model(ids, batch))
+                        best[name, rows] = min(best[name, rows], clock() - t)
+    for rows in args.rows:
+        assert torch.equal(first["this", rows], first["other", rows]), f"the builds' logits differ at {rows} rows"
+    print("rows   " + " ".join(f"{r:>6}" for r in args.rows))
+    for name in builds:
+        print(f"{name:6} " + " ".join(f"{1e3 * best[name, r]:6.2f}" for r in args.rows) + "  ms")
+    print("ratio  " + " ".join(f"{best['this', r] / best['other', r]:6.3f}" for r in args.rows))
+    print(f"load average after {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
