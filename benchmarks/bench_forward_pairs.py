@@ -9,7 +9,13 @@ cannot pass as a speed change. Swapping a build resets every ``Linear``'s packed
 chain (models/decode_chain.py binds its library), so neither build runs a layer through the other.
 
     PYTHONPATH=. python benchmarks/bench_forward_pairs.py --against ~/.cache/ratchetlm/kernels/OTHER.so \\
-        [--model FILE.gguf] [--numerics int8] [--rows 1 8 9 16 17] [--rounds 8] [--reps 4] [--threads 1]
+        [--model FILE.gguf] [--numerics int8] [--rows 1 8 9 16 17] [--rounds 8] [--reps 4] [--threads 1] \\
+        [--decode-batch 9 12 16 --decode-tokens 48]
+
+``--decode-batch B ...``: also plain greedy decoding of B different short prompts at once through the engine
+(``LLM.generate``, EOS ignored, ``--decode-tokens`` each: every decode step a forward of B rows, one per
+sequence, over its own cached context), the whole call timed per build the same interleaved way (its prefill
+is ~10 tokens a prompt), the token ids asserted equal.
 
 The other tree's library: ``PYTHONPATH=OTHER python -c "from ratchetlm import kernels; print(kernels.load()._name)"``.
 """
@@ -23,7 +29,7 @@ import time
 
 import torch
 
-from ratchetlm import LLM, kernels
+from ratchetlm import LLM, SamplingParams, kernels
 from ratchetlm.kv.sink import NullSink
 from ratchetlm.layers.attention import build_attention_batch
 from ratchetlm.layers.block_quant import Linear
@@ -40,6 +46,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=4, help="forwards per build, row count and round")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--clock", choices=("wall", "cpu"), default="cpu")
+    ap.add_argument("--decode-batch", type=int, nargs="*", default=[], help="batch sizes of plain decoding")
+    ap.add_argument("--decode-tokens", type=int, default=48)
     args = ap.parse_args()
     if args.clock == "cpu" and args.threads != 1:
         raise SystemExit("--clock cpu needs --threads 1 (CPU time adds up every thread's work)")
@@ -52,7 +60,9 @@ def main() -> None:
     this = kernels.load()
     if this is None:
         raise SystemExit("this tree's kernels did not build")
-    llm = LLM(args.model, progress=False, numerics=args.numerics, kv_cache_blocks=16 + max(args.rows) // 8)
+    decode_rows = max(args.decode_batch, default=0) * (args.decode_tokens + 32)  # cached tokens at most
+    llm = LLM(args.model, progress=False, numerics=args.numerics,
+              kv_cache_blocks=16 + (max(args.rows) + decode_rows) // 8)  # blocks of >= 8 tokens
     model = llm.engine.model
     builds = {"this": this, "other": other}
 
@@ -67,6 +77,9 @@ def main() -> None:
 
     best = {(b, r): float("inf") for b in builds for r in args.rows}
     first: dict[tuple[str, int], torch.Tensor] = {}
+    dec_best = {(b, n): float("inf") for b in builds for n in args.decode_batch}
+    dec_ids: dict[tuple[str, int], list[list[int]]] = {}
+    params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
     print(f"{args.model or 'default model'}, {args.numerics}, {args.threads} thread(s), {args.clock} clock; "
           f"load {os.getloadavg()[0]:.2f}", flush=True)
     with torch.inference_mode():
@@ -83,12 +96,23 @@ def main() -> None:
                         t = clock()
                         model.logits(model(ids, batch))
                         best[name, rows] = min(best[name, rows], clock() - t)
+                for n in args.decode_batch:
+                    prompts = [f"Question {i}: what is {i} times {i + 3}? Answer:" for i in range(n)]
+                    t = clock()
+                    outs = llm.generate(prompts, params, use_tqdm=False)
+                    dec_best[name, n] = min(dec_best[name, n], clock() - t)
+                    dec_ids.setdefault((name, n), [o.outputs[0].token_ids for o in outs])
     for rows in args.rows:
         assert torch.equal(first["this", rows], first["other", rows]), f"the builds' logits differ at {rows} rows"
     print("rows   " + " ".join(f"{r:>6}" for r in args.rows))
     for name in builds:
         print(f"{name:6} " + " ".join(f"{1e3 * best[name, r]:6.2f}" for r in args.rows) + "  ms")
     print("ratio  " + " ".join(f"{best['this', r] / best['other', r]:6.3f}" for r in args.rows))
+    for n in args.decode_batch:
+        assert dec_ids["this", n] == dec_ids["other", n], f"the builds' tokens differ at batch {n}"
+        a, b = dec_best["this", n], dec_best["other", n]
+        print(f"decode batch {n}, {args.decode_tokens} tokens each: this {1e3 * a:.0f} ms, other {1e3 * b:.0f} ms, "
+              f"ratio {a / b:.3f} ({n * args.decode_tokens / a:.0f} / {n * args.decode_tokens / b:.0f} tok/s)")
     print(f"load average after {os.getloadavg()[0]:.2f}")
 
 
