@@ -784,19 +784,17 @@ static void prep_tile_blocks(const float *x, long xs, int gated, int K, int bits
     }
 }
 
-/* Tokens per tile (at most; mm_q8 balances streamed tiles). AVX-512 (TT 16 > TR 8): calls of up to STREAM_ROWS
- * rows (verifies, decode steps at a batch) take tiles of up to TT tokens, those of more than TR streamed
- * (panel_stream), while tokens x K stays within TILE_KT: a 16-token tile's activation items at K = 1536 (~33 KB)
- * no longer stay in L1 beside the panel, and measured 1.03-1.08x the time of two tiles of 8 there, 9-12 tokens
- * 0.90-0.94x; at K = 576 (SmolLM2-135M) 9-16 tokens 0.85-0.95x (kernel, one thread, weights in cache,
- * 2026-11-29). Larger calls (prefill) keep tiles of TR: streamed tiles of 64 and 512 rows measured 1.02-1.06x
- * (3072 x 576 and 576 x 1536 Q4_1), as do calls that unpack 5- and 6-bit panels (UNPACK_ROWS). Other builds:
- * TR. Which tile a token lands in changes no value. */
-#define TILE_KT (12 * 1536)
-#define STREAM_ROWS (2 * TT)
+/* Tokens per tile (at most). AVX-512 (TT 16 > TR 8): a call whose activation items stay small, M x K <= TILE_KT
+ * (verifies and decode steps at a batch: 32 rows at K = 576, 12 at K = 1536, 9 at K = 2048), takes balanced
+ * tiles of up to TT tokens, those of more than TR streamed (panel_stream); any other call (prefill, or rows x K
+ * beyond that) tiles of TR. Measured (kernel, one thread, weights in cache, 2026-11-29, against tiles of 8):
+ * 9-12 tokens at K = 1536 0.83-0.96x the time, 13-16 there (~33 KB of activation items, no longer in L1 beside
+ * the panel) 1.03-1.08x and 24-32 1.03-1.10x; at K = 576 (SmolLM2-135M) 9-32 rows 0.90-1.0x; streamed tiles of
+ * 64 and 512 rows 1.02-1.06x (3072 x 576 and 576 x 1536 Q4_1). Calls that unpack 5- and 6-bit panels
+ * (UNPACK_ROWS) keep tiles of TR. Other builds: TR. Which tile a token lands in changes no value. */
+#define TILE_KT (32 * 576)
 static int tile_tokens(int M, int K, int blocked) {
-    const int t = K > 0 ? TILE_KT / K : TT;
-    return blocked || M > STREAM_ROWS || t <= TR ? TR : t >= TT ? TT : t;
+    return blocked || (long)M * K > TILE_KT ? TR : TT;
 }
 
 /* Tokens from which one tile's preparation is split over the threads (by blocks, one more barrier):
