@@ -4,9 +4,11 @@ a kernel change's effect at the model level, with the same Python code, weights 
 
 Each round times every row count with each build in turn (the order alternating per round), ``--reps`` forwards a
 cell; printed: the fastest forward per build and row count (``--clock cpu``: the process's CPU time, one thread)
-and this build's time over the other's. Both builds must give the same logits (asserted): a numerics change
-cannot pass as a speed change. Swapping a build resets every ``Linear``'s packed handle and rebuilds the decode
-chain (models/decode_chain.py binds its library), so neither build runs a layer through the other.
+and the median over rounds of this build's fastest over the other's in the same round (a shared machine's
+speed drifts between rounds: a ratio of two overall minima can pair a lucky moment with an unlucky one). Both
+builds must give the same logits (asserted): a numerics change cannot pass as a speed change. Swapping a build
+resets every ``Linear``'s packed handle and rebuilds the decode chain (models/decode_chain.py binds its library),
+so neither build runs a layer through the other.
 
     PYTHONPATH=. python benchmarks/bench_forward_pairs.py --against ~/.cache/ratchetlm/kernels/OTHER.so \\
         [--model FILE.gguf] [--numerics int8] [--rows 1 8 9 16 17] [--rounds 8] [--reps 4] [--threads 1] \\
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import statistics
 import time
 
 import torch
@@ -76,14 +79,17 @@ def main() -> None:
             assert model._chain is not None and model._chain.lib is lib
 
     best = {(b, r): float("inf") for b in builds for r in args.rows}
+    ratios: dict[int, list[float]] = {r: [] for r in args.rows}
     first: dict[tuple[str, int], torch.Tensor] = {}
     dec_best = {(b, n): float("inf") for b in builds for n in args.decode_batch}
+    dec_ratios: dict[int, list[float]] = {n: [] for n in args.decode_batch}
     dec_ids: dict[tuple[str, int], list[list[int]]] = {}
     params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
     print(f"{args.model or 'default model'}, {args.numerics}, {args.threads} thread(s), {args.clock} clock; "
           f"load {os.getloadavg()[0]:.2f}", flush=True)
     with torch.inference_mode():
         for rd in range(args.rounds):
+            now: dict[tuple[str, int], float] = {}
             for name in (("this", "other") if rd % 2 == 0 else ("other", "this")):
                 use(builds[name])
                 for rows in args.rows:
@@ -92,27 +98,35 @@ def main() -> None:
                                                   [None], NullSink(), None)
                     logits = model.logits(model(ids, batch))  # warm-up (and the packed handles, the chain)
                     first.setdefault((name, rows), logits)
+                    now[name, rows] = float("inf")
                     for _ in range(args.reps):
                         t = clock()
                         model.logits(model(ids, batch))
-                        best[name, rows] = min(best[name, rows], clock() - t)
+                        now[name, rows] = min(now[name, rows], clock() - t)
+                    best[name, rows] = min(best[name, rows], now[name, rows])
                 for n in args.decode_batch:
                     prompts = [f"Question {i}: what is {i} times {i + 3}? Answer:" for i in range(n)]
                     t = clock()
                     outs = llm.generate(prompts, params, use_tqdm=False)
-                    dec_best[name, n] = min(dec_best[name, n], clock() - t)
+                    now[name, -n] = clock() - t
+                    dec_best[name, n] = min(dec_best[name, n], now[name, -n])
                     dec_ids.setdefault((name, n), [o.outputs[0].token_ids for o in outs])
+            for r in args.rows:
+                ratios[r].append(now["this", r] / now["other", r])
+            for n in args.decode_batch:
+                dec_ratios[n].append(now["this", -n] / now["other", -n])
     for rows in args.rows:
         assert torch.equal(first["this", rows], first["other", rows]), f"the builds' logits differ at {rows} rows"
     print("rows   " + " ".join(f"{r:>6}" for r in args.rows))
     for name in builds:
         print(f"{name:6} " + " ".join(f"{1e3 * best[name, r]:6.2f}" for r in args.rows) + "  ms")
-    print("ratio  " + " ".join(f"{best['this', r] / best['other', r]:6.3f}" for r in args.rows))
+    print("ratio  " + " ".join(f"{statistics.median(ratios[r]):6.3f}" for r in args.rows) + "  (median of rounds)")
     for n in args.decode_batch:
         assert dec_ids["this", n] == dec_ids["other", n], f"the builds' tokens differ at batch {n}"
         a, b = dec_best["this", n], dec_best["other", n]
         print(f"decode batch {n}, {args.decode_tokens} tokens each: this {1e3 * a:.0f} ms, other {1e3 * b:.0f} ms, "
-              f"ratio {a / b:.3f} ({n * args.decode_tokens / a:.0f} / {n * args.decode_tokens / b:.0f} tok/s)")
+              f"ratio {statistics.median(dec_ratios[n]):.3f} (median of rounds; fastest: "
+              f"{n * args.decode_tokens / a:.0f} / {n * args.decode_tokens / b:.0f} tok/s)")
     print(f"load average after {os.getloadavg()[0]:.2f}")
 
 
