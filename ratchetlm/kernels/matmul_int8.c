@@ -35,8 +35,8 @@
  * one scalar sequence per output (16 outputs are the 16 lanes of a vector;
  * nothing is reduced across lanes). Tiles: a group's weight vectors are loaded (and unpacked) once
  * and used for every token of a tile, each token with its own accumulator: up to TR (8) tokens with
- * the accumulators in registers (panel_tile), on AVX-512 up to TT (16) with the tokens streamed through
- * the weights (panel_stream; tile_tokens below says when). The sequence per output does not depend on
+ * the accumulators in registers (panel_tile), on AVX-512 up to TT (15) with the tokens streamed through
+ * the weights (panel_stream; merge_rest below says when). The sequence per output does not depend on
  * how many tokens share the call, the tiling or the thread count, so a row's result is bit-identical
  * alone or among any number of rows (batch-invariant), and every build gives the AVX-512 build's bits.
  */
@@ -784,17 +784,20 @@ static void prep_tile_blocks(const float *x, long xs, int gated, int K, int bits
     }
 }
 
-/* Tokens per tile (at most). AVX-512 (TT 16 > TR 8): a call whose activation items stay small, M x K <= TILE_KT
- * (verifies and decode steps at a batch: 32 rows at K = 576, 12 at K = 1536, 9 at K = 2048), takes balanced
- * tiles of up to TT tokens, those of more than TR streamed (panel_stream); any other call (prefill, or rows x K
- * beyond that) tiles of TR. Measured (kernel, one thread, weights in cache, 2026-11-29, against tiles of 8):
- * 9-12 tokens at K = 1536 0.83-0.96x the time, 13-16 there (~33 KB of activation items, no longer in L1 beside
- * the panel) 1.03-1.08x and 24-32 1.03-1.10x; at K = 576 (SmolLM2-135M) 9-32 rows 0.90-1.0x; streamed tiles of
- * 64 and 512 rows 1.02-1.06x (3072 x 576 and 576 x 1536 Q4_1). Calls that unpack 5- and 6-bit panels
- * (UNPACK_ROWS) keep tiles of TR. Other builds: TR. Which tile a token lands in changes no value. */
-#define TILE_KT (32 * 576)
-static int tile_tokens(int M, int K, int blocked) {
-    return blocked || (long)M * K > TILE_KT ? TR : TT;
+/* Tiles of TR tokens (register tiles, panel_tile), the last one holding the rest; on AVX-512 (TT 16 > TR 8) a rest
+ * of r = M % TR in 1..TR - 1 tokens joins the last full tile instead, one streamed tile of TR + r (panel_stream),
+ * where its activation items stay small, (TR + r) x K <= TILE_KT (any rest at K = 576, SmolLM2-135M; 1-4 at
+ * K = 1536, 1 at K = 2048), and not where 5- and 6-bit panels are unpacked first (UNPACK_ROWS). A rest tile paid
+ * the per-group work (weight loads and unpacking, scales) for its few tokens: ~1.5 of a full tile's tokens for
+ * one token. Measured (kernel, one thread, weights in cache, 2026-11-29; the default model's shapes, Q4_1 and
+ * the Q8_0 head), against tiles of 8 and the rest: 9-12 rows 0.91-0.97x the time, 13-15 0.96-0.99x, 17 0.93-0.98x;
+ * 16 tokens streamed (0.98x) or 24 as 12 + 12 (1.04-1.05x, the streamed tile's accumulators live in L1) did not
+ * pay, nor 9 as 5 + 4 register tiles (1.03-1.14x: the 8-token tile is the most efficient one), nor a 16-token
+ * tile at K = 1536 (~33 KB of activation items beside the panel: 1.03-1.08x). Other builds: TR + rest. Which tile
+ * a token lands in changes no value. */
+#define TILE_KT (12 * 1536)
+static int merge_rest(int M, int K, int blocked) {
+    return TT > TR && !blocked && M > TR && M % TR != 0 && (long)(TR + M % TR) * K <= TILE_KT;
 }
 
 /* Tokens from which one tile's preparation is split over the threads (by blocks, one more barrier):
@@ -802,7 +805,7 @@ static int tile_tokens(int M, int K, int blocked) {
 #define PREP_SPLIT_MIN 2
 
 /* y [M, N] = x [M, K] @ w.T, activations of `bits` (8 or 16), w packed by ratchet_pack_q8 with zero
- * point zw (ratchet_q8_plan's sizes[2]). Each tile (tile_tokens) is prepared (quantized, interleaved)
+ * point zw (ratchet_q8_plan's sizes[2]). Each tile (merge_rest) is prepared (quantized, interleaved)
  * by one thread, or, when the call is one tile of PREP_SPLIT_MIN+ tokens (decode at a batch, short
  * verifies), by every thread, a range of blocks each; a one-token call is prepared by the calling
  * thread before the team starts. Who prepares a token changes no value. */
@@ -812,16 +815,13 @@ static void mm_q8(const float *x, long xs, int gated, int M, int K, int bits, in
     const int NPAN = (N + PN - 1) / PN, NB = K / 32;
     int blocked = 0; /* the 5- and 6-bit weights only (the other widths measured no gain) */
     for (int p = 0; p < NPAN && M >= UNPACK_ROWS; p++) blocked |= panels[p].vb == 5 || panels[p].vb == 6;
-    /* NT tiles of at most T tokens; tile ti holds tokens t0[ti] .. t0[ti + 1] - 1. Tiles of TR: full ones and the
-     * rest (the unpacked kernels have full tiles' literal forms only, PANEL_KIND_FULL). Streamed tiles (T > TR):
-     * balanced, sizes differing by at most one (17 rows at K = 576 are 9 + 8, not 16 + 1, whose lone token would
-     * pay a tile's per-group work; 14 at K = 1536 are 7 + 7 in registers, not 12 + 2) */
-    const int T = tile_tokens(M, K, blocked), NT = (M + T - 1) / T;
+    /* NT tiles: tile ti holds tokens t0[ti] .. t0[ti + 1] - 1, TR each but the last (merge_rest) */
+    const int NT = (M + TR - 1) / TR - merge_rest(M, K, blocked);
     const long per = tile_words(K, bits); /* words per token */
     int32_t *til = malloc(sizeof(int32_t) * (size_t)M * per);
     xtile_t *tiles = malloc(sizeof(xtile_t) * (size_t)NT);
     int *t0 = malloc(sizeof(int) * (size_t)(NT + 1));
-    for (int ti = 0; ti <= NT; ti++) t0[ti] = T > TR ? ti * (M / NT) + MIN(ti, M % NT) : MIN(ti * T, M);
+    for (int ti = 0; ti <= NT; ti++) t0[ti] = ti < NT ? ti * TR : M;
     for (int ti = 0; ti < NT; ti++) tiles[ti] = tile_view(til + (long)t0[ti] * per, K, bits, t0[ti + 1] - t0[ti]);
     const int split = NT == 1 && M >= PREP_SPLIT_MIN && threads > 1;
     if (NT == 1 && !split) prep_tile_blocks(x, xs, gated, K, bits, zw, til, M, 0, NB);

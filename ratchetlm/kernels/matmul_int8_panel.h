@@ -13,7 +13,8 @@
 #define PN 16 /* output rows per panel (vector lanes) */
 #define TR 8  /* tokens per register tile (panel_tile: literal tile sizes 1..TR, the accumulators in registers) */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define TT 16 /* tokens per tile: TR + 1 .. TT streamed through a group's weights (panel_stream) */
+#define TT 15 /* tokens per tile: TR + 1 .. TT (a full tile and a rest: matmul_int8.c, merge_rest) streamed through a
+                 group's weights (panel_stream) */
 #else
 #define TT TR
 #endif
@@ -299,7 +300,7 @@ static inline __attribute__((always_inline)) void stream_tokens(const __m512i W[
     }
 }
 
-/* Tiles of TR + 1 .. TT tokens (verifies and batched decode steps of 9-32 rows: matmul_int8.c, tile_tokens).
+/* Tiles of TR + 1 .. TT tokens (a full tile and the rest of a call of 9-15, 17-23, ... rows: matmul_int8.c, merge_rest).
  * The register tile above holds at most TR tokens' accumulators beside a group's 8 weight vectors (32 zmm), and
  * a call of 9 rows as tiles of 8 and 1 paid the per-group work again (weight loads, nibble and plane unpacking,
  * scales) for the ninth token: ~2x a token's marginal time in the kernel (SmolLM2-135M's shapes, one thread,
@@ -389,7 +390,7 @@ static inline __attribute__((always_inline)) void panel_stream(const uint8_t *Q,
         /* the tokens in two halves, their integer chains interleaved (a literal tt: 9 = 5 + 4 rather than 8 + 1,
          * whose lone chain of 8 (16 bits: 16) dependent products waits on their latency), the weights in registers;
          * a run-time tt 8 at a time, then 4, 2, 1 */
-        if (__builtin_constant_p(tt) && tt <= 16) {
+        if (__builtin_constant_p(tt) && tt <= TT) {
             stream_tokens(W, sv, mv, cf, cv, Dv, z, xs, G, b16, has_m, P, fexact, GPS, gb, tt, 0, (tt + 1) / 2, acc, accm);
             stream_tokens(W, sv, mv, cf, cv, Dv, z, xs, G, b16, has_m, P, fexact, GPS, gb, tt, (tt + 1) / 2, tt / 2, acc, accm);
             continue;
@@ -821,7 +822,7 @@ static inline void panel_tile(const uint8_t *Q, const uint8_t *SM, int z, const 
         panel_tile(Q, SM, z, xs, K, G, VB, B16, HM, U, SB, y, N, nvalid, T);                                          \
     }
 #if TT > TR /* AVX-512: tiles of TR + 1 .. TT tokens go through panel_stream: tt a literal (PANEL_STREAM_TT, the
-               * table's entries 9..16), or read at run time (PANEL_STREAM: one function for a rare kind) */
+               * table's entries 9..15), or read at run time (PANEL_STREAM: one function for a rare kind) */
 #define PANEL_STREAM(NAME, G, VB, B16, HM, U)                                                                          \
     static __attribute__((noinline)) void NAME##_s(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs,      \
                                                    int K, int SB, float *y, int N, int nvalid, int tt) {               \
@@ -841,8 +842,8 @@ static inline void panel_tile(const uint8_t *Q, const uint8_t *SM, int z, const 
     PANEL_ST(NAME##_9, G, VB, B16, HM, U, 9) PANEL_ST(NAME##_10, G, VB, B16, HM, U, 10)                                \
     PANEL_ST(NAME##_11, G, VB, B16, HM, U, 11) PANEL_ST(NAME##_12, G, VB, B16, HM, U, 12)                              \
     PANEL_ST(NAME##_13, G, VB, B16, HM, U, 13) PANEL_ST(NAME##_14, G, VB, B16, HM, U, 14)                              \
-    PANEL_ST(NAME##_15, G, VB, B16, HM, U, 15) PANEL_ST(NAME##_16, G, VB, B16, HM, U, 16)
-#define PANEL_STREAM_F(NAME) , NAME##_9, NAME##_10, NAME##_11, NAME##_12, NAME##_13, NAME##_14, NAME##_15, NAME##_16
+    PANEL_ST(NAME##_15, G, VB, B16, HM, U, 15)
+#define PANEL_STREAM_F(NAME) , NAME##_9, NAME##_10, NAME##_11, NAME##_12, NAME##_13, NAME##_14, NAME##_15
 #else
 #define PANEL_STREAM(NAME, G, VB, B16, HM, U)
 #define PANEL_STREAMED(NAME)

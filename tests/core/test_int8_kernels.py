@@ -137,10 +137,10 @@ def test_matmul_matches_the_integer_reference_and_is_batch_invariant(lib, type_n
 
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q3_K"])
 def test_tiles_of_nine_to_sixteen_rows_keep_every_rows_bits(type_name, kernel_builds):
-    """The AVX-512 build takes calls of up to 32 x 576 activation items (36 rows at K = 512, 12 at K = 1536) in
-    balanced tiles of up to 16 tokens (17 rows: 9 + 8), those of 9-16 tokens streamed through a group's weights
-    (panel_stream), and larger calls in tiles of 8 (13 rows at K = 1536: 8 + 5): every row keeps the bits it has
-    alone, at every row count around those switches, and the portable build's (tiles of 8 at every size)."""
+    """The AVX-512 build joins the rest of a call's rows past its last full tile of 8 to that tile, one tile of
+    9-15 tokens streamed through a group's weights (panel_stream), where (8 + rest) x K <= 12 x 1536: every rest at
+    K = 512 (17 rows: 8 + 9), rests of 1-4 at K = 1536 (13 rows: 8 + 5 in registers): every row keeps the bits it
+    has alone, at every row count around those switches, and the portable build's (tiles of 8 at every size)."""
     native, portable = kernel_builds["native"], kernel_builds["portable"]
     assert native is not None and portable is not None
     torch.manual_seed(21)
