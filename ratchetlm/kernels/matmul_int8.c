@@ -784,12 +784,12 @@ static void prep_tile_blocks(const float *x, long xs, int gated, int K, int bits
     }
 }
 
-/* Tiles of TR tokens (register tiles, panel_tile), the last one holding the rest; on AVX-512 (TT 16 > TR 8) a rest
+/* Tiles of TR tokens (register tiles, panel_tile), the last one holding the rest; on AVX-512 (TT 15 > TR 8) a rest
  * of r = M % TR in 1..TR - 1 tokens joins the last full tile instead, one streamed tile of TR + r (panel_stream),
  * where its activation items stay small, (TR + r) x K <= TILE_KT (any rest at K = 576, SmolLM2-135M; 1-4 at
  * K = 1536, 1 at K = 2048), and not where 5- and 6-bit panels are unpacked first (UNPACK_ROWS). A rest tile paid
- * the per-group work (weight loads and unpacking, scales) for its few tokens: ~1.5 of a full tile's tokens for
- * one token. Measured (kernel, one thread, weights in cache, 2026-11-29; the default model's shapes, Q4_1 and
+ * the per-group work (weight loads and unpacking, scales) for its few tokens: one token cost ~2 of a full tile's
+ * tokens (1.8-2.3x, docs/benchmarks.md, *Streamed tiles*). Measured (kernel, one thread, weights in cache, 2026-11-29; the default model's shapes, Q4_1 and
  * the Q8_0 head), against tiles of 8 and the rest: 9-12 rows 0.91-0.97x the time, 13-15 0.96-0.99x, 17 0.93-0.98x;
  * 16 tokens streamed (0.98x) or 24 as 12 + 12 (1.04-1.05x, the streamed tile's accumulators live in L1) did not
  * pay, nor 9 as 5 + 4 register tiles (1.03-1.14x: the 8-token tile is the most efficient one), nor a 16-token
