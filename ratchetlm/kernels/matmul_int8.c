@@ -33,10 +33,12 @@
  * groups of an activation block are summed in integers first, J = c[g0] I[g0] + c[g1] I[g1], then
  * as = fma(float(J), dx, as) and per super-group acc = fma(as, D, acc): PAIRED in matmul_int8_panel.h),
  * one scalar sequence per output (16 outputs are the 16 lanes of a vector;
- * nothing is reduced across lanes). Register tiles: a group's weight vectors are loaded (and
- * unpacked) once and used for up to TT tokens, each with its own accumulator. The sequence per
- * output does not depend on how many tokens share the call, the tiling or the thread count, so a
- * row's result is bit-identical alone or among any number of rows (batch-invariant), per build.
+ * nothing is reduced across lanes). Tiles: a group's weight vectors are loaded (and unpacked) once
+ * and used for every token of a tile, each token with its own accumulator: up to TR (8) tokens with
+ * the accumulators in registers (panel_tile), on AVX-512 up to TT (15) with the tokens streamed through
+ * the weights (panel_stream; merge_rest below says when). The sequence per output does not depend on
+ * how many tokens share the call, the tiling or the thread count, so a row's result is bit-identical
+ * alone or among any number of rows (batch-invariant), and every build gives the AVX-512 build's bits.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -690,12 +692,12 @@ static void unpack_panel(const uint8_t *Q, int K, int G, int vb, int off, uint8_
         unpack_groups(Q, K, 32, 5, 0, dst);
 }
 
-/* Calls of UNPACK_TILES+ tiles (prefill, long verifies) go over each thread's panels in blocks of about
+/* Calls of UNPACK_ROWS+ rows (prefill, long verifies) go over each thread's panels in blocks of about
  * PANEL_BLOCK bytes of unpacked weights (half of this CPU's 1 MB L2) (5- and 6-bit panels unpacked once per block for the vb 13 / 14 kernels: the same
  * integer sums and float steps, so the same bits at any tile count): every tile's activations are then
  * read once per block of panels instead of once per panel (a 512-token prefill's tiles of K = 8192 are
  * 4.5 MB, more than the L2, re-read for every 16 rows of output), and the block's weights stay in L2. */
-#define UNPACK_TILES 4 /* (2 tiles of 8: 1.17x the time, one thread, 2048 x 8192 Q5_K, Q6_K) */
+#define UNPACK_ROWS 25 /* 4+ tiles of 8 (2 tiles of 8: 1.17x the time, one thread, 2048 x 8192 Q5_K, Q6_K) */
 #define PANEL_BLOCK (512 * 1024) /* 128 KB: 1.08-1.16x the time, 1 MB 1.02-1.26x (AVX-512, 512 rows, one thread) */
 
 /* A tile's activation items, token-interleaved (word [i][t] is token t's i-th item; the xtile_t fields
@@ -782,26 +784,46 @@ static void prep_tile_blocks(const float *x, long xs, int gated, int K, int bits
     }
 }
 
+/* Tiles of TR tokens (register tiles, panel_tile), the last one holding the rest; on AVX-512 (TT 15 > TR 8) a rest
+ * of r = M % TR in 1..TR - 1 tokens joins the last full tile instead, one streamed tile of TR + r (panel_stream),
+ * where its activation items stay small, (TR + r) x K <= TILE_KT (any rest at K = 576, SmolLM2-135M; 1-4 at
+ * K = 1536, 1 at K = 2048), and not where 5- and 6-bit panels are unpacked first (UNPACK_ROWS). A rest tile paid
+ * the per-group work (weight loads and unpacking, scales) for its few tokens: one token cost ~2 of a full tile's
+ * tokens (1.8-2.3x, docs/benchmarks.md, *Streamed tiles*). Measured (kernel, one thread, weights in cache, 2026-11-29; the default model's shapes, Q4_1 and
+ * the Q8_0 head), against tiles of 8 and the rest: 9-12 rows 0.91-0.97x the time, 13-15 0.96-0.99x, 17 0.93-0.98x;
+ * 16 tokens streamed (0.98x) or 24 as 12 + 12 (1.04-1.05x, the streamed tile's accumulators live in L1) did not
+ * pay, nor 9 as 5 + 4 register tiles (1.03-1.14x: the 8-token tile is the most efficient one), nor a 16-token
+ * tile at K = 1536 (~33 KB of activation items beside the panel: 1.03-1.08x). Other builds: TR + rest. Which tile
+ * a token lands in changes no value. */
+#define TILE_KT (12 * 1536)
+static int merge_rest(int M, int K, int blocked) {
+    return TT > TR && !blocked && M > TR && M % TR != 0 && (long)(TR + M % TR) * K <= TILE_KT;
+}
+
 /* Tokens from which one tile's preparation is split over the threads (by blocks, one more barrier):
  * at one token its ~0.5 us (K = 576) costs less than the barrier and the other thread's wake-up */
 #define PREP_SPLIT_MIN 2
 
 /* y [M, N] = x [M, K] @ w.T, activations of `bits` (8 or 16), w packed by ratchet_pack_q8 with zero
- * point zw (ratchet_q8_plan's sizes[2]). Each tile of TT tokens is prepared (quantized, interleaved)
+ * point zw (ratchet_q8_plan's sizes[2]). Each tile (merge_rest) is prepared (quantized, interleaved)
  * by one thread, or, when the call is one tile of PREP_SPLIT_MIN+ tokens (decode at a batch, short
  * verifies), by every thread, a range of blocks each; a one-token call is prepared by the calling
  * thread before the team starts. Who prepares a token changes no value. */
 static void mm_q8(const float *x, long xs, int gated, int M, int K, int bits, int zw, const q8panel_t *panels,
                   const uint8_t *Q, const uint8_t *SM, float *y, int N, int threads) {
     if (M <= 0 || N <= 0) return;
-    const int NPAN = (N + PN - 1) / PN, NB = K / 32, NT = (M + TT - 1) / TT;
+    const int NPAN = (N + PN - 1) / PN, NB = K / 32;
+    int blocked = 0; /* the 5- and 6-bit weights only (the other widths measured no gain) */
+    for (int p = 0; p < NPAN && M >= UNPACK_ROWS; p++) blocked |= panels[p].vb == 5 || panels[p].vb == 6;
+    /* NT tiles: tile ti holds tokens t0[ti] .. t0[ti + 1] - 1, TR each but the last (merge_rest) */
+    const int NT = (M + TR - 1) / TR - merge_rest(M, K, blocked);
     const long per = tile_words(K, bits); /* words per token */
     int32_t *til = malloc(sizeof(int32_t) * (size_t)M * per);
     xtile_t *tiles = malloc(sizeof(xtile_t) * (size_t)NT);
-    for (int ti = 0; ti < NT; ti++) tiles[ti] = tile_view(til + (long)ti * TT * per, K, bits, MIN(TT, M - ti * TT));
+    int *t0 = malloc(sizeof(int) * (size_t)(NT + 1));
+    for (int ti = 0; ti <= NT; ti++) t0[ti] = ti < NT ? ti * TR : M;
+    for (int ti = 0; ti < NT; ti++) tiles[ti] = tile_view(til + (long)t0[ti] * per, K, bits, t0[ti + 1] - t0[ti]);
     const int split = NT == 1 && M >= PREP_SPLIT_MIN && threads > 1;
-    int blocked = 0; /* the 5- and 6-bit weights only (the other widths measured no gain) */
-    for (int p = 0; p < NPAN && NT >= UNPACK_TILES; p++) blocked |= panels[p].vb == 5 || panels[p].vb == 6;
     if (NT == 1 && !split) prep_tile_blocks(x, xs, gated, K, bits, zw, til, M, 0, NB);
 #pragma omp parallel num_threads(threads)
     {
@@ -813,8 +835,8 @@ static void mm_q8(const float *x, long xs, int gated, int M, int K, int bits, in
         } else if (NT > 1) {
 #pragma omp for schedule(static)
             for (int ti = 0; ti < NT; ti++) /* each token quantized on its own: nothing depends on M */
-                prep_tile_blocks(x + ti * TT * xs, xs, gated, K, bits, zw, til + (long)ti * TT * per,
-                                 MIN(TT, M - ti * TT), 0, NB);
+                prep_tile_blocks(x + t0[ti] * xs, xs, gated, K, bits, zw, til + (long)t0[ti] * per,
+                                 t0[ti + 1] - t0[ti], 0, NB);
         }
         if (!blocked) {
 #pragma omp for schedule(static)
@@ -822,8 +844,8 @@ static void mm_q8(const float *x, long xs, int gated, int M, int K, int bits, in
                 const q8panel_t *pn = &panels[p];
                 for (int ti = 0; ti < NT; ti++)
                     panel_any(Q + pn->qoff, SM + pn->soff, pn->z, &tiles[ti], K, pn->G, pn->vb, bits == 16, pn->has_m,
-                              pn->unit, pn->SB, y + (long)ti * TT * N + p * PN, N, MIN(PN, N - p * PN),
-                              MIN(TT, M - ti * TT));
+                              pn->unit, pn->SB, y + (long)t0[ti] * N + p * PN, N, MIN(PN, N - p * PN),
+                              t0[ti + 1] - t0[ti]);
             }
         } else { /* this thread's panels (the static schedule's share) in blocks of PB, the tiles inside */
             const int nth = omp_get_num_threads(), id = omp_get_thread_num();
@@ -853,7 +875,7 @@ static void mm_q8(const float *x, long xs, int gated, int M, int K, int bits, in
                         const int unp = pn->vb == 5 || pn->vb == 6;
                         panel_any(unp ? ub + (long)(p - b0) * UPS : Q + pn->qoff, SM + pn->soff, pn->z, &tiles[ti],
                                   K, pn->G, unp ? pn->vb + 8 : pn->vb, bits == 16, pn->has_m, pn->unit, pn->SB,
-                                  y + (long)ti * TT * N + p * PN, N, MIN(PN, N - p * PN), MIN(TT, M - ti * TT));
+                                  y + (long)t0[ti] * N + p * PN, N, MIN(PN, N - p * PN), t0[ti + 1] - t0[ti]);
                     }
             }
             free(ub);
@@ -861,6 +883,7 @@ static void mm_q8(const float *x, long xs, int gated, int M, int K, int bits, in
     }
     free(til);
     free(tiles);
+    free(t0);
 }
 
 /* the entry point: the weight's arguments in one struct (kernels/__init__.py Q8Weight, built once per

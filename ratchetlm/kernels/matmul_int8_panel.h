@@ -2,7 +2,8 @@
  * rows times one tile of up to TT tokens, for each stored-value width in a unit of its own
  * (matmul_int8_vb4.c, _vb5.c, _vb6.c, _vb8.c), so that the build compiles them in parallel. Each unit
  * instantiates panel_tile for its widths' group sizes, both activation widths, with and without offsets
- * and every tile size 1..TT as literals (the accumulators then live in registers). */
+ * and every tile size 1..TR as literals (the accumulators then live in registers), and on AVX-512
+ * panel_stream for the tile sizes TR + 1 .. TT (a group's weights in registers, the tokens streamed). */
 #ifndef RATCHET_MATMUL_INT8_PANEL_H
 #define RATCHET_MATMUL_INT8_PANEL_H
 #include <math.h>
@@ -10,7 +11,13 @@
 #include "ggml_types.h"
 
 #define PN 16 /* output rows per panel (vector lanes) */
-#define TT 8  /* tokens per register tile */
+#define TR 8  /* tokens per register tile (panel_tile: literal tile sizes 1..TR, the accumulators in registers) */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define TT 15 /* tokens per tile: TR + 1 .. TT (a full tile and a rest: matmul_int8.c, merge_rest) streamed through a
+                 group's weights (panel_stream) */
+#else
+#define TT TR
+#endif
 
 /* A tile of tt tokens' activations, token-interleaved so that one pointer and constant offsets
  * reach every token: word [i][t] is token t's i-th item. */
@@ -90,15 +97,15 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
                                                              float *y, int N,
                                                              int nvalid, const int tt) {
     const int P = PAIRED(G, b16, has_m);
-    __m512 acc[TT]; /* paired panels: the super-group's accumulator as, the total in accm */
-    __m512i J[TT];
+    __m512 acc[TR]; /* paired panels: the super-group's accumulator as, the total in accm */
+    __m512i J[TR];
     /* Paired panels: J's steps are exact in float where |J| < 2^24: |u - z| <= 32 (4-bit values; 6-bit ones
      * with z = 32, Q6_K: 2 * 128 * 16 * 32 * 127 = 16646144), then formed by vcvtdq2ps and vmulps / vfmadd (which
      * the second 512-bit port takes) rather than vpmulld (2 uops on the port of vpdpbusd: 1.17x the time
      * at one row, 2048 x 2048 Q6_K, one thread); the same J, so the same bits */
     const int fexact = P && (vb == 4 || ((vb == 6 || vb == 14) && z == 32));
-    __m512 Jf[TT];
-    float accm[P ? TT : 1][PN] __attribute__((aligned(64)));
+    __m512 Jf[TR];
+    float accm[P ? TR : 1][PN] __attribute__((aligned(64)));
     #pragma GCC unroll 8
     for (int t = 0; t < tt; t++) {
         acc[t] = _mm512_setzero_ps();
@@ -163,7 +170,7 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
         }
         /* one integer chain per token, the tokens interleaved (tt independent chains in flight),
          * starting from -z * sum xq (16 bits: added after the high bytes' products are scaled) */
-        __m512i I[TT];
+        __m512i I[TR];
 #pragma GCC unroll 8
         for (int t = 0; t < tt; t++)
             I[t] = z && !b16 ? _mm512_set1_epi32(G == 32 ? xs->zq32[g * tt + t] : xs->zq16[g * tt + t])
@@ -221,6 +228,189 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *Q, c
     const __mmask16 mask = (__mmask16)((1u << nvalid) - 1);
     #pragma GCC unroll 8
     for (int t = 0; t < tt; t++) _mm512_mask_storeu_ps(y + (long)t * N, mask, P ? _mm512_load_ps(accm[t]) : acc[t]);
+}
+
+/* panel_stream's step for the S tokens t0 .. t0 + S - 1 of a tile of tt (S a literal: the S integer chains
+ * interleaved in registers) over group gb (a paired panel's block gb, gb + 1): the weights W, the scales
+ * (sv, mv; paired: cf, cv, Dv) in registers, the accumulators in memory */
+static inline __attribute__((always_inline)) void stream_tokens(const __m512i W[2][8], __m512 sv, __m512 mv,
+                                                                const __m512 cf[2], const __m512i cv[2], __m512 Dv,
+                                                                int z, const xtile_t *xs, const int G, const int b16,
+                                                                const int has_m, const int P, const int fexact,
+                                                                int GPS, int gb, int tt, int t0, const int S,
+                                                                float (*acc)[PN], float (*accm)[PN]) {
+    const int C = G / 4, GS = P ? 2 : 1;
+    const int32_t *xh = xs->xh + (long)gb * C * tt + t0, *xl = b16 ? xs->xl + (long)gb * C * tt + t0 : NULL;
+    __m512 Jf[8];
+    __m512i J[8];
+#pragma GCC unroll 2
+    for (int gi = 0; gi < GS; gi++) {
+        const int g = gb + gi;
+        const int32_t *zq = (G == 32 ? xs->zq32 : xs->zq16) + (long)g * tt + t0;
+        __m512i I[8];
+#pragma GCC unroll 8
+        for (int s = 0; s < S; s++) I[s] = z && !b16 ? _mm512_set1_epi32(zq[s]) : _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++)
+#pragma GCC unroll 8
+            for (int s = 0; s < S; s++) I[s] = dpbusd_bcast(I[s], W[gi][c], xh + ((long)gi * C + c) * tt + s);
+        if (b16) {
+#pragma GCC unroll 8
+            for (int s = 0; s < S; s++) {
+                I[s] = _mm512_slli_epi32(I[s], 8);
+                if (z) I[s] = _mm512_add_epi32(I[s], _mm512_set1_epi32(zq[s]));
+            }
+#pragma GCC unroll 8
+            for (int c = 0; c < C; c++)
+#pragma GCC unroll 8
+                for (int s = 0; s < S; s++) I[s] = dpbusd_bcast(I[s], W[gi][c], xl + ((long)gi * C + c) * tt + s);
+        }
+        if (P) {
+#pragma GCC unroll 8
+            for (int s = 0; s < S; s++) {
+                if (fexact)
+                    Jf[s] = gi ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(I[s]), cf[gi], Jf[s]) : _mm512_mul_ps(_mm512_cvtepi32_ps(I[s]), cf[gi]);
+                else
+                    J[s] = gi ? _mm512_add_epi32(J[s], _mm512_mullo_epi32(I[s], cv[gi])) : _mm512_mullo_epi32(I[s], cv[gi]);
+            }
+        } else {
+#pragma GCC unroll 8
+            for (int s = 0; s < S; s++) {
+                const long t = t0 + s;
+                const float dx = G == 32 ? xs->d32[g * tt + t] : xs->d32[g / 2 * tt + t];
+                __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I[s]), _mm512_mul_ps(sv, _mm512_set1_ps(dx)), _mm512_load_ps(acc[t]));
+                if (has_m)
+                    a = _mm512_fmadd_ps(mv, _mm512_set1_ps(G == 32 ? xs->sx32[g * tt + t] : xs->sx16[g * tt + t]), a);
+                _mm512_store_ps(acc[t], a);
+            }
+        }
+    }
+    if (P) {
+#pragma GCC unroll 8
+        for (int s = 0; s < S; s++) {
+            const long t = t0 + s;
+            __m512 a = _mm512_fmadd_ps(fexact ? Jf[s] : _mm512_cvtepi32_ps(J[s]), _mm512_set1_ps(xs->d32[gb / 2 * tt + t]),
+                                       _mm512_load_ps(acc[t]));
+            if (((gb + 2) & (GPS - 1)) == 0) {
+                _mm512_store_ps(accm[t], _mm512_fmadd_ps(a, Dv, _mm512_load_ps(accm[t])));
+                a = _mm512_setzero_ps();
+            }
+            _mm512_store_ps(acc[t], a);
+        }
+    }
+}
+
+/* Tiles of TR + 1 .. TT tokens (a full tile and the rest of a call of 9-15, 17-23, ... rows: matmul_int8.c, merge_rest).
+ * The register tile above holds at most TR tokens' accumulators beside a group's 8 weight vectors (32 zmm), and
+ * a call of 9 rows as tiles of 8 and 1 paid the per-group work again (weight loads, nibble and plane unpacking,
+ * scales) for the ninth token: ~2x a token's marginal time in the kernel (SmolLM2-135M's shapes, one thread,
+ * weights in cache), 1.3 of the 1.6 ms the ninth row added to its forward (perf, 2026-11-29). Here a group's (a
+ * paired panel's block's two groups') weight vectors are loaded and unpacked once into registers and the tokens
+ * go through them in two halves (stream_tokens: each half's integer chains interleaved, as panel_tile's), each
+ * token's accumulator in memory (L1: a load and a store per group and token, on the load and store ports, while
+ * the products keep the multiply port busy; the first half's accumulators held in registers instead measured no
+ * faster: gcc spilled). Each token's sequence is panel_tile's: the same integer chain (zero point first, products
+ * in increasing c; 16 bits: hi, shift, zero point, lo), the same float steps in the same order (paired panels:
+ * the same J, fexact or not, one step per block, D per super-group): the same bits at any tile size. tt is a
+ * literal (PANEL_STREAM_TT: with tt read at run time the activations' addresses took an add each and the
+ * kernel 1.15-1.3x the time) except in the rare kinds (PANEL_KIND_RARE: 8, 4, 2, 1 tokens at a time). */
+static inline __attribute__((always_inline)) void panel_stream(const uint8_t *Q, const uint8_t *SM, int z,
+                                                               const xtile_t *xs, int K, const int G, const int vb,
+                                                               const int b16, const int has_m, const int unit, int SB,
+                                                               float *y, int N, int nvalid, int tt) {
+    const int P = PAIRED(G, b16, has_m);
+    const int fexact = P && (vb == 4 || ((vb == 6 || vb == 14) && z == 32)); /* as panel_tile */
+    float acc[TT][PN] __attribute__((aligned(64))); /* [tt][PN]; paired panels: the super-group's accumulator as */
+    float accm[P ? TT : 1][PN] __attribute__((aligned(64)));
+    for (int t = 0; t < tt; t++) {
+        _mm512_store_ps(acc[t], _mm512_setzero_ps());
+        if (P) _mm512_store_ps(accm[t], _mm512_setzero_ps());
+    }
+    const int C = G / 4, NG = K / G, GPS = SB / G, SBB = (1 + has_m) * (2 + (unit ? 0 : GPS)) * PN;
+    const int gsh = __builtin_ctz((unsigned)GPS);
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512 Dv = _mm512_setzero_ps(), Dmv = _mm512_setzero_ps();
+    const int GS = P ? 2 : 1; /* paired panels: a block's two groups (GPS is even: one super-group) */
+    for (int gb = 0; gb < NG; gb += GS) {
+        __m512i W[2][8];
+        __m512 sv = _mm512_setzero_ps(), mv = _mm512_setzero_ps(), cf[2];
+        __m512i cv[2];
+        const uint8_t *sbp = SM + (long)(gb >> gsh) * SBB;
+        if ((gb & (GPS - 1)) == 0) {
+            for (int o = 0; o < SBB; o += 64) _mm_prefetch((const char *)sbp + S_AHEAD + o, _MM_HINT_T0);
+            Dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sbp));
+            if (has_m) Dmv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sbp + 2 * PN)));
+        }
+#pragma GCC unroll 2
+        for (int gi = 0; gi < GS; gi++) {
+            const int g = gb + gi;
+            const uint8_t *qg = Q + (long)g * VBYTES(G, vb);
+            #pragma GCC unroll 8
+            for (int o = 0; o < VBYTES(G, vb) && vb <= 8; o += 64) _mm_prefetch((const char *)qg + Q_AHEAD + o, _MM_HINT_T0);
+            const int8_t *cp = (const int8_t *)sbp + (1 + has_m) * 2 * PN + (g & (GPS - 1)) * (1 + has_m) * PN;
+            if (P) {
+                cv[gi] = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)cp));
+                cf[gi] = _mm512_cvtepi32_ps(cv[gi]);
+            } else {
+                sv = unit ? Dv : _mm512_mul_ps(Dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)cp))));
+                mv = !has_m ? _mm512_setzero_ps()
+                     : unit ? Dmv
+                            : _mm512_mul_ps(Dmv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(cp + PN)))));
+            }
+            const __m512i *qv = (const __m512i *)qg;
+            if (vb < 8) { /* panel_tile's unpacking */
+                #pragma GCC unroll 8
+                for (int v = 0; v < C / 2; v++) {
+                    const __m512i b = _mm512_loadu_si512(qv + v);
+                    W[gi][v] = _mm512_and_si512(b, m4);
+                    W[gi][v + C / 2] = _mm512_and_si512(_mm512_srli_epi16(b, 4), m4);
+                }
+                if (vb == 6) {
+                    const __m512i m30 = _mm512_set1_epi8(0x30);
+                    #pragma GCC unroll 8
+                    for (int c = 0; c < C; c++) {
+                        const __m512i pl = _mm512_loadu_si512(qv + C / 2 + c / 4);
+                        const int j = c % 4;
+                        const __m512i sh = j < 2 ? _mm512_slli_epi16(pl, 4 - 2 * j) : j == 2 ? pl : _mm512_srli_epi16(pl, 2);
+                        W[gi][c] = _mm512_ternarylogic_epi32(sh, m30, W[gi][c], 0xEA);
+                    }
+                } else if (vb == 5) {
+                    const __m512i m10 = _mm512_set1_epi8(0x10), pl = _mm512_loadu_si512(qv + C / 2);
+                    #pragma GCC unroll 8
+                    for (int c = 0; c < C; c++) {
+                        const __m512i sh = c < 4 ? _mm512_slli_epi16(pl, 4 - c) : c == 4 ? pl : _mm512_srli_epi16(pl, c - 4);
+                        W[gi][c] = _mm512_ternarylogic_epi32(sh, m10, W[gi][c], 0xEA);
+                    }
+                }
+            } else {
+                #pragma GCC unroll 8
+                for (int c = 0; c < C; c++) W[gi][c] = _mm512_loadu_si512(qv + c);
+            }
+        }
+        /* the tokens in two halves, their integer chains interleaved (a literal tt: 9 = 5 + 4 rather than 8 + 1,
+         * whose lone chain of 8 (16 bits: 16) dependent products waits on their latency), the weights in registers;
+         * a run-time tt 8 at a time, then 4, 2, 1 */
+        if (__builtin_constant_p(tt) && tt <= TT) {
+            stream_tokens(W, sv, mv, cf, cv, Dv, z, xs, G, b16, has_m, P, fexact, GPS, gb, tt, 0, (tt + 1) / 2, acc, accm);
+            stream_tokens(W, sv, mv, cf, cv, Dv, z, xs, G, b16, has_m, P, fexact, GPS, gb, tt, (tt + 1) / 2, tt / 2, acc, accm);
+            continue;
+        }
+        int t0 = 0;
+        for (; t0 + 8 <= tt; t0 += 8)
+            stream_tokens(W, sv, mv, cf, cv, Dv, z, xs, G, b16, has_m, P, fexact, GPS, gb, tt, t0, 8, acc, accm);
+        if (tt - t0 >= 4) {
+            stream_tokens(W, sv, mv, cf, cv, Dv, z, xs, G, b16, has_m, P, fexact, GPS, gb, tt, t0, 4, acc, accm);
+            t0 += 4;
+        }
+        if (tt - t0 >= 2) {
+            stream_tokens(W, sv, mv, cf, cv, Dv, z, xs, G, b16, has_m, P, fexact, GPS, gb, tt, t0, 2, acc, accm);
+            t0 += 2;
+        }
+        if (tt - t0 >= 1)
+            stream_tokens(W, sv, mv, cf, cv, Dv, z, xs, G, b16, has_m, P, fexact, GPS, gb, tt, t0, 1, acc, accm);
+    }
+    const __mmask16 mask = (__mmask16)((1u << nvalid) - 1);
+    for (int t = 0; t < tt; t++) _mm512_mask_storeu_ps(y + (long)t * N, mask, _mm512_load_ps(P ? accm[t] : acc[t]));
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /* AVX2 (no VNNI): a 16-row panel is two 8-row halves of 32 bytes (each 64-byte VNNI-order vector's
@@ -631,30 +821,69 @@ static inline void panel_tile(const uint8_t *Q, const uint8_t *SM, int z, const 
                                                int SB, float *y, int N, int nvalid) {                                  \
         panel_tile(Q, SM, z, xs, K, G, VB, B16, HM, U, SB, y, N, nvalid, T);                                          \
     }
+#if TT > TR /* AVX-512: tiles of TR + 1 .. TT tokens go through panel_stream: tt a literal (PANEL_STREAM_TT, the
+               * table's entries 9..15), or read at run time (PANEL_STREAM: one function for a rare kind) */
+#define PANEL_STREAM(NAME, G, VB, B16, HM, U)                                                                          \
+    static __attribute__((noinline)) void NAME##_s(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs,      \
+                                                   int K, int SB, float *y, int N, int nvalid, int tt) {               \
+        panel_stream(Q, SM, z, xs, K, G, VB, B16, HM, U, SB, y, N, nvalid, tt);                                       \
+    }
+#define PANEL_STREAMED(NAME)                                                                                           \
+    if (tt > TR) {                                                                                                     \
+        NAME##_s(Q, SM, z, xs, K, SB, y, N, nvalid, tt);                                                               \
+        return;                                                                                                        \
+    }
+#define PANEL_ST(NAME, G, VB, B16, HM, U, T)                                                                            \
+    static __attribute__((noinline)) void NAME(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K,   \
+                                               int SB, float *y, int N, int nvalid) {                                  \
+        panel_stream(Q, SM, z, xs, K, G, VB, B16, HM, U, SB, y, N, nvalid, T);                                        \
+    }
+#define PANEL_STREAM_TT(NAME, G, VB, B16, HM, U)                                                                       \
+    PANEL_ST(NAME##_9, G, VB, B16, HM, U, 9) PANEL_ST(NAME##_10, G, VB, B16, HM, U, 10)                                \
+    PANEL_ST(NAME##_11, G, VB, B16, HM, U, 11) PANEL_ST(NAME##_12, G, VB, B16, HM, U, 12)                              \
+    PANEL_ST(NAME##_13, G, VB, B16, HM, U, 13) PANEL_ST(NAME##_14, G, VB, B16, HM, U, 14)                              \
+    PANEL_ST(NAME##_15, G, VB, B16, HM, U, 15)
+#define PANEL_STREAM_F(NAME) , NAME##_9, NAME##_10, NAME##_11, NAME##_12, NAME##_13, NAME##_14, NAME##_15
+#else
+#define PANEL_STREAM(NAME, G, VB, B16, HM, U)
+#define PANEL_STREAMED(NAME)
+#define PANEL_STREAM_TT(NAME, G, VB, B16, HM, U)
+#define PANEL_STREAM_F(NAME)
+#endif
 #define PANEL_KIND(NAME, G, VB, B16, HM, U)                                                                            \
     PANEL_TT(NAME##_1, G, VB, B16, HM, U, 1) PANEL_TT(NAME##_2, G, VB, B16, HM, U, 2)                                  \
     PANEL_TT(NAME##_3, G, VB, B16, HM, U, 3) PANEL_TT(NAME##_4, G, VB, B16, HM, U, 4)                                  \
     PANEL_TT(NAME##_5, G, VB, B16, HM, U, 5) PANEL_TT(NAME##_6, G, VB, B16, HM, U, 6)                                  \
     PANEL_TT(NAME##_7, G, VB, B16, HM, U, 7) PANEL_TT(NAME##_8, G, VB, B16, HM, U, 8)                                  \
+    PANEL_STREAM_TT(NAME, G, VB, B16, HM, U)                                                                           \
     static void NAME(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, int SB, float *y, int N,    \
                      int nvalid, int tt) {                                                                             \
         static void (*const f[])(const uint8_t *, const uint8_t *, int, const xtile_t *, int, int, float *, int, int) = \
-            {NAME##_1, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6, NAME##_7, NAME##_8};                \
-        f[tt < TT ? tt : TT](Q, SM, z, xs, K, SB, y, N, nvalid);                                                       \
+            {NAME##_1, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6, NAME##_7,                           \
+             NAME##_8 PANEL_STREAM_F(NAME)};                                                                           \
+        f[tt](Q, SM, z, xs, K, SB, y, N, nvalid);                                                                      \
     }
 /* a kind no single format's panels take (PANEL_KINDS' FAST flags): one function with tt read at run time (the
- * same bits: each token's chain is its own; the accumulators live in memory, not registers) */
+ * same bits: each token's chain is its own; the accumulators live in memory, not registers), and on AVX-512 one
+ * panel_stream with tt read at run time for tiles of more than TR */
 #define PANEL_KIND_RARE(NAME, G, VB, B16, HM, U)                                                                       \
-    static __attribute__((noinline)) void NAME(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K,   \
-                                               int SB, float *y, int N, int nvalid, int tt) {                          \
+    static __attribute__((noinline)) void NAME##_t(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs,      \
+                                                   int K, int SB, float *y, int N, int nvalid, int tt) {               \
         panel_tile(Q, SM, z, xs, K, G, VB, B16, HM, U, SB, y, N, nvalid, tt);                                         \
-    }
-/* a kind only calls of several full tiles take (see the AVX2 form): TT a literal, other tiles at run time */
-#define PANEL_KIND_FULL(NAME, G, VB, B16, HM, U)                                                                       \
-    PANEL_TT(NAME##_8, G, VB, B16, HM, U, TT) PANEL_KIND_RARE(NAME##_r, G, VB, B16, HM, U)                           \
+    }                                                                                                                  \
+    PANEL_STREAM(NAME, G, VB, B16, HM, U)                                                                              \
     static void NAME(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, int SB, float *y, int N,    \
                      int nvalid, int tt) {                                                                             \
-        if (tt == TT)                                                                                                  \
+        PANEL_STREAMED(NAME)                                                                                           \
+        NAME##_t(Q, SM, z, xs, K, SB, y, N, nvalid, tt);                                                               \
+    }
+/* a kind only calls of several full tiles take (see the AVX2 form): TR a literal, smaller tiles at run time
+ * (mm_q8 keeps tiles of TR where it unpacks panels: the streamed form is compiled but not reached) */
+#define PANEL_KIND_FULL(NAME, G, VB, B16, HM, U)                                                                       \
+    PANEL_TT(NAME##_8, G, VB, B16, HM, U, TR) PANEL_KIND_RARE(NAME##_r, G, VB, B16, HM, U)                           \
+    static void NAME(const uint8_t *Q, const uint8_t *SM, int z, const xtile_t *xs, int K, int SB, float *y, int N,    \
+                     int nvalid, int tt) {                                                                             \
+        if (tt == TR)                                                                                                  \
             NAME##_8(Q, SM, z, xs, K, SB, y, N, nvalid);                                                               \
         else                                                                                                           \
             NAME##_r(Q, SM, z, xs, K, SB, y, N, nvalid, tt);                                                           \

@@ -135,6 +135,27 @@ def test_matmul_matches_the_integer_reference_and_is_batch_invariant(lib, type_n
         assert same_bits(block_matmul(x, w, lib=lib, numerics=mode, threads=threads), full)
 
 
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q3_K"])
+def test_tiles_of_nine_to_sixteen_rows_keep_every_rows_bits(type_name, kernel_builds):
+    """The AVX-512 build joins the rest of a call's rows past its last full tile of 8 to that tile, one tile of
+    9-15 tokens streamed through a group's weights (panel_stream), where (8 + rest) x K <= 12 x 1536: every rest at
+    K = 512 (17 rows: 8 + 9), rests of 1-4 at K = 1536 (13 rows: 8 + 5 in registers): every row keeps the bits it
+    has alone, at every row count around those switches, and the portable build's (tiles of 8 at every size)."""
+    native, portable = kernel_builds["native"], kernel_builds["portable"]
+    assert native is not None and portable is not None
+    torch.manual_seed(21)
+    for k in (512, 1536):
+        w = BlockWeight.from_gguf(type_name, random_raw(type_name, 37, k, seed=22), k)
+        x = torch.randn(34, k)
+        x[10] *= 60.0
+        for mode in BITS:
+            alone = torch.cat([block_matmul(x[i:i + 1], w, lib=native, numerics=mode) for i in range(34)])
+            for rows in range(2, 35):
+                assert same_bits(block_matmul(x[:rows], w, lib=native, numerics=mode), alone[:rows]), (k, mode, rows)
+            assert same_bits(block_matmul(x[:17], w, lib=native, numerics=mode, threads=2), alone[:17]), (k, mode)
+            assert same_bits(block_matmul(x, w, lib=portable, numerics=mode), alone), (k, mode)
+
+
 @pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1", "Q5_K", "Q6_K"])
 def test_prefill_sized_calls_of_five_and_six_bit_weights_keep_every_rows_bits(lib, type_name):
     """A call of 4+ tiles of 8 rows unpacks 5- and 6-bit panels to bytes once per block of panels (about
