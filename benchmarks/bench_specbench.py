@@ -254,6 +254,21 @@ class Prompts:
         return ids if self.bos is None or ids[:1] == [self.bos] else [self.bos, *ids]
 
 
+def make_engine(llm: LLM, opts: dict[str, Any] | None) -> LLMEngine:
+    """An engine on ``llm``'s loaded model: plain decoding (``opts`` None) or ``speculative`` with ``opts``, in
+    ``llm``'s numerics, with its KV pools touched."""
+    cfg = EngineConfig(dtype="float32", decoding="speculative" if opts is not None else "autoregressive",
+                       decoding_options=opts or {}, kv_cache_blocks=1024, progress=False,
+                       numerics=llm.config.numerics)
+    eng = LLMEngine(cfg, llm.engine.model, llm.model_config, tokenizer=llm.tokenizer)
+    # the KV pools are backed page by page on first write (memory/huge_pages.py): touched here, a new 2 MB
+    # region's first write (30 layers' worth of huge pages, 20-400 ms of one core on a busy VM) is not
+    # timed against whichever engine's block reservations reach it first (as in a server that has run)
+    for t in getattr(eng.runner.cache, "stacked", {}).values():
+        t.zero_()
+    return eng
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="GGUF file (default: the bundled SmolLM2-135M-Instruct)")
@@ -304,19 +319,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     prompts = Prompts(llm, chat, bos)
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens)
 
-    def engine(opts: dict[str, Any] | None) -> LLMEngine:
-        cfg = EngineConfig(dtype="float32", decoding="speculative" if opts is not None else "autoregressive",
-                           decoding_options=opts or {}, kv_cache_blocks=1024, progress=False,
-                           numerics=llm.config.numerics)
-        eng = LLMEngine(cfg, llm.engine.model, llm.model_config, tokenizer=llm.tokenizer)
-        # the KV pools are backed page by page on first write (memory/huge_pages.py): touched here, a new 2 MB
-        # region's first write (30 layers' worth of huge pages, 20-400 ms of one core on a busy VM) is not
-        # timed against whichever engine's block reservations reach it first (as in a server that has run)
-        for t in getattr(eng.runner.cache, "stacked", {}).values():
-            t.zero_()
-        return eng
-
-    engines: dict[str, Any] = {"AR": engine(None), **{name: engine(opts) for name, opts in configs.items()}}
+    engines: dict[str, Any] = {"AR": make_engine(llm, None), **{k: make_engine(llm, o) for k, o in configs.items()}}
     questions = load_questions()
     sample = draw_sample(questions, a.per_group, a.seed, a.groups)
     # llama.cpp's context: the longest case (every turn, each earlier answer at most max_tokens) and margin;

@@ -50,8 +50,6 @@ from ratchetlm.decoding.speculative.cost_curve import CostCurve, context_terms, 
 from ratchetlm.decoding.speculative.gain import GainSchedule, PendingContinuation, agreed_prefix  # noqa: E402
 from ratchetlm.decoding.speculative.proposers import ngram_candidates  # noqa: E402
 from ratchetlm.decoding.speculative.suffix_index import TokenPositions  # noqa: E402
-from ratchetlm.engine.config import EngineConfig  # noqa: E402
-from ratchetlm.engine.llm_engine import LLMEngine  # noqa: E402
 from ratchetlm.sampling_params import SamplingParams  # noqa: E402
 
 DEPTH, MAX_N = 8, 4  # the default config's (SpecConfig: depth 8, max_n 4)
@@ -161,7 +159,7 @@ def replay(cases: list[Case], policy: str, cost: Cost, prefill: Callable[[int], 
             steps += 1
             n = min(agreed_prefix(draft, c.out[pos:]) + 1, len(c.out) - pos)
             toks, pos = toks + c.out[pos : pos + n], pos + n
-        for i in range(3, len(c.out) - 1):  # the history policy's source: earlier outputs' 3-grams
+        for i in range(3, len(c.out) - 1) if policy == "history" else ():  # its source: earlier outputs' 3-grams
             st["history"][tuple(c.out[i - 3 : i])] = c.out[i : i + DEPTH]
         g = groups.setdefault(c.group, [0.0] * 4)
         for i, v in enumerate((len(c.out) - 1, steps, ar, spec)):
@@ -211,16 +209,8 @@ def main() -> None:
     prompts = sb.Prompts(llm, True, None)
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens)
 
-    def engine(opts: dict[str, Any] | None) -> LLMEngine:
-        cfg = EngineConfig(dtype="float32", decoding="speculative" if opts is not None else "autoregressive",
-                           decoding_options=opts or {}, kv_cache_blocks=1024, progress=False, numerics="int8")
-        eng = LLMEngine(cfg, llm.engine.model, llm.model_config, tokenizer=llm.tokenizer)
-        for t in getattr(eng.runner.cache, "stacked", {}).values():
-            t.zero_()
-        return eng
-
-    ar = engine(None)
-    spec = engine({}) if a.check else None
+    ar = sb.make_engine(llm, None)
+    spec = sb.make_engine(llm, {}) if a.check else None
     sample = sb.draw_sample(sb.load_questions(), a.per_group, a.seed, list(sb.GROUPS))
     cases: list[Case] = []
     checked: dict[str, list[float]] = {}
