@@ -72,9 +72,6 @@ class Prefault:
                 if lo >= hi or not self.supported:
                     self._worker = None
                     return
-            for t in self.pools:
-                for layer in range(t.shape[0]):
-                    if not populate(t[layer, lo:hi]):
-                        self.supported = False
-                        break
+            # (all() stops at the first range the system refused: then nothing more is asked)
+            self.supported = all(populate(t[layer, lo:hi]) for t in self.pools for layer in range(t.shape[0]))
             self.done = hi
