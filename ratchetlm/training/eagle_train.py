@@ -20,6 +20,7 @@ the tokens a greedy verification accepts (the target's argmax), in the prompts t
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 import time
@@ -202,6 +203,7 @@ def train(llm: LLM, data: dict, a: argparse.Namespace) -> EagleHead:
                       f"{sum(v[0] for v in val) / len(val):.3f} self-fed {sum(v[1] for v in val) / len(val):.3f}",
                       flush=True)
                 log = dict(reg=0.0, cls=0.0, acc1=0.0, acc2=0.0, n=0.0)
+                copy.deepcopy(head).half().save(a.out)  # a usable head at every report (training may be cut)
             if step >= steps or time.time() - t0 > a.time_limit_min * 60:
                 break
     return head.eval()

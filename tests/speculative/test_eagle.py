@@ -128,3 +128,16 @@ def test_bundled_head_is_accepted_and_lossless(spec_llm):
     # bundled Q4_1 file), 1.39 and 55 of 200 (a random head: 1.0 and 0)
     assert m["spec_decode_mean_acceptance_length"] > 1.2, m
     assert m["spec_decode_num_accepted_tokens_per_pos_0"] > 0.15 * m["spec_decode_num_drafts"], m
+
+
+def test_lookup_with_head_fallback_is_lossless_and_uses_both(exact_llm, encoded, exact_reference, random_head):
+    """method="eagle_ngram": a prompt-lookup draft where one is found, the head's chain elsewhere; the head
+    catches up over positions the lookup served. Both kinds of draft are verified, output unchanged."""
+    eng = make_engine(exact_llm, "speculative", method="eagle_ngram", draft_model=random_head, depth=3,
+                      depth_schedule="constant")
+    batch = [0, 3, 5, 9]  # code edits copy their prompt (lookups), chat turns mostly do not (head)
+    assert run_engine(eng, [encoded[i] for i in batch], GREEDY) == [exact_reference[i] for i in batch]
+    m = eng.strategy.metrics()
+    assert m["spec_lookup_drafts"] > 0 and m["spec_head_drafts"] > 0, m
+    assert m["spec_draft_kv_blocks_used"] == 0, "head KV blocks leaked"
+    assert run_engine(eng, [encoded[5]], GREEDY) == [exact_reference[5]]

@@ -10,7 +10,8 @@ from typing import Any
 from ratchetlm.decoding.base import config_from_options
 
 TREE_METHODS = ("hybrid", "recycling", "suffix")  # tree_proposers.py: trees shaped by expected gain
-GAIN_METHODS = ("ngram", "eagle", *TREE_METHODS)  # methods the gain schedule applies to
+EAGLE_METHODS = ("eagle", "eagle_ngram")  # eagle.py, eagle_lookup.py: a trained head (draft_model: its folder)
+GAIN_METHODS = ("ngram", *EAGLE_METHODS, *TREE_METHODS)  # methods the gain schedule applies to
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class SpecConfig:
         if self.method not in proposer_names():
             raise ValueError(f"speculative method must be one of {proposer_names()}, got {self.method!r}")
         if self.depth is None:
-            default = {"mtp": 1, "ngram": 8, **dict.fromkeys(TREE_METHODS, 8)}
+            default = {"mtp": 1, "ngram": 8, "eagle_ngram": 8, **dict.fromkeys(TREE_METHODS, 8)}
             object.__setattr__(self, "depth", default.get(self.method, 4))
         for name, lo in (("num_candidates", 1), ("depth", 1), ("min_n", 1), ("max_n", 1),
                          ("draft_layers", 1), ("chunk_size", 0), ("draft_kv_blocks", 0),
@@ -118,13 +119,13 @@ class SpecConfig:
             raise ValueError(f"speculative min_n ({self.min_n}) must be <= max_n ({self.max_n})")
         if isinstance(self.draft_model, os.PathLike):
             object.__setattr__(self, "draft_model", os.fspath(self.draft_model))
-        if self.method == "draft_model" or (self.method == "eagle" and self.draft_model is not None):
+        if self.method == "draft_model" or (self.method in EAGLE_METHODS and self.draft_model is not None):
             what = "model path (GGUF file or HF folder)" if self.method == "draft_model" else "EAGLE head folder"
             if not isinstance(self.draft_model, str) or not self.draft_model:
                 raise ValueError(f"speculative draft_model must be a local {what} when method={self.method!r}, "
                                  f"got {self.draft_model!r}")
         elif self.draft_model is not None:
-            raise ValueError("speculative draft_model is only used with method='draft_model' or 'eagle' "
+            raise ValueError("speculative draft_model is only used with method='draft_model', 'eagle' or 'eagle_ngram' "
                              f"(method is {self.method!r})")
 
     @classmethod

@@ -42,6 +42,7 @@ from ratchetlm.decoding.base import Commit, DecodeStrategy, Proposal, StrategyCo
 from ratchetlm.decoding.speculative import (  # noqa: F401  (register the proposers)
     draft_model,
     eagle,
+    eagle_lookup,
     mtp,
     self_draft,
     tree_proposers,

@@ -1,0 +1,45 @@
+"""``method="eagle_ngram"``: prompt lookup where a match is expected to pay, the EAGLE head elsewhere.
+
+The two drafts are right in different places. A lookup copies the request's own text (an edit, a
+summary quoting its article, a translation keeping names): when its match agrees, it agrees for many
+tokens, and it costs nothing to find. The head predicts what the target says in its own words (an
+answer, a step of arithmetic), a token at a time, for ~0.06 of a target forward per token on a CPU.
+Per step and sequence the lookup's draft is taken when its gain schedule drafts at all (its earlier
+continuations of the same match length kept agreeing, gain.py); otherwise the head drafts a chain cut
+by its own confidence (eagle.py). The head is fed the target's features of every committed position
+either way: a sequence the lookup served catches up in one head forward when the head is next asked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ratchetlm.decoding.speculative.eagle import EagleProposer
+from ratchetlm.decoding.speculative.proposers import DraftBeam, NgramProposer, register_proposer
+from ratchetlm.sequence import Sequence
+
+
+@register_proposer("eagle_ngram")
+class EagleNgramProposer(EagleProposer):
+    def __init__(self, cfg: Any, ctx: Any) -> None:
+        super().__init__(cfg, ctx)
+        self.lookup = NgramProposer(cfg, ctx)
+        self.looked_up = 0  # drafts the lookup served
+        self.headed = 0  # drafts the head served
+
+    def propose(self, seqs: list[Sequence], depths: list[int]) -> list[DraftBeam | None]:
+        out = self.lookup.propose(seqs, depths)
+        rest = [i for i, beam in enumerate(out) if beam is None]
+        self.looked_up += len(seqs) - len(rest)
+        if rest:
+            for i, beam in zip(rest, super().propose([seqs[i] for i in rest], [depths[i] for i in rest]), strict=True):
+                out[i] = beam
+                self.headed += beam is not None
+        return out
+
+    def observe_step(self, batch: int, tokens: int, seconds: float) -> None:
+        self.lookup.observe_step(batch, tokens, seconds)
+
+    def metrics(self) -> dict[str, float]:
+        return {**super().metrics(), **self.lookup.metrics(), "spec_lookup_drafts": self.looked_up,
+                "spec_head_drafts": self.headed}
