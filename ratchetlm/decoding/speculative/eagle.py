@@ -47,7 +47,7 @@ from ratchetlm.decoding.speculative.gain import draft_value
 from ratchetlm.decoding.speculative.proposers import DraftBeam, Proposer, register_proposer, verify_cost
 from ratchetlm.kv.sink import DirectSink, KVSink, NullSink
 from ratchetlm.layers.attention import AttentionBatch, build_attention_batch
-from ratchetlm.layers.block_quant import BlockWeight, Linear
+from ratchetlm.layers.block_quant import BlockWeight, Linear, set_numerics
 from ratchetlm.layers.norm_rope import RMSNorm, RotaryEmbedding
 from ratchetlm.models.config import ModelConfig
 from ratchetlm.models.llama import DecoderLayer, LlamaModel
@@ -58,6 +58,7 @@ _FEATS = "spec_eagle_feats"  # strategy_state key: target features not yet fed t
 ARCHITECTURE = "RatchetEagleHead"
 # trained for the default model by ``ratchet train-eagle`` (docs/speculative.md: data, recipe, acceptance)
 BUNDLED_HEAD = Path(__file__).resolve().parents[2] / "assets" / "eagle-smollm2"
+HEAD_COST = 0.2  # a head forward and its draft-vocab scores, in one-row target forwards (default model, int8, one thread: ~2 of ~9.3 ms, mostly Python; docs/speculative.md)
 
 
 @dataclass(frozen=True)
@@ -176,10 +177,19 @@ class EagleProposer(Proposer):
         self.lm = self._draft_vocab_head(target, dtype)
         if dev.type == "cpu" and dtype == torch.float32 and kernels.load() is not None:
             self._to_blocks()
+            # the target's numerics (int8 by default: VNNI products, ~3x the exact kernels at one row); drafts
+            # never change the output, only how often they are right
+            set_numerics(self.head, target.numerics)
+            set_numerics(self.lm, target.numerics)
+            layer = self.head.layer
+            layer.fixed_order_attention = layer.kernel_silu = target.numerics != "exact"  # the C kernels, as the target's
         self.draft = DraftCache(_STATE, 1, cfg.draft_kv_blocks or runner.blocks.num_blocks, runner.blocks.block_size,
                                 hc.num_kv_heads, hc.head_dim, dtype, dev)
         self.num_forwards = 0
         self.verify_cost = verify_cost(cfg, ctx) if cfg.depth_schedule == "gain" else CostCurve.linear(0.0)
+        # a head forward (catch-up or chain step) in one-row target forwards, for the gain rule: its matmuls
+        # are ~5% of the target's on the default model; the rest is Python (HEAD_COST)
+        self.head_cost = HEAD_COST if cfg.verify_token_cost is None else 0.0
 
     def _draft_vocab_head(self, target: LlamaModel, dtype: torch.dtype) -> Linear:
         """The target's head restricted to the draft vocabulary (rows in draft-vocab order; GGUF
@@ -276,7 +286,8 @@ class EagleProposer(Proposer):
         outs: list[list[torch.Tensor]] = [[] for _ in rs]  # g_T, g_{T+1}, ... per sequence
         gain = self.cfg.depth_schedule == "gain"
         cost = self.verify_cost
-        value = [(draft_value(1.0, 0, cost, len(seqs)), 0)] * len(rs)  # (best, its length)
+        ctxs = [s.num_cached for s in rs]  # each verified row reads the sequence's cached tokens
+        value = [(draft_value(1.0, 0, cost, len(seqs), context=c), 0) for c in ctxs]  # (best, its length)
         expected = [1.0] * len(rs)
         live = list(range(len(rs)))
         for k in range(max(want)):
@@ -288,7 +299,8 @@ class EagleProposer(Proposer):
                 outs[i].append(g[row])
                 if gain:  # stop once one more token lowers the expected tokens per unit of cost
                     expected[i] += math.exp(scores[i][-1])  # P(first k+1 drafts all right)
-                    v = draft_value(expected[i], k + 1, cost, len(seqs))
+                    v = draft_value(expected[i], k + 1, cost, len(seqs), context=ctxs[i],
+                                    drafting=self.head_cost * (k + 1))
                     if v > value[i][0]:
                         value[i] = (v, k + 1)
                     else:

@@ -181,14 +181,16 @@ class GainSchedule:
 
 
 def draft_value(expected_tokens: float, draft_len: int, cost: CostCurve | float, batch: int,
-                drafted: int = 0, context: int = 0) -> float:
+                drafted: int = 0, context: int = 0, drafting: float = 0.0) -> float:
     """Expected committed tokens per unit of forward cost for one of ``batch`` decoding sequences
     that drafts ``draft_len`` tokens (0 = a plain step) after the step's other sequences drafted
     ``drafted`` rows; ``cost``: the cost curve (a number: ``verify_token_cost``, the linear one);
-    ``context``: the sequence's cached tokens (each of its rows reads them)."""
+    ``context``: the sequence's cached tokens (each of its rows reads them); ``drafting``: what
+    making the draft cost (a draft head's forwards), in one-row target forwards."""
     c = cost if isinstance(cost, CostCurve) else CostCurve.linear(cost)
     share = c(batch) / batch + c.first_token * context  # this sequence's part of a plain forward
     if not draft_len:
         return expected_tokens / share
     base = batch + drafted
-    return expected_tokens / (share + c(base + draft_len + 1) - c(base) + c.row_token * context * draft_len)
+    return expected_tokens / (share + c(base + draft_len + 1) - c(base) + c.row_token * context * draft_len
+                              + drafting)
