@@ -3,7 +3,8 @@
     ratchet train-eagle --out DIR [--model PATH] [--code 300] [--articles 80] [--chat 200] [--epochs 3]
 
 1. *requests* (eagle_data.py): code edits on standard-library functions, summaries of articles
-   the target wrote itself, open questions — chat-formatted as a user sends them;
+   the target wrote itself, open questions — chat-formatted as a user sends them; plus any
+   ``--requests`` JSONL (benchmarks/eagle_requests.py builds one from public instruction sets);
 2. *answers*: the target's greedy answers, generated with the engine (batched);
 3. *features*: one teacher-forced target forward per conversation gives ``f_i`` at every position;
 4. *training* (EAGLE-1's objective plus one self-fed pass): the head reads pairs
@@ -14,7 +15,8 @@
    the first does at run time) with the same targets.
 
 The draft vocabulary is the ``--draft-vocab`` most frequent answer tokens. The targets are exactly
-the tokens a greedy verification accepts (the target's argmax), in the prompts too. Steps 1-3 are cached in ``--cache``.
+the tokens a greedy verification accepts (the target's argmax), in the prompts too. Steps 1-3 are cached in ``--cache``;
+training runs under bfloat16 autocast by default (``--no-bf16``: fp32) and saves a usable head at every report.
 """
 
 from __future__ import annotations

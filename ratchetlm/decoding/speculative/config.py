@@ -26,7 +26,9 @@ class SpecConfig:
     0.97-1.01x at batch 8, hybrid level with it at both (1.55-1.57x at MAL 2.14-2.16; 0.98-1.01x, its
     chains there), not ahead: its trees' extra accepted tokens cost about as much as they add;
     "draft" layer-skip self-draft,
-    "draft_model" a separate local draft model, "eagle" a trained EAGLE head, "mtp" DeepSeek-V4's own
+    "draft_model" a separate local draft model, "eagle" a trained EAGLE head, "eagle_ngram" prompt lookup
+    where its gain schedule drafts and the EAGLE head elsewhere (measured slower than "ngram" on
+    Spec-Bench on a CPU: the head's forwards cost ~0.2 of a step), "mtp" DeepSeek-V4's own
     multi-token-prediction module).
     ``num_candidates`` M: candidates per step (n-gram occurrences / beam width); 1 = chain.
     ``depth`` C: draft tokens per candidate, for the tree methods the tree's deepest level (default:

@@ -58,7 +58,9 @@ _FEATS = "spec_eagle_feats"  # strategy_state key: target features not yet fed t
 ARCHITECTURE = "RatchetEagleHead"
 # trained for the default model by ``ratchet train-eagle`` (docs/speculative.md: data, recipe, acceptance)
 BUNDLED_HEAD = Path(__file__).resolve().parents[2] / "assets" / "eagle-smollm2"
-HEAD_COST = 0.2  # a head forward and its draft-vocab scores, in one-row target forwards (default model, int8, one thread: ~2 of ~9.3 ms, mostly Python; docs/speculative.md)
+# a head forward and its draft-vocab scores, in one-row target forwards (default model, int8, one thread:
+# ~2 of ~9.3 ms, mostly Python around ~0.4 ms of matmuls; docs/speculative.md)
+HEAD_COST = 0.2
 
 
 @dataclass(frozen=True)
@@ -182,7 +184,8 @@ class EagleProposer(Proposer):
             set_numerics(self.head, target.numerics)
             set_numerics(self.lm, target.numerics)
             layer = self.head.layer
-            layer.fixed_order_attention = layer.kernel_silu = target.numerics != "exact"  # the C kernels, as the target's
+            # the C attention and SiLU kernels, as the target's layers use them
+            layer.fixed_order_attention = layer.kernel_silu = target.numerics != "exact"
         self.draft = DraftCache(_STATE, 1, cfg.draft_kv_blocks or runner.blocks.num_blocks, runner.blocks.block_size,
                                 hc.num_kv_heads, hc.head_dim, dtype, dev)
         self.num_forwards = 0
