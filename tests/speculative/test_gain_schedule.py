@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from ratchetlm.decoding.speculative.gain import GainSchedule, PendingContinuation
+from ratchetlm.decoding.speculative.cost_curve import CostCurve
+from ratchetlm.decoding.speculative.gain import GainSchedule, PendingContinuation, draft_value
 from ratchetlm.decoding.speculative.proposers import NgramProposer
 
 
@@ -311,3 +312,16 @@ def test_the_probe_times_the_path_the_engines_forwards_take(monkeypatch):
     cost_curve.curve(llm.engine.model, torch.device("cpu"), rows=(1, 2), repeats=1)
     # every probe forward (a warm-up and a timed run per row count) of PROBE_LAYERS layers took the chain
     assert probes.count(cost_curve.PROBE_LAYERS) == 4
+
+
+def test_a_draft_heads_own_forwards_are_priced_per_drafted_token():
+    """``drafting``: what making the draft cost (an EAGLE head's forwards), added to the step's price.
+    A one-token draft right 30% of the time pays when drafting is free and not at 0.2 of a step a token
+    (the EAGLE proposer passes HEAD_COST per drafted token)."""
+    line = CostCurve.linear(0.1)  # every row after the first costs 0.1 of a one-row forward
+    # one drafted token: two more rows (the draft and a step's staging, one row's worth)
+    assert draft_value(1.3, 1, line, 1) == pytest.approx(1.3 / (1 + 0.2))
+    assert draft_value(1.3, 1, line, 1, drafting=0.2) == pytest.approx(1.3 / (1 + 0.2 + 0.2))
+    plain = draft_value(1.0, 0, line, 1, drafting=0.2)  # a plain step makes no draft
+    assert plain == pytest.approx(1.0)
+    assert draft_value(1.3, 1, line, 1) > plain > draft_value(1.3, 1, line, 1, drafting=0.2)
