@@ -141,3 +141,14 @@ def test_lookup_with_head_fallback_is_lossless_and_uses_both(exact_llm, encoded,
     assert m["spec_lookup_drafts"] > 0 and m["spec_head_drafts"] > 0, m
     assert m["spec_draft_kv_blocks_used"] == 0, "head KV blocks leaked"
     assert run_engine(eng, [encoded[5]], GREEDY) == [exact_reference[5]]
+
+
+def test_lookup_with_head_fallback_backs_off_a_head_that_declines(exact_llm, encoded, exact_reference, random_head):
+    """A random head is rarely confident enough to pay under the gain rule: after each run of declines the
+    sequence's head is asked again only after a growing wait (skipped steps counted), output unchanged."""
+    eng = make_engine(exact_llm, "speculative", method="eagle_ngram", draft_model=random_head, depth=3,
+                      depth_schedule="gain", verify_token_cost=0.09)
+    batch = [3, 5]
+    assert run_engine(eng, [encoded[i] for i in batch], GREEDY) == [exact_reference[i] for i in batch]
+    m = eng.strategy.metrics()
+    assert m["spec_head_skipped"] > 0, m

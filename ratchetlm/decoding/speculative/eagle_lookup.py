@@ -18,6 +18,10 @@ from ratchetlm.decoding.speculative.eagle import EagleProposer
 from ratchetlm.decoding.speculative.proposers import DraftBeam, NgramProposer, register_proposer
 from ratchetlm.sequence import Sequence
 
+_DECLINES = "spec_head_declines"  # strategy_state key: the head's proposals in a row that drafted nothing
+_WAIT = "spec_head_wait"  # strategy_state key: steps before the head is asked again
+BACKOFF_MAX = 8
+
 
 @register_proposer("eagle_ngram")
 class EagleNgramProposer(EagleProposer):
@@ -26,20 +30,39 @@ class EagleNgramProposer(EagleProposer):
         self.lookup = NgramProposer(cfg, ctx)
         self.looked_up = 0  # drafts the lookup served
         self.headed = 0  # drafts the head served
+        self.head_skipped = 0  # steps a sequence's head was not asked (backing off after declines)
 
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[DraftBeam | None]:
         out = self.lookup.propose(seqs, depths)
         rest = [i for i, beam in enumerate(out) if beam is None]
         self.looked_up += len(seqs) - len(rest)
+        rest = [i for i in rest if self._asks_head(seqs[i])]
         if rest:
             for i, beam in zip(rest, super().propose([seqs[i] for i in rest], [depths[i] for i in rest]), strict=True):
                 out[i] = beam
                 self.headed += beam is not None
+                self._heard(seqs[i], beam is not None)
         return out
+
+    # A head forward costs ~0.2 of a step whether or not its confidence then pays for a draft. After a
+    # sequence's head declined ``n`` times in a row it is asked again only after ``2**n - 1`` steps
+    # (at most BACKOFF_MAX): a run of answers it cannot predict costs a few catch-ups, not one a step.
+    def _asks_head(self, seq: Sequence) -> bool:
+        wait = seq.strategy_state.get(_WAIT, 0)
+        if wait > 0:
+            seq.strategy_state[_WAIT] = wait - 1
+            self.head_skipped += 1
+            return False
+        return True
+
+    def _heard(self, seq: Sequence, drafted: bool) -> None:
+        declines = 0 if drafted else seq.strategy_state.get(_DECLINES, 0) + 1
+        seq.strategy_state[_DECLINES] = declines
+        seq.strategy_state[_WAIT] = min(2**declines - 1, BACKOFF_MAX) if declines else 0
 
     def observe_step(self, batch: int, tokens: int, seconds: float) -> None:
         self.lookup.observe_step(batch, tokens, seconds)
 
     def metrics(self) -> dict[str, float]:
         return {**super().metrics(), **self.lookup.metrics(), "spec_lookup_drafts": self.looked_up,
-                "spec_head_drafts": self.headed}
+                "spec_head_drafts": self.headed, "spec_head_skipped": self.head_skipped}
