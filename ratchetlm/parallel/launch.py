@@ -22,8 +22,9 @@ def start_tensor_parallel(cfg: Any, mask_token_id: int | None) -> Any:
     from ratchetlm.models.registry import check_tensor_parallel
     from ratchetlm.parallel.group import TPGroup
 
-    if cfg.decoding == "speculative" and cfg.decoding_options.get("method") in ("eagle", "eagle_ngram"):
-        raise ValueError("speculative method='eagle' does not run with tensor_parallel_size > 1 (the head reads "
+    method = cfg.decoding_options.get("method") if cfg.decoding == "speculative" else None
+    if method in ("eagle", "eagle_ngram"):
+        raise ValueError(f"speculative method={method!r} does not run with tensor_parallel_size > 1 (the head reads "
                          "the target's embedding and LM head rows, which are split over the ranks); use 'ngram', "
                          "'draft' (layer-skip) or 'draft_model'")
     check_tensor_parallel(cfg.model, cfg.tensor_parallel_size)

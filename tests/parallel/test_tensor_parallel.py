@@ -97,8 +97,9 @@ def test_models_that_cannot_be_split_are_refused_before_any_rank_starts(tiny_ggu
     before = children()
     with pytest.raises(ModelLoadError, match="must divide the model's 9 attention heads"):
         LLM(None, tensor_parallel_size=2, progress=False, numerics="exact")  # SmolLM2-135M: 9 heads, 3 KV heads
-    with pytest.raises(ValueError, match="eagle.*tensor_parallel_size"):
-        LLM(tiny_gguf, tensor_parallel_size=2, progress=False, numerics="exact", speculative={"method": "eagle"})
+    for method in ("eagle", "eagle_ngram"):  # the head reads the target's embedding and head rows, split over ranks
+        with pytest.raises(ValueError, match=f"method='{method}'.*tensor_parallel_size"):
+            LLM(tiny_gguf, tensor_parallel_size=2, progress=False, numerics="exact", speculative={"method": method})
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         LLM(tiny_gguf, tensor_parallel_size=0, progress=False, numerics="exact")
     assert children() == before

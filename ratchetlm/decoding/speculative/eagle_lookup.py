@@ -3,7 +3,7 @@
 The two drafts are right in different places. A lookup copies the request's own text (an edit, a
 summary quoting its article, a translation keeping names): when its match agrees, it agrees for many
 tokens, and it costs nothing to find. The head predicts what the target says in its own words (an
-answer, a step of arithmetic), a token at a time, for ~0.06 of a target forward per token on a CPU.
+answer, a step of arithmetic), a token at a time, for ~0.2 of a target step per token on a CPU.
 Per step and sequence the lookup's draft is taken when its gain schedule drafts at all (its earlier
 continuations of the same match length kept agreeing, gain.py); otherwise the head drafts a chain cut
 by its own confidence (eagle.py). The head is fed the target's features of every committed position
@@ -31,9 +31,11 @@ class EagleNgramProposer(EagleProposer):
         self.looked_up = 0  # drafts the lookup served
         self.headed = 0  # drafts the head served
         self.head_skipped = 0  # steps a sequence's head was not asked (backing off after declines)
+        self._head_drafted = False  # the last proposal held a head draft
 
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[DraftBeam | None]:
         out = self.lookup.propose(seqs, depths)
+        self._head_drafted = False
         rest = [i for i, beam in enumerate(out) if beam is None]
         self.looked_up += len(seqs) - len(rest)
         rest = [i for i in rest if self._asks_head(seqs[i])]
@@ -41,6 +43,7 @@ class EagleNgramProposer(EagleProposer):
             for i, beam in zip(rest, super().propose([seqs[i] for i in rest], [depths[i] for i in rest]), strict=True):
                 out[i] = beam
                 self.headed += beam is not None
+                self._head_drafted |= beam is not None
                 self._heard(seqs[i], beam is not None)
         return out
 
@@ -61,7 +64,10 @@ class EagleNgramProposer(EagleProposer):
         seq.strategy_state[_WAIT] = min(2**declines - 1, BACKOFF_MAX) if declines else 0
 
     def observe_step(self, batch: int, tokens: int, seconds: float) -> None:
-        self.lookup.observe_step(batch, tokens, seconds)
+        # the lookup's ledger prices its own drafts against plain steps: a step that verified a head's draft
+        # is neither, and would teach it that plain steps cost what the head's verify did
+        if not self._head_drafted:
+            self.lookup.observe_step(batch, tokens, seconds)
 
     def metrics(self) -> dict[str, float]:
         return {**super().metrics(), **self.lookup.metrics(), "spec_lookup_drafts": self.looked_up,
