@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from ratchetlm.training.eagle_train import greedy_targets, read_requests
 
-ROOT = Path(__file__).resolve().parents[2]
+from .bench_script import load_benchmark
 
 
 def test_read_requests_keeps_every_prompt_and_names_a_bad_line(tmp_path):
@@ -40,14 +38,6 @@ def test_greedy_targets_are_the_next_answer_token_and_the_prompts_argmax():
     assert got.tolist() == [int(x) for x in expect]
 
 
-def _builder():
-    spec = importlib.util.spec_from_file_location("eagle_requests", ROOT / "benchmarks" / "eagle_requests.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_request_builder_keeps_spec_bench_sources_out(tmp_path):
     t0 = tmp_path / "t0"
     t0.mkdir()
@@ -56,7 +46,7 @@ def test_request_builder_keeps_spec_bench_sources_out(tmp_path):
     gsm = tmp_path / "train.jsonl"
     gsm.write_text(json.dumps({"question": "How many apples are left after eating two of five?", "answer": "3"}) + "\n")
     out = tmp_path / "out.jsonl"
-    assert _builder().main(["--out", str(out), "--t0", str(t0), "--gsm8k", str(gsm)]) == 0
+    assert load_benchmark("eagle_requests").main(["--out", str(out), "--t0", str(t0), "--gsm8k", str(gsm)]) == 0
     prompts = read_requests(out)
     assert sorted(p for p in prompts if "request number" in p) == [f"xsum_summarize.jsonl request number {i}"
                                                                    for i in range(3)]

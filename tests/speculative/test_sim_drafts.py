@@ -4,27 +4,18 @@ as far as the continuation agrees."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from ratchetlm.decoding.speculative.cost_curve import CostCurve
 
-ROOT = Path(__file__).resolve().parents[2]
+from .bench_script import load_benchmark
+
 FREE = CostCurve((1, 2), (1.0, 1.0))  # a verify costs a plain step, whatever its rows
 
 
 @pytest.fixture(scope="module")
 def sim():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("sim_drafts", ROOT / "benchmarks" / "sim_drafts.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # (its dataclasses look their module up)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("sim_drafts")
 
 
 def no_prefill(p: int) -> float:

@@ -4,23 +4,18 @@ identity against AR, and --configs validated against the proposer registry."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+
+from .bench_script import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_specbench", ROOT / "benchmarks" / "bench_specbench.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # (its dataclasses look their module up)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("bench_specbench")
 
 
 def test_the_shipped_question_file_has_six_groups_of_80_and_its_license(bench):
