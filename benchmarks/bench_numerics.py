@@ -21,6 +21,11 @@ weights untouched; what a kernel of that precision would give, to fp32 summation
 writing one. RULE: ``int8`` / ``int16`` (blocks of 32, as the kernels), ``int8/16`` (int8 in blocks of
 16), ``mixed:T`` (a block in int8 where its max |x| <= T x its row's rms, else int16), ``int8-at:KINDS``
 (int8 only in the comma-separated matmul kinds qkv, o, gate_up, down, head; int16 elsewhere).
+Formats a matrix unit could accumulate in integers over a whole row (AMX tiles sum 64 products at a time,
+so block scales mean a tile store and a float epilogue per block): ``int8/64`` (activation blocks of 64),
+``int8-row`` (one int8 scale per activation row), ``a16row`` (one int16 scale per activation row, weights
+as in the file), ``w8row`` (weights re-quantized to int8 with one scale per output row from the file's
+values, activations fp32), ``w8row+a16row`` (both).
 ``MODE+kv16`` / ``MODE+kv32`` (e.g. ``int16+kv32``, ``exact+kv16``): MODE with ``kv_cache_dtype="float16"`` /
 ``"float32"`` (plain MODE: ``"auto"``, float16 in the integer modes).
 Measured 2026-11-26 on the default model (top-1 agreement / mean |d log p|): sim:int8 95.3% / 0.070
@@ -84,10 +89,19 @@ def simulate(rule: str) -> Callable[[], None]:
     from ratchetlm.layers import block_quant
 
     exact = block_quant.block_matmul
-    block = 16 if rule == "int8/16" else 32
+    block = 16 if rule == "int8/16" else 64 if rule == "int8/64" else 32
+    row_rules = ("w8row", "a16row", "w8row+a16row")
+    assert rule in row_rules or not rule.startswith(("w8", "a16")), rule
+    rowed: dict[int, torch.Tensor] = {}  # id(weight) -> its [N, K] values as the rule has them
+
+    def per_row(t: torch.Tensor, a: float) -> torch.Tensor:  # each row rounded to a grid of +-a steps
+        d = t.abs().amax(-1, keepdim=True) / a
+        return torch.clamp(torch.round(t / torch.where(d > 0, d, torch.ones_like(d))), -a, a) * d
 
     def rounded(x: torch.Tensor, kind: str) -> torch.Tensor:  # [M, K] -> [M, K]
         m, k = x.shape
+        if rule == "int8-row":
+            return per_row(x, 127.0)
         xb = x.reshape(m, k // block, block)
         amax = xb.abs().amax(-1, keepdim=True)  # [M, K / block, 1]
 
@@ -105,6 +119,10 @@ def simulate(rule: str) -> Callable[[], None]:
         return y.reshape(m, k)
 
     def patched(x: torch.Tensor, w: block_quant.BlockWeight, *a: object, **kw: object) -> torch.Tensor:
+        if rule in row_rules and w.int8_capable:  # a dense product of the rounded values (fp32 sums)
+            if id(w) not in rowed:
+                rowed[id(w)] = per_row(w.dequantize(), 127.0) if rule.startswith("w8row") else w.dequantize()
+            return (per_row(x.contiguous(), 32767.0) if rule.endswith("a16row") else x) @ rowed[id(w)].t()
         if w.int8_capable:
             n, k = w.shape
             kind = "head" if n > 16 * k else "down" if k > n else "o" if n == k else "gate_up" if n > 2 * k else "qkv"
