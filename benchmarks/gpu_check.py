@@ -14,9 +14,11 @@ Sections, in order:
   (which transformers compiles with ``torch.compile`` on CUDA);
 * ``cost_curve``: time of a verify forward over k = 1..64 new rows (no context) / one row, per model
   (ratchetlm/decoding/speculative/cost_curve.py, as benchmarks/bench_cost_curve.py times it);
-* ``spec_bench``: a Spec-Bench sample (``benchmarks/data/spec_bench*.jsonl`` if present, else 24
-  built-in prompts in Spec-Bench's six categories), batch 1, fp32: plain AR vs the default
-  speculative config vs an n-gram tree, greedy identity checked prompt by prompt.
+* ``spec_bench``: a Spec-Bench sample (4 first turns from each of its six groups, drawn from
+  ``benchmarks/data/spec_bench/question.jsonl`` as bench_specbench.py draws them; 24 built-in prompts
+  where the file is missing), batch 1, fp32, EOS respected: plain AR vs the default speculative config
+  vs the ``hybrid`` trees (sized by the cost curve the engine measures on the device), MAL and
+  Spec-Bench's speed-up per group, greedy identity checked prompt by prompt.
 
     python benchmarks/gpu_check.py --out DIR [--device cuda] [--budget 400] [--default-model PATH]
     python benchmarks/gpu_check.py --device cpu --dry-run --out DIR   # tiny sizes, well under a minute

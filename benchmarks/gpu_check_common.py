@@ -26,7 +26,9 @@ SHAPE_135M = dict(hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
 TINY = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True)  # --dry-run
 DEFAULT_SPEC = {"method": "ngram"}  # the speculative strategy's defaults (n-gram, depth 8, gain schedule)
-TREE_SPEC = {"method": "ngram", "num_candidates": 3, "depth": 4}
+# the training-free trees (Token Recycling + suffix matches), sized by the cost curve the engine measures: where a
+# verify row costs little (a GPU) they grow, which is what MAL >= 2.5 on the default model needs (issue 37)
+TREE_SPEC = {"method": "hybrid"}
 
 class Clock:
     """The run's deadline and one section's: ``left()`` is the smaller of what both have left. A
@@ -140,20 +142,25 @@ def engine_on(llm: LLM, dev: torch.device, dtype: str, decoding: dict[str, Any] 
     return LLMEngine(cfg, llm.engine.model, llm.model_config)
 
 
-def run_ours(eng: LLMEngine, prompts: list[list[int]], n: int, dev: torch.device) -> tuple[list[list[int]], float,
-                                                                                           float]:
-    """Greedy, EOS ignored: outputs, seconds from arrival to the last token, and decode-phase seconds
-    (from the step at which every sequence holds its first token, as ``ratchet bench`` times decode)."""
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+def run_ours(eng: LLMEngine, prompts: list[list[int]], n: int, dev: torch.device, ignore_eos: bool = True,
+             stats: dict[str, int] | None = None) -> tuple[list[list[int]], float, float]:
+    """Greedy (EOS ignored unless ``ignore_eos`` is False): outputs, seconds from arrival to the last token,
+    and decode-phase seconds (from the step at which every sequence holds its first token, as ``ratchet
+    bench`` times decode); ``stats["decode_steps"]``: the steps after that one (MAL's denominator)."""
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=ignore_eos)
     sync(dev)
     t0 = time.perf_counter()
     ids = [eng.add_request(p, params) for p in prompts]
     t_first = None
+    decode_steps = 0
     while eng.has_unfinished():
         eng.step()
+        decode_steps += t_first is not None
         if t_first is None and all(eng.seqs[i].output_ids for i in ids):
             sync(dev)
             t_first = time.perf_counter()
+    if stats is not None:
+        stats["decode_steps"] = decode_steps
     sync(dev)
     end = time.perf_counter()
     outs = []

@@ -89,12 +89,22 @@ def _cost(s: dict[str, Any]) -> list[str]:
 
 
 def _spec(s: dict[str, Any]) -> list[str]:
-    head = ["config", "tok/s", "vs AR", "decode tok/s", "decode vs AR", "mean acc. len", "greedy == AR"]
-    rows = [[k, _f(c["tok_s"]), _f(c["vs_ar"], "{:.2f}x"), _f(c["decode_tok_s"]), _f(c["decode_vs_ar"], "{:.2f}x"),
-             _f(c["mean_acceptance_length"], "{:.2f}"), c["identical_to_ar"]] for k, c in s["configs"].items()]
+    head = ["config", "tok/s", "vs AR", "Spec-Bench speed-up", "decode tok/s", "decode vs AR", "MAL", "greedy == AR"]
+    rows = [[k, _f(c["tok_s"]), _f(c["vs_ar"], "{:.2f}x"), _f(c["specbench_speedup"], "{:.2f}x"), _f(c["decode_tok_s"]),
+             _f(c["decode_vs_ar"], "{:.2f}x"), _f(c["mal"], "{:.2f}"), c["identical_to_ar"]]
+            for k, c in s["configs"].items()]
     note = (f"{s['model']}, {s['dtype']}, batch {s['batch']}, {s['num_prompts']} prompts ({s['prompts']}), "
-            f"up to {s['new_tokens']} new tokens")
-    return [note, ""] + _table(head, rows)
+            f"up to {s['new_tokens']} new tokens, EOS respected")
+    out = [note, ""] + _table(head, rows)
+    groups = s.get("groups", {})
+    names = [k for k in s["configs"] if k in groups and k != "plain AR"]
+    if names:  # per group, as Spec-Bench's leaderboard: MAL and speed-up of each speculative config
+        order = list(dict.fromkeys(g for k in names for g in groups[k]))
+        out += ["", "Per group (MAL / Spec-Bench speed-up vs plain AR):", ""]
+        out += _table(["group"] + names, [[g] + [f"{_f(groups[k][g]['mal'], '{:.2f}')} / "
+                                               f"{_f(groups[k][g]['specbench_speedup'], '{:.2f}x')}"
+                                               if g in groups[k] else "" for k in names] for g in order])
+    return out
 
 
 _SECTION = {"cuda_tests": _tests, "parity": _parity, "decode": _decode, "cost_curve": _cost, "spec_bench": _spec}

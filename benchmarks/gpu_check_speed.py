@@ -4,15 +4,14 @@
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Any
 
 import torch
 
+from benchmarks.bench_specbench import GROUPS, QUESTIONS, draw_sample, load_questions
 from benchmarks.gpu_check_common import (
     DEFAULT_SPEC,
-    ROOT,
     TREE_SPEC,
     Clock,
     Models,
@@ -131,63 +130,70 @@ SPEC_BENCH = {  # Spec-Bench's six categories, four prompts each (written for th
 }
 
 
-def spec_bench_prompts(limit: int) -> tuple[str, list[str]]:
-    """The speculative work's Spec-Bench question file if one is shipped, else the built-in sample."""
-    for f in sorted((ROOT / "benchmarks" / "data").glob("*spec*bench*.jsonl")):
-        qs = [json.loads(ln) for ln in f.read_text().splitlines() if ln.strip()]
-        texts = [q["turns"][0] if "turns" in q else q.get("prompt") or q.get("question") for q in qs]
-        by_cat: dict[str, list[str]] = {}
-        for q, t in zip(qs, texts, strict=True):
-            by_cat.setdefault(str(q.get("category", "")), []).append(t)
-        per = max(1, limit // max(1, len(by_cat)))  # the same number from every category, in file order
-        return f.name, [t for ts in by_cat.values() for t in ts[:per]][:limit]
-    return "built-in sample", [t for ts in SPEC_BENCH.values() for t in ts][:limit]
+def spec_bench_prompts(limit: int) -> tuple[str, list[tuple[str, str]]]:
+    """``(source, [(group, first turn)])``: Spec-Bench's question file (benchmarks/data/spec_bench), the sample
+    bench_specbench.py draws (seeded, the same number from each of its six groups), else the built-in one."""
+    if QUESTIONS.is_file():
+        sample = draw_sample(load_questions(), max(1, limit // len(GROUPS)), 0, list(GROUPS))
+        return "Spec-Bench question.jsonl, first turns", [(g, q["turns"][0]) for g, qs in sample.items() for q in qs]
+    return "built-in sample", [(g, t) for g, ts in SPEC_BENCH.items() for t in ts][:limit]
 
 
 def section_spec_bench(args: argparse.Namespace, clock: Clock, dev: torch.device, models: Models) -> dict[str, Any]:
+    """Plain AR, the default speculative config and the tree proposers on a Spec-Bench sample, per group as
+    its leaderboard reports: MAL (tokens per forward after the first token) and Spec-Bench's speed-up (the
+    mean of per-question tokens/s over AR's, bench_specbench.py), EOS respected, greedy identity checked."""
     name = list(models.specs)[-1]
     n = 8 if args.dry_run else 128
-    source, texts = spec_bench_prompts(3 if args.dry_run else 24)
+    source, cases = spec_bench_prompts(6 if args.dry_run else 24)
     res: dict[str, Any] = {"model": name, "dtype": "float32", "batch": 1, "new_tokens": n, "prompts": source,
-                           "num_prompts": len(texts), "configs": {}}
+                           "num_prompts": len(cases), "configs": {}, "groups": {}}
     if not models.specs[name]["real"]:
         res["note"] = "random weights: acceptance says nothing about a real model; identity and overheads do"
     llm = models.ours(name, "float32")
     chat = getattr(llm.tokenizer, "chat_template", None) is not None
     prompts = [llm.tokenize(llm.apply_chat_template([{"role": "user", "content": t}]), add_special_tokens=False) if chat
-               else llm.tokenize(t) for t in texts]
-    configs = {"plain AR": None, "speculative default": DEFAULT_SPEC, "speculative tree 3x4": TREE_SPEC}
+               else llm.tokenize(t) for _, t in cases]
+    configs = {"plain AR": None, "speculative default": DEFAULT_SPEC, "speculative hybrid": TREE_SPEC}
     engines = {k: engine_on(llm, dev, "float32", v) for k, v in configs.items()}
     for eng in engines.values():
         run_ours(eng, prompts[:1], 4, dev)  # warm-up; the gain schedule measures its cost curve here
-    acc: dict[str, dict[str, Any]] = {k: dict(tokens=0, seconds=0.0, decode_tokens=0, decode_seconds=0.0,
-                                             identical=0, prompts=0) for k in configs}
-    for i, p in enumerate(prompts):
+    # per config and group: tokens/s per question, decode tokens and steps, questions identical to AR
+    acc: dict[str, dict[str, dict[str, Any]]] = {k: {} for k in configs}
+    for i, ((group, _), p) in enumerate(zip(cases, prompts, strict=True)):
         if clock.left() <= 0:
             res.setdefault("over_budget", []).append(f"prompts {i + 1}..{len(prompts)}: over the time budget")
             break
         ref = None
         for k, eng in engines.items():  # configs interleaved per prompt: load drift hits them alike
-            outs, dt, dd = run_ours(eng, [p], n, dev)
+            st: dict[str, int] = {}
+            outs, dt, dd = run_ours(eng, [p], n, dev, ignore_eos=False, stats=st)
             ref = outs[0] if ref is None else ref
-            a = acc[k]
-            a["tokens"] += len(outs[0])
-            a["seconds"] += dt
-            a["decode_tokens"] += len(outs[0]) - 1
-            a["decode_seconds"] += dd
-            a["identical"] += int(outs[0] == ref)
-            a["prompts"] += 1
-    base = acc["plain AR"]
-    for k, a in acc.items():
-        if not a["prompts"]:
+            for key in (group, "overall"):
+                a = acc[k].setdefault(key, dict(tps=[], tokens=0, seconds=0.0, decode_tokens=0, decode_seconds=0.0,
+                                                decode_steps=0, identical=0))
+                a["tps"].append(len(outs[0]) / dt)
+                a["tokens"] += len(outs[0])
+                a["seconds"] += dt
+                a["decode_tokens"] += len(outs[0]) - 1
+                a["decode_seconds"] += dd
+                a["decode_steps"] += st["decode_steps"]
+                a["identical"] += int(outs[0] == ref)
+
+    def row(a: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+        return dict(specbench_speedup=(sum(a["tps"]) / len(a["tps"])) / (sum(base["tps"]) / len(base["tps"])),
+                    mal=a["decode_tokens"] / max(a["decode_steps"], 1),
+                    identical_to_ar=f"{a['identical']}/{len(a['tps'])}")
+
+    base = acc["plain AR"].get("overall")
+    for k, groups in acc.items():
+        if base is None or "overall" not in groups:
             continue
+        a = groups["overall"]
         tps, dps = a["tokens"] / a["seconds"], a["decode_tokens"] / max(a["decode_seconds"], 1e-9)
-        m = engines[k].strategy.metrics()
         res["configs"][k] = dict(options=configs[k], tok_s=tps, decode_tok_s=dps,
                                  vs_ar=tps / (base["tokens"] / base["seconds"]),
                                  decode_vs_ar=dps / (base["decode_tokens"] / max(base["decode_seconds"], 1e-9)),
-                                 mean_acceptance_length=m.get("spec_decode_mean_acceptance_length"),
-                                 identical_to_ar=f"{a['identical']}/{a['prompts']}")
+                                 **row(a, base))
+        res["groups"][k] = {g: row(ga, acc["plain AR"][g]) for g, ga in groups.items() if g != "overall"}
     return res
-
-

@@ -59,9 +59,17 @@ def test_the_oracles_it_checks_hold_in_fp32(dry_run):
     assert parity["batched_equals_alone"] is True
     assert parity["greedy_equals_hf"] == [True] * 4
     spec = report["sections"]["spec_bench"]
-    assert set(spec["configs"]) == {"plain AR", "speculative default", "speculative tree 3x4"}
+    assert set(spec["configs"]) == {"plain AR", "speculative default", "speculative hybrid"}
     n = spec["num_prompts"]
-    assert n == 3 and all(c["identical_to_ar"] == f"{n}/{n}" for c in spec["configs"].values())
+    assert n == 6 and all(c["identical_to_ar"] == f"{n}/{n}" for c in spec["configs"].values())
+    # Spec-Bench's own question file, one first turn from each of its six groups, each group reported
+    from benchmarks.bench_specbench import GROUPS
+
+    assert spec["prompts"].startswith("Spec-Bench question.jsonl")
+    for k in spec["configs"]:
+        assert set(spec["groups"][k]) == set(GROUPS), k
+        assert all(g["identical_to_ar"] == "1/1" and g["mal"] >= 1.0 for g in spec["groups"][k].values())
+    assert spec["configs"]["plain AR"]["mal"] == 1.0  # one token per plain step
 
 
 @pytest.mark.slow
@@ -71,3 +79,4 @@ def test_markdown_names_the_machine_and_versions(dry_run):
     for name in report["sections"]:
         assert f"## {name}: ok" in md
     assert "| llama-1b-shape (random) | 1 |" in md
+    assert "| group | speculative default | speculative hybrid |" in md and "| rag | " in md
