@@ -454,11 +454,15 @@ def _agg(cases: list[Case], label: str) -> dict[str, float]:
     fwd = sum(c.runs[label].decode_forwards for c in cases)
     dec = sum(c.runs[label].decode_tokens for c in cases)
     ar_tok = sum(len(c.runs["AR"].tokens) for c in cases)
+    per_case = sorted((len(c.runs[label].tokens) / c.runs[label].seconds)
+                      / (len(c.runs["AR"].tokens) / c.runs["AR"].seconds) for c in cases)
     return {"mal": dec / fwd if fwd else 1.0,
             "speedup": (tok / sum(c.runs[label].seconds for c in cases)) / (ar_tok / ar_t),
             "specbench": specbench_speedup(cases, label),
-            "median": statistics.median((len(c.runs[label].tokens) / c.runs[label].seconds)
-                                        / (len(c.runs["AR"].tokens) / c.runs["AR"].seconds) for c in cases),
+            "median": statistics.median(per_case),
+            # the spread of the per-case ratios: the 10th percentile (nearest rank), the lowest, how many lose
+            "p10": per_case[(len(per_case) - 1) // 10], "lowest": per_case[0],
+            "below": sum(r < 1.0 for r in per_case),
             "same": sum(c.runs[label].tokens == c.runs["AR"].tokens for c in cases), "n": len(cases),
             "decode_tps": dec / sum(c.runs[label].decode_seconds for c in cases),
             # the decode phase alone (after the first token; no prefill): tok/s against AR's, and a step's
@@ -513,6 +517,9 @@ def report(cases: list[Case], configs: list[str], groups: list[str], llamacpp: b
                 r["vs_llamacpp"], r["vs_llamacpp_pld"] = r["decode_tps"] / lp, r["decode_tps"] / lpld
                 line += f" {r['decode_tps']:.1f} | {r['vs_llamacpp']:.2f}x | {r['vs_llamacpp_pld']:.2f}x |"
             print(line)
+        r = rows[(name, "overall")]
+        print(f"per case: median {r['median']:.2f}x, 10th percentile {r['p10']:.2f}x, lowest {r['lowest']:.2f}x; "
+              f"{r['below']} of {r['n']} below 1.0x")
     if llamacpp:
         tps = ", ".join(f"{k} {_decode_tps(cases, k):.1f}" for k in ("AR", "llama.cpp", "llama.cpp PLD"))
         print(f"\ndecode tok/s overall: {tps}")

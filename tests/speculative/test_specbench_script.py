@@ -83,6 +83,9 @@ def test_a_tiny_run_on_the_default_model(bench, capsys):
     expect = (sum(speed(name, q) for q in questions) / 2) / (sum(speed("AR", q) for q in questions) / 2)
     assert overall["specbench"] == pytest.approx(expect) and "Spec-Bench speed-up" in llm_text
     assert "| overall | 3 |" in llm_text and "MAL" in llm_text
+    ratios = sorted(speed(name, [c]) / speed("AR", [c]) for c in cases)  # per case, as the spread line reads
+    assert (overall["lowest"], overall["p10"]) == (pytest.approx(ratios[0]), pytest.approx(ratios[0]))
+    assert overall["below"] == sum(r < 1.0 for r in ratios) and f"{overall['below']} of 3 below 1.0x" in llm_text
     # the decode phase: its speed-up is MAL over a step's cost in AR steps (forwards after the first token)
     assert overall["decode_speedup"] == pytest.approx(overall["mal"] / overall["step_cost"])
     assert overall["step_cost"] > 0 and "step cost" in llm_text
