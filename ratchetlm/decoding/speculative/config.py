@@ -22,9 +22,10 @@ class SpecConfig:
     by expected gain, and with the gain schedule in a batch of two or more decoding sequences ngram's
     chains instead (tree_proposers.CHAINS_FROM); "recycling" and "suffix" each alone; the default is the
     one measured best on Spec-Bench on a CPU, docs/benchmarks.md: on the default model, int8, one core,
-    pools touched before timing, ngram 1.56-1.58x AR at batch 1 (Spec-Bench's measure, MAL 1.92) and
-    0.97-1.01x at batch 8, hybrid level with it at both (1.55-1.57x at MAL 2.14-2.16; 0.98-1.01x, its
-    chains there), not ahead: its trees' extra accepted tokens cost about as much as they add;
+    all 480 questions, ngram 1.43-1.46x AR at batch 1 (Spec-Bench's measure, MAL 1.77-1.81) and 1.04x at
+    batch 8 (144 requests), hybrid level with it at batch 1 (1.45x against 1.46x at MAL 2.31) and at
+    batch 8 on samples (its chains there), not ahead: its trees' extra accepted tokens cost about as much
+    as they add;
     "draft" layer-skip self-draft,
     "draft_model" a separate local draft model, "eagle" a trained EAGLE head, "eagle_ngram" prompt lookup
     where its gain schedule drafts and the EAGLE head elsewhere (measured slower than "ngram" on
