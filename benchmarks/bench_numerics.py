@@ -94,20 +94,18 @@ def simulate(rule: str) -> Callable[[], None]:
     assert rule in row_rules or not rule.startswith(("w8", "a16")), rule
     rowed: dict[int, torch.Tensor] = {}  # id(weight) -> its [N, K] values as the rule has them
 
-    def per_row(t: torch.Tensor, a: float) -> torch.Tensor:  # each row rounded to a grid of +-a steps
+    def per_row(t: torch.Tensor, a: float) -> torch.Tensor:  # each last-dim row on its own grid of +-a steps
         d = t.abs().amax(-1, keepdim=True) / a
-        return torch.clamp(torch.round(t / torch.where(d > 0, d, torch.ones_like(d))), -a, a) * d
+        return torch.clamp(torch.round(t * torch.where(d > 0, 1 / d, torch.zeros_like(d))), -a, a) * d
 
     def rounded(x: torch.Tensor, kind: str) -> torch.Tensor:  # [M, K] -> [M, K]
         m, k = x.shape
-        if rule == "int8-row":
-            return per_row(x, 127.0)
-        xb = x.reshape(m, k // block, block)
+        b = k if rule == "int8-row" else block  # int8-row: one block per row
+        xb = x.reshape(m, k // b, b)
         amax = xb.abs().amax(-1, keepdim=True)  # [M, K / block, 1]
 
-        def q(a: float) -> torch.Tensor:
-            d = amax / a
-            return torch.clamp(torch.round(xb * torch.where(d > 0, 1 / d, torch.zeros_like(d))), -a, a) * d
+        def q(a: float) -> torch.Tensor:  # every block on its own grid
+            return per_row(xb, a)
 
         if rule.startswith("mixed:"):
             rms = x.pow(2).mean(-1).sqrt()[:, None, None]

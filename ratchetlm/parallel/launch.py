@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ratchetlm.decoding.speculative.config import EAGLE_METHODS
 from ratchetlm.runners import register_tensor_parallel
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -23,7 +24,7 @@ def start_tensor_parallel(cfg: Any, mask_token_id: int | None) -> Any:
     from ratchetlm.parallel.group import TPGroup
 
     method = cfg.decoding_options.get("method") if cfg.decoding == "speculative" else None
-    if method in ("eagle", "eagle_ngram"):
+    if method in EAGLE_METHODS:
         raise ValueError(f"speculative method={method!r} does not run with tensor_parallel_size > 1 (the head reads "
                          "the target's embedding and LM head rows, which are split over the ranks); use 'ngram', "
                          "'draft' (layer-skip) or 'draft_model'")
