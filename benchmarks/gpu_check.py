@@ -17,7 +17,7 @@ Sections, in order:
 * ``spec_bench``: a Spec-Bench sample (4 first turns from each of its six groups, drawn from
   ``benchmarks/data/spec_bench/question.jsonl`` as bench_specbench.py draws them; 24 built-in prompts
   where the file is missing), batch 1, fp32, EOS respected: plain AR vs the default speculative config
-  vs the ``hybrid`` trees (sized by the cost curve the engine measures on the device), MAL and
+  vs the ``hybrid`` trees at 16 and 32 nodes (sized by the cost curve the engine measures on the device), MAL and
   Spec-Bench's speed-up per group, greedy identity checked prompt by prompt.
 
     python benchmarks/gpu_check.py --out DIR [--device cuda] [--budget 400] [--default-model PATH]

@@ -12,6 +12,7 @@ import torch
 from benchmarks.bench_specbench import GROUPS, QUESTIONS, draw_sample, load_questions
 from benchmarks.gpu_check_common import (
     DEFAULT_SPEC,
+    TREE32_SPEC,
     TREE_SPEC,
     Clock,
     Models,
@@ -132,10 +133,13 @@ SPEC_BENCH = {  # Spec-Bench's six categories, four prompts each (written for th
 
 def spec_bench_prompts(limit: int) -> tuple[str, list[tuple[str, str]]]:
     """``(source, [(group, first turn)])``: Spec-Bench's question file (benchmarks/data/spec_bench), the sample
-    bench_specbench.py draws (seeded, the same number from each of its six groups), else the built-in one."""
+    bench_specbench.py draws (seeded, the same number from each of its six groups), else the built-in one. The
+    groups take turns, so a run cut by its time budget still has every group."""
     if QUESTIONS.is_file():
-        sample = draw_sample(load_questions(), max(1, limit // len(GROUPS)), 0, list(GROUPS))
-        return "Spec-Bench question.jsonl, first turns", [(g, q["turns"][0]) for g, qs in sample.items() for q in qs]
+        per = max(1, limit // len(GROUPS))
+        sample = draw_sample(load_questions(), per, 0, list(GROUPS))
+        return "Spec-Bench question.jsonl, first turns", [(g, qs[i]["turns"][0]) for i in range(per)
+                                                          for g, qs in sample.items() if i < len(qs)]
     return "built-in sample", [(g, t) for g, ts in SPEC_BENCH.items() for t in ts][:limit]
 
 
@@ -154,7 +158,8 @@ def section_spec_bench(args: argparse.Namespace, clock: Clock, dev: torch.device
     chat = getattr(llm.tokenizer, "chat_template", None) is not None
     prompts = [llm.tokenize(llm.apply_chat_template([{"role": "user", "content": t}]), add_special_tokens=False) if chat
                else llm.tokenize(t) for _, t in cases]
-    configs = {"plain AR": None, "speculative default": DEFAULT_SPEC, "speculative hybrid": TREE_SPEC}
+    configs = {"plain AR": None, "speculative default": DEFAULT_SPEC, "speculative hybrid": TREE_SPEC,
+               "speculative hybrid, 32 nodes": TREE32_SPEC}
     engines = {k: engine_on(llm, dev, "float32", v) for k, v in configs.items()}
     for eng in engines.values():
         run_ours(eng, prompts[:1], 4, dev)  # warm-up; the gain schedule measures its cost curve here

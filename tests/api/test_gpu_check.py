@@ -59,7 +59,8 @@ def test_the_oracles_it_checks_hold_in_fp32(dry_run):
     assert parity["batched_equals_alone"] is True
     assert parity["greedy_equals_hf"] == [True] * 4
     spec = report["sections"]["spec_bench"]
-    assert set(spec["configs"]) == {"plain AR", "speculative default", "speculative hybrid"}
+    assert set(spec["configs"]) == {"plain AR", "speculative default", "speculative hybrid",
+                                    "speculative hybrid, 32 nodes"}
     n = spec["num_prompts"]
     assert n == 6 and all(c["identical_to_ar"] == f"{n}/{n}" for c in spec["configs"].values())
     # Spec-Bench's own question file, one first turn from each of its six groups, each group reported
@@ -79,4 +80,18 @@ def test_markdown_names_the_machine_and_versions(dry_run):
     for name in report["sections"]:
         assert f"## {name}: ok" in md
     assert "| llama-1b-shape (random) | 1 |" in md
-    assert "| group | speculative default | speculative hybrid |" in md and "| rag | " in md
+    assert "| group | speculative default | speculative hybrid | speculative hybrid, 32 nodes |" in md
+    assert "| rag | " in md
+
+
+def test_spec_bench_groups_take_turns_so_a_cut_run_keeps_every_group():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.bench_specbench import GROUPS
+    from benchmarks.gpu_check_speed import spec_bench_prompts
+
+    source, cases = spec_bench_prompts(24)
+    assert source.startswith("Spec-Bench question.jsonl") and len(cases) == 24
+    groups = [g for g, _ in cases]
+    for start in range(0, 24, len(GROUPS)):  # every run of six prompts holds each group once
+        assert sorted(groups[start:start + len(GROUPS)]) == sorted(GROUPS)
+    assert len({t for _, t in cases}) == 24  # four different questions per group, none repeated
