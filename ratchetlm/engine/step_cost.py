@@ -444,9 +444,20 @@ def probe_prior(model: Any, model_config: Any, device: torch.device, dtype: torc
     return Prior(fixed=fixed, per_row=per_row, head=head / per_row, attention=attn)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+def _best_ms(run: Callable[[], object], device: torch.device, repeats: int, stop: Callable[[], bool]) -> float:
+    """The fastest of ``repeats`` timed calls of ``run`` after one untimed warm-up, in ms (0 if none)."""
+    best = math.inf
+    with torch.inference_mode():
+        for i in range(repeats + 1):
+            if stop():
+                raise ProbeStopped
+            t0 = time.perf_counter()
+            run()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i:  # the first run warms up
+                best = min(best, time.perf_counter() - t0)
+    return best * 1000.0 if repeats else 0.0
 
 
 def _body_ms(model: Any, device: torch.device, rows: int, repeats: int, probe_layers: int | None,
@@ -459,30 +470,10 @@ def _body_ms(model: Any, device: torch.device, rows: int, repeats: int, probe_la
     ids = ((torch.arange(rows) * 7919 + 100) % int(model.config.vocab_size)).to(device)  # [rows]
     batch = build_attention_batch(torch.arange(rows, device=device), [rows], [torch.empty(0, dtype=torch.long)],
                                   [None], NullSink(), None)
-    best = math.inf
-    with torch.inference_mode():
-        for i in range(repeats + 1):
-            if stop():
-                raise ProbeStopped
-            t0 = time.perf_counter()
-            model(ids, batch, num_layers=k)  # [rows, hidden]
-            _sync(device)
-            if i:  # the first run warms up
-                best = min(best, time.perf_counter() - t0)
-    return best * 1000.0 * n_layers / k if repeats else 0.0
+    return _best_ms(lambda: model(ids, batch, num_layers=k), device, repeats, stop) * n_layers / k  # [rows, hidden]
 
 
 def _head_ms(model: Any, device: torch.device, dtype: torch.dtype, rows: int, repeats: int,
              stop: Callable[[], bool]) -> float:
     hidden = torch.randn(rows, int(model.config.hidden_size), device=device).to(dtype)  # [rows, hidden]
-    best = math.inf
-    with torch.inference_mode():
-        for i in range(repeats + 1):
-            if stop():
-                raise ProbeStopped
-            t0 = time.perf_counter()
-            model.logits(hidden)
-            _sync(device)
-            if i:
-                best = min(best, time.perf_counter() - t0)
-    return best * 1000.0
+    return _best_ms(lambda: model.logits(hidden), device, repeats, stop)

@@ -24,7 +24,7 @@ from typing import Any
 from ratchetlm.server.async_engine import Delta, Submission
 from ratchetlm.server.common import ChoiceState, ServingContext, make_params, new_id, usage
 from ratchetlm.server.errors import APIError
-from ratchetlm.server.protocol import ChatCompletionRequest, ChatMessage
+from ratchetlm.server.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest
 from ratchetlm.server.structured import ToolPlan, compile_constraint, requested_constraint, tool_plan
 from ratchetlm.structured.reasoning import ReasoningSplitter, split_reasoning
 from ratchetlm.structured.tool_calls import ToolCall
@@ -33,6 +33,22 @@ from ratchetlm.structured.tool_stream import StreamingToolParser
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return [m.as_template_dict() for m in messages]
+
+
+def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest | TokenizeRequest,
+                tools: list[dict[str, Any]] | None) -> str:
+    """``req.messages`` through the model's chat template, as the chat endpoint and ``/tokenize`` both feed
+    it; a template that refuses them is the client's 400 on ``messages``."""
+    assert req.messages is not None
+    try:
+        return ctx.llm.apply_chat_template(template_messages(req.messages), tools=tools,
+                                           tool_parser=ctx.tool_call_parser,
+                                           add_generation_prompt=req.add_generation_prompt,
+                                           continue_final_message=req.continue_final_message,
+                                           chat_template_kwargs=req.chat_template_kwargs,
+                                           content_format=ctx.content_format)
+    except ValueError as e:
+        raise APIError(str(e), 400, "messages") from None
 
 
 class ChatPlan:
@@ -57,15 +73,7 @@ class ChatPlan:
         if constraint is not None:
             compile_constraint(ctx.llm, constraint[1], constraint[0])
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if self.tools and self.tools.parses else None
-        try:
-            text = ctx.llm.apply_chat_template(template_messages(req.messages), tools=tools,
-                                               tool_parser=ctx.tool_call_parser,
-                                               add_generation_prompt=req.add_generation_prompt,
-                                               continue_final_message=req.continue_final_message,
-                                               chat_template_kwargs=req.chat_template_kwargs,
-                                               content_format=ctx.content_format)
-        except ValueError as e:
-            raise APIError(str(e), 400, "messages") from None
+        text = chat_prompt(ctx, req, tools)
         self.prompt_ids = ctx.encode(text, "messages", req.add_special_tokens)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"

@@ -15,26 +15,15 @@ from typing import Any
 from ratchetlm.server.common import ServingContext
 from ratchetlm.server.errors import APIError
 from ratchetlm.server.protocol import DetokenizeRequest, TokenizeRequest
+from ratchetlm.server.serving_chat import chat_prompt
 
 
 def tokenize(req: TokenizeRequest, ctx: ServingContext) -> dict[str, Any]:
-    llm = ctx.llm
     if (req.prompt is None) == (req.messages is None):
         raise APIError("give exactly one of prompt and messages", 400, "prompt")
     if req.messages is not None:
-        from ratchetlm.server.serving_chat import template_messages
-
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        try:
-            text = llm.apply_chat_template(template_messages(req.messages), tools=tools,
-                                           tool_parser=ctx.tool_call_parser,
-                                           add_generation_prompt=req.add_generation_prompt,
-                                           continue_final_message=req.continue_final_message,
-                                           chat_template_kwargs=req.chat_template_kwargs,
-                                           content_format=ctx.content_format)
-        except ValueError as e:
-            raise APIError(str(e), 400, "messages") from None
-        ids = ctx.encode(text, "messages", bool(req.add_special_tokens))
+        ids = ctx.encode(chat_prompt(ctx, req, tools), "messages", bool(req.add_special_tokens))
     else:
         assert req.prompt is not None
         ids = ctx.encode(req.prompt, "prompt", req.add_special_tokens is not False)

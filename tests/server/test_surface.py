@@ -69,6 +69,18 @@ def test_tokenize_detokenize_and_info(server, oracle):
     assert httpx.get(server.base + "/version", timeout=60).json()["version"]
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_messages_the_template_refuses_are_a_400_on_messages(server, path):
+    # continue_final_message with add_generation_prompt: vLLM's and HF's templating refuse the pair
+    body = {"model": MODEL_NAME, "continue_final_message": True, "add_generation_prompt": True,
+            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the"}]}
+    if path.startswith("/v1"):
+        body["max_tokens"] = 2
+    r = httpx.post(server.base + path, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages" and "cannot both be true" in r.json()["error"]["message"]
+
+
 def test_cors_is_off_by_default(server):
     r = httpx.options(server.v1 + "/chat/completions", timeout=60,
                       headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
