@@ -16,64 +16,58 @@ GAIN_METHODS = ("ngram", *EAGLE_METHODS, *TREE_METHODS)  # methods the gain sche
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """``method``: proposer name ("ngram", the default: prompt lookup, its draft length chosen by
-    expected gain on the measured cost curve; "hybrid": one tree per step merging Token Recycling's
-    successor table and suffix-trie matches over the request and the engine's recent outputs, cut
-    by expected gain, and with the gain schedule in a batch of two or more decoding sequences ngram's
-    chains instead (tree_proposers.CHAINS_FROM); "recycling" and "suffix" each alone; the default is the
-    one measured best on Spec-Bench on a CPU, docs/benchmarks.md: on the default model, int8, one core,
-    all 480 questions, ngram 1.43-1.46x AR at batch 1 (Spec-Bench's measure, MAL 1.77-1.81) and 1.04x at
-    batch 8 (144 requests), hybrid level with it at batch 1 (1.45x against 1.46x at MAL 2.31) and at
-    batch 8 on samples (its chains there), not ahead: its trees' extra accepted tokens cost about as much
-    as they add;
-    "draft" layer-skip self-draft,
-    "draft_model" a separate local draft model, "eagle" a trained EAGLE head, "eagle_ngram" prompt lookup
-    where its gain schedule drafts and the EAGLE head elsewhere (measured slower than "ngram" on
-    Spec-Bench on a CPU: the head's forwards cost ~0.2 of a step), "mtp" DeepSeek-V4's own
-    multi-token-prediction module).
-    ``num_candidates`` M: candidates per step (n-gram occurrences / beam width); 1 = chain.
-    ``depth`` C: draft tokens per candidate, for the tree methods the tree's deepest level (default:
-    8 for "hybrid", "recycling" and "suffix"; 1 for "mtp" — DeepSeek-V4's MTP module, verified
-    in the static ``S = 2`` decode shape —, 8 for "ngram", whose gain schedule drafts that far only
-    where earlier continuations of the same match length kept agreeing (measured on a 2-core CPU in
-    the int16 mode, two runs: code 1.71x / 1.86x vs depth 4's 1.29x / 1.80x, never slower), else 4).
-    ``min_n``/``max_n``: n-gram match lengths.
-    ``draft_layers``: layers of the self-draft (target's first N + final norm + head).
-    ``chunk_size``: speculative chunk verify (SCV, the NWOR/SCV design) — a forward verifies at most
-    this many levels of the draft; when they are all accepted and the target's next token is the
-    draft's own, the engine verifies the next levels in another forward of the same step, committing
-    chunk by chunk and stopping at the first rejection (0 = the whole draft in one forward). Default
-    8, the design's: drafts of up to 8 levels (the default depths are at most 8) verify in one forward,
-    longer ones in chunks of 8. Measured on a 2-core CPU (docs/speculative.md): chunking was never slower
-    than the whole draft, and chunks of 2 were fastest for long chains at batch 16 (depth 12: 1.22x).
-    ``draft_model``: local path (GGUF file or HF folder) of the draft for ``method="draft_model"``;
-    it must share the target's tokenizer (same vocab size). For ``method="eagle"``: the folder of a
-    trained EAGLE head (eagle.py; ``ratchet train-eagle`` makes one for a target); by default the
-    bundled head trained for the default model (``ratchetlm/assets/eagle-smollm2``). ``draft_kv_blocks``: blocks of the
-    draft's own paged KV cache (0 = as many as the target's cache).
-    ``depth_schedule``: "constant" drafts ``depth`` tokens every step; "adaptive" keeps a depth per
-    sequence in ``[1, depth]``, +2 after a step that accepted every draft token and -1 otherwise
-    (the schedule HF's assisted generation calls "heuristic"); "gain" (n-gram and eagle) drafts,
-    per step, the length in ``[0, depth]`` expected to add the most tokens per unit of verify cost,
-    judged for n-gram drafts from how far earlier continuations with the same match length agreed
-    with the output, for an EAGLE head from its own confidence (gain.py); "auto" (the default) is
-    "gain" for n-gram and EAGLE drafts and "constant" otherwise (measured: the gain schedule kept the
-    chain's speed on code and summary and stopped it losing on chat and at batch 8,
-    docs/speculative.md). Output is the same with every schedule.
-    ``verify_token_cost``: the gain schedule's price of verified rows. None (the default): the
-    target model's cost curve, measured once per process on this machine (cost_curve.py: a forward
-    over 1..32 rows against one row), and for n-gram drafts and the tree methods corrected per batch
-    size by the decode steps' measured times, with proposing stopped at a batch size where it measured
-    a loss (draft_price.py); a number c: every row after the first costs c one-row forwards (0 on a GPU,
-    where a verify forward costs about what a plain one does), nothing measured.
-    ``disable_by_batch_size``: a step that schedules at least this many sequences decodes them all
-    plainly (no drafts; vLLM's option of the same name); 0 = never. On a CPU the verify forward is
-    compute bound once a batch holds many rows, and drafting at batch 8 measured slower than plain
-    decoding at every depth (docs/speculative.md); the output is the same either way.
-    ``tree_nodes``: most draft nodes of one tree ("hybrid", "recycling", "suffix"); with the gain
-    schedule fewer, as many as pay on the cost curve; with "constant" always this many (when found).
-    ``recycle_k``: successors kept per token in the recycling table (the paper's k = 8).
-    ``history_tokens``: tokens of recent finished outputs the suffix trie keeps per engine (0 = none)."""
+    """Options of ``LLM(speculative={...})`` (the CLI's ``--speculative JSON``, the same keys). The
+    measurements behind each default: docs/speculative.md and docs/benchmarks.md (*Spec-Bench whole*).
+
+    * ``method``: the proposer (proposers.py's registry).
+      * ``"ngram"`` (the default): prompt lookup, its length chosen by expected gain on the measured cost
+        curve. It measured best on Spec-Bench on a CPU: on the default model, int8, one core, all 480
+        questions, 1.43-1.46x plain decoding at batch 1 (MAL 1.77-1.81) and 1.04x at batch 8.
+      * ``"hybrid"``: one tree per step, merging Token Recycling's successor table and suffix-trie matches
+        over the request and the engine's recent outputs, cut by expected gain (at batch >= 2, ngram's
+        chains instead: tree_proposers.CHAINS_FROM). Level with ngram on a CPU (1.45x against 1.46x, MAL
+        2.31): its trees' extra accepted tokens cost about what they add. ``"recycling"`` and
+        ``"suffix"``: each of its two sources alone.
+      * ``"draft"``: layer-skip self-draft. ``"draft_model"``: a separate local draft model.
+      * ``"eagle"``: a trained EAGLE head. ``"eagle_ngram"``: prompt lookup where its gain schedule
+        drafts, the head elsewhere. Both measured slower than ngram on a CPU (a head forward costs ~0.2
+        of a step).
+      * ``"mtp"``: DeepSeek-V4's own multi-token-prediction module.
+    * ``num_candidates`` M: candidates per step (n-gram occurrences, beam width); 1 = a chain.
+    * ``depth`` C: draft tokens per candidate; for the tree methods, the tree's deepest level. Default: 8
+      for ngram, eagle_ngram and the tree methods (ngram drafts that far only where earlier continuations
+      of the same match length kept agreeing), 1 for mtp (verified in V4's static ``S = 2`` decode
+      shape), else 4.
+    * ``min_n``/``max_n``: n-gram match lengths.
+    * ``draft_layers``: the self-draft's layers (the target's first N, its final norm and head).
+    * ``chunk_size``: speculative chunk verify (SCV). A forward verifies at most this many levels; when they
+      are all accepted and the target's next token is the draft's own, the next levels are verified in
+      another forward of the same step, chunk by chunk, stopping at the first rejection. 0 = the whole
+      draft in one forward. Default 8: the default depths verify in one forward.
+    * ``draft_model``: for ``"draft_model"``, a local GGUF file or HF folder sharing the target's
+      tokenizer; for the EAGLE methods, a head's folder (``ratchet train-eagle`` makes one; default: the
+      bundled head for the default model, ``ratchetlm/assets/eagle-smollm2``).
+    * ``draft_kv_blocks``: blocks of a drafter's own paged KV cache (0 = as many as the target's).
+    * ``depth_schedule``:
+      * ``"constant"``: ``depth`` tokens every step.
+      * ``"adaptive"``: a depth per sequence in ``[1, depth]``, +2 after a step that accepted every draft
+        token and -1 otherwise (HF assisted generation's "heuristic").
+      * ``"gain"`` (ngram, EAGLE and tree methods): per step, the draft expected to add the most tokens per
+        unit of verify cost (gain.py, tree_select.py).
+      * ``"auto"`` (the default): ``"gain"`` where it applies, else ``"constant"``.
+      The output is the same under every schedule.
+    * ``verify_token_cost``: the gain schedule's price of verified rows.
+      * None (the default): the target's cost curve, measured once per process (cost_curve.py), corrected per
+        batch size by the decode steps' measured times, with proposing stopped at a batch size where it
+        measured a loss (draft_price.py).
+      * A number c: every row after the first costs c one-row forwards, nothing measured. 0 suits a GPU,
+        where a verify forward costs about what a plain one does.
+    * ``disable_by_batch_size``: a step that schedules at least this many sequences decodes them all plainly
+      (vLLM's option of the same name); 0 = never.
+    * ``tree_nodes``: the most draft nodes in one tree (the tree methods). Under ``"gain"`` a tree keeps as
+      many as pay on the cost curve; under ``"constant"`` always this many, where found.
+    * ``recycle_k``: successors kept per token in the recycling table (the paper's k = 8).
+    * ``history_tokens``: tokens of recent finished outputs the suffix trie keeps per engine (0 = none)."""
 
     method: str = "ngram"
     num_candidates: int = 1
