@@ -14,7 +14,7 @@ import pytest
 
 import ratchetlm.engine.llm as llm_module
 import ratchetlm.engine.llm_engine as llm_engine_module
-import ratchetlm.server.app as app_module
+import ratchetlm.server.state as state_module
 from ratchetlm import SamplingParams
 from ratchetlm.sampling_params import StructuredOutputsParams
 from ratchetlm.server.async_engine import AsyncEngine
@@ -48,7 +48,7 @@ def front_server(oracle, monkeypatch):
 
     # the offline engine's greedy answer, before the server's engine thread runs on the same engine
     ref = oracle.chat(MESSAGES, SamplingParams(max_tokens=6, temperature=0))[0].outputs[0].text
-    monkeypatch.setattr(app_module, "ReplicaPool", InThreadPool)
+    monkeypatch.setattr(state_module, "ReplicaPool", InThreadPool)
     loader = ModelLoader(None, {"dtype": "float32", "progress": False})  # the oracle's flags
     app_config = ServerConfig(data_parallel_size=2)
     with serve_in_thread(loader, "m", app_config) as port:
