@@ -17,7 +17,8 @@ from ratchetlm.engine.config import EngineConfig
 from ratchetlm.engine.kv_budget import sized_config
 from ratchetlm.engine.model_runner import build_runner
 from ratchetlm.engine.scheduler import Scheduler
-from ratchetlm.engine.step_cost import MeasuredStepCost, Rows, probe_prior
+from ratchetlm.engine.step_cost import MeasuredStepCost, Rows
+from ratchetlm.engine.step_probe import probe_prior
 from ratchetlm.errors import EngineDeadError
 from ratchetlm.layers.logits_processors import ControlsFactory
 from ratchetlm.sampling_params import SamplingParams

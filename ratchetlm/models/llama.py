@@ -142,7 +142,7 @@ class LlamaModel(nn.Module):
     ``tp``: the slice of a tensor-parallel rank (models/shard.py); default the whole model."""
 
     numerics = "exact"  # the block weights' numerics mode (set_numerics)
-    step_cost_probe = True  # engine/step_cost.py may time its layers and head (a duck type: the engine names no model)
+    step_cost_probe = True  # engine/step_probe.py may time its layers and head (a duck type: the engine names no model)
     decode_chain = True  # integer-mode forwards of up to 64 new tokens through models/decode_chain.py where it applies
     _chain: DecodeChain | None = None
 

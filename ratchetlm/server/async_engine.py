@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ratchetlm.engine.llm_engine import EngineDeadError, StepOutput
-from ratchetlm.engine.step_cost import ProbeStopped
+from ratchetlm.engine.step_probe import ProbeStopped
 from ratchetlm.sampling_params import SamplingParams
 from ratchetlm.text.stream import TextStream
 

@@ -423,7 +423,7 @@ class _CountingModel:
 def test_the_probe_stops_before_its_next_forward_once_asked(llm_default):
     """A server shutting down asks the engine thread's probe to stop: it raises ProbeStopped before
     its next forward (a process must not exit while a thread is inside one), and runs whole otherwise."""
-    from ratchetlm.engine.step_cost import ProbeStopped, probe_prior
+    from ratchetlm.engine.step_probe import ProbeStopped, probe_prior
 
     eng = llm_default.engine
     model = _CountingModel(eng.model)
