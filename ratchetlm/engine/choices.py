@@ -56,8 +56,11 @@ class StreamEvent:
 
 
 def submit_choices(engine: LLMEngine, tokenizer: Any, encoded: list[list[int]],
-                   sampling_params: SamplingParams | Seq[SamplingParams]) -> dict[int, tuple[ChoiceRun, TextStream]]:
+                   sampling_params: SamplingParams | Seq[SamplingParams],
+                   special_ids: frozenset[int] = frozenset()) -> dict[int, tuple[ChoiceRun, TextStream]]:
     """Queue every choice of every prompt; returns, per engine request id, its ``(ChoiceRun, TextStream)``.
+    ``special_ids``: the tokenizer's special tokens, left out of the text of a choice with
+    ``skip_special_tokens`` (text/detokenizer.py:special_token_ids).
     Everything is validated before anything stays queued: on an error every queued choice is released."""
     if isinstance(sampling_params, SamplingParams):
         params_list = [sampling_params] * len(encoded)
@@ -73,7 +76,9 @@ def submit_choices(engine: LLMEngine, tokenizer: Any, encoded: list[list[int]],
                 cp = choice_params(sp, j)
                 sid = engine.add_request(ids_i, cp, share_prompt_with=leader)
                 leader = sid if leader is None else leader
-                runs[sid] = (ChoiceRun(i, j, sp), TextStream(tokenizer, ids_i, cp.stop, cp.include_stop_str_in_output))
+                skip = special_ids if cp.skip_special_tokens else frozenset()
+                runs[sid] = (ChoiceRun(i, j, sp), TextStream(tokenizer, ids_i, cp.stop, cp.include_stop_str_in_output,
+                                                             skip_ids=skip))
     except BaseException:
         for sid in runs:
             engine.abort(sid)

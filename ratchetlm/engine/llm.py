@@ -106,7 +106,7 @@ class LLM(PromptSide):
                              "needs runner='generate'")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        return submit_choices(self.engine, self.tokenizer, encoded, sampling_params)
+        return submit_choices(self.engine, self.tokenizer, encoded, sampling_params, self.special_ids)
 
     def stream(
         self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

@@ -13,12 +13,14 @@ from ratchetlm.engine.prompts import Prompt, PromptTokenizer, render_chat
 from ratchetlm.models.loader import ModelSource
 from ratchetlm.models.tokenizer import other_tokenizer, special_tokens
 from ratchetlm.sampling_params import SamplingParams
+from ratchetlm.text.detokenizer import special_token_ids
 
 
 class PromptSide:
     """``tokenize`` / ``apply_chat_template`` / the default sampling parameters of one model."""
 
     tokenizer: Any
+    special_ids: frozenset[int]
     default_sampling: dict[str, Any]
     _prompts: PromptTokenizer
 
@@ -29,6 +31,7 @@ class PromptSide:
         if found is not None:
             tokenizer, source = found
         self.tokenizer = tokenizer
+        self.special_ids = special_token_ids(tokenizer)  # what skip_special_tokens leaves out of the text
         self._prompts = PromptTokenizer(tokenizer, special_tokens(source, tokenizer))
 
     def get_tokenizer(self) -> Any:

@@ -22,6 +22,7 @@ from typing import Any
 from ratchetlm.engine.llm_engine import EngineDeadError, StepOutput
 from ratchetlm.engine.step_probe import ProbeStopped
 from ratchetlm.sampling_params import SamplingParams
+from ratchetlm.text.detokenizer import special_token_ids
 from ratchetlm.text.stream import TextStream
 
 _log = logging.getLogger("ratchetlm.server")
@@ -148,6 +149,7 @@ class AsyncEngine:
     def __init__(self, engine: Any, tokenizer: Any) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
+        self.special_ids = special_token_ids(tokenizer)  # left out of a request's text by skip_special_tokens
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._live: dict[int, _Live] = {}
         self._thread: threading.Thread | None = None
@@ -294,7 +296,9 @@ class AsyncEngine:
                                               share_prompt_with=first.get(key))
                 first.setdefault(key, sid)
                 g.seq_ids[sid] = sub.index
-                ts = TextStream(self.tokenizer, sub.prompt_ids, sub.params.stop, sub.params.include_stop_str_in_output)
+                skip = self.special_ids if sub.params.skip_special_tokens else frozenset()
+                ts = TextStream(self.tokenizer, sub.prompt_ids, sub.params.stop, sub.params.include_stop_str_in_output,
+                                skip_ids=skip)
                 self._live[sid] = _Live(g, sub.index, ts)
         except Exception as e:  # bad prompt / queue full: undo the choices already queued
             for sid in list(g.seq_ids):

@@ -34,7 +34,7 @@ def make_params(req: CommonRequest, *, max_tokens: int, choice: int, logprobs: i
         max_tokens=max_tokens, seed=seed, ignore_eos=req.ignore_eos,
         stop=tuple([req.stop] if isinstance(req.stop, str) else (req.stop or ())),
         stop_token_ids=tuple(req.stop_token_ids or ()),
-        include_stop_str_in_output=req.include_stop_str_in_output,
+        include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
         logprobs=logprobs, prompt_logprobs=prompt_logprobs,
     )
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",

@@ -80,6 +80,7 @@ class CommonRequest(_Request):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(default=None, max_length=1024)
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # vLLM's: special tokens the model writes are left out of the text
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -275,7 +276,6 @@ REFUSED_FIELDS: dict[str, tuple[Any, ...]] = {
     "continue_final_message": (None, False), "documents": (None,), "return_tokens_as_token_ids": (None, False),
     "logits_processors": (None,), "structural_tag": (None,), "guided_whitespace_pattern": (None,),
     "mm_processor_kwargs": (None,),
-    "skip_special_tokens": (None, True),
 }
 _HINTS = {"functions": "use tools", "function_call": "use tool_choice"}
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ratchetlm.text.detokenizer import Detokenizer, make_detokenizer
+from ratchetlm.text.detokenizer import Detokenizer, as_ids, make_detokenizer
 from ratchetlm.text.stop import StopStringMatcher
 
 
@@ -27,10 +27,13 @@ class TextStream:
     """Detokenize a request's committed tokens and apply its stop strings.
 
     Contract: concatenating every ``feed(...).text`` and ``finish()`` gives
-    ``decode(prompt + fed)[len(decode(prompt)):]`` (special tokens kept), cut at the first stop
-    string as ``StopStringMatcher`` defines.  Feed only ids that should be rendered: a stop token
-    such as EOS that ends the request is normally left out by the caller.  After a stop, further
-    feeds return an empty delta with ``stopped=True``.
+    ``decode(prompt + fed)[len(decode(prompt)):]``, cut at the first stop string as
+    ``StopStringMatcher`` defines. ``decode`` keeps special tokens unless ``skip_ids`` names them
+    (``special_token_ids(tokenizer)`` for a request with ``skip_special_tokens``, vLLM's default):
+    then it is ``decode(ids, skip_special_tokens=True)``, which drops exactly those ids before
+    decoding, so they are dropped from prompt and output here before detokenizing. Feed only ids
+    that should be rendered: a stop token such as EOS that ends the request is normally left out by
+    the caller.  After a stop, further feeds return an empty delta with ``stopped=True``.
     """
 
     def __init__(
@@ -40,7 +43,11 @@ class TextStream:
         stop: str | Iterable[str] | None = None,
         include_stop_str_in_output: bool = False,
         detokenizer: Detokenizer | None = None,
+        skip_ids: frozenset[int] = frozenset(),
     ) -> None:
+        self.skip_ids = skip_ids
+        if skip_ids:
+            prompt_ids = [t for t in as_ids(prompt_ids) if t not in skip_ids]
         self.detokenizer = detokenizer if detokenizer is not None else make_detokenizer(tokenizer, prompt_ids)
         self.matcher = StopStringMatcher(stop, include_stop_str_in_output)
         self._pieces: list[str] = []
@@ -63,6 +70,8 @@ class TextStream:
         """Consume the tokens one engine step committed for this request."""
         if self.matcher.stopped:
             return TextDelta("", True)
+        if self.skip_ids:
+            token_ids = [t for t in as_ids(token_ids) if t not in self.skip_ids]
         out = self.matcher.feed(self.detokenizer.push_many(token_ids))
         self._pieces.append(out)
         return TextDelta(out, self.matcher.stopped)

@@ -32,8 +32,8 @@ def test_a_delivery_fault_fails_only_its_request(oracle, monkeypatch):
     poison_ids = oracle.tokenize(PROMPTS[3])
     real = async_engine.TextStream
 
-    def text_stream(tokenizer, prompt_ids, *args):
-        ts = real(tokenizer, prompt_ids, *args)
+    def text_stream(tokenizer, prompt_ids, *args, **kwargs):
+        ts = real(tokenizer, prompt_ids, *args, **kwargs)
         if list(prompt_ids) == poison_ids:
             def feed(ids):
                 raise UnicodeError("injected detokenizer fault")

@@ -81,6 +81,25 @@ def test_messages_the_template_refuses_are_a_400_on_messages(server, path):
     assert r.json()["error"]["param"] == "messages" and "cannot both be true" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_skip_special_tokens_is_honoured(server, oracle, path):
+    body = {"model": MODEL_NAME, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "Say hi."}]
+    else:
+        body["prompt"] = oracle.apply_chat_template([{"role": "user", "content": "Say hi."}])
+    texts = {}
+    for skip in (None, True, False):
+        extra = {} if skip is None else {"skip_special_tokens": skip}
+        r = httpx.post(server.v1 + path[3:], json={**body, **extra}, timeout=60)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        texts[skip] = choice["message"]["content"] if "message" in choice else choice["text"]
+    assert texts[None] == texts[True] and "<|im_end|>" not in texts[True]  # vLLM's default: true
+    assert "<|im_end|>" in texts[False] and texts[False].replace("<|im_end|>", "").replace("<|im_start|>", "") \
+        == texts[True]
+
+
 def test_cors_is_off_by_default(server):
     r = httpx.options(server.v1 + "/chat/completions", timeout=60,
                       headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})

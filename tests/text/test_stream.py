@@ -102,3 +102,40 @@ def test_default_detokenizer_is_built_from_the_tokenizer(hf_tokenizer):
     s = TextStream(hf_tokenizer, ids(hf_tokenizer, "x"), stop=".")
     assert isinstance(s.detokenizer, DecodeStreamDetokenizer)
     assert s.feed(ids(hf_tokenizer, " yes. no")) == TextDelta(" yes", True)
+
+
+# skip_special_tokens (vLLM's default): the text is HF's decode(..., skip_special_tokens=True)
+SPECIAL_IDS = [0, 1, 2, 3, 16]  # <|endoftext|>, <|im_start|>, <|im_end|>, <repo_name>, <empty_output>
+
+
+def test_special_token_ids_are_what_hf_decode_skips(hf_tokenizer):
+    from ratchetlm.text.detokenizer import special_token_ids
+
+    special = special_token_ids(hf_tokenizer)
+    assert set(SPECIAL_IDS) <= special and ids(hf_tokenizer, "Hello")[0] not in special
+    for t in sorted(special):  # each one alone decodes to nothing when skipped, and to itself when kept
+        assert hf_tokenizer.decode([t], skip_special_tokens=True) == ""
+        assert hf_tokenizer.decode([t], skip_special_tokens=False) != ""
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_skipped_special_tokens_leave_the_text_as_hf_decodes_it(hf_tokenizer, chunk):
+    from ratchetlm.text.detokenizer import special_token_ids
+
+    prompt = [1] + ids(hf_tokenizer, "user\nSay hi") + [2, 198, 1] + ids(hf_tokenizer, "assistant\n")
+    gen = ids(hf_tokenizer, "Hi there!") + [2, 198, 1] + ids(hf_tokenizer, "user\nMore é") + [0, 16]
+    for skip in (True, False):
+        ts = TextStream(hf_tokenizer, prompt, skip_ids=special_token_ids(hf_tokenizer) if skip else frozenset())
+        out = "".join(ts.feed(gen[i:i + chunk]).text for i in range(0, len(gen), chunk)) + ts.finish()
+        full, head = (hf_tokenizer.decode(x, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+                      for x in (prompt + gen, prompt))
+        assert out == full[len(head):]
+        assert ("<|im_end|>" in out) is not skip
+
+
+def test_a_stop_string_is_matched_on_the_skipped_text(hf_tokenizer):
+    from ratchetlm.text.detokenizer import special_token_ids
+
+    gen = ids(hf_tokenizer, "Hi") + [2] + ids(hf_tokenizer, " there. Bye")
+    ts = TextStream(hf_tokenizer, [], stop="Hi there", skip_ids=special_token_ids(hf_tokenizer))
+    assert ts.feed(gen).stopped and ts.text == ""
