@@ -76,9 +76,7 @@ def submit_choices(engine: LLMEngine, tokenizer: Any, encoded: list[list[int]],
                 cp = choice_params(sp, j)
                 sid = engine.add_request(ids_i, cp, share_prompt_with=leader)
                 leader = sid if leader is None else leader
-                skip = special_ids if cp.skip_special_tokens else frozenset()
-                runs[sid] = (ChoiceRun(i, j, sp), TextStream(tokenizer, ids_i, cp.stop, cp.include_stop_str_in_output,
-                                                             skip_ids=skip))
+                runs[sid] = (ChoiceRun(i, j, sp), TextStream.for_request(tokenizer, ids_i, cp, special_ids))
     except BaseException:
         for sid in runs:
             engine.abort(sid)

@@ -296,9 +296,7 @@ class AsyncEngine:
                                               share_prompt_with=first.get(key))
                 first.setdefault(key, sid)
                 g.seq_ids[sid] = sub.index
-                skip = self.special_ids if sub.params.skip_special_tokens else frozenset()
-                ts = TextStream(self.tokenizer, sub.prompt_ids, sub.params.stop, sub.params.include_stop_str_in_output,
-                                skip_ids=skip)
+                ts = TextStream.for_request(self.tokenizer, sub.prompt_ids, sub.params, self.special_ids)
                 self._live[sid] = _Live(g, sub.index, ts)
         except Exception as e:  # bad prompt / queue full: undo the choices already queued
             for sid in list(g.seq_ids):

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ratchetlm.sampling_params import SamplingParams
 from ratchetlm.text.detokenizer import Detokenizer, as_ids, make_detokenizer
 from ratchetlm.text.stop import StopStringMatcher
 
@@ -51,6 +52,15 @@ class TextStream:
         self.detokenizer = detokenizer if detokenizer is not None else make_detokenizer(tokenizer, prompt_ids)
         self.matcher = StopStringMatcher(stop, include_stop_str_in_output)
         self._pieces: list[str] = []
+
+    @classmethod
+    def for_request(cls, tokenizer: Any, prompt_ids: Iterable[int] | Any, params: SamplingParams,
+                    special_ids: frozenset[int]) -> TextStream:
+        """The stream a request's sampling parameters ask for: its stop strings, and the tokenizer's
+        ``special_ids`` (``special_token_ids``, read once by the owner) left out unless
+        ``skip_special_tokens=False``."""
+        return cls(tokenizer, prompt_ids, params.stop, params.include_stop_str_in_output,
+                   skip_ids=special_ids if params.skip_special_tokens else frozenset())
 
     @property
     def stopped(self) -> bool:

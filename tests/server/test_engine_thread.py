@@ -32,15 +32,15 @@ def test_a_delivery_fault_fails_only_its_request(oracle, monkeypatch):
     poison_ids = oracle.tokenize(PROMPTS[3])
     real = async_engine.TextStream
 
-    def text_stream(tokenizer, prompt_ids, *args, **kwargs):
-        ts = real(tokenizer, prompt_ids, *args, **kwargs)
-        if list(prompt_ids) == poison_ids:
-            def feed(ids):
-                raise UnicodeError("injected detokenizer fault")
-            ts.feed = feed  # type: ignore[method-assign]
-        return ts
+    class PoisonedStream(real):  # type: ignore[valid-type, misc]
+        def __init__(self, tokenizer, prompt_ids, *args, **kwargs):
+            super().__init__(tokenizer, prompt_ids, *args, **kwargs)
+            if list(prompt_ids) == poison_ids:
+                def feed(ids):
+                    raise UnicodeError("injected detokenizer fault")
+                self.feed = feed  # type: ignore[method-assign]
 
-    monkeypatch.setattr(async_engine, "TextStream", text_stream)
+    monkeypatch.setattr(async_engine, "TextStream", PoisonedStream)
     with serve(oracle) as base:
         async def run():
             async with httpx.AsyncClient(timeout=60) as c:
